@@ -1,0 +1,122 @@
+"""`bonsai chat [MODEL]`: streaming chat in the terminal."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from bonsai_cli.common import load_for_cli
+from bonsai_cli.cmd_generate import sampling_from_options
+
+HELP_TEXT = ("commands: /reset (forget the conversation), /system TEXT (set the system message; "
+             "/system alone clears it), /stats (speed of the last answer), /exit")
+
+
+def chat(
+    model: Optional[str] = typer.Argument(None, help="model path or pulled name (default: smollm2-135m, pulled on first use)"),
+    system: Optional[str] = typer.Option(None, "--system", help="system message"),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="tokens per answer at most"),
+    temperature: float = typer.Option(0.7, "--temperature", "-t"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    top_k: int = typer.Option(40, "--top-k"),
+    min_p: float = typer.Option(0.05, "--min-p"),
+    repeat_penalty: float = typer.Option(1.1, "--repeat-penalty"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
+    max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
+    plain: bool = typer.Option(False, "--plain", help="print raw text instead of rendered markdown"),
+) -> None:
+    """Chat with a model in the terminal; the conversation stays in the KV cache between turns."""
+    from rich.console import Console
+
+    from engine.chat_session import ChatSession
+    from engine.errors import BonsaiError
+    from engine.generate import GenerationRequest
+    from engine.runner import ModelRunner
+
+    console = Console()
+    loaded = load_for_cli(model, device)
+    runner = ModelRunner(loaded, max_seq_len=max_seq_len)
+    session = ChatSession(runner, loaded.tokenizer, system=system)
+    request = GenerationRequest(max_tokens=max_tokens, sampling=sampling_from_options(
+        temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed))
+    interactive = sys.stdin.isatty()
+    render_markdown = console.is_terminal and not plain
+    console.print(f"[dim]{HELP_TEXT}[/dim]")
+    while True:
+        try:
+            line = console.input("[bold green]you> [/bold green]") if interactive else _read_line(console)
+        except EOFError:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            if not _command(text, session, console):
+                break
+            continue
+        console.print("[bold cyan]bonsai> [/bold cyan]", end="")
+        try:
+            _answer(session, text, request, console, render_markdown)
+        except KeyboardInterrupt:
+            console.print("\n[dim](answer interrupted)[/dim]")
+        except BonsaiError as e:
+            console.print(f"[red]error: {e}[/red]")
+            if "context" in str(e):
+                console.print("[dim]use /reset to start a new conversation[/dim]")
+
+
+def _read_line(console) -> str:
+    console.print("you> ", end="")
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    console.print(line.rstrip("\n"))
+    return line
+
+
+def _answer(session, text: str, request, console, render_markdown: bool) -> None:
+    pieces: list[str] = []
+    if render_markdown:
+        from rich.live import Live
+        from rich.markdown import Markdown
+        with Live(Markdown(""), console=console, refresh_per_second=12, vertical_overflow="visible") as live:
+            for event in session.send(text, request):
+                pieces.append(event.text)
+                live.update(Markdown("".join(pieces)))
+    else:
+        for event in session.send(text, request):
+            pieces.append(event.text)
+            console.out(event.text, end="", highlight=False)
+        console.out("")
+    s = session.last_stats
+    if s is not None:
+        console.print(f"[dim]{s.generated_tokens} tokens, {s.decode_tokens_per_second:.1f} tok/s, "
+                      f"first token after {s.ttft_seconds * 1000:.0f} ms[/dim]")
+
+
+def _command(text: str, session, console) -> bool:
+    """Run a /command; False means leave the chat."""
+    name, _, arg = text.partition(" ")
+    if name in ("/exit", "/quit", "/bye"):
+        return False
+    if name == "/reset":
+        session.reset()
+        console.print("[dim]conversation cleared[/dim]")
+    elif name == "/system":
+        session.set_system(arg.strip())
+        session.reset()
+        console.print(f"[dim]system message {'set' if arg.strip() else 'cleared'}; conversation cleared[/dim]")
+    elif name == "/stats":
+        s = session.last_stats
+        if s is None:
+            console.print("[dim]no answer yet[/dim]")
+        else:
+            slot = session.runner.slot(session.slot_index)
+            console.print(f"[dim]prompt {s.prompt_tokens} tokens ({s.cached_tokens} reused from cache) at "
+                          f"{s.prefill_tokens_per_second:.1f} tok/s; {s.generated_tokens} generated at "
+                          f"{s.decode_tokens_per_second:.1f} tok/s; context {slot.length}/{slot.capacity}[/dim]")
+    else:
+        console.print(f"[yellow]unknown command {name}[/yellow]; {HELP_TEXT}")
+    return True

@@ -1,0 +1,75 @@
+"""`bonsai generate MODEL --prompt TEXT`."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from bonsai_cli.common import err_console, load_for_cli, print_json
+
+
+def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
+                          repeat_penalty: float, presence_penalty: float, frequency_penalty: float,
+                          seed: Optional[int]):
+    from engine.sampling import SamplingParams
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                          repetition_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty, seed=seed)
+
+
+def generate(
+    model: str = typer.Argument(..., help="a .gguf file, a model directory or a pulled name"),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="the prompt text ('-' reads standard input)"),
+    chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template"),
+    system: Optional[str] = typer.Option(None, "--system", help="system message (with --chat)"),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="tokens to generate at most"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 disables"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty"),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="same seed → same output"),
+    stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
+    max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
+) -> None:
+    """Generate a continuation (or a chat answer with --chat), streamed to stdout."""
+    from engine.errors import BonsaiError
+    from engine.generate import GenerationRequest, stream_generate
+    from engine.runner import ModelRunner
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if system and not chat:
+        raise BonsaiError("--system needs --chat (a system message only exists in a chat template)")
+    request = GenerationRequest(max_tokens=max_tokens, stop=tuple(stop), sampling=sampling_from_options(
+        temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed))
+    loaded = load_for_cli(model, device, quiet=json_out)
+    tok = loaded.tokenizer
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    else:
+        ids = tok.encode(prompt, add_special_tokens=True)
+    runner = ModelRunner(loaded, max_seq_len=max_seq_len)
+    pieces, token_ids, finish, stats = [], [], "length", None
+    for event in stream_generate(runner, tok, ids, request):
+        pieces.append(event.text)
+        token_ids.extend(event.token_ids)
+        stats = event.stats
+        finish = event.finish_reason or finish
+        if not json_out:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    if json_out:
+        print_json({"text": "".join(pieces), "token_ids": token_ids, "prompt_tokens": len(ids),
+                    "finish_reason": finish, "timings": stats.as_dict()})
+        return
+    sys.stdout.write("\n")
+    err_console.print(f"[dim]{stats.prompt_tokens} prompt tokens at {stats.prefill_tokens_per_second:.1f} tok/s, "
+                      f"{stats.generated_tokens} generated at {stats.decode_tokens_per_second:.1f} tok/s "
+                      f"(finish: {finish})[/dim]")

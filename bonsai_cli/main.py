@@ -1,0 +1,54 @@
+"""The `bonsai` command: Typer app, one-line errors, --debug for tracebacks."""
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+from bonsai_cli import cmd_chat, cmd_generate, cmd_info, cmd_pull
+
+app = typer.Typer(
+    name="bonsai", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Run extremely compressed LLMs (ternary, 1-bit, int4) fast on one GPU — or on the CPU.")
+app.command("pull")(cmd_pull.pull)
+app.command("info")(cmd_info.info)
+app.command("generate")(cmd_generate.generate)
+app.command("chat")(cmd_chat.chat)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app; user errors print one line on stderr and exit 1."""
+    from engine.errors import BonsaiError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    if debug:
+        args.remove("--debug")
+    try:
+        app(args=args, prog_name="bonsai", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except click.ClickException as e:
+        if debug:
+            raise
+        ctx_hint = " (see `bonsai --help`)" if isinstance(e, click.UsageError) else ""
+        print(f"error: {e.format_message()}{ctx_hint}", file=sys.stderr)
+        sys.exit(1)
+    except BonsaiError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # an internal error: still one line unless --debug
+        if debug:
+            raise
+        print(f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+              "(run again with --debug for the traceback)", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,141 @@
+"""The generation core: one generator of events that chat, generate, bench and the server consume."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from engine.detokenize import StreamDecoder
+from engine.errors import BonsaiError
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, apply_penalties, make_generator, sample
+from engine.stop import StopStringMatcher
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    reuse_prefix: bool = True  # reuse the slot's cached prefix of the prompt
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise BonsaiError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused, not recomputed
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0  # prompt processing up to the first sampled token (TTFT)
+    decode_seconds: float = 0.0  # after the first token until the last
+
+    @property
+    def ttft_seconds(self) -> float:
+        return self.prefill_seconds
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        n = self.generated_tokens - 1
+        return n / self.decode_seconds if self.decode_seconds > 0 and n > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "generated_tokens": self.generated_tokens, "prefill_seconds": self.prefill_seconds,
+                "decode_seconds": self.decode_seconds, "ttft_seconds": self.ttft_seconds,
+                "prefill_tokens_per_second": self.prefill_tokens_per_second,
+                "decode_tokens_per_second": self.decode_tokens_per_second}
+
+
+@dataclass
+class GenerationEvent:
+    """One step of generation: the new token(s), the text they completed, and, last, why it ended."""
+    token_ids: list[int]
+    text: str
+    stats: GenerationStats
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
+
+
+def stream_generate(runner: ModelRunner, tokenizer: Tokenizer, prompt_ids: list[int],
+                    request: GenerationRequest, slot_index: int = 0) -> Iterator[GenerationEvent]:
+    """Prefill the prompt, then decode token by token, yielding an event per step."""
+    if not prompt_ids:
+        raise BonsaiError("the prompt is empty: give at least one token of input")
+    slot = runner.slot(slot_index)
+    if len(prompt_ids) >= slot.capacity:
+        raise BonsaiError(f"the prompt has {len(prompt_ids)} tokens but the context holds {slot.capacity}: "
+                          "shorten the prompt or raise max_seq_len")
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    params = request.sampling
+    vocab = runner.loaded.config.vocab_size
+    device = runner.device
+    generator = make_generator(params, device) if not params.greedy else None
+    seen_counts = output_counts = None
+    if params.uses_penalties:
+        seen_counts = torch.bincount(torch.tensor(prompt_ids, device=device), minlength=vocab).float()
+        output_counts = torch.zeros(vocab, device=device)
+    stop_ids = frozenset() if request.ignore_eos else tokenizer.eos_ids
+    decoder = StreamDecoder(tokenizer)
+    matcher = StopStringMatcher(request.stop)
+
+    start = time.perf_counter()
+    if request.reuse_prefix:
+        stats.cached_tokens = runner.reuse_prefix(slot, prompt_ids)
+    else:
+        slot.reset()
+    logits = runner.prefill(slot, prompt_ids[slot.length:])
+    first_token_time = None
+    while True:
+        if seen_counts is not None:
+            logits = apply_penalties(logits, seen_counts, output_counts, params)
+        token = sample(logits, params, generator)
+        now = time.perf_counter()
+        if first_token_time is None:
+            first_token_time = now
+            stats.prefill_seconds = now - start
+        stats.decode_seconds = now - first_token_time
+        if token in stop_ids:
+            tail, _ = matcher.push(decoder.flush())
+            yield GenerationEvent([], tail + matcher.flush(), stats, "stop")
+            return
+        stats.generated_tokens += 1
+        if seen_counts is not None:
+            seen_counts[token] += 1
+            output_counts[token] += 1
+        text, stopped = matcher.push(decoder.push(token))
+        if stopped:
+            yield GenerationEvent([token], text, stats, "stop")
+            return
+        if stats.generated_tokens >= request.max_tokens or slot.length >= slot.capacity:
+            tail, stopped = matcher.push(decoder.flush())
+            yield GenerationEvent([token], text + tail + ("" if stopped else matcher.flush()), stats,
+                                  "stop" if stopped else "length")
+            return
+        yield GenerationEvent([token], text, stats)
+        logits = runner.forward(slot, [token])[-1]
+
+
+def generate_text(runner: ModelRunner, tokenizer: Tokenizer, prompt_ids: list[int],
+                  request: GenerationRequest, slot_index: int = 0) -> tuple[str, list[int], str, GenerationStats]:
+    """Run the stream to its end: (text, token ids, finish reason, stats)."""
+    pieces: list[str] = []
+    ids: list[int] = []
+    finish, stats = "length", GenerationStats()
+    for event in stream_generate(runner, tokenizer, prompt_ids, request, slot_index):
+        pieces.append(event.text)
+        ids.extend(event.token_ids)
+        stats = event.stats
+        if event.finish_reason:
+            finish = event.finish_reason
+    return "".join(pieces), ids, finish, stats

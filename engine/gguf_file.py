@@ -1,0 +1,108 @@
+"""Reading GGUF files: metadata, architecture, and tensors under our canonical names.
+
+Canonical names are HF-like and unfused: `embed_tokens.weight`, `norm.weight`, `lm_head.weight`,
+`layers.{i}.{input_layernorm,post_attention_layernorm,q_proj,k_proj,v_proj,o_proj,q_norm,k_norm,
+gate_proj,up_proj,down_proj}.{weight,bias}`, `rope_freqs`.
+"""
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from engine.errors import ModelFileError, UnsupportedModelError
+from engine.model_config import ModelConfig
+from quant import gguf_types
+
+_GGUF_MAGIC = b"GGUF"
+_TOP_LEVEL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+          "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+          "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def canonical_name(gguf_name: str) -> str | None:
+    """Our name for a GGUF tensor name, or None for tensors we do not use."""
+    if gguf_name == "rope_freqs.weight":
+        return "rope_freqs"
+    m = _BLOCK_RE.match(gguf_name)
+    if m:
+        part = _BLOCK.get(m.group(2))
+        return f"layers.{m.group(1)}.{part}.{m.group(3)}" if part else None
+    stem, _, kind = gguf_name.rpartition(".")
+    part = _TOP_LEVEL.get(stem)
+    return f"{part}.{kind}" if part else None
+
+
+def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation for llama GGUFs (interleaved → half-split rotary)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """An opened GGUF: metadata as plain Python values and lazily decoded tensors."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFileError(f"model file not found: {self.path}")
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != _GGUF_MAGIC:
+            raise ModelFileError(f"{self.path} is not a GGUF file (it does not start with 'GGUF'); "
+                                 "give a .gguf file, a Hugging Face model directory or a bonsai checkpoint")
+        import gguf
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+            self.metadata: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items()}
+            self._tensors = {t.name: t for t in self._reader.tensors}
+            for t in self._reader.tensors:  # touch the extent of every tensor: catches truncation now
+                if t.data_offset + t.n_bytes > self._reader.data.shape[0]:
+                    raise ValueError(f"tensor {t.name} extends past the end of the file")
+        except (ValueError, IndexError, KeyError, OSError, struct.error) as e:
+            raise ModelFileError(f"{self.path} is a corrupt or truncated GGUF file ({_first_line(e)}); "
+                                 "download it again") from None
+
+    @property
+    def tensor_names(self) -> set[str]:
+        return set(self._tensors)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names)
+
+    def tensor_types(self) -> dict[str, int]:
+        """GGUF name → GGML type id."""
+        return {name: int(t.tensor_type) for name, t in self._tensors.items()}
+
+    def tensor_info(self) -> list[tuple[str, str, tuple[int, ...], int]]:
+        """(name, type name, torch-order shape, bytes) of every tensor, in file order."""
+        return [(t.name, gguf_types.type_name(int(t.tensor_type)), tuple(int(s) for s in reversed(t.shape)),
+                 int(t.n_bytes)) for t in self._reader.tensors]
+
+    def iter_canonical_tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (canonical name, float32 tensor), one tensor decoded at a time."""
+        for t in self._reader.tensors:
+            name = canonical_name(t.name)
+            if name is None:
+                continue
+            shape = tuple(int(s) for s in reversed(t.shape))
+            try:
+                tensor = gguf_types.dequantize(t.data, int(t.tensor_type), shape)
+            except gguf_types.UnsupportedTensorType as e:
+                raise UnsupportedModelError(f"{self.path.name}: tensor {t.name}: {e}") from None
+            if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+                tensor = _unpermute_rotary(tensor, config.num_heads)
+            elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+                tensor = _unpermute_rotary(tensor, config.num_kv_heads)
+            yield name, tensor
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

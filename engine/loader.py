@@ -1,0 +1,134 @@
+"""`load_model`: a path (GGUF file or HF directory) → a ready model, tokenizer and description."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import BonsaiError, ModelFileError
+from engine.gguf_file import GGUFFile
+from engine.hf_files import HFModelDir
+from engine.model import Transformer, rotary_inverse_frequencies
+from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class TensorSummary:
+    """What `bonsai info` shows: tensor types with their counts, parameters and bytes."""
+    format: str  # "gguf" | "hf"
+    num_tensors: int
+    num_parameters: int
+    file_bytes: int
+    types: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # type → (tensors, params, bytes)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.file_bytes / max(self.num_parameters, 1)
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    summary: TensorSummary
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float = 0.0
+
+
+def open_model_source(path: Path) -> GGUFFile | HFModelDir:
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"model file not found: {path}")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            return GGUFFile(ggufs[0])
+        return HFModelDir(path)
+    return GGUFFile(path)
+
+
+def summarize(source: GGUFFile | HFModelDir) -> TensorSummary:
+    info = source.tensor_info()
+    types: Counter = Counter()
+    params: Counter = Counter()
+    nbytes: Counter = Counter()
+    for _, type_name, shape, size in info:
+        n = 1
+        for s in shape:
+            n *= s
+        types[type_name] += 1
+        params[type_name] += n
+        nbytes[type_name] += size
+    return TensorSummary(
+        format="gguf" if isinstance(source, GGUFFile) else "hf",
+        num_tensors=len(info), num_parameters=sum(params.values()), file_bytes=sum(nbytes.values()),
+        types={t: (types[t], params[t], nbytes[t]) for t in sorted(types, key=lambda t: -nbytes[t])})
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BonsaiError(f"device '{device}' was asked for but no CUDA GPU is available "
+                          "(use device: cpu, or install the CUDA build of torch)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise BonsaiError(f"device '{device}' does not exist: this machine has "
+                          f"{torch.cuda.device_count()} CUDA GPU(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise BonsaiError(f"unsupported device '{device}': use cpu or cuda[:N]")
+    return dev
+
+
+def expected_tensor_names(cfg: ModelConfig) -> set[str]:
+    names = {"embed_tokens.weight", "norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    parts = ["input_layernorm", "post_attention_layernorm", *cfg.linear_shapes()]
+    if cfg.qk_norm:
+        parts += ["q_norm", "k_norm"]
+    for i in range(cfg.num_layers):
+        names.update(f"layers.{i}.{p}.weight" for p in parts)
+        if cfg.attention_bias:
+            names.update(f"layers.{i}.{p}.bias" for p in ("q_proj", "k_proj", "v_proj"))
+    return names
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load a GGUF file or a HF directory; weights are materialized one tensor at a time."""
+    start = time.perf_counter()
+    dev = resolve_device(device)
+    source = open_model_source(Path(path))
+    config = source.model_config()
+    tokenizer = (Tokenizer.from_gguf_metadata(source.metadata) if isinstance(source, GGUFFile)
+                 else Tokenizer.from_hf_dir(source.path))
+    dtype = dtype or default_dtype(dev)
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device=dev).to(dtype)
+    model.inv_freq = rotary_inverse_frequencies(config).to(dev)
+    expected = expected_tensor_names(config)
+    seen: set[str] = set()
+    for name, tensor in source.iter_canonical_tensors(config):
+        try:
+            model.load_tensor(name, tensor)
+        except (KeyError, ValueError) as e:
+            raise ModelFileError(f"{path}: tensor {name} does not fit the architecture ({e})") from None
+        seen.add(name)
+    missing = sorted(expected - seen)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelFileError(f"{path} lacks tensors the architecture needs: {', '.join(missing[:3])}{more}")
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
+                       summary=summarize(source), device=dev, dtype=dtype,
+                       load_seconds=time.perf_counter() - start)

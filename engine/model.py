@@ -1,0 +1,184 @@
+"""The transformer (Llama / Qwen2 / Qwen3 family) in one file, gpt-fast style.
+
+Built on the meta device and materialized tensor by tensor (`load_tensor`), so loading holds about
+one copy of the weights. q/k/v and gate/up are fused into one matmul each.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kv_cache import KVCache
+from engine.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        self.wqkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                slot_ids: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(b, t, cfg.num_heads, cfg.head_dim)  # [B, T, H, D]
+        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)  # [B, T, KV, D]
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)  # [B, T, KV, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin).transpose(1, 2)  # [B, H, T, D]
+        k = apply_rotary(k, cos, sin).transpose(1, 2)  # [B, KV, T, D]
+        cache.write(self.layer, slot_ids, positions, k, v.transpose(1, 2))
+        keys, values = cache.read(self.layer, slot_ids, kv_len)  # [B, KV, S, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
+        return self.wo(out.transpose(1, 2).reshape(b, t, cfg.q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate; up
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.intermediate, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, cache, slot_ids, positions, kv_len, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, slot_ids, positions, kv_len, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split (NeoX / HF) rotary: x [B, T, H, D], cos/sin [B, T, 1, D/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rotary_inverse_frequencies(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """[D/2] inverse frequencies, with linear / llama3 scaling or GGUF `rope_freqs` factors."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling
+    if freq_factors is not None:
+        inv = inv / freq_factors.to(torch.float64)
+    elif rs is not None and rs.kind == "linear":
+        inv = inv / rs.factor
+    elif rs is not None and rs.kind == "llama3":
+        wavelen = 2 * math.pi / inv
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        mid = (1 - smooth) * inv / rs.factor + smooth * inv
+        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv.float()
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rotary_inverse_frequencies(cfg), persistent=False)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                slot_ids: torch.Tensor, kv_len: int, num_logits: int | None = 1) -> torch.Tensor:
+        """tokens, positions [B, T]; returns logits [B, n, V] of the last n positions (all if None)."""
+        b, t = tokens.shape
+        angles = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]  # [B, T, 1, D/2]
+        mask = None
+        if t > 1 or b > 1:
+            key_pos = torch.arange(kv_len, device=tokens.device)
+            mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+        x = self.embed(tokens)  # [B, T, H]
+        for block in self.layers:
+            x = block(x, cos, sin, cache, slot_ids, positions, kv_len, mask)
+        if num_logits is not None:
+            x = x[:, -num_logits:]
+        return F.linear(self.norm(x), self.output_weight()).float()  # [B, n, V]
+
+    @torch.no_grad()
+    def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one canonical-named tensor (engine.gguf_file) into its (possibly fused) parameter."""
+        cfg = self.config
+        if name == "rope_freqs":
+            self.inv_freq.copy_(rotary_inverse_frequencies(cfg, tensor))
+            return
+        parts = name.split(".")
+        if parts[0] != "layers":
+            target = {"embed_tokens.weight": self.embed.weight, "norm.weight": self.norm.weight,
+                      "lm_head.weight": self.lm_head.weight if self.lm_head is not None else None}.get(name)
+            if target is None:
+                if name == "lm_head.weight":
+                    return  # tied checkpoints sometimes ship a copy of the embedding
+                raise KeyError(name)
+            _copy_into(target, tensor, name)
+            return
+        block: Block = self.layers[int(parts[1])]
+        part, kind = parts[2], parts[3]
+        qkv_rows = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size),
+                    "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
+        if part in qkv_rows:
+            start, rows = qkv_rows[part]
+            param = block.attention.wqkv.weight if kind == "weight" else block.attention.wqkv.bias
+            _copy_into(param[start:start + rows], tensor, name)
+        elif part in ("gate_proj", "up_proj"):
+            start = 0 if part == "gate_proj" else cfg.intermediate_size
+            _copy_into(block.feed_forward.w13.weight[start:start + cfg.intermediate_size], tensor, name)
+        else:
+            target = {"o_proj": block.attention.wo.weight, "down_proj": block.feed_forward.w2.weight,
+                      "input_layernorm": block.attention_norm.weight,
+                      "post_attention_layernorm": block.ffn_norm.weight,
+                      "q_norm": block.attention.q_norm.weight if block.attention.q_norm else None,
+                      "k_norm": block.attention.k_norm.weight if block.attention.k_norm else None}.get(part)
+            if target is None:
+                raise KeyError(name)
+            _copy_into(target, tensor, name)
+
+
+def _copy_into(target: torch.Tensor, source: torch.Tensor, name: str) -> None:
+    if tuple(target.shape) != tuple(source.shape):
+        raise ValueError(f"tensor {name} has shape {tuple(source.shape)}, the model expects {tuple(target.shape)}")
+    target.copy_(source)

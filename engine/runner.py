@@ -1,0 +1,55 @@
+"""The model runner: the one object that runs the model on its device and owns the KV cache."""
+from __future__ import annotations
+
+import torch
+
+from engine.errors import BonsaiError
+from engine.kv_cache import KVCache, KVSlot
+from engine.loader import LoadedModel
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, num_slots: int = 1,
+                 prefill_chunk_size: int = 512):
+        cfg = loaded.config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.max_seq_len = int(max_seq_len or min(cfg.max_position_embeddings, 4096))
+        if self.max_seq_len <= 1:
+            raise BonsaiError(f"max_seq_len must be > 1, got {self.max_seq_len}")
+        if prefill_chunk_size < 1:
+            raise BonsaiError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+        self.prefill_chunk_size = prefill_chunk_size
+        self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device)
+
+    def slot(self, index: int = 0) -> KVSlot:
+        return self.cache.slots[index]
+
+    @torch.inference_mode()
+    def forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None = 1) -> torch.Tensor:
+        """Run `tokens` after the slot's content, append them to it; logits [n, V] of the last n."""
+        start, t = slot.length, len(tokens)
+        if start + t > slot.capacity:
+            raise BonsaiError(f"the sequence needs {start + t} positions but the context holds "
+                              f"{slot.capacity}: shorten the prompt or raise max_seq_len")
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
+        positions = torch.arange(start, start + t, device=self.device)[None]  # [1, T]
+        slot_ids = torch.tensor([slot.index], device=self.device)  # [1]
+        logits = self.model(ids, positions, self.cache, slot_ids, start + t, num_logits)  # [1, n, V]
+        slot.tokens.extend(tokens)
+        return logits[0]
+
+    def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
+        """Feed tokens in chunks; logits [V] after the last one."""
+        assert tokens
+        logits = None
+        for i in range(0, len(tokens), self.prefill_chunk_size):
+            logits = self.forward(slot, tokens[i:i + self.prefill_chunk_size], num_logits=1)
+        return logits[-1]
+
+    def reuse_prefix(self, slot: KVSlot, prompt: list[int]) -> int:
+        """Keep the longest cached prefix of `prompt` in the slot (at least one token left to run)."""
+        common = min(slot.common_prefix(prompt), len(prompt) - 1)
+        slot.rewind(slot.length - common)
+        return common
