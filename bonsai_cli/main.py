@@ -8,6 +8,11 @@ import typer
 
 from bonsai_cli import cmd_chat, cmd_generate, cmd_info, cmd_pull
 
+# Typer 0.29+ vendors its own click: accept both its exception classes and click's.
+_EXIT = (click.exceptions.Exit, typer.Exit)
+_ABORT = (click.exceptions.Abort, typer.Abort)
+_USAGE = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
+
 app = typer.Typer(
     name="bonsai", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     help="Run extremely compressed LLMs (ternary, 1-bit, int4) fast on one GPU — or on the CPU.")
@@ -27,19 +32,19 @@ def main(argv: list[str] | None = None) -> None:
         args.remove("--debug")
     try:
         app(args=args, prog_name="bonsai", standalone_mode=False)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except _EXIT as e:
+        sys.exit(getattr(e, "exit_code", 0))
+    except _ABORT:
         print("aborted", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    except click.ClickException as e:
+    except _USAGE as e:
         if debug:
             raise
-        ctx_hint = " (see `bonsai --help`)" if isinstance(e, click.UsageError) else ""
-        print(f"error: {e.format_message()}{ctx_hint}", file=sys.stderr)
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        print(f"error: {message} (see `bonsai --help`)", file=sys.stderr)
         sys.exit(1)
     except BonsaiError as e:
         if debug:

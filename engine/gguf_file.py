@@ -9,11 +9,12 @@ from __future__ import annotations
 import re
 import struct
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
 from engine.errors import ModelFileError, UnsupportedModelError
+from engine.gguf_reader import GGUFFormatError, TensorExtent, read_gguf, tensor_bytes
 from engine.model_config import ModelConfig
 from quant import gguf_types
 
@@ -57,17 +58,12 @@ class GGUFFile:
         if magic != _GGUF_MAGIC:
             raise ModelFileError(f"{self.path} is not a GGUF file (it does not start with 'GGUF'); "
                                  "give a .gguf file, a Hugging Face model directory or a bonsai checkpoint")
-        import gguf
         try:
-            self._reader = gguf.GGUFReader(str(self.path))
-            self.metadata: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items()}
-            self._tensors = {t.name: t for t in self._reader.tensors}
-            for t in self._reader.tensors:  # touch the extent of every tensor: catches truncation now
-                if t.data_offset + t.n_bytes > self._reader.data.shape[0]:
-                    raise ValueError(f"tensor {t.name} extends past the end of the file")
-        except (ValueError, IndexError, KeyError, OSError, struct.error) as e:
+            self.metadata, extents, self._data = read_gguf(self.path)
+        except (GGUFFormatError, OSError, ValueError, struct.error) as e:
             raise ModelFileError(f"{self.path} is a corrupt or truncated GGUF file ({_first_line(e)}); "
                                  "download it again") from None
+        self._tensors: dict[str, TensorExtent] = {t.name: t for t in extents}
 
     @property
     def tensor_names(self) -> set[str]:
@@ -76,24 +72,18 @@ class GGUFFile:
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names)
 
-    def tensor_types(self) -> dict[str, int]:
-        """GGUF name → GGML type id."""
-        return {name: int(t.tensor_type) for name, t in self._tensors.items()}
-
     def tensor_info(self) -> list[tuple[str, str, tuple[int, ...], int]]:
         """(name, type name, torch-order shape, bytes) of every tensor, in file order."""
-        return [(t.name, gguf_types.type_name(int(t.tensor_type)), tuple(int(s) for s in reversed(t.shape)),
-                 int(t.n_bytes)) for t in self._reader.tensors]
+        return [(t.name, gguf_types.type_name(t.type_id), t.shape, t.nbytes) for t in self._tensors.values()]
 
     def iter_canonical_tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (canonical name, float32 tensor), one tensor decoded at a time."""
-        for t in self._reader.tensors:
+        for t in self._tensors.values():
             name = canonical_name(t.name)
             if name is None:
                 continue
-            shape = tuple(int(s) for s in reversed(t.shape))
             try:
-                tensor = gguf_types.dequantize(t.data, int(t.tensor_type), shape)
+                tensor = gguf_types.dequantize(tensor_bytes(self._data, t), t.type_id, t.shape)
             except gguf_types.UnsupportedTensorType as e:
                 raise UnsupportedModelError(f"{self.path.name}: tensor {t.name}: {e}") from None
             if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -11,7 +11,7 @@ import torch
 from engine.errors import BonsaiError, ModelFileError
 from engine.gguf_file import GGUFFile
 from engine.hf_files import HFModelDir
-from engine.model import Transformer, rotary_inverse_frequencies
+from engine.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 
@@ -39,6 +39,7 @@ class LoadedModel:
     summary: TensorSummary
     device: torch.device
     dtype: torch.dtype
+    weight_dtype: torch.dtype
     load_seconds: float = 0.0
 
 
@@ -103,8 +104,21 @@ def expected_tensor_names(cfg: ModelConfig) -> set[str]:
     return names
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
-    """Load a GGUF file or a HF directory; weights are materialized one tensor at a time."""
+def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """float16 block matrices under float32 activations on the CPU (its fp16 gemv reads 2x fewer
+    bytes and runs ~3x faster than the float32 one; rounding ~5e-4 relative), else the compute
+    dtype. The embedding and the output layer keep the compute dtype: logits stay float32-exact
+    in their last step, where float16 rounding would turn near-ties into ties."""
+    return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               weight_dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
+
+    dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the
+    matrices and the embedding (default_weight_dtype).
+    """
     start = time.perf_counter()
     dev = resolve_device(device)
     source = open_model_source(Path(path))
@@ -112,9 +126,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     tokenizer = (Tokenizer.from_gguf_metadata(source.metadata) if isinstance(source, GGUFFile)
                  else Tokenizer.from_hf_dir(source.path))
     dtype = dtype or default_dtype(dev)
+    weight_dtype = weight_dtype or default_weight_dtype(dev, dtype)
     with torch.device("meta"):
         model = Transformer(config)
-    model = model.to_empty(device=dev).to(dtype)
+        model.to(dtype)
+        for module in model.modules():
+            if isinstance(module, Linear) and module is not model.lm_head:
+                module.weight.data = module.weight.data.to(weight_dtype)
+    model = model.to_empty(device=dev)
     model.inv_freq = rotary_inverse_frequencies(config).to(dev)
     expected = expected_tensor_names(config)
     seen: set[str] = set()
@@ -130,5 +149,5 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         raise ModelFileError(f"{path} lacks tensors the architecture needs: {', '.join(missing[:3])}{more}")
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
-                       summary=summarize(source), device=dev, dtype=dtype,
+                       summary=summarize(source), device=dev, dtype=dtype, weight_dtype=weight_dtype,
                        load_seconds=time.perf_counter() - start)

@@ -36,18 +36,19 @@ def type_name(type_id: int) -> str:
 
 
 def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Decode one tensor's raw data into float32 of `shape` (torch order: outermost first)."""
+    """Decode one tensor's raw bytes (uint8, [rows, bytes per row]) into float32 of `shape`."""
     qtype = T(type_id)
     if qtype not in DECODABLE_TYPES:
         raise UnsupportedTensorType(f"GGUF tensor type {qtype.name} is not supported "
                                     f"(supported: {', '.join(sorted(t.name for t in DECODABLE_TYPES))})")
+    raw = np.asarray(raw, dtype=np.uint8)
     if qtype == T.F32:
-        values = np.asarray(raw, dtype=np.float32)
+        values = raw.view(np.float32)
     elif qtype == T.F16:
-        values = np.asarray(raw).view(np.float16)
+        values = raw.view(np.float16)
     else:
-        values = gguf_quants.dequantize(np.asarray(raw), qtype)
-    if not values.flags.writeable:  # a memory-mapped file: copy out of it
+        values = gguf_quants.dequantize(raw, qtype)
+    if not values.flags.writeable:  # a view of a memory-mapped file: copy out of it
         values = values.copy()
     tensor = torch.from_numpy(np.ascontiguousarray(values))
     if tensor.dtype != torch.float32:

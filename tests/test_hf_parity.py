@@ -52,7 +52,7 @@ def test_logits_match_transformers(arch, tmp_path, hf_tokenizer_dir):
     ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids).logits[0]  # [T, V]
-    loaded = load_model(tmp_path)
+    loaded = load_model(tmp_path, weight_dtype=torch.float32)  # exact path; float16 storage is tested elsewhere
     assert loaded.config.architecture == arch
     runner = ModelRunner(loaded, max_seq_len=64)
     ours = runner.forward(runner.slot(), ids[0].tolist(), num_logits=None)

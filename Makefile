@@ -1,0 +1,33 @@
+# bonsai — two commands on a fresh machine: `make demo` (install + main job), `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BONSAI := $(VENV)/bin/bonsai
+# CPU machines and CI take torch 2.13.0; GPU users can say `make install TORCH=torch` for the newest CUDA build.
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q "$(TORCH)"
+	$(PY) -m pip install --disable-pip-version-check -q -e ".[test]"
+	touch $@
+
+demo: install
+	$(BONSAI) pull smollm2-135m
+	$(BONSAI) info smollm2-135m
+	$(BONSAI) generate smollm2-135m --chat --max-tokens 96 \
+		--prompt "Explain in three sentences why small language models are useful."
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

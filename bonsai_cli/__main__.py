@@ -1,0 +1,3 @@
+from bonsai_cli.main import main
+
+main()
