@@ -20,8 +20,10 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BONSAI) pull smollm2-135m
 	$(BONSAI) info smollm2-135m
-	$(BONSAI) generate smollm2-135m --chat --max-tokens 96 \
+	$(BONSAI) generate smollm2-135m --chat --max-tokens 64 \
 		--prompt "Explain in three sentences why small language models are useful."
+	$(BONSAI) bench smollm2-135m -p 64 -n 32 -r 3 --json bench-out/model.json --plot bench-out/model.png
+	$(BONSAI) bench smollm2-135m --suite short -r 1 --json bench-out/suite.json --plot bench-out/suite.png
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -56,7 +56,7 @@ def chat(
             if not _command(text, session, console):
                 break
             continue
-        console.print("[bold cyan]bonsai> [/bold cyan]", end="")
+        console.print("[bold cyan]bonsai>[/bold cyan]", end="\n" if render_markdown else " ")
         try:
             _answer(session, text, request, console, render_markdown)
         except KeyboardInterrupt:
@@ -81,7 +81,7 @@ def _answer(session, text: str, request, console, render_markdown: bool) -> None
     if render_markdown:
         from rich.live import Live
         from rich.markdown import Markdown
-        with Live(Markdown(""), console=console, refresh_per_second=12, vertical_overflow="visible") as live:
+        with Live(Markdown(""), console=console, refresh_per_second=12, vertical_overflow="ellipsis") as live:
             for event in session.send(text, request):
                 pieces.append(event.text)
                 live.update(Markdown("".join(pieces)))

@@ -6,7 +6,7 @@ import sys
 import click
 import typer
 
-from bonsai_cli import cmd_chat, cmd_generate, cmd_info, cmd_pull
+from bonsai_cli import cmd_bench, cmd_chat, cmd_generate, cmd_info, cmd_pull
 
 # Typer 0.29+ vendors its own click: accept both its exception classes and click's.
 _EXIT = (click.exceptions.Exit, typer.Exit)
@@ -20,6 +20,7 @@ app.command("pull")(cmd_pull.pull)
 app.command("info")(cmd_info.info)
 app.command("generate")(cmd_generate.generate)
 app.command("chat")(cmd_chat.chat)
+app.command("bench")(cmd_bench.bench)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,7 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     if debug:
         args.remove("--debug")
     try:
-        app(args=args, prog_name="bonsai", standalone_mode=False)
+        code = app(args=args, prog_name="bonsai", standalone_mode=False)
+        if isinstance(code, int) and code:  # typer.Exit(n) comes back as a return value here
+            sys.exit(code)
     except _EXIT as e:
         sys.exit(getattr(e, "exit_code", 0))
     except _ABORT:

@@ -23,3 +23,14 @@ def _smollm2_path() -> Path:
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf (pulled into $BONSAI_HOME on first use)."""
     return _smollm2_path()
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where CUDA is present (never in CI)."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

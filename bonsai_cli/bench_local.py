@@ -1,0 +1,78 @@
+"""`bonsai bench MODEL`: model runs or task suites on the local engine."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from rich.progress import Progress
+
+from bonsai_cli.common import err_console, load_for_cli
+
+
+def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, max_seq_len: int,
+                    suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
+                    n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
+                    save: Callable[[], None]) -> None:
+    from engine.bench import model_bench
+    from engine.bench.environment import describe_environment
+    from engine.bench.suites import load_suite
+    from engine.runner import ModelRunner
+
+    prompts = None
+    if suite:
+        prompts = load_suite(suite, categories.split(",") if categories else None, limit)
+        tests = []
+    else:
+        tests = model_bench.plan_tests(n_prompt, n_gen, depth, combined)
+    loaded = load_for_cli(model, device)
+    needed = max((t.depth + t.n_prompt + t.n_gen + 2 for t in tests), default=2048)
+    runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed)
+    report["environment"] = describe_environment(loaded.device)
+    report["model"] = {
+        "name": loaded.path.name, "path": str(loaded.path), "architecture": loaded.config.architecture,
+        "parameters": loaded.summary.num_parameters, "file_bytes": loaded.summary.file_bytes,
+        "bits_per_weight": loaded.summary.bits_per_weight, "dtype": str(loaded.dtype).replace("torch.", ""),
+        "weight_dtype": str(loaded.weight_dtype).replace("torch.", ""),
+        "kv_dtype": str(runner.cache.k.dtype).replace("torch.", ""), "max_seq_len": runner.max_seq_len}
+    report["settings"] = {"repetitions": repetitions, "device": str(loaded.device)}
+    save()
+    if prompts is not None:
+        _run_suite(report, runner, loaded.tokenizer, suite, prompts, repetitions, save)
+        return
+    copy_bw = model_bench.measure_copy_bandwidth(loaded.device)
+    report["bandwidth"] = {"copy_bytes_per_second": copy_bw}
+    report["tests"] = []
+    special = loaded.tokenizer.special_ids
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task("benchmark", total=len(tests) * repetitions)
+        for test in tests:
+            progress.update(task, description=test.name)
+            [m] = model_bench.run_model_bench(runner, [test], repetitions, special,
+                                              on_sample=lambda t, r, s: progress.advance(task))
+            entry = m.summary()
+            if test.n_gen and not test.n_prompt:
+                bytes_per_token = model_bench.decode_bytes_per_token(runner, test.depth + test.n_gen // 2)
+                achieved = bytes_per_token * entry["tokens_per_second"]
+                entry["decode_bandwidth"] = {"bytes_per_token": bytes_per_token, "achieved_gb_per_s": achieved / 1e9,
+                                             "fraction_of_copy": achieved / copy_bw,
+                                             "ceiling_tokens_per_second": copy_bw / bytes_per_token}
+            report["tests"].append(entry)
+            save()
+
+
+def _run_suite(report, runner, tokenizer, name, prompts, repetitions, save) -> None:
+    from engine.bench import suite_runner
+
+    report["suite"] = {"name": name, "prompts": len(prompts), "results": [], "by_category": {}}
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task(f"suite {name}", total=len(prompts) * repetitions)
+
+        done = []
+
+        def on_result(result) -> None:
+            done.append(result)
+            report["suite"]["results"].append(result.as_dict())
+            report["suite"]["by_category"] = suite_runner.summarize_by_category(done)
+            progress.update(task, advance=1, description=f"{result.category} {result.decode_tokens_per_second:.1f} tok/s")
+            save()
+
+        suite_runner.run_suite(runner, tokenizer, prompts, repetitions, on_result=on_result)

@@ -1,0 +1,151 @@
+"""How `bonsai bench` shows results: rich tables, the JSON file (written atomically, also when a
+run is cut short), the plot, and `--compare` ratios."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from engine.errors import BonsaiError
+
+SCHEMA_VERSION = 1
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    """Write to a temporary name and rename: a reader never sees a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+def model_table(report: dict[str, Any]) -> Table:
+    m = report["model"]
+    table = Table(title=f"{m['name']} · {m['architecture']} · {m['parameters'] / 1e6:.0f}M params · "
+                        f"{m['bits_per_weight']:.2f} bpw · weights {m['weight_dtype']} · KV {m['kv_dtype']} · "
+                        f"{report['environment']['device']}")
+    for col in ("test", "tok/s", "± std", "runs", "bytes/token", "GB/s", "of copy BW"):
+        table.add_column(col, justify="right" if col != "test" else "left")
+    for t in report["tests"]:
+        bw = t.get("decode_bandwidth") or {}
+        table.add_row(t["name"], f"{t['tokens_per_second']:.2f}", f"{t['stddev']:.2f}", str(len(t["samples_tps"])),
+                      f"{bw['bytes_per_token'] / 1e6:.1f} MB" if bw else "",
+                      f"{bw['achieved_gb_per_s']:.1f}" if bw else "",
+                      f"{100 * bw['fraction_of_copy']:.0f}%" if bw else "")
+    return table
+
+
+def suite_table(summary: dict[str, dict[str, float]], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("category", "runs", "tokens", "decode tok/s", "± std", "TTFT ms", "TTFT p90", "ITL p50 ms", "ITL p90"):
+        table.add_column(col, justify="right" if col != "category" else "left")
+    for name, s in summary.items():
+        style = "bold" if name == "overall" else None
+        table.add_row(name, str(s["runs"]), str(s["generated_tokens"]), f"{s['decode_tokens_per_second']:.2f}",
+                      f"{s['decode_stddev']:.2f}", f"{s['ttft_ms_mean']:.0f}", f"{s['ttft_ms_p90']:.0f}",
+                      f"{s['itl_ms_p50']:.1f}", f"{s['itl_ms_p90']:.1f}", style=style)
+    return table
+
+
+def concurrency_table(levels: list[dict[str, Any]]) -> Table:
+    table = Table(title="throughput by concurrency")
+    for col in ("concurrency", "requests", "tokens", "aggregate tok/s", "per-request tok/s", "TTFT p50 ms", "TTFT p90 ms",
+                "ITL p50 ms", "ITL p99 ms"):
+        table.add_column(col, justify="right")
+    for lv in levels:
+        s = lv["summary"]
+        table.add_row(str(lv["concurrency"]), str(s["requests"]), str(s["generated_tokens"]),
+                      f"{s['aggregate_tokens_per_second']:.1f}", f"{s['decode_tps_mean']:.1f} ± {s['decode_tps_std']:.1f}",
+                      f"{s['ttft_ms_p50']:.0f}", f"{s['ttft_ms_p90']:.0f}", f"{s['itl_ms_p50']:.1f}", f"{s['itl_ms_p99']:.1f}")
+    return table
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    if report.get("tests"):
+        console.print(model_table(report))
+    if report.get("suite", {}).get("by_category"):
+        console.print(suite_table(report["suite"]["by_category"], f"suite {report['suite']['name']}"))
+    if report.get("concurrency"):
+        console.print(concurrency_table(report["concurrency"]))
+    if not report.get("complete", True):
+        console.print("[yellow]the run was interrupted: these are partial results[/yellow]")
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BonsaiError("--plot needs matplotlib: pip install matplotlib") from None
+    if report.get("tests"):
+        labels = [t["name"] for t in report["tests"]]
+        values = [t["tokens_per_second"] for t in report["tests"]]
+        errors = [t["stddev"] for t in report["tests"]]
+        ylabel = "tokens / second"
+    elif report.get("suite", {}).get("by_category"):
+        cats = report["suite"]["by_category"]
+        labels = list(cats)
+        values = [c["decode_tokens_per_second"] for c in cats.values()]
+        errors = [c["decode_stddev"] for c in cats.values()]
+        ylabel = "decode tokens / second"
+    elif report.get("concurrency"):
+        labels = [str(lv["concurrency"]) for lv in report["concurrency"]]
+        values = [lv["summary"]["aggregate_tokens_per_second"] for lv in report["concurrency"]]
+        errors = [0.0] * len(values)
+        ylabel = "aggregate tokens / second"
+    else:
+        raise BonsaiError("nothing to plot: the run produced no results")
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels) + 2), 4))
+    bars = ax.bar(labels, values, yerr=errors, capsize=4, color="#3a7d44")
+    ax.bar_label(bars, fmt="%.1f", padding=2)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"bonsai bench · {report['model']['name']} · {report['environment']['device']}")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".partial" + path.suffix)
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise BonsaiError(f"no such benchmark file: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BonsaiError(f"{path} is not a bonsai bench JSON file ({e})") from None
+    if not isinstance(data, dict) or data.get("bonsai_bench") != SCHEMA_VERSION:
+        raise BonsaiError(f"{path} is not a bonsai bench JSON file (written by `bonsai bench --json`)")
+    return data
+
+
+def comparable_values(report: dict[str, Any]) -> dict[str, float]:
+    """Every headline number of a report under a stable key (higher is better for all)."""
+    values = {f"test {t['name']}": t["tokens_per_second"] for t in report.get("tests", [])}
+    for cat, s in report.get("suite", {}).get("by_category", {}).items():
+        values[f"suite {cat} decode tok/s"] = s["decode_tokens_per_second"]
+    for lv in report.get("concurrency", []):
+        values[f"concurrency {lv['concurrency']} aggregate tok/s"] = lv["summary"]["aggregate_tokens_per_second"]
+    return values
+
+
+def compare_table(a: dict[str, Any], b: dict[str, Any], name_a: str, name_b: str) -> Table:
+    va, vb = comparable_values(a), comparable_values(b)
+    common = [k for k in va if k in vb]
+    if not common:
+        raise BonsaiError("the two benchmark files measured nothing in common (different tests or suites)")
+    table = Table(title=f"{name_b} vs {name_a}")
+    for col in ("measure", name_a, name_b, "ratio"):
+        table.add_column(col, justify="right" if col != "measure" else "left")
+    for k in common:
+        ratio = vb[k] / va[k] if va[k] else float("nan")
+        table.add_row(k, f"{va[k]:.2f}", f"{vb[k]:.2f}", f"{ratio:.2f}x")
+    return table

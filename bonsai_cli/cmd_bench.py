@@ -1,0 +1,85 @@
+"""`bonsai bench`: llama-bench-style model runs, task suites, and runs against a server."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+
+from bonsai_cli import bench_report
+from bonsai_cli.common import err_console, load_for_cli
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    from engine.errors import BonsaiError
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BonsaiError(f"{option} takes comma-separated integers like 512,1024 (got '{text}')") from None
+
+
+def bench(
+    model: Optional[str] = typer.Argument(None, help="model path or pulled name (default: smollm2-135m)"),
+    url: Optional[str] = typer.Option(None, "--url", help="measure an OpenAI-compatible server instead"),
+    n_prompt: str = typer.Option("512", "-p", "--n-prompt", help="prompt lengths, e.g. 512,1024"),
+    n_gen: str = typer.Option("128", "-n", "--n-gen", help="generation lengths, e.g. 128"),
+    depth: str = typer.Option("0", "-d", "--depth", help="context already in the KV cache, e.g. 0,4096"),
+    repetitions: int = typer.Option(5, "-r", "--repetitions", help="timed runs per test (after a warm-up)"),
+    combined: bool = typer.Option(True, "--pg/--no-pg", help="also run pp+tg together"),
+    suite: Optional[str] = typer.Option(None, "--suite", help="task suite name (short, full) or a JSON file"),
+    categories: Optional[str] = typer.Option(None, "--categories", help="only these suite categories (comma list)"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="at most this many prompts per category"),
+    concurrency: str = typer.Option("1", "--concurrency", help="with --url: requests in flight, e.g. 1,2,4,8"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="BONSAI_API_KEY", help="with --url"),
+    timeout: float = typer.Option(300.0, "--timeout", help="with --url: seconds per request"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
+    max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write every result and the environment here"),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="write a PNG chart here"),
+    compare: Optional[list[Path]] = typer.Option(None, "--compare", help="two JSON files: print B/A ratios"),
+) -> None:
+    """Measure speed: prefill/decode tok/s with bandwidth use, task suites (TTFT, tok/s by category),
+    or any OpenAI-compatible server (--url) at several concurrency levels."""
+    from engine.errors import BonsaiError
+
+    console = Console()
+    if compare:
+        if len(compare) != 2:
+            raise BonsaiError("--compare takes exactly two JSON files: --compare A.json --compare B.json")
+        a, b = (bench_report.load_report(p) for p in compare)
+        console.print(bench_report.compare_table(a, b, compare[0].name, compare[1].name))
+        return
+    if url and model:
+        raise BonsaiError("give either MODEL or --url, not both")
+    if repetitions < 1:
+        raise BonsaiError("-r (repetitions) must be >= 1")
+    report: dict[str, Any] = {"bonsai_bench": bench_report.SCHEMA_VERSION, "complete": False,
+                              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                              "speculative": {"active": False, "drafters": []},
+                              "caches": {"prefix_reuse": False, "fresh_prompts_per_repetition": True}}
+    save = (lambda: bench_report.write_json(report, json_out)) if json_out else (lambda: None)
+    try:
+        if url:
+            from bonsai_cli.bench_server import run_server_bench
+            run_server_bench(report, url, suite or "short", categories, limit, _int_list(concurrency, "--concurrency"),
+                             repetitions, api_key, timeout, save)
+        else:
+            from bonsai_cli.bench_local import run_local_bench
+            run_local_bench(report, model, device, max_seq_len, suite, categories, limit, _int_list(n_prompt, "-p"),
+                            _int_list(n_gen, "-n"), _int_list(depth, "-d"), repetitions, combined, save)
+        report["complete"] = True
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted: keeping the results measured so far[/yellow]")
+    finally:
+        save()
+    if "model" in report:
+        bench_report.print_report(report, console)
+    if json_out:
+        err_console.print(f"[dim]results written to {json_out}[/dim]")
+    if plot_out and "model" in report:
+        bench_report.plot(report, plot_out)
+        err_console.print(f"[dim]plot written to {plot_out}[/dim]")
+    if not report["complete"]:
+        raise typer.Exit(130)

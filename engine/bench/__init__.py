@@ -1,0 +1,1 @@
+"""Benchmarks: llama-bench-style model runs, task suites, and runs against any OpenAI-compatible server."""

@@ -1,0 +1,135 @@
+"""llama-bench style runs on the local engine: pp (prefill), tg (decode), pp+tg, at a depth.
+
+Each repetition uses fresh random token ids (no cache can help), the KV slot is cleared first,
+depth tokens are prefilled untimed, and timing excludes tokenization (there is none: ids only).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.bench.records import Measurement
+from engine.errors import BonsaiError
+from engine.model import Linear
+from engine.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class BenchTest:
+    n_prompt: int
+    n_gen: int
+    depth: int = 0
+
+    @property
+    def name(self) -> str:
+        parts = ([f"pp{self.n_prompt}"] if self.n_prompt else []) + ([f"tg{self.n_gen}"] if self.n_gen else [])
+        return "+".join(parts) + (f" @ d{self.depth}" if self.depth else "")
+
+
+def plan_tests(n_prompt: list[int], n_gen: list[int], depths: list[int], combined: bool) -> list[BenchTest]:
+    """The llama-bench matrix: every pp, every tg, optionally every pp+tg pair, at every depth."""
+    if any(n < 0 for n in n_prompt + n_gen + depths):
+        raise BonsaiError("-p, -n and -d take non-negative token counts")
+    tests: list[BenchTest] = []
+    for d in depths:
+        tests += [BenchTest(p, 0, d) for p in n_prompt if p > 0]
+        tests += [BenchTest(0, g, d) for g in n_gen if g > 0]
+        if combined:
+            tests += [BenchTest(p, g, d) for p in n_prompt for g in n_gen if p > 0 and g > 0]
+    if not tests:
+        raise BonsaiError("nothing to measure: give -p and/or -n greater than 0")
+    return tests
+
+
+def fresh_tokens(vocab_size: int, special_ids: frozenset[int], n: int, seed: int) -> list[int]:
+    """n random ordinary token ids; a different seed per repetition keeps every prompt fresh."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    while len(out) < n:
+        t = rng.randrange(vocab_size)
+        if t not in special_ids:
+            out.append(t)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_test(runner: ModelRunner, test: BenchTest, seed: int, special_ids: frozenset[int]) -> float:
+    """One repetition; returns the timed seconds (prefill of n_prompt + decode of n_gen tokens)."""
+    vocab = runner.loaded.config.vocab_size
+    slot = runner.slot(0)
+    needed = test.depth + test.n_prompt + test.n_gen + 1
+    if needed > slot.capacity:
+        raise BonsaiError(f"test {test.name} needs {needed} positions but the context holds {slot.capacity}: "
+                          "raise --max-seq-len or lower -p/-n/-d")
+    slot.reset()
+    if test.depth:
+        runner.prefill(slot, fresh_tokens(vocab, special_ids, test.depth, seed * 7919 + 1))
+    prompt = fresh_tokens(vocab, special_ids, max(test.n_prompt, 1), seed)
+    _sync(runner.device)
+    start = time.perf_counter()
+    if test.n_prompt:
+        logits = runner.prefill(slot, prompt)
+    else:  # a decode-only test starts from one token that is not timed separately
+        logits = runner.forward(slot, prompt[:1])[-1]
+        _sync(runner.device)
+        start = time.perf_counter()
+    token = int(torch.argmax(logits))
+    for _ in range(test.n_gen):
+        token = int(torch.argmax(runner.forward(slot, [token])[-1]))
+    _sync(runner.device)
+    return time.perf_counter() - start
+
+
+def run_model_bench(runner: ModelRunner, tests: list[BenchTest], repetitions: int, special_ids: frozenset[int],
+                    on_sample: Callable[[BenchTest, int, float], None] = lambda t, r, s: None) -> list[Measurement]:
+    """Warm up once per test, then `repetitions` timed runs with fresh tokens each."""
+    if repetitions < 1:
+        raise BonsaiError("-r (repetitions) must be >= 1")
+    results = []
+    for test in tests:
+        run_test(runner, BenchTest(min(test.n_prompt, 16), min(test.n_gen, 4), 0), 10_000, special_ids)  # warm-up
+        m = Measurement(test.name, test.n_prompt, test.n_gen, test.depth)
+        for rep in range(repetitions):
+            seconds = run_test(runner, test, seed=rep + 1, special_ids=special_ids)
+            m.samples_seconds.append(seconds)
+            on_sample(test, rep, seconds)
+        results.append(m)
+    return results
+
+
+def decode_bytes_per_token(runner: ModelRunner, context: int) -> int:
+    """Bytes one decode step must read: every matrix (incl. the output layer), one embedding row,
+    and the KV cache of `context` positions."""
+    model = runner.model
+    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
+    emb = model.embed.weight
+    if model.lm_head is None:
+        weights += emb.numel() * emb.element_size()  # tied: the embedding is the output matrix
+    weights += emb.shape[1] * emb.element_size()
+    cache = runner.cache
+    per_position = 2 * cache.k.shape[0] * cache.k.shape[2] * cache.k.shape[4] * cache.k.element_size()
+    return weights + context * per_position
+
+
+def measure_copy_bandwidth(device: torch.device, megabytes: int = 0, repeats: int = 5) -> float:
+    """Device memory copy bandwidth in bytes/s (read + write counted), best of `repeats`."""
+    mb = megabytes or (1024 if device.type == "cuda" else 256)
+    src = torch.empty(mb * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best

@@ -1,0 +1,86 @@
+"""`bonsai bench` end to end: JSON schema, suites, --url against a stub server, compare, plot, bad input."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.stub_openai_server import closed_port_url, running_stub
+from tests.test_cli_errors import assert_one_line_error, bonsai
+
+ENV_KEYS = {"python", "torch", "triton", "device", "cpu", "git_commit", "torch_threads"}
+
+
+@pytest.mark.slow
+def test_model_run_json_schema_and_plot(smollm2_gguf, tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    proc = bonsai("bench", str(smollm2_gguf), "-p", "16", "-n", "8", "-r", "2", "--json", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["bonsai_bench"] == 1 and report["complete"] is True
+    assert ENV_KEYS <= set(report["environment"])
+    assert report["speculative"] == {"active": False, "drafters": []}
+    assert report["caches"]["prefix_reuse"] is False
+    assert {"name", "architecture", "parameters", "bits_per_weight", "weight_dtype", "kv_dtype"} <= set(report["model"])
+    names = [t["name"] for t in report["tests"]]
+    assert names == ["pp16", "tg8", "pp16+tg8"]
+    for t in report["tests"]:
+        assert len(t["samples_tps"]) == 2 and t["tokens_per_second"] > 0
+    bw = report["tests"][1]["decode_bandwidth"]
+    assert bw["bytes_per_token"] > 100e6 and 0 < bw["fraction_of_copy"] < 5
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    compare = bonsai("bench", "--compare", str(out), "--compare", str(out))
+    assert compare.returncode == 0 and "1.00x" in compare.stdout
+
+
+@pytest.mark.slow
+def test_suite_run_reports_by_category(smollm2_gguf, tmp_path):
+    out = tmp_path / "s.json"
+    proc = bonsai("bench", str(smollm2_gguf), "--suite", "short", "--categories", "code,math", "-r", "1",
+                  "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    suite = json.loads(out.read_text())["suite"]
+    assert set(suite["by_category"]) == {"code", "math", "overall"}
+    assert len(suite["results"]) == 2 and all(r["generated_tokens"] > 0 for r in suite["results"])
+    assert all(r["cached_tokens"] == 0 for r in suite["results"])  # fresh prompts, no prefix reuse
+
+
+def test_url_run_against_stub_server(tmp_path):
+    out = tmp_path / "u.json"
+    with running_stub(tokens=12, token_delay=0.002, timings={"cache_n": 0, "draft_n": 6, "draft_n_accepted": 4}) as url:
+        proc = bonsai("bench", "--url", url, "--suite", "short", "--limit", "1", "--categories", "qa,code",
+                      "--concurrency", "1,2", "-r", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in report["concurrency"]] == [1, 2]
+    assert report["concurrency"][0]["summary"]["generated_tokens"] == 24
+    assert report["suite"]["results"][0]["drafted"] == 6 and report["suite"]["results"][0]["accepted"] == 4
+
+
+def test_interrupted_run_keeps_partial_results(smollm2_gguf, tmp_path):
+    out = tmp_path / "p.json"
+    proc = subprocess.Popen([sys.executable, "-m", "bonsai_cli", "bench", str(smollm2_gguf), "-p", "8", "-n", "64",
+                             "-r", "200", "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.exists() and json.loads(out.read_text()).get("tests")):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and report["tests"]
+
+
+def test_bad_input_is_one_line():
+    assert_one_line_error(bonsai("bench", "--url", closed_port_url(), "--suite", "short"), "cannot reach the server")
+    assert_one_line_error(bonsai("bench", "--suite", "no-such-suite", "--url", "http://127.0.0.1:9"), "unknown suite")
+    with running_stub(mode="html_models") as url:
+        assert_one_line_error(bonsai("bench", "--url", url), "not an OpenAI-compatible server")
+    with running_stub(mode="zero_tokens") as url:
+        assert_one_line_error(bonsai("bench", "--url", url, "--limit", "1", "--categories", "qa"), "generated no tokens")
+    assert_one_line_error(bonsai("bench", "--compare", "a.json"), "exactly two JSON files")
+    assert_one_line_error(bonsai("bench", "-p", "x"), "comma-separated integers")

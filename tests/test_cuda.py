@@ -1,0 +1,34 @@
+"""The same engine code on CUDA: runs on a GPU machine only (marker `gpu`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import KVCache
+from engine.sampling import SamplingParams, make_generator, sample
+from tests.test_kv_cache import TINY, run, tiny_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_model_on_cuda_matches_cpu(dtype):
+    cpu_model = tiny_model()
+    gpu_model = tiny_model().to("cuda", dtype)
+    tokens = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+    cpu_cache = KVCache(TINY, 32)
+    expected = run(cpu_model, cpu_cache, cpu_cache.slots[0], tokens)
+    gpu_cache = KVCache(TINY, 32, dtype=dtype, device="cuda")
+    got = run(gpu_model, gpu_cache, gpu_cache.slots[0], tokens[:6]).cpu()
+    got = torch.cat([got] + [run(gpu_model, gpu_cache, gpu_cache.slots[0], [t]).cpu() for t in tokens[6:]])
+    tol = 1e-3 if dtype == torch.float32 else 0.15
+    assert (got - expected).abs().max() < tol * expected.abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def test_seeded_sampling_on_cuda_is_reproducible():
+    logits = torch.randn(1000, device="cuda")
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    a = [sample(logits, params, g) for g in [make_generator(params, torch.device("cuda"))] for _ in range(20)]
+    b = [sample(logits, params, g) for g in [make_generator(params, torch.device("cuda"))] for _ in range(20)]
+    assert a == b
