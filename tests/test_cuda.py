@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.bench.model_bench import measure_copy_bandwidth, plan_tests, run_model_bench
 from engine.kv_cache import KVCache
+from engine.model import rotary_inverse_frequencies
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, make_generator, sample
 from tests.test_kv_cache import TINY, run, tiny_model
 
@@ -15,6 +18,7 @@ pytestmark = pytest.mark.gpu
 def test_tiny_model_on_cuda_matches_cpu(dtype):
     cpu_model = tiny_model()
     gpu_model = tiny_model().to("cuda", dtype)
+    gpu_model.inv_freq = rotary_inverse_frequencies(TINY).cuda()  # rotary frequencies stay float32
     tokens = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
     cpu_cache = KVCache(TINY, 32)
     expected = run(cpu_model, cpu_cache, cpu_cache.slots[0], tokens)
@@ -32,3 +36,18 @@ def test_seeded_sampling_on_cuda_is_reproducible():
     a = [sample(logits, params, g) for g in [make_generator(params, torch.device("cuda"))] for _ in range(20)]
     b = [sample(logits, params, g) for g in [make_generator(params, torch.device("cuda"))] for _ in range(20)]
     assert a == b
+
+
+def test_runner_and_model_bench_on_cuda():
+    from pathlib import Path
+
+    from engine.loader import LoadedModel, TensorSummary
+    model = tiny_model().to("cuda", torch.bfloat16)
+    model.inv_freq = rotary_inverse_frequencies(TINY).cuda()
+    loaded = LoadedModel(model=model, tokenizer=None, config=TINY, path=Path("tiny"),
+                         summary=TensorSummary("test", 0, 0, 0), device=torch.device("cuda"),
+                         dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
+    runner = ModelRunner(loaded, max_seq_len=64)
+    results = run_model_bench(runner, plan_tests([8], [4], [0, 16], combined=True), 2, frozenset())
+    assert all(len(m.samples_seconds) == 2 for m in results)
+    assert measure_copy_bandwidth(torch.device("cuda"), megabytes=256) > 1e12

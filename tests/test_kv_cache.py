@@ -21,11 +21,11 @@ def tiny_model(cfg: ModelConfig = TINY) -> Transformer:
 
 
 def run(model, cache, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
-    start = slot.length
-    ids = torch.tensor([tokens])
-    pos = torch.arange(start, start + len(tokens))[None]
+    start, device = slot.length, cache.k.device
+    ids = torch.tensor([tokens], device=device)
+    pos = torch.arange(start, start + len(tokens), device=device)[None]
     with torch.no_grad():
-        out = model(ids, pos, cache, torch.tensor([slot.index]), start + len(tokens), None)
+        out = model(ids, pos, cache, torch.tensor([slot.index], device=device), start + len(tokens), None)
     slot.tokens.extend(tokens)
     return out[0]
 
