@@ -8,8 +8,8 @@ from rich.progress import Progress
 from bonsai_cli.common import err_console, load_for_cli
 
 
-def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, max_seq_len: int,
-                    suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
+def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, weight_dtype: str,
+                    max_seq_len: int, suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
                     save: Callable[[], None]) -> None:
     from engine.bench import model_bench
@@ -23,7 +23,7 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, m
         tests = []
     else:
         tests = model_bench.plan_tests(n_prompt, n_gen, depth, combined)
-    loaded = load_for_cli(model, device)
+    loaded = load_for_cli(model, device, weight_dtype=weight_dtype)
     needed = max((t.depth + t.n_prompt + t.n_gen + 2 for t in tests), default=2048)
     runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed)
     report["environment"] = describe_environment(loaded.device)

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from bonsai_cli import bench_report
-from bonsai_cli.common import err_console, load_for_cli
+from bonsai_cli.common import WEIGHT_DTYPE_HELP, err_console
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -35,6 +35,7 @@ def bench(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="BONSAI_API_KEY", help="with --url"),
     timeout: float = typer.Option(300.0, "--timeout", help="with --url: seconds per request"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
+    weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every result and the environment here"),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="write a PNG chart here"),
@@ -67,8 +68,9 @@ def bench(
                              repetitions, api_key, timeout, save)
         else:
             from bonsai_cli.bench_local import run_local_bench
-            run_local_bench(report, model, device, max_seq_len, suite, categories, limit, _int_list(n_prompt, "-p"),
-                            _int_list(n_gen, "-n"), _int_list(depth, "-d"), repetitions, combined, save)
+            run_local_bench(report, model, device, weight_dtype, max_seq_len, suite, categories, limit,
+                            _int_list(n_prompt, "-p"), _int_list(n_gen, "-n"), _int_list(depth, "-d"),
+                            repetitions, combined, save)
         report["complete"] = True
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted: keeping the results measured so far[/yellow]")

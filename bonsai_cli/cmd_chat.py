@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import load_for_cli
+from bonsai_cli.common import WEIGHT_DTYPE_HELP, load_for_cli
 from bonsai_cli.cmd_generate import sampling_from_options
 
 HELP_TEXT = ("commands: /reset (forget the conversation), /system TEXT (set the system message; "
@@ -24,6 +24,7 @@ def chat(
     repeat_penalty: float = typer.Option(1.1, "--repeat-penalty"),
     seed: Optional[int] = typer.Option(None, "--seed"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
+    weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
     plain: bool = typer.Option(False, "--plain", help="print raw text instead of rendered markdown"),
 ) -> None:
@@ -36,7 +37,7 @@ def chat(
     from engine.runner import ModelRunner
 
     console = Console()
-    loaded = load_for_cli(model, device)
+    loaded = load_for_cli(model, device, weight_dtype=weight_dtype)
     runner = ModelRunner(loaded, max_seq_len=max_seq_len)
     session = ChatSession(runner, loaded.tokenizer, system=system)
     request = GenerationRequest(max_tokens=max_tokens, sampling=sampling_from_options(

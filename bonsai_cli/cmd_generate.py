@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import err_console, load_for_cli, print_json
+from bonsai_cli.common import WEIGHT_DTYPE_HELP, err_console, load_for_cli, print_json
 
 
 def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
@@ -34,6 +34,7 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="same seed → same output"),
     stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
+    weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
 ) -> None:
@@ -48,7 +49,7 @@ def generate(
         raise BonsaiError("--system needs --chat (a system message only exists in a chat template)")
     request = GenerationRequest(max_tokens=max_tokens, stop=tuple(stop), sampling=sampling_from_options(
         temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed))
-    loaded = load_for_cli(model, device, quiet=json_out)
+    loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
     tok = loaded.tokenizer
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

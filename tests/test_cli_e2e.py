@@ -47,7 +47,8 @@ def test_chat_session_over_stdin(smollm2_gguf, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("bonsai> ") == 2
     assert "Ada" in proc.stdout.split("What is my name?")[1]
-    assert "reused from cache" in proc.stdout or "conversation cleared" in proc.stdout
+    assert "(0 reused from cache)" in proc.stdout  # /stats after the first answer
+    assert "conversation cleared" in proc.stdout
 
 
 def test_info_json(smollm2_gguf):

@@ -1,0 +1,67 @@
+"""Multi-turn chat on the real SmolLM2: history, prefix reuse through the KV slot, reset."""
+from __future__ import annotations
+
+import pytest
+
+from engine.chat_session import ChatSession
+from engine.generate import GenerationRequest, generate_text
+from engine.loader import load_model
+from engine.runner import ModelRunner
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2_gguf):
+    return load_model(smollm2_gguf)
+
+
+def answer(session: ChatSession, text: str) -> str:
+    return "".join(e.text for e in session.send(text, GenerationRequest(max_tokens=24)))
+
+
+def test_second_turn_reuses_the_first_turns_cache(loaded):
+    runner = ModelRunner(loaded, max_seq_len=1024)
+    session = ChatSession(runner, loaded.tokenizer, system="You are terse.")
+    first = answer(session, "My name is Ada. Say hello.")
+    first_prompt = session.last_stats.prompt_tokens
+    assert session.last_stats.cached_tokens == 0 and first
+    answer(session, "What is my name?")
+    stats = session.last_stats
+    assert stats.cached_tokens >= first_prompt  # the whole first turn came from the cache
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_reused_prefix_gives_the_same_tokens_as_a_fresh_cache(loaded):
+    request = GenerationRequest(max_tokens=16)
+    prompt_a = loaded.tokenizer.encode("The first law of thermodynamics states that")
+    prompt_b = prompt_a + loaded.tokenizer.encode(" energy")
+    warm = ModelRunner(loaded, max_seq_len=256)
+    generate_text(warm, loaded.tokenizer, prompt_a, request)
+    _, reused, _, stats = generate_text(warm, loaded.tokenizer, prompt_b, request)
+    assert stats.cached_tokens == len(prompt_a)
+    _, fresh, _, _ = generate_text(ModelRunner(loaded, max_seq_len=256), loaded.tokenizer, prompt_b, request)
+    assert reused == fresh
+
+
+def test_reset_forgets_history_and_cache(loaded):
+    runner = ModelRunner(loaded, max_seq_len=512)
+    session = ChatSession(runner, loaded.tokenizer)
+    answer(session, "Hello!")
+    session.reset()
+    assert session.messages == [] and runner.slot().length == 0
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(loaded):
+    from engine.errors import BonsaiError
+    runner = ModelRunner(loaded, max_seq_len=16)
+    ids = loaded.tokenizer.encode("word " * 40)
+    with pytest.raises(BonsaiError, match="the context holds 16"):
+        generate_text(runner, loaded.tokenizer, ids, GenerationRequest(max_tokens=4))
+
+
+def test_generation_stops_with_length_at_the_end_of_the_context(loaded):
+    runner = ModelRunner(loaded, max_seq_len=24)
+    ids = loaded.tokenizer.encode("Count: 1, 2, 3, 4,")
+    _, out, finish, _ = generate_text(runner, loaded.tokenizer, ids, GenerationRequest(max_tokens=100, ignore_eos=True))
+    assert finish == "length" and len(ids) + len(out) == 24 + 1  # the last token is sampled, never fed
