@@ -33,7 +33,7 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, w
         "bits_per_weight": loaded.summary.bits_per_weight, "dtype": str(loaded.dtype).replace("torch.", ""),
         "weight_dtype": str(loaded.weight_dtype).replace("torch.", ""),
         "kv_dtype": str(runner.cache.k.dtype).replace("torch.", ""), "max_seq_len": runner.max_seq_len}
-    report["settings"] = {"repetitions": repetitions, "device": str(loaded.device)}
+    report["settings"] = {"repetitions": repetitions, "device": str(loaded.device), "temperature": 0.0}
     save()
     if prompts is not None:
         _run_suite(report, runner, loaded.tokenizer, suite, prompts, repetitions, save)

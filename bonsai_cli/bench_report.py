@@ -149,3 +149,32 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], name_a: str, name_b: str
         ratio = vb[k] / va[k] if va[k] else float("nan")
         table.add_row(k, f"{va[k]:.2f}", f"{vb[k]:.2f}", f"{ratio:.2f}x")
     return table
+
+
+def output_mismatches(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, list[str]]:
+    """Greedy suite runs of the same prompts must give the same tokens (e.g. plain vs speculative
+    decoding, or two builds): (outputs compared, one line per mismatch). Runs are paired by prompt
+    id and repetition, since each repetition uses its own fresh variant of the prompt."""
+    def keyed(report: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+        seen: dict[str, int] = {}
+        out = {}
+        for r in report.get("suite", {}).get("results", []):
+            n = seen.get(r["prompt_id"], 0)
+            seen[r["prompt_id"]] = n + 1
+            out[(r["prompt_id"], n)] = r
+        return out
+
+    if any(rep.get("settings", {}).get("temperature", 0.0) != 0.0 for rep in (a, b)):
+        return 0, []
+    ka, kb = keyed(a), keyed(b)
+    compared, problems = 0, []
+    for key in (k for k in ka if k in kb):
+        ra, rb = ka[key], kb[key]
+        sa = ra["output_token_ids"] or ra["output_text"]
+        sb = rb["output_token_ids"] or rb["output_text"]
+        compared += 1
+        if sa != sb:
+            pos = next((i for i, (x, y) in enumerate(zip(sa, sb)) if x != y), min(len(sa), len(sb)))
+            unit = "token" if ra["output_token_ids"] else "character"
+            problems.append(f"{key[0]} (run {key[1] + 1}): outputs differ from {unit} {pos} on")
+    return compared, problems

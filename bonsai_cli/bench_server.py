@@ -23,7 +23,7 @@ def run_server_bench(report: dict[str, Any], url: str, suite: str, categories: O
     report["environment"] = {**describe_environment(None), "device": f"server {url}"}
     report["model"] = {"name": model_id, "server": url, "architecture": "?", "parameters": 0,
                        "bits_per_weight": 0.0, "weight_dtype": "?", "kv_dtype": "?"}
-    report["settings"] = {"repetitions": repetitions, "concurrency": levels, "suite": suite}
+    report["settings"] = {"repetitions": repetitions, "concurrency": levels, "suite": suite, "temperature": 0.0}
     report["suite"] = {"name": suite, "prompts": len(prompts), "results": [], "by_category": {}}
     report["concurrency"] = []
     http_client.stream_chat(url, model_id, fresh_variant(prompts[0], 10_000), api_key, timeout)  # warm-up

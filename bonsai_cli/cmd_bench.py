@@ -50,7 +50,16 @@ def bench(
         if len(compare) != 2:
             raise BonsaiError("--compare takes exactly two JSON files: --compare A.json --compare B.json")
         a, b = (bench_report.load_report(p) for p in compare)
-        console.print(bench_report.compare_table(a, b, compare[0].name, compare[1].name))
+        compared, mismatches = bench_report.output_mismatches(a, b)
+        if compared == 0 or len(mismatches) < compared:
+            console.print(bench_report.compare_table(a, b, compare[0].name, compare[1].name))
+        if compared:
+            for line in mismatches:
+                err_console.print(f"[red]mismatch: {line}[/red]")
+            if mismatches:
+                raise BonsaiError(f"{len(mismatches)} of {compared} greedy outputs differ between "
+                                  f"{compare[0].name} and {compare[1].name}: the runs are not equivalent")
+            err_console.print(f"[green]all {compared} greedy outputs are identical[/green]")
         return
     if url and model:
         raise BonsaiError("give either MODEL or --url, not both")

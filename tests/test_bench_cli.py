@@ -84,3 +84,30 @@ def test_bad_input_is_one_line():
         assert_one_line_error(bonsai("bench", "--url", url, "--limit", "1", "--categories", "qa"), "generated no tokens")
     assert_one_line_error(bonsai("bench", "--compare", "a.json"), "exactly two JSON files")
     assert_one_line_error(bonsai("bench", "-p", "x"), "comma-separated integers")
+
+
+def _suite_report(outputs: dict[str, list[int]], temperature: float = 0.0) -> dict:
+    results = [{"prompt_id": pid, "category": "code", "output_token_ids": ids, "output_text": "",
+                "decode_tokens_per_second": 10.0, "generated_tokens": len(ids), "prompt_tokens": 5,
+                "ttft_seconds": 0.1, "inter_token_seconds": [0.1]} for pid, ids in outputs.items()]
+    return {"bonsai_bench": 1, "complete": True, "settings": {"temperature": temperature},
+            "suite": {"name": "t", "results": results,
+                      "by_category": {"overall": {"decode_tokens_per_second": 10.0}}}}
+
+
+def test_identical_output_check_catches_a_planted_mismatch(tmp_path):
+    from bonsai_cli.bench_report import output_mismatches, write_json
+
+    base = _suite_report({"a": [1, 2, 3], "b": [4, 5, 6]})
+    same = _suite_report({"a": [1, 2, 3], "b": [4, 5, 6]})
+    planted = _suite_report({"a": [1, 2, 3], "b": [4, 9, 6]})
+    assert output_mismatches(base, same) == (2, [])
+    compared, problems = output_mismatches(base, planted)
+    assert compared == 2 and len(problems) == 1 and "b (run 1): outputs differ from token 1" in problems[0]
+    assert output_mismatches(base, _suite_report({"a": [7]}, temperature=0.7)) == (0, [])  # sampled: not comparable
+    for name, rep in (("base", base), ("same", same), ("planted", planted)):
+        write_json(rep, tmp_path / f"{name}.json")
+    ok = bonsai("bench", "--compare", str(tmp_path / "base.json"), "--compare", str(tmp_path / "same.json"))
+    assert ok.returncode == 0 and "identical" in ok.stderr
+    bad = bonsai("bench", "--compare", str(tmp_path / "base.json"), "--compare", str(tmp_path / "planted.json"))
+    assert bad.returncode == 1 and "1 of 2 greedy outputs differ" in bad.stderr and "mismatch: b" in bad.stderr
