@@ -34,3 +34,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tok(smollm2_gguf):
+    """Our tokenizer built from the SmolLM2 GGUF's metadata."""
+    from engine.gguf_file import GGUFFile
+    from engine.tokenizer import Tokenizer
+    return Tokenizer.from_gguf_metadata(GGUFFile(smollm2_gguf).metadata)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tok(smollm2_gguf):
+    """transformers' tokenizer for the same GGUF: the reference."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)

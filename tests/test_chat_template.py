@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tokenizer import smollm2_metadata, smollm2_reference
+from test_tokenizer import smollm2_metadata
 
 from engine import chat_template
 from engine.errors import BonsaiError
@@ -62,44 +62,34 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module")
-def ours(smollm2_gguf: Path) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(smollm2_metadata(smollm2_gguf))
-
-
-@pytest.fixture(scope="module")
-def hf(smollm2_gguf: Path) -> Any:
-    return smollm2_reference(smollm2_gguf)
-
-
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
-def test_model_template_matches_transformers(ours: Tokenizer, hf: Any, name: str, add_generation_prompt: bool) -> None:
+def test_model_template_matches_transformers(smollm2_tok: Tokenizer, smollm2_hf_tok: Any, name: str, add_generation_prompt: bool) -> None:
     messages = CONVERSATIONS[name]
-    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    expected = smollm2_hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert smollm2_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
-def test_model_template_text(ours: Tokenizer) -> None:
-    text = ours.apply_chat_template([{"role": "user", "content": "Hi"}])
+def test_model_template_text(smollm2_tok: Tokenizer) -> None:
+    text = smollm2_tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                     "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    ids = ours.encode(text)
-    assert ids[0] == ours.token_to_id("<|im_start|>")
-    assert ids[-4:] == [ours.token_to_id("<|im_start|>")] + ours.encode("assistant\n")
+    ids = smollm2_tok.encode(text)
+    assert ids[0] == smollm2_tok.token_to_id("<|im_start|>")
+    assert ids[-4:] == [smollm2_tok.token_to_id("<|im_start|>")] + smollm2_tok.encode("assistant\n")
 
 
 @pytest.mark.parametrize("template", [LLAMA3_LIKE, TOOLS_LIKE], ids=["llama3_like", "tools_like"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
-def test_other_templates_match_transformers(ours: Tokenizer, hf: Any, template: str, name: str,
+def test_other_templates_match_transformers(smollm2_tok: Tokenizer, smollm2_hf_tok: Any, template: str, name: str,
                                             add_generation_prompt: bool) -> None:
     messages = CONVERSATIONS[name]
     tools = TOOLS if template is TOOLS_LIKE else None
-    expected = hf.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=False,
+    expected = smollm2_hf_tok.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=False,
                                       add_generation_prompt=add_generation_prompt)
     rendered = chat_template.render(template, messages, add_generation_prompt, tools=tools,
-                                    **ours.special_tokens_map)
+                                    **smollm2_tok.special_tokens_map)
     assert rendered == expected
 
 

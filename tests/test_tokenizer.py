@@ -7,10 +7,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 
 from engine.errors import ModelFileError, UnsupportedModelError
+from engine.gguf_file import GGUFFile
 from engine.tokenizer import Tokenizer
 
 TEXTS = [
@@ -82,29 +82,11 @@ NUMBER_SPLIT_TEXTS = {"ﬁ ligature and ① circled"}
 @lru_cache(maxsize=None)
 def smollm2_metadata(path: Path) -> dict[str, Any]:
     """The GGUF's metadata as the loader hands it to Tokenizer (read once per test session)."""
-    return {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items()}
-
-
-@lru_cache(maxsize=None)
-def smollm2_reference(path: Path) -> Any:
-    """transformers' tokenizer for the same GGUF: the reference."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return GGUFFile(path).metadata
 
 
 @pytest.fixture(scope="module")
-def ours(smollm2_gguf: Path) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(smollm2_metadata(smollm2_gguf))
-
-
-@pytest.fixture(scope="module")
-def hf(smollm2_gguf: Path) -> Any:
-    return smollm2_reference(smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
-def hf_original_split(hf: Any) -> Any:
+def hf_original_split(smollm2_hf_tok: Any) -> Any:
     """transformers' GGUF tokenizer with the pre-tokenizer of SmolLM2's own tokenizer.json.
 
     transformers ignores tokenizer.ggml.pre == "smollm" and splits like GPT-2; SmolLM2 (and
@@ -114,7 +96,7 @@ def hf_original_split(hf: Any) -> Any:
     from tokenizers import Tokenizer as Backend
     from tokenizers import pre_tokenizers
 
-    backend = Backend.from_str(hf.backend_tokenizer.to_str())
+    backend = Backend.from_str(smollm2_hf_tok.backend_tokenizer.to_str())
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
@@ -127,52 +109,52 @@ def test_enough_texts() -> None:
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_ids_match_transformers(ours: Tokenizer, hf: Any, hf_original_split: Any, text: str) -> None:
-    expected = hf.encode(text, add_special_tokens=False)
+def test_ids_match_transformers(smollm2_tok: Tokenizer, smollm2_hf_tok: Any, hf_original_split: Any, text: str) -> None:
+    expected = smollm2_hf_tok.encode(text, add_special_tokens=False)
     if text in NUMBER_SPLIT_TEXTS:
         assert expected != hf_original_split.encode(text, add_special_tokens=False).ids  # still a divergence
         expected = hf_original_split.encode(text, add_special_tokens=False).ids
-    assert ours.encode(text) == expected
-    assert ours.encode(text, add_special_tokens=True) == expected  # this GGUF says add_bos_token = False
-    assert hf.encode(text, add_special_tokens=True) == hf.encode(text, add_special_tokens=False)
+    assert smollm2_tok.encode(text) == expected
+    assert smollm2_tok.encode(text, add_special_tokens=True) == expected  # this GGUF says add_bos_token = False
+    assert smollm2_hf_tok.encode(text, add_special_tokens=True) == smollm2_hf_tok.encode(text, add_special_tokens=False)
 
 
-def test_number_split_texts_follow_smollm2s_own_pre_tokenizer(ours: Tokenizer, hf_original_split: Any) -> None:
+def test_number_split_texts_follow_smollm2s_own_pre_tokenizer(smollm2_tok: Tokenizer, hf_original_split: Any) -> None:
     for text in TEXTS:
-        assert ours.encode(text) == hf_original_split.encode(text, add_special_tokens=False).ids
+        assert smollm2_tok.encode(text) == hf_original_split.encode(text, add_special_tokens=False).ids
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_decode_matches_transformers(ours: Tokenizer, hf: Any, text: str) -> None:
-    ids = hf.encode(text, add_special_tokens=False)
-    assert ours.decode(ids) == hf.decode(ids)
-    assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
-    if hf.decode(ids) == text:
-        assert ours.decode(ours.encode(text)) == text
+def test_decode_matches_transformers(smollm2_tok: Tokenizer, smollm2_hf_tok: Any, text: str) -> None:
+    ids = smollm2_hf_tok.encode(text, add_special_tokens=False)
+    assert smollm2_tok.decode(ids) == smollm2_hf_tok.decode(ids)
+    assert smollm2_tok.decode(ids, skip_special_tokens=True) == smollm2_hf_tok.decode(ids, skip_special_tokens=True)
+    if smollm2_hf_tok.decode(ids) == text:
+        assert smollm2_tok.decode(smollm2_tok.encode(text)) == text
 
 
-def test_special_tokens(ours: Tokenizer, hf: Any) -> None:
-    assert ours.vocab_size == len(hf) == 49152
-    assert (ours.bos_id, ours.bos_token) == (hf.bos_token_id, hf.bos_token) == (1, "<|im_start|>")
-    assert (ours.eos_id, ours.eos_token) == (hf.eos_token_id, hf.eos_token) == (2, "<|im_end|>")
-    assert ours.add_bos is False
+def test_special_tokens(smollm2_tok: Tokenizer, smollm2_hf_tok: Any) -> None:
+    assert smollm2_tok.vocab_size == len(smollm2_hf_tok) == 49152
+    assert (smollm2_tok.bos_id, smollm2_tok.bos_token) == (smollm2_hf_tok.bos_token_id, smollm2_hf_tok.bos_token) == (1, "<|im_start|>")
+    assert (smollm2_tok.eos_id, smollm2_tok.eos_token) == (smollm2_hf_tok.eos_token_id, smollm2_hf_tok.eos_token) == (2, "<|im_end|>")
+    assert smollm2_tok.add_bos is False
     # <|im_end|> ends a turn (eos and the chat template), <|endoftext|> ends a document
-    assert ours.eos_ids == frozenset({2, 0})
-    assert ours.encode("<|im_start|>") == [1]
+    assert smollm2_tok.eos_ids == frozenset({2, 0})
+    assert smollm2_tok.encode("<|im_start|>") == [1]
     for token_id in (0, 1, 2, 17, 28120, 49151):
-        token = ours.id_to_token(token_id)
-        assert token == hf.convert_ids_to_tokens(token_id)
-        assert ours.token_to_id(token) == token_id
-    assert ours.token_to_id("no such token here") is None
+        token = smollm2_tok.id_to_token(token_id)
+        assert token == smollm2_hf_tok.convert_ids_to_tokens(token_id)
+        assert smollm2_tok.token_to_id(token) == token_id
+    assert smollm2_tok.token_to_id("no such token here") is None
 
 
-def test_random_ids_decode_like_transformers(ours: Tokenizer, hf: Any) -> None:
+def test_random_ids_decode_like_transformers(smollm2_tok: Tokenizer, smollm2_hf_tok: Any) -> None:
     import random
 
     rng = random.Random(0)
     for _ in range(20):
-        ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 40))]
-        assert ours.decode(ids) == hf.decode(ids)
+        ids = [rng.randrange(smollm2_tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        assert smollm2_tok.decode(ids) == smollm2_hf_tok.decode(ids)
 
 
 def test_add_bos_from_metadata(smollm2_gguf: Path) -> None:
@@ -181,15 +163,15 @@ def test_add_bos_from_metadata(smollm2_gguf: Path) -> None:
     assert tokenizer.encode("hi", add_special_tokens=True) == [1] + tokenizer.encode("hi")
 
 
-def test_hf_dir_matches_transformers(ours: Tokenizer, hf: Any, tmp_path: Path) -> None:
-    hf.save_pretrained(tmp_path)
+def test_hf_dir_matches_transformers(smollm2_tok: Tokenizer, smollm2_hf_tok: Any, tmp_path: Path) -> None:
+    smollm2_hf_tok.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
     from_dir = Tokenizer.from_hf_dir(tmp_path)
     for text in TEXTS:  # the saved tokenizer.json has transformers' pre-tokenizer, so compare with it
-        assert from_dir.encode(text) == hf.encode(text, add_special_tokens=False)
-        assert from_dir.encode(text, add_special_tokens=True) == hf.encode(text, add_special_tokens=True)
-        assert from_dir.decode(hf.encode(text)) == hf.decode(hf.encode(text))
-    assert from_dir.chat_template == ours.chat_template
+        assert from_dir.encode(text) == smollm2_hf_tok.encode(text, add_special_tokens=False)
+        assert from_dir.encode(text, add_special_tokens=True) == smollm2_hf_tok.encode(text, add_special_tokens=True)
+        assert from_dir.decode(smollm2_hf_tok.encode(text)) == smollm2_hf_tok.decode(smollm2_hf_tok.encode(text))
+    assert from_dir.chat_template == smollm2_tok.chat_template
     assert (from_dir.bos_id, from_dir.eos_id) == (1, 2)
     assert from_dir.eos_ids == frozenset({0, 2, 5})
 
@@ -257,11 +239,11 @@ def test_split_regex_matches_transformers(pre: str) -> None:
     from engine.tokenizer import PRE_TOKENIZER_SPLITS
 
     theirs = pre_tokenizers.Split(Regex(reference.GGUF_PRE_TOKENIZER_SPLITS[pre]), behavior="isolated")
-    ours = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
+    smollm2_tok = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
                                     for r in PRE_TOKENIZER_SPLITS[pre]])
     for text in TEXTS:
-        assert ours.pre_tokenize_str(text) == theirs.pre_tokenize_str(text)
-    assert [p for p, _ in ours.pre_tokenize_str("1234567")] == (
+        assert smollm2_tok.pre_tokenize_str(text) == theirs.pre_tokenize_str(text)
+    assert [p for p, _ in smollm2_tok.pre_tokenize_str("1234567")] == (
         ["123", "456", "7"] if pre == "llama-bpe" else list("1234567"))
 
 
@@ -363,10 +345,10 @@ def test_sentencepiece_matches_transformers_converter(text: str) -> None:
              "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id"}
     spec = {new: meta[f"tokenizer.ggml.{old}"] for old, new in names.items()}
     theirs, _ = reference.convert_gguf_tokenizer("llama", dict(spec, tokenizer_type="llama"))
-    ours = Tokenizer.from_gguf_metadata(meta)
+    smollm2_tok = Tokenizer.from_gguf_metadata(meta)
     ids = theirs.encode(text, add_special_tokens=False).ids
-    assert ours.encode(text) == ids
-    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=False)
+    assert smollm2_tok.encode(text) == ids
+    assert smollm2_tok.decode(ids) == theirs.decode(ids, skip_special_tokens=False)
 
 
 def test_sentencepiece_hf_dir_keeps_prefix_space_rules(tmp_path: Path) -> None:
