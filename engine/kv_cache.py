@@ -41,6 +41,23 @@ class KVSlot:
         return n
 
 
+@dataclass(frozen=True)
+class CacheBatch:
+    """Where one forward pass's rows go: slot indices and start positions as plain ints (so the
+    single-sequence path never reads a device tensor back), and the same as device tensors."""
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+    positions: torch.Tensor  # [B, T] absolute positions of the new tokens
+    slot_ids: torch.Tensor  # [B]
+
+    @staticmethod
+    def make(slots: list[int], starts: list[int], num_tokens: int, device: torch.device | str) -> "CacheBatch":
+        assert len(slots) == len(starts) and num_tokens > 0
+        offsets = torch.arange(num_tokens, device=device)
+        positions = torch.tensor(starts, device=device)[:, None] + offsets[None, :]  # [B, T]
+        return CacheBatch(tuple(slots), tuple(starts), positions, torch.tensor(slots, device=device))
+
+
 class KVCache:
     def __init__(self, config: ModelConfig, max_seq_len: int, num_slots: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
@@ -54,22 +71,21 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def write(self, layer: int, slot_ids: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store keys/values of new tokens: k, v [B, kv_heads, T, D] at positions [B, T]."""
-        if slot_ids.numel() == 1:
-            slot, start, t = int(slot_ids[0]), int(positions[0, 0]), positions.shape[1]
+    def write(self, layer: int, batch: CacheBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys/values of new tokens: k, v [B, kv_heads, T, D] at batch.positions [B, T]."""
+        if len(batch.slots) == 1:
+            slot, start, t = batch.slots[0], batch.starts[0], k.shape[2]
             self.k[layer, slot, :, start:start + t] = k[0]
             self.v[layer, slot, :, start:start + t] = v[0]
             return
         heads = torch.arange(k.shape[1], device=k.device)
-        index = (slot_ids[:, None, None], heads[None, :, None], positions[:, None, :])  # → [B, H, T]
+        index = (batch.slot_ids[:, None, None], heads[None, :, None], batch.positions[:, None, :])  # → [B, H, T]
         self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
 
-    def read(self, layer: int, slot_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, batch: CacheBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of the first `length` positions: two [B, kv_heads, length, D]."""
-        if slot_ids.numel() == 1:
-            slot = int(slot_ids[0])
+        if len(batch.slots) == 1:
+            slot = batch.slots[0]
             return self.k[layer, slot, :, :length].unsqueeze(0), self.v[layer, slot, :, :length].unsqueeze(0)
-        return self.k[layer, slot_ids, :, :length], self.v[layer, slot_ids, :, :length]
+        return self.k[layer, batch.slot_ids, :, :length], self.v[layer, batch.slot_ids, :, :length]

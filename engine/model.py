@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import CacheBatch, KVCache
 from engine.model_config import ModelConfig
 
 
@@ -62,8 +62,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                slot_ids: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                batch: CacheBatch, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -74,8 +73,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # [B, H, T, D]
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # [B, KV, T, D]
-        cache.write(self.layer, slot_ids, positions, k, v.transpose(1, 2))
-        keys, values = cache.read(self.layer, slot_ids, kv_len)  # [B, KV, S, D]
+        cache.write(self.layer, batch, k, v.transpose(1, 2))
+        keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
         return self.wo(out.transpose(1, 2).reshape(b, t, cfg.q_size))
@@ -101,8 +100,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, cache, slot_ids, positions, kv_len, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, slot_ids, positions, kv_len, mask)
+    def forward(self, x, cos, sin, cache, batch, kv_len, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, batch, kv_len, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -147,10 +146,12 @@ class Transformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slot_ids: torch.Tensor, kv_len: int, num_logits: int | None = 1) -> torch.Tensor:
-        """tokens, positions [B, T]; returns logits [B, n, V] of the last n positions (all if None)."""
+    def forward(self, tokens: torch.Tensor, batch: CacheBatch, cache: KVCache, kv_len: int,
+                num_logits: int | None = 1) -> torch.Tensor:
+        """tokens [B, T] written to the cache where `batch` says; attention reads the first kv_len
+        positions of each row's slot. Returns logits [B, n, V] of the last n positions (all if None)."""
         b, t = tokens.shape
+        positions = batch.positions  # [B, T]
         angles = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]  # [B, T, 1, D/2]
         mask = None
@@ -159,7 +160,7 @@ class Transformer(nn.Module):
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
         x = self.embed(tokens).to(self.norm.weight.dtype)  # [B, T, H]
         for block in self.layers:
-            x = block(x, cos, sin, cache, slot_ids, positions, kv_len, mask)
+            x = block(x, cos, sin, cache, batch, kv_len, mask)
         if num_logits is not None:
             x = x[:, -num_logits:]
         return linear(self.norm(x), self.output_weight()).float()  # [B, n, V]

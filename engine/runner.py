@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import BonsaiError
-from engine.kv_cache import KVCache, KVSlot
+from engine.kv_cache import CacheBatch, KVCache, KVSlot
 from engine.loader import LoadedModel
 
 
@@ -34,9 +34,8 @@ class ModelRunner:
             raise BonsaiError(f"the sequence needs {start + t} positions but the context holds "
                               f"{slot.capacity}: shorten the prompt or raise max_seq_len")
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
-        positions = torch.arange(start, start + t, device=self.device)[None]  # [1, T]
-        slot_ids = torch.tensor([slot.index], device=self.device)  # [1]
-        logits = self.model(ids, positions, self.cache, slot_ids, start + t, num_logits)  # [1, n, V]
+        batch = CacheBatch.make([slot.index], [start], t, self.device)
+        logits = self.model(ids, batch, self.cache, start + t, num_logits)  # [1, n, V]
         slot.tokens.extend(tokens)
         return logits[0]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import KVCache, KVSlot
+from engine.kv_cache import CacheBatch, KVCache, KVSlot
 from engine.model import Transformer
 from engine.model_config import ModelConfig
 
@@ -23,9 +23,9 @@ def tiny_model(cfg: ModelConfig = TINY) -> Transformer:
 def run(model, cache, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
     start, device = slot.length, cache.k.device
     ids = torch.tensor([tokens], device=device)
-    pos = torch.arange(start, start + len(tokens), device=device)[None]
+    batch = CacheBatch.make([slot.index], [start], len(tokens), device)
     with torch.no_grad():
-        out = model(ids, pos, cache, torch.tensor([slot.index], device=device), start + len(tokens), None)
+        out = model(ids, batch, cache, start + len(tokens), None)
     slot.tokens.extend(tokens)
     return out[0]
 
@@ -64,9 +64,9 @@ def test_slots_are_independent_and_batched_forward_matches():
     run(model, cache, b, [10, 11])
     # one batched decode step for both slots at different positions
     ids = torch.tensor([[20], [21]])
-    pos = torch.tensor([[a.length], [b.length]])
+    batch = CacheBatch.make([0, 1], [a.length, b.length], 1, "cpu")
     with torch.no_grad():
-        batched = model(ids, pos, cache, torch.tensor([0, 1]), a.length + 1, None)[:, -1]
+        batched = model(ids, batch, cache, a.length + 1, None)[:, -1]
     ref_cache = KVCache(TINY, 32)
     ref_a = run(model, ref_cache, ref_cache.slots[0], [5, 6, 7, 8, 9, 20])[-1]
     ref_cache.slots[0].reset()
