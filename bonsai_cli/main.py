@@ -15,7 +15,8 @@ _USAGE = (click.ClickException, getattr(typer, "TyperException", click.ClickExce
 
 app = typer.Typer(
     name="bonsai", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-    help="Run extremely compressed LLMs (ternary, 1-bit, int4) fast on one GPU — or on the CPU.")
+    help="Run extremely compressed LLMs (ternary, 1-bit, int4) fast on one GPU — or on the CPU. "
+         "Errors are one line; add --debug anywhere to see the traceback.")
 app.command("pull")(cmd_pull.pull)
 app.command("info")(cmd_info.info)
 app.command("generate")(cmd_generate.generate)
