@@ -1,0 +1,56 @@
+"""`bonsai eval MODEL --ref REF`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from bonsai_cli.common import WEIGHT_DTYPE_HELP, err_console, load_for_cli, print_json
+
+
+def eval_command(
+    model: str = typer.Argument(..., help="the model to judge (path or pulled name)"),
+    ref: str = typer.Option(..., "--ref", help="the reference model (e.g. the unquantized source)"),
+    text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text to score (default: Python's pydoc topics)"),
+    max_tokens: int = typer.Option(4096, "--max-tokens", help="score at most this many tokens of the text"),
+    context: int = typer.Option(512, "--context", help="tokens per window"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
+    weight_dtype: str = typer.Option("float32", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
+    ref_weight_dtype: str = typer.Option("float32", "--ref-weight-dtype", help="the same, for the reference"),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
+) -> None:
+    """Perplexity, KL divergence (mean, p99, max) and same-top-token rate of MODEL against REF."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from engine.errors import BonsaiError
+    from engine.evaluate import check_same_tokenizer, evaluate, read_eval_text
+    from engine.runner import ModelRunner
+
+    if max_tokens < 2:
+        raise BonsaiError("--max-tokens must be at least 2")
+    source_text = read_eval_text(text)
+    runners = []
+    for spec, wdtype in ((model, weight_dtype), (ref, ref_weight_dtype)):
+        loaded = load_for_cli(spec, device, quiet=json_out, weight_dtype=wdtype)
+        runners.append(ModelRunner(loaded, max_seq_len=context))
+    ours, reference = runners
+    check_same_tokenizer(ours, reference, source_text[:2000])
+    ids = ours.loaded.tokenizer.encode(source_text)[:max_tokens]
+    with err_console.status("scoring") as status:
+        result = evaluate(ours, reference, ids, context,
+                          on_window=lambda done, total: status.update(f"scoring window {done}/{total}"))
+    summary = {**result.as_dict(), "model": model, "reference": ref,
+               "bits_per_weight": ours.loaded.summary.bits_per_weight,
+               "reference_bits_per_weight": reference.loaded.summary.bits_per_weight,
+               "text": str(text) if text else "pydoc_data.topics", "context": context}
+    if json_out:
+        print_json(summary)
+        return
+    table = Table(title=f"{model} vs {ref} · {result.tokens} tokens scored")
+    for col in ("bpw", "ppl", "ref ppl", "mean KLD", "p99 KLD", "max KLD", "same top"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{summary['bits_per_weight']:.3f}", f"{result.perplexity:.3f}", f"{result.reference_perplexity:.3f}",
+                  f"{result.kl_mean:.5f}", f"{result.kl_p99:.5f}", f"{result.kl_max:.5f}", f"{100 * result.same_top:.2f}%")
+    Console().print(table)
