@@ -95,21 +95,32 @@ def _server_message(body: bytes) -> str:
     return _one_line(text)
 
 
+def _send(conn: Any, ep: Any, method: str, path: str, body: bytes | None, headers: dict[str, str], where: str,
+          timeout: float) -> tuple[Any, Any]:
+    """Send one request and read the status line: (response, socket), with one-line errors for a
+    server that is down, hangs up, or does not speak HTTP."""
+    try:
+        conn.request(method, ep.path(path), body=body, headers=headers)
+        sock = conn.sock  # getresponse() may hand the socket to the response and forget it
+        return conn.getresponse(), sock
+    except http.client.RemoteDisconnected:
+        raise BonsaiError(f"{where} closed the connection without answering {method} {path}; is it an "
+                          "OpenAI-compatible server, and is it still running?") from None
+    except http.client.HTTPException as exc:
+        raise BonsaiError(f"{where} is not an OpenAI-compatible server ({method} {path} got a reply that is "
+                          f"not HTTP: {type(exc).__name__})") from None
+    except OSError as exc:
+        raise BonsaiError(f"cannot reach the server at {ep.url}: {_reason(exc, timeout)}; is it running?") from None
+
+
 def probe_server(url: str, api_key: str | None, timeout: float) -> str:
     """GET {url}/v1/models and return the id of the first model it lists."""
     ep = _endpoint(url)
     conn = ep.connect(timeout)
     try:
+        resp, _ = _send(conn, ep, "GET", "/v1/models", None, _headers(api_key, "application/json"), ep.url, timeout)
         try:
-            conn.request("GET", ep.path("/v1/models"), headers=_headers(api_key, "application/json"))
-            resp = conn.getresponse()
             body = resp.read(MAX_BODY_BYTES)
-        except http.client.RemoteDisconnected:
-            raise BonsaiError(f"{ep.url} closed the connection without answering GET /v1/models; "
-                              f"is it an OpenAI-compatible server?") from None
-        except http.client.HTTPException as exc:
-            raise BonsaiError(f"{ep.url} is not an OpenAI-compatible server (GET /v1/models got a reply that is "
-                              f"not HTTP: {type(exc).__name__})") from None
         except OSError as exc:
             raise BonsaiError(f"cannot reach the server at {ep.url}: {_reason(exc, timeout)}; is it running?") from None
     finally:
@@ -266,18 +277,7 @@ def stream_chat(url: str, model: str, prompt: SuitePrompt, api_key: str | None, 
     conn = ep.connect(timeout)
     start = time.perf_counter()
     try:
-        try:
-            conn.request("POST", ep.path("/v1/chat/completions"), body=body, headers=headers)
-            sock = conn.sock  # getresponse() may hand the socket to the response and forget it
-            resp = conn.getresponse()
-        except http.client.RemoteDisconnected:
-            raise BonsaiError(f"{where} closed the connection without answering; is it an OpenAI-compatible "
-                              f"server, and is it still running?") from None
-        except http.client.HTTPException as exc:
-            raise BonsaiError(f"{where} sent a reply that is not HTTP ({type(exc).__name__}); "
-                              f"is it an OpenAI-compatible server?") from None
-        except OSError as exc:
-            raise BonsaiError(f"cannot reach the server at {ep.url}: {_reason(exc, timeout)}; is it running?") from None
+        resp, sock = _send(conn, ep, "POST", "/v1/chat/completions", body, headers, where, timeout)
         if not 200 <= resp.status < 300:
             message = _server_message(resp.read(MAX_BODY_BYTES))
             fix = "; pass the right API key" if resp.status in (401, 403) else ""
