@@ -8,7 +8,7 @@ from rich.progress import Progress
 from bonsai_cli.common import err_console, load_for_cli
 
 
-def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, weight_dtype: str,
+def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, load: dict[str, Any],
                     max_seq_len: int, suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
                     save: Callable[[], None]) -> None:
@@ -23,7 +23,7 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, w
         tests = []
     else:
         tests = model_bench.plan_tests(n_prompt, n_gen, depth, combined)
-    loaded = load_for_cli(model, device, weight_dtype=weight_dtype)
+    loaded = load_for_cli(model, device, **load)
     needed = max((t.depth + t.n_prompt + t.n_gen + 2 for t in tests), default=2048)
     runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed)
     report["environment"] = describe_environment(loaded.device)
@@ -32,16 +32,20 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, w
         "parameters": loaded.summary.num_parameters, "file_bytes": loaded.summary.file_bytes,
         "bits_per_weight": loaded.summary.bits_per_weight, "dtype": str(loaded.dtype).replace("torch.", ""),
         "weight_dtype": str(loaded.weight_dtype).replace("torch.", ""),
+        "weights": loaded.weight_format.quant_type, "head_weights": loaded.weight_format.head_type,
+        "group_size": loaded.weight_format.group_size, "load_format": loaded.summary.format,
         "kv_dtype": str(runner.cache.k.dtype).replace("torch.", ""), "max_seq_len": runner.max_seq_len}
-    report["settings"] = {"repetitions": repetitions, "device": str(loaded.device), "temperature": 0.0}
+    report["settings"] = {"repetitions": repetitions, "device": str(loaded.device), "temperature": 0.0,
+                          "fused_decode": runner.decoder is not None,
+                          "cuda_graph": getattr(runner.decoder, "graph", None) is not None}
     save()
     if prompts is not None:
-        _run_suite(report, runner, loaded.tokenizer, suite, prompts, repetitions, save)
+        _run_suite(report, runner, loaded.require_tokenizer(), suite, prompts, repetitions, save)
         return
     copy_bw = model_bench.measure_copy_bandwidth(loaded.device)
     report["bandwidth"] = {"copy_bytes_per_second": copy_bw}
     report["tests"] = []
-    special = loaded.tokenizer.special_ids
+    special = loaded.tokenizer.special_ids if loaded.tokenizer is not None else frozenset()
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("benchmark", total=len(tests) * repetitions)
         for test in tests:

@@ -24,10 +24,17 @@ def write_json(report: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _weights(m: dict[str, Any]) -> str:
+    packed = m.get("weights", "bf16")
+    if packed == "bf16" and m.get("head_weights", "bf16") == "bf16":
+        return m["weight_dtype"]
+    return f"{packed} g{m.get('group_size')} (head {m.get('head_weights')})"
+
+
 def model_table(report: dict[str, Any]) -> Table:
     m = report["model"]
     table = Table(title=f"{m['name']} · {m['architecture']} · {m['parameters'] / 1e6:.0f}M params · "
-                        f"{m['bits_per_weight']:.2f} bpw · weights {m['weight_dtype']} · KV {m['kv_dtype']} · "
+                        f"{m['bits_per_weight']:.2f} bpw · weights {_weights(m)} · KV {m['kv_dtype']} · "
                         f"{report['environment']['device']}")
     for col in ("test", "tok/s", "± std", "runs", "bytes/token", "GB/s", "of copy BW"):
         table.add_column(col, justify="right" if col != "test" else "left")

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from bonsai_cli import bench_report
-from bonsai_cli.common import WEIGHT_DTYPE_HELP, err_console
+from bonsai_cli.common import LOAD_FORMAT_HELP, WEIGHT_DTYPE_HELP, WEIGHTS_HELP, err_console
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -36,6 +36,10 @@ def bench(
     timeout: float = typer.Option(300.0, "--timeout", help="with --url: seconds per request"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
     weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
+    weights: str = typer.Option("bf16", "--weights", help=WEIGHTS_HELP),
+    group_size: int = typer.Option(128, "--group-size", help="inputs per scale group of packed weights"),
+    head_weights: str = typer.Option("bf16", "--head-weights", help="run-time format of the output layer"),
+    load_format: str = typer.Option("auto", "--load-format", help=LOAD_FORMAT_HELP),
     max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every result and the environment here"),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="write a PNG chart here"),
@@ -77,7 +81,9 @@ def bench(
                              repetitions, api_key, timeout, save)
         else:
             from bonsai_cli.bench_local import run_local_bench
-            run_local_bench(report, model, device, weight_dtype, max_seq_len, suite, categories, limit,
+            load = dict(weight_dtype=weight_dtype, weights=weights, group_size=group_size,
+                        head_weights=head_weights, load_format=load_format)
+            run_local_bench(report, model, device, load, max_seq_len, suite, categories, limit,
                             _int_list(n_prompt, "-p"), _int_list(n_gen, "-n"), _int_list(depth, "-d"),
                             repetitions, combined, save)
         report["complete"] = True

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -31,21 +32,72 @@ def parse_weight_dtype(name: str):
     return choices[name]
 
 
+WEIGHTS_HELP = ("run-time weight format of the block matrices: bf16 (as loaded) or tri | bin | int4 | int8 "
+                "(rounded to nearest at load, or generated with --load-format dummy), run by the packed kernels")
+LOAD_FORMAT_HELP = ("auto (read the model's weights) or dummy: MODEL is an architecture YAML (configs/models/NAME.yaml "
+                    "or a path) built at full size with random weights, for speed measurements")
+MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+def weight_format_from_options(weights: str, group_size: int, head_weights: str):
+    from engine.packed_linear import WeightFormat
+    return WeightFormat(quant_type=weights, group_size=group_size, head_type=head_weights)
+
+
+def _dummy_config(model: str | None):
+    """The architecture YAML of a dummy model: a path, or a name under configs/models."""
+    import yaml
+
+    from engine.errors import BonsaiError
+    from engine.model_config import ModelConfig
+    if not model:
+        raise BonsaiError("--load-format dummy needs MODEL: an architecture YAML such as configs/models/qwen3-8b.yaml")
+    path = Path(model)
+    if not path.exists():
+        path = MODEL_CONFIGS / f"{model}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in MODEL_CONFIGS.glob("*.yaml")))
+        raise BonsaiError(f"no architecture file '{model}': give a YAML path or one of: {known}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise BonsaiError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise BonsaiError(f"{path} must be a mapping of config.json keys (hidden_size, num_hidden_layers, ...)")
+    try:
+        return ModelConfig.from_hf_config(data), path
+    except KeyError as e:
+        raise BonsaiError(f"{path} lacks the key {e.args[0]}") from None
+
+
 def load_for_cli(model: str | None, device: str, quiet: bool = False, auto_pull: bool = False,
-                 weight_dtype: str = "auto"):
+                 weight_dtype: str = "auto", weights: str = "bf16", group_size: int = 128,
+                 head_weights: str = "bf16", load_format: str = "auto"):
     """Resolve MODEL (path or pulled name; the default model when None) and load it."""
     from engine import store
-    from engine.loader import load_model
+    from engine.errors import BonsaiError
+    from engine.loader import load_dummy, load_model
 
     wdtype = parse_weight_dtype(weight_dtype)
+    fmt = weight_format_from_options(weights, group_size, head_weights)
+    if load_format not in ("auto", "dummy"):
+        raise BonsaiError(f"unknown --load-format '{load_format}': use auto or dummy")
+    if load_format == "dummy":
+        config, path = _dummy_config(model)
+        with err_console.status(f"generating {path.stem} ({weights}) on {device}"):
+            loaded = load_dummy(config, path.stem, device=device, weight_format=fmt)
+        if not quiet:
+            err_console.print(f"[dim]generated {path.stem}: {config.num_parameters() / 1e9:.2f}B parameters, "
+                              f"{loaded.summary.file_bytes / 1e9:.2f} GB in {loaded.load_seconds:.1f}s[/dim]")
+        return loaded
 
     spec = model or store.DEFAULT_MODEL
     log = (lambda s: None) if quiet else (lambda s: err_console.print(f"[dim]{s}[/dim]"))
     path = store.resolve_model(spec, auto_pull=auto_pull or model is None, log=log)
     if quiet:
-        return load_model(path, device=device, weight_dtype=wdtype)
+        return load_model(path, device=device, weight_dtype=wdtype, weight_format=fmt)
     with err_console.status(f"loading {path.name} on {device}"):
-        loaded = load_model(path, device=device, weight_dtype=wdtype)
+        loaded = load_model(path, device=device, weight_dtype=wdtype, weight_format=fmt)
     err_console.print(f"[dim]loaded {loaded.config.architecture} model {path.name} "
                       f"({loaded.summary.num_parameters / 1e6:.0f}M parameters) in {loaded.load_seconds:.1f}s[/dim]")
     return loaded

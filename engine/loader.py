@@ -13,13 +13,14 @@ from engine.gguf_file import GGUFFile
 from engine.hf_files import HFModelDir
 from engine.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.model_config import ModelConfig
+from engine.packed_linear import WeightFormat, pack_linears
 from engine.tokenizer import Tokenizer
 
 
 @dataclass
 class TensorSummary:
     """What `bonsai info` shows: tensor types with their counts, parameters and bytes."""
-    format: str  # "gguf" | "hf"
+    format: str  # "gguf" | "hf" | "dummy"
     num_tensors: int
     num_parameters: int
     file_bytes: int
@@ -33,7 +34,7 @@ class TensorSummary:
 @dataclass
 class LoadedModel:
     model: Transformer
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None for generated (dummy) weights
     config: ModelConfig
     path: Path
     summary: TensorSummary
@@ -41,6 +42,13 @@ class LoadedModel:
     dtype: torch.dtype
     weight_dtype: torch.dtype
     load_seconds: float = 0.0
+    weight_format: WeightFormat = field(default_factory=WeightFormat)
+
+    def require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise BonsaiError(f"{self.path} has generated (dummy) weights and no tokenizer: it can only be "
+                              "benchmarked with random tokens (bonsai bench -p/-n), not given text")
+        return self.tokenizer
 
 
 def open_model_source(path: Path) -> GGUFFile | HFModelDir:
@@ -112,12 +120,25 @@ def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtyp
     return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
 
 
+def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(config)
+        model.to(dtype)
+        for module in model.modules():
+            if isinstance(module, Linear) and module is not model.lm_head:
+                module.weight.data = module.weight.data.to(weight_dtype)
+    model = model.to_empty(device=dev)
+    model.inv_freq = rotary_inverse_frequencies(config).to(dev)
+    return model
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               weight_dtype: torch.dtype | None = None) -> LoadedModel:
+               weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None) -> LoadedModel:
     """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
 
     dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the
-    matrices and the embedding (default_weight_dtype).
+    matrices and the embedding (default_weight_dtype); weight_format: pack the matrices at load
+    (round-to-nearest onto the ternary / 1-bit / int grids) for the packed kernels.
     """
     start = time.perf_counter()
     dev = resolve_device(device)
@@ -127,14 +148,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                  else Tokenizer.from_hf_dir(source.path))
     dtype = dtype or default_dtype(dev)
     weight_dtype = weight_dtype or default_weight_dtype(dev, dtype)
-    with torch.device("meta"):
-        model = Transformer(config)
-        model.to(dtype)
-        for module in model.modules():
-            if isinstance(module, Linear) and module is not model.lm_head:
-                module.weight.data = module.weight.data.to(weight_dtype)
-    model = model.to_empty(device=dev)
-    model.inv_freq = rotary_inverse_frequencies(config).to(dev)
+    model = _empty_model(config, dev, dtype, weight_dtype)
     expected = expected_tensor_names(config)
     seen: set[str] = set()
     for name, tensor in source.iter_canonical_tensors(config):
@@ -147,7 +161,37 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelFileError(f"{path} lacks tensors the architecture needs: {', '.join(missing[:3])}{more}")
+    weight_format = weight_format or WeightFormat()
+    if weight_format.packed:
+        pack_linears(model, weight_format)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
                        summary=summarize(source), device=dev, dtype=dtype, weight_dtype=weight_dtype,
-                       load_seconds=time.perf_counter() - start)
+                       load_seconds=time.perf_counter() - start, weight_format=weight_format)
+
+
+@torch.no_grad()
+def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu",
+               weight_format: WeightFormat | None = None, dtype: torch.dtype | None = None,
+               seed: int = 0) -> LoadedModel:
+    """`load_format: dummy`: the architecture at full size with random weights made directly on the
+    device in their run-time format (packed codes for tri/bin/int4/int8) — for speed work."""
+    start = time.perf_counter()
+    dev = resolve_device(device)
+    dtype = dtype or default_dtype(dev)
+    weight_format = weight_format or WeightFormat()
+    model = _empty_model(config, dev, dtype, dtype)
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)  # norms (and biases: harmless)
+        elif weight_format.quant_type == "bf16" or p is model.embed.weight or p is getattr(model.lm_head, "weight", None):
+            p.normal_(0.0, 0.02, generator=generator)
+    pack_linears(model, weight_format, dummy=True, seed=seed)
+    model.eval()
+    nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    summary = TensorSummary(format="dummy", num_tensors=len(list(model.parameters())) + len(list(model.buffers())),
+                            num_parameters=config.num_parameters(), file_bytes=nbytes)
+    return LoadedModel(model=model, tokenizer=None, config=config, path=Path(name), summary=summary, device=dev,
+                       dtype=dtype, weight_dtype=dtype, load_seconds=time.perf_counter() - start,
+                       weight_format=weight_format)

@@ -75,7 +75,8 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # [B, KV, T, D]
         cache.write(self.layer, batch, k, v.transpose(1, 2))
         keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+        causal = mask is None and t > 1  # a fresh single sequence: the flash kernel's own causal mask
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
         return self.wo(out.transpose(1, 2).reshape(b, t, cfg.q_size))
 
@@ -144,8 +145,9 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.register_buffer("inv_freq", rotary_inverse_frequencies(cfg), persistent=False)
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer: the tied embedding, or lm_head (a Linear or a PackedLinear)."""
+        return linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
 
     def forward(self, tokens: torch.Tensor, batch: CacheBatch, cache: KVCache, kv_len: int,
                 num_logits: int | None = 1) -> torch.Tensor:
@@ -156,7 +158,8 @@ class Transformer(nn.Module):
         angles = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]  # [B, T, 1, D/2]
         mask = None
-        if t > 1 or b > 1:
+        fresh = b == 1 and batch.starts[0] == 0 and kv_len == t
+        if (t > 1 or b > 1) and not fresh:
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
         x = self.embed(tokens).to(self.norm.weight.dtype)  # [B, T, H]
@@ -164,7 +167,7 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache, batch, kv_len, mask)
         if num_logits is not None:
             x = x[:, -num_logits:]
-        return linear(self.norm(x), self.output_weight()).float()  # [B, n, V]
+        return self.output(self.norm(x)).float()  # [B, n, V]
 
     @torch.no_grad()
     def load_tensor(self, name: str, tensor: torch.Tensor) -> None:

@@ -1,16 +1,22 @@
 """The model runner: the one object that runs the model on its device and owns the KV cache."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.errors import BonsaiError
 from engine.kv_cache import CacheBatch, KVCache, KVSlot
 from engine.loader import LoadedModel
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, num_slots: int = 1,
-                 prefill_chunk_size: int = 512):
+                 prefill_chunk_size: int = 512, fast_decode: bool | None = None):
+        """fast_decode: one-token steps through the fused decode step (CUDA-graphed on a GPU);
+        default on for CUDA devices."""
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -22,6 +28,18 @@ class ModelRunner:
             raise BonsaiError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.prefill_chunk_size = prefill_chunk_size
         self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device)
+        self.decoder = None
+        if fast_decode if fast_decode is not None else self.device.type == "cuda":
+            self.decoder = self._make_decoder()
+
+    def _make_decoder(self):
+        from engine.cuda_graphs import DecodeStepRunner
+        from engine.kernels.attention_decode import default_num_splits
+        try:
+            return DecodeStepRunner(self.model, self.cache, rows=1, num_splits=default_num_splits(self.max_seq_len))
+        except ValueError as e:  # a shape the kernels do not handle: the plain path still works
+            log.warning("fused decode step unavailable (%s); decoding through the plain model path", e)
+            return None
 
     def slot(self, index: int = 0) -> KVSlot:
         return self.cache.slots[index]
@@ -33,6 +51,10 @@ class ModelRunner:
         if start + t > slot.capacity:
             raise BonsaiError(f"the sequence needs {start + t} positions but the context holds "
                               f"{slot.capacity}: shorten the prompt or raise max_seq_len")
+        if t == 1 and self.decoder is not None:
+            logits = self.decoder.run(tokens, [start], [slot.index])  # [1, V]
+            slot.tokens.extend(tokens)
+            return logits.clone()
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         batch = CacheBatch.make([slot.index], [start], t, self.device)
         logits = self.model(ids, batch, self.cache, start + t, num_logits)  # [1, n, V]

@@ -15,6 +15,7 @@ import torch
 from engine.bench.records import Measurement
 from engine.errors import BonsaiError
 from engine.model import Linear
+from engine.packed_linear import PackedLinear
 from engine.runner import ModelRunner
 
 
@@ -110,6 +111,7 @@ def decode_bytes_per_token(runner: ModelRunner, context: int) -> int:
     and the KV cache of `context` positions."""
     model = runner.model
     weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
+    weights += sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
     emb = model.embed.weight
     if model.lm_head is None:
         weights += emb.numel() * emb.element_size()  # tied: the embedding is the output matrix

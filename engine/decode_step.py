@@ -1,0 +1,100 @@
+"""One decode step for M ≤ 16 rows with fused kernels — the body the CUDA graph captures.
+
+Unlike `Transformer.forward` (used for prefill), the residual stream stays float32 and every
+projection of a packed layer takes int8 activations made in one fused kernel (RMSNorm → int8, or
+SwiGLU → int8, or plain → int8); the two projections that end a sub-block (o_proj, down_proj) add
+themselves into the residual stream in place. Rows may belong to different slots and positions
+(batched decode, or the rows of a speculative verify step: each row's seq_len is position + 1).
+On the CPU (or without Triton) the same step runs through the kernels' plain-torch references.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import KVCache
+from engine.model import Transformer
+from engine.packed_linear import PackedLinear, kernels_usable
+
+
+@dataclass
+class StepInputs:
+    """Device tensors describing the rows of one step (static buffers when graphed)."""
+    tokens: torch.Tensor  # [M] int64
+    positions: torch.Tensor  # [M] int32, absolute position of each row's token
+    slot_ids: torch.Tensor  # [M] int32
+    seq_lens: torch.Tensor  # [M] int32 = positions + 1 (keys each row attends to)
+
+
+class _Ops:
+    """The kernels or their references, chosen once per device."""
+
+    def __init__(self, device: torch.device):
+        fast = kernels_usable(device)
+        if fast:
+            from engine.kernels.attention_decode import decode_attention
+            from engine.kernels.rope_cache import qk_norm_rope_write
+            from quant.kernels.act_quant import quantize_activations
+            from quant.kernels.packed_gemv import packed_gemv
+        else:
+            from engine.kernels.attention_decode import decode_attention_reference as decode_attention
+            from engine.kernels.rope_cache import qk_norm_rope_write_reference as qk_norm_rope_write
+            from quant.kernels.act_quant import quantize_activations_reference as quantize_activations
+            from quant.kernels.packed_gemv import packed_gemv_reference as packed_gemv
+        self.fast = fast
+        self.attention, self.rope_write = decode_attention, qk_norm_rope_write
+        self.quantize, self.gemv = quantize_activations, packed_gemv
+
+
+def _project(ops: _Ops, x: torch.Tensor, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,
+             eps: float = 1e-6, gated: bool = False, residual: torch.Tensor | None = None,
+             tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """norm/SwiGLU (optional) → projection; added into `residual` in place when given. Returns the
+    float32 result [M, N] (the residual itself when adding)."""
+    if isinstance(layer, PackedLinear):
+        xq = ops.quantize(x, layer.group_size, norm_weight, eps, gated=gated)
+        y = ops.gemv(*xq, layer.packed, out=residual, accumulate=residual is not None)
+        if layer.bias is not None:
+            y += layer.bias.float()
+        return y
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    if norm_weight is not None:
+        x = F.rms_norm(x, norm_weight.shape, norm_weight.float(), eps)
+    weight = tied_weight if layer is None else layer.weight
+    y = F.linear(x.to(weight.dtype), weight, None if layer is None else layer.bias).float()  # [M, N]
+    if residual is not None:
+        residual += y
+        return residual
+    return y
+
+
+def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Ops, num_splits: int) -> torch.Tensor:
+    """Logits float32 [M, V] for one token per row; K/V of the rows are written to the cache."""
+    cfg = model.config
+    eps = cfg.rms_norm_eps
+    x = model.embed(inputs.tokens).float()  # [M, H] residual stream
+    scale = cfg.head_dim ** -0.5
+    for i, block in enumerate(model.layers):
+        att, ffn = block.attention, block.feed_forward
+        qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps)  # [M, Q + 2KV]
+        q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, cache.k[i], cache.v[i],
+                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           att.q_norm.weight if att.q_norm is not None else None,
+                           att.k_norm.weight if att.k_norm is not None else None, eps)  # [M, H, D]
+        a = ops.attention(q.to(cache.k.dtype), cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
+                          num_splits)  # [M, H, D]
+        _project(ops, a.reshape(a.shape[0], cfg.q_size).float(), att.wo, residual=x)
+        gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps)  # [M, 2F]
+        _project(ops, gu, ffn.w2, gated=True, residual=x)
+    head = model.lm_head
+    return _project(ops, x, head, model.norm.weight, eps,
+                    tied_weight=model.embed.weight if head is None else None)  # [M, V]
+
+
+def make_ops(device: torch.device) -> _Ops:
+    return _Ops(device)
+

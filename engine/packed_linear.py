@@ -1,0 +1,143 @@
+"""Linear layers whose weights are packed low-bit codes (`quant.packed_layout`).
+
+On a CUDA device with Triton the product runs in the packed kernels: int8 activations and dp4a
+for up to 16 rows (decode, verify), tensor-core tiles for more (prefill). Elsewhere (the CPU, a
+GPU without Triton) the plain-torch references run the same maths, so every path is testable.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.errors import BonsaiError
+from quant import grids
+from quant.packed_layout import KINDS, PackedWeight, check_packable, pack, random_packed
+
+log = logging.getLogger(__name__)
+GEMV_MAX_ROWS = 16
+WEIGHT_TYPES = ("bf16", *KINDS)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the block matrices (and optionally the output layer) are held at run time."""
+    quant_type: str = "bf16"  # bf16 (the source's float weights) | tri | bin | int4 | int8
+    group_size: int = 128
+    head_type: str = "bf16"  # the output layer: bf16 | int4 | int8 | tri | bin
+
+    def __post_init__(self) -> None:
+        for key in ("quant_type", "head_type"):
+            if getattr(self, key) not in WEIGHT_TYPES:
+                raise BonsaiError(f"unknown weight type '{getattr(self, key)}' for {key}: "
+                                  f"use one of {', '.join(WEIGHT_TYPES)}")
+        if self.group_size not in (32, 64, 128, 256):
+            raise BonsaiError(f"group size {self.group_size} is not supported: use 32, 64, 128 or 256")
+
+    @property
+    def packed(self) -> bool:
+        return self.quant_type != "bf16" or self.head_type != "bf16"
+
+
+def kernels_usable(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    from quant.kernels import triton_available
+    return triton_available()
+
+
+class PackedLinear(nn.Module):
+    """y = x Wᵀ (+ b) with W a PackedWeight held as two buffers (words, scales)."""
+
+    def __init__(self, pw: PackedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.kind, self.group_size = pw.kind, pw.group_size
+        self.in_features, self.out_features = pw.in_features, pw.out_features
+        self.register_buffer("words", pw.words)  # [K/E, N] int32
+        self.register_buffer("scales", pw.scales)  # [K/G, N] float16
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.kind, self.words, self.scales, self.out_features, self.in_features,
+                            self.group_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        x2 = x.reshape(rows, self.in_features)  # [M, K]
+        y = packed_matmul(x2, self.packed)  # [M, N]
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def packed_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """x [M, K] @ Wᵀ: the kernels on CUDA, the references elsewhere (same maths)."""
+    small = x.shape[0] <= GEMV_MAX_ROWS
+    if kernels_usable(x.device):
+        if small:
+            from quant.kernels.act_quant import quantize_activations
+            from quant.kernels.packed_gemv import packed_gemv
+            return packed_gemv(*quantize_activations(x.contiguous(), pw.group_size), pw)
+        from quant.kernels.packed_gemm import packed_gemm
+        return packed_gemm(x.contiguous(), pw)
+    from quant.packed_layout import dequantize
+    if small:
+        from quant.kernels.act_quant import quantize_activations_reference
+        from quant.kernels.packed_gemv import packed_gemv_reference
+        return packed_gemv_reference(*quantize_activations_reference(x, pw.group_size), pw)
+    return x.float() @ dequantize(pw).t()
+
+
+def quantize_weight(w: torch.Tensor, kind: str, group_size: int) -> PackedWeight:
+    """Round a float matrix [N, K] to the kind's grid (RTN, quant.grids) and pack it."""
+    n, k = w.shape
+    try:
+        check_packable(kind, n, k, group_size)
+    except ValueError as e:
+        raise BonsaiError(f"cannot pack a [{n}, {k}] matrix as {kind}: {e}; choose another --group-size") from None
+    if kind == "tri":
+        codes, scales = grids.ternary_rtn(w, group_size)
+    elif kind == "bin":
+        codes, scales = grids.binary_rtn(w, group_size)
+    else:
+        codes, scales = grids.int_rtn(w, 4 if kind == "int4" else 8, group_size)
+    return pack(kind, codes, scales, group_size)
+
+
+def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed: int = 0) -> None:
+    """Swap the model's block Linear layers (and the output layer if fmt.head_type says so) for
+    PackedLinear: rounded from the loaded float weights, or random packed codes (dummy) made
+    directly on the weights' device."""
+    from engine.model import Linear
+    generator = None
+    targets = []
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        kind = fmt.head_type if name == "lm_head" else fmt.quant_type
+        if kind != "bf16":
+            targets.append((name, module, kind))
+    if model.lm_head is None and fmt.head_type != "bf16":  # tied: the output layer gets its own packed copy
+        emb = model.embed.weight
+        model.lm_head = Linear(emb.shape[1], emb.shape[0])
+        model.lm_head.weight = emb
+        targets.append(("lm_head", model.lm_head, fmt.head_type))
+    for name, module, kind in targets:
+        device = module.weight.device
+        if dummy:
+            if generator is None or generator.device != device:
+                generator = torch.Generator(device=device).manual_seed(seed)
+            n, k = module.weight.shape
+            pw = random_packed(kind, n, k, fmt.group_size, device=device, generator=generator)
+        else:
+            pw = quantize_weight(module.weight.data, kind, fmt.group_size)
+        bias = module.bias.data if module.bias is not None else None
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(pw, bias))
+        module.weight = None  # free the float copy now

@@ -1,0 +1,133 @@
+"""Packed-weight matrix-vector product for decode and small batches (M = 1..16 rows).
+
+y [M, N] (float32) = x Wᵀ with W a `PackedWeight` and x given as int8 per-group activations
+(`act_quant`). Per group g of G input features and output column n:
+    y[m, n] += sw[g, n] · sx[m, g] · (MULT · Σ_k u[k, n]·xq[m, k] − OFFSET · sumx[m, g])
+The integer sums are `dp4a` (four byte products per instruction) on words that hold four codes per
+byte lane after one shift and mask. Split-K programs add their partial sums with atomics, which
+also lets a projection add itself straight into the float32 residual stream (`accumulate=True`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quant.kernels import interpreting
+from quant.packed_layout import PackedWeight, layout_kind
+
+_BYTE_MASK = {1: 0x01010101, 2: 0x03030303, 4: 0x0F0F0F0F, 8: -1}
+
+
+def packed_gemv_reference(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
+                          out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """The same maths in plain torch (float64 integer sums, exact): y [M, N] float32 (into out, or
+    added to it with accumulate)."""
+    from quant.packed_layout import unpack_codes
+    kind = layout_kind(pw.kind)
+    m, k = xq.shape
+    g = pw.group_size
+    values = unpack_codes(pw).to(torch.float64)  # [N, K] grid values
+    xg = xq.to(torch.float64).reshape(m, k // g, g)  # [M, K/G, G]
+    wg = values.reshape(pw.out_features, k // g, g)  # [N, K/G, G]
+    isum = torch.einsum("mgk,ngk->mgn", xg, wg)  # [M, K/G, N]: Σ value·x per group
+    y = (isum * sx.double()[..., None] * pw.scales.double()[None]).sum(1).float()  # [M, N]
+    del kind, sumx  # the reference uses the grid values directly (no offset correction needed)
+    if out is None:
+        return y
+    if accumulate:
+        out += y
+    else:
+        out.copy_(y)
+    return out
+
+
+@triton.jit
+def _dot4(a, b, acc, USE_ASM: tl.constexpr):
+    """acc + Σ over the four signed bytes of a·b (dp4a)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = acc
+        for byte in tl.static_range(4):
+            r += ((a << (24 - 8 * byte)) >> 24) * ((b << (24 - 8 * byte)) >> 24)
+        return r
+
+
+@triton.jit
+def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, groups_per_split,
+                        BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, BYTE_MASK: tl.constexpr,
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr, USE_ASM: tl.constexpr):
+    STEPS: tl.constexpr = 8 // BITS  # shift steps per word
+    GW: tl.constexpr = GROUP * BITS // 32  # words per group (per column)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)  # [BM]
+    m_mask = offs_m < M
+    rows = tl.arange(0, GW)  # [GW]
+    x_words = K // 4
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, NG)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(g_start, g_end):
+        w = tl.load(w_ptr + (g * GW + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0,
+                    eviction_policy="evict_first")  # [GW, BN] int32
+        isum = tl.zeros([BLOCK_M, GW, BLOCK_N], dtype=tl.int32)
+        for j in tl.static_range(STEPS):
+            codes = (w >> (BITS * j)) & BYTE_MASK  # [GW, BN]: four codes as bytes
+            xw = tl.load(xq_ptr + offs_m[:, None] * x_words + g * (GROUP // 4) + (STEPS * rows + j)[None, :],
+                         mask=m_mask[:, None], other=0)  # [BM, GW]: the four int8 activations they meet
+            isum = _dot4(tl.broadcast_to(codes[None, :, :], [BLOCK_M, GW, BLOCK_N]),
+                         tl.broadcast_to(xw[:, :, None], [BLOCK_M, GW, BLOCK_N]), isum, USE_ASM)
+        dot = tl.sum(isum, axis=1)  # [BM, BN]
+        sumx = tl.load(sumx_ptr + offs_m * NG + g, mask=m_mask, other=0)  # [BM]
+        sx = tl.load(sx_ptr + offs_m * NG + g, mask=m_mask, other=0.0)  # [BM]
+        sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
+        corrected = (dot * MULT - OFFSET * sumx[:, None]).to(tl.float32)
+        acc += corrected * sx[:, None] * sw[None, :]
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptr + out_offs, acc, mask=mask)
+    else:
+        if ACCUMULATE:
+            acc += tl.load(out_ptr + out_offs, mask=mask, other=0.0)
+        tl.store(out_ptr + out_offs, acc, mask=mask)
+
+
+def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -> tuple[int, int, int]:
+    """(BLOCK_N, split_k, num_warps): enough programs to fill the GPU several times over, each reading
+    whole groups of contiguous columns."""
+    block_n = 64 if kind == "int8" else 128
+    blocks = triton.cdiv(n, block_n)
+    split = 1
+    while blocks * split < 4 * num_sms and split * 2 <= num_groups // 2:
+        split *= 2
+    return block_n, split, 4
+
+
+def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
+                out: torch.Tensor | None = None, accumulate: bool = False,
+                config: tuple[int, int, int] | None = None, num_sms: int = 132) -> torch.Tensor:
+    """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y."""
+    m, k = xq.shape
+    assert m <= 16 and k == pw.in_features and xq.is_contiguous()
+    kind = layout_kind(pw.kind)
+    ng = k // pw.group_size
+    block_n, split, warps = config or gemv_launch_config(pw.out_features, ng, pw.kind, num_sms)
+    if out is None:
+        out = torch.zeros(m, pw.out_features, dtype=torch.float32, device=xq.device)
+    elif not accumulate and split > 1:
+        out.zero_()
+    per_split = triton.cdiv(ng, split)
+    grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(ng, per_split))
+    _packed_gemv_kernel[grid](
+        xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
+        BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits],
+        GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 1), BLOCK_N=block_n,
+        ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(), num_warps=warps)
+    return out

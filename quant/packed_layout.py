@@ -1,0 +1,150 @@
+"""Runtime weight layouts for the GPU kernels: integer codes packed into int32 words along K.
+
+A matrix W [N, K] (y = x Wᵀ) with one scale per group of G input features is stored as
+  words  int32 [K/E, N]  — E = 32 / bits codes per word; column n's words are neighbours in memory
+                           of column n+1's, so lanes of a warp that own neighbouring columns read
+                           neighbouring addresses;
+  scales float16 [K/G, N].
+Inside a word, element k = E*i + 4*j + b (word row i, shift step j, byte b) sits at bit 8*b + bits*j,
+so `(word >> bits*j) & mask_per_byte` yields the codes of four consecutive k as four bytes: one
+`dp4a` against four int8 activations packed the same way.
+
+Stored code u and its value (value of a weight = value(u) * scale of its group):
+  tri  (2 bits): u ∈ {0, 1, 2},  value = u - 1
+  bin  (1 bit):  u ∈ {0, 1},     value = 2u - 1
+  int4 (4 bits): u ∈ [0, 15],    value = u - 8
+  int8 (8 bits): u = the signed byte itself
+i.e. value = MULT * u - OFFSET with (MULT, OFFSET) below; integer dot products are corrected once
+per group: Σ value·x = MULT·Σ u·x − OFFSET·Σ x.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayoutKind:
+    name: str
+    bits: int
+    mult: int
+    offset: int
+    signed: bool  # the stored byte is a signed code (int8) rather than an unsigned one
+
+    @property
+    def per_word(self) -> int:
+        return 32 // self.bits
+
+    @property
+    def bits_per_weight_codes(self) -> int:
+        return self.bits
+
+
+KINDS = {
+    "tri": LayoutKind("tri", 2, 1, 1, False),
+    "bin": LayoutKind("bin", 1, 2, 1, False),
+    "int4": LayoutKind("int4", 4, 1, 8, False),
+    "int8": LayoutKind("int8", 8, 1, 0, True),
+}
+
+
+def layout_kind(name: str) -> LayoutKind:
+    if name not in KINDS:
+        raise ValueError(f"no packed runtime layout for '{name}' (known: {', '.join(KINDS)})")
+    return KINDS[name]
+
+
+@dataclass
+class PackedWeight:
+    """One packed matrix: words [K/E, N] int32, scales [K/G, N] float16."""
+    kind: str
+    words: torch.Tensor  # [K/E, N] int32
+    scales: torch.Tensor  # [K/G, N] float16
+    out_features: int  # N
+    in_features: int  # K
+    group_size: int  # G
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.numel() * 4 + self.scales.numel() * self.scales.element_size()
+
+    def to(self, device: torch.device | str) -> "PackedWeight":
+        return PackedWeight(self.kind, self.words.to(device), self.scales.to(device), self.out_features,
+                            self.in_features, self.group_size)
+
+
+def check_packable(kind: str, out_features: int, in_features: int, group_size: int) -> None:
+    k = layout_kind(kind)
+    if group_size % k.per_word or group_size % 4:
+        raise ValueError(f"group size {group_size} must be a multiple of {max(k.per_word, 4)} for {kind}")
+    if in_features % group_size:
+        raise ValueError(f"group size {group_size} does not divide the input dimension {in_features}")
+
+
+def _stored_codes(kind: LayoutKind, codes: torch.Tensor) -> torch.Tensor:
+    """Grid codes (value = code) → stored unsigned field u, as int64."""
+    c = codes.to(torch.int64)
+    if kind.name == "bin":
+        return (c > 0).to(torch.int64)
+    if kind.name == "int8":
+        return c & 0xFF
+    return c + kind.offset
+
+
+def pack(kind_name: str, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> PackedWeight:
+    """codes int8 [N, K] on the kind's grid, scales [N, K/G] → PackedWeight (on codes' device)."""
+    kind = layout_kind(kind_name)
+    n, k = codes.shape
+    check_packable(kind_name, n, k, group_size)
+    e, steps = kind.per_word, 8 // kind.bits
+    u = _stored_codes(kind, codes).reshape(n, k // e, steps, 4)  # [N, K/E, j, b]
+    shifts = (8 * torch.arange(4, device=codes.device)[None, :]
+              + kind.bits * torch.arange(steps, device=codes.device)[:, None])  # [j, b]
+    words = (u << shifts).sum(dim=(-2, -1))  # [N, K/E] in [0, 2^32)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return PackedWeight(kind_name, words.t().contiguous(), scales.to(torch.float16).t().contiguous(),
+                        n, k, group_size)
+
+
+def unpack_codes(pw: PackedWeight) -> torch.Tensor:
+    """PackedWeight → grid codes int8 [N, K] (exact inverse of `pack`)."""
+    kind = layout_kind(pw.kind)
+    e, steps = kind.per_word, 8 // kind.bits
+    w = pw.words.t().to(torch.int64) & 0xFFFFFFFF  # [N, K/E]
+    shifts = (8 * torch.arange(4, device=w.device)[None, :]
+              + kind.bits * torch.arange(steps, device=w.device)[:, None])  # [j, b]
+    u = (w[..., None, None] >> shifts) & ((1 << kind.bits) - 1)  # [N, K/E, j, b]
+    if kind.signed:
+        u = torch.where(u >= 128, u - 256, u)
+        values = u
+    else:
+        values = kind.mult * u - kind.offset
+    return values.reshape(pw.out_features, pw.in_features).to(torch.int8)
+
+
+def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """PackedWeight → dense W [N, K]."""
+    codes = unpack_codes(pw).float()  # [N, K]
+    g = pw.group_size
+    scales = pw.scales.t().float()  # [N, K/G]
+    w = codes.reshape(pw.out_features, -1, g) * scales[..., None]
+    return w.reshape(pw.out_features, pw.in_features).to(dtype)
+
+
+def random_packed(kind_name: str, out_features: int, in_features: int, group_size: int,
+                  device: torch.device | str = "cpu", std: float = 0.02,
+                  generator: torch.Generator | None = None) -> PackedWeight:
+    """Random weights of the right format and size, made directly in the packed layout on `device`
+    (`load_format: dummy`): uniform codes, scales ≈ std of a float layer of that fan-in."""
+    kind = layout_kind(kind_name)
+    check_packable(kind_name, out_features, in_features, group_size)
+    e = kind.per_word
+    words = torch.randint(-2 ** 31, 2 ** 31, (in_features // e, out_features), dtype=torch.int64,
+                          device=device, generator=generator).to(torch.int32)  # [K/E, N]
+    if kind.name == "tri":  # a 2-bit field of 3 is not a ternary code: map 3 → 2 in every field
+        hi, lo = (words >> 1) & 0x55555555, words & 0x55555555
+        words = words & ~(hi & lo)  # fields 11 → 10
+    scale = std * (1.0 if kind.name in ("tri", "bin") else 1.0 / (2 ** (kind.bits - 1)))
+    scales = torch.full((in_features // group_size, out_features), scale, dtype=torch.float16, device=device)
+    return PackedWeight(kind_name, words, scales, out_features, in_features, group_size)

@@ -1,0 +1,220 @@
+"""One GPU run that checks every kernel at real shapes, then times them (and a whole decode step).
+
+    python tests/perf/gpu_kernels.py --json gpu.json [--sections check,gemv,gemm,step] [--quick]
+
+Checks: activation quantization, packed GEMV (all layouts, M = 1/4/16), packed GEMM, decode attention
+and rope/KV write against their references at Qwen3-8B shapes. Timings (CUDA-graph replays, so
+launch overhead is excluded as it is in the graphed decode step): GEMV configurations swept per
+shape with achieved bandwidth vs the measured copy bandwidth and vs bf16 cuBLAS; GEMM vs bf16
+cuBLAS; the graphed decode step of whole dummy models.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engine.bench.model_bench import measure_copy_bandwidth  # noqa: E402
+from quant.kernels.act_quant import quantize_activations, quantize_activations_reference  # noqa: E402
+from quant.kernels.packed_gemm import packed_gemm  # noqa: E402
+from quant.kernels.packed_gemv import packed_gemv, packed_gemv_reference  # noqa: E402
+from quant.packed_layout import KINDS, dequantize, random_packed  # noqa: E402
+
+SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+             "head": (151936, 4096)}
+RESULTS: dict = {"checks": [], "gemv": [], "gemm": [], "step": []}
+
+
+def bench(fn, graph: bool = True) -> float:
+    """Seconds per call (median), from CUDA-graph replays when possible."""
+    import triton.testing
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
+    return triton.testing.do_bench(fn, rep=50, return_mode="median") * 1e-3
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    RESULTS["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
+    print(f"[{'ok' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+
+
+def section_check(dev) -> None:
+    g = torch.Generator(device=dev).manual_seed(0)
+    for mode in ("norm", "gated"):
+        x = torch.randn(4, 8192 if mode == "gated" else 4096, device=dev)
+        w = torch.rand(4096, device=dev) + 0.5 if mode == "norm" else None
+        a, b = quantize_activations(x, 128, w, gated=mode == "gated"), quantize_activations_reference(
+            x, 128, w, gated=mode == "gated")
+        check(f"act_quant {mode}", torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]), "int8 identical")
+    for kind in KINDS:
+        for name, (n, k) in SHAPES_8B.items():
+            if name == "head" and kind != "int4":
+                continue
+            pw = random_packed(kind, n, k, 128, device=dev, generator=g)
+            for m in (1, 4, 16):
+                xq = quantize_activations(torch.randn(m, k, device=dev), 128)
+                got, want = packed_gemv(*xq, pw), packed_gemv_reference(*xq, pw)
+                err = ((got - want).abs().max() / want.abs().max()).item()
+                check(f"gemv {kind} {name} M={m}", err < 1e-5, f"max rel err {err:.2e}")
+        pw = random_packed(kind, 4096, 4096, 128, device=dev, generator=g)
+        x = torch.randn(512, 4096, device=dev, dtype=torch.bfloat16)
+        want = (x.float() @ dequantize(pw).t())
+        err = ((packed_gemm(x, pw).float() - want).abs().max() / want.abs().max()).item()
+        check(f"gemm {kind} 512x4096x4096", err < 2e-2, f"max rel err {err:.2e} (bf16 output)")
+    try:
+        import subprocess
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/"], capture_output=True,
+                           text=True, timeout=400)
+        tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
+        check("pytest -m gpu", r.returncode == 0, tail)
+        if r.returncode:
+            print(r.stdout[-4000:], flush=True)
+    except Exception as e:  # keep timing even if the test run breaks
+        check("pytest -m gpu", False, repr(e))
+
+
+def section_gemv(dev, copy_bw: float, quick: bool) -> None:
+    g = torch.Generator(device=dev).manual_seed(1)
+    block_ns = (64, 128) if quick else (32, 64, 128, 256)
+    splits = (1, 4, 16) if quick else (1, 2, 4, 8, 16)
+    for kind in ("tri", "bin", "int4", "int8"):
+        for name, (n, k) in SHAPES_8B.items():
+            if name == "head" and kind not in ("int4", "tri"):
+                continue
+            pw = random_packed(kind, n, k, 128, device=dev, generator=g)
+            dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            for m in ((1, 4, 16) if name != "head" else (1,)):
+                xq = quantize_activations(torch.randn(m, k, device=dev), 128)
+                out = torch.zeros(m, n, device=dev)
+                best = None
+                for bn in block_ns:
+                    for split in splits:
+                        for warps in (4, 8):
+                            cfg = (bn, split, warps)
+                            try:
+                                t = bench(lambda: packed_gemv(*xq, pw, out=out, config=cfg))
+                            except Exception as e:  # a config a shape cannot take
+                                print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+                                continue
+                            if best is None or t < best[0]:
+                                best = (t, cfg)
+                xb = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                t_bf16 = bench(lambda: torch.nn.functional.linear(xb, dense))
+                t, cfg = best
+                row = {"kind": kind, "shape": name, "n": n, "k": k, "m": m, "us": t * 1e6, "config": cfg,
+                       "bytes": pw.nbytes, "gb_per_s": pw.nbytes / t / 1e9, "fraction_of_copy": pw.nbytes / t / copy_bw,
+                       "bf16_us": t_bf16 * 1e6, "speedup_vs_bf16": t_bf16 / t}
+                RESULTS["gemv"].append(row)
+                print(f"gemv {kind:4} {name:8} M={m:2} {t * 1e6:7.1f} us {row['gb_per_s']:6.0f} GB/s "
+                      f"({row['fraction_of_copy']:.0%} of copy) cfg={cfg} bf16 {t_bf16 * 1e6:7.1f} us "
+                      f"x{row['speedup_vs_bf16']:.1f}", flush=True)
+
+
+def section_gemm(dev) -> None:
+    g = torch.Generator(device=dev).manual_seed(2)
+    configs = [None, (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4), (128, 128, 128, 8, 3),
+               (256, 128, 64, 8, 3)]
+    for kind in ("tri", "bin", "int4"):
+        for name, (n, k) in SHAPES_8B.items():
+            if name == "head":
+                continue
+            pw = random_packed(kind, n, k, 128, device=dev, generator=g)
+            x = torch.randn(512, k, device=dev, dtype=torch.bfloat16)
+            dense = dequantize(pw, torch.bfloat16)
+            out = torch.empty(512, n, device=dev, dtype=torch.bfloat16)
+            best = None
+            for cfg in configs:
+                try:
+                    t = bench(lambda: packed_gemm(x, pw, out=out, config=cfg), graph=False)
+                except Exception as e:
+                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            t_cublas = bench(lambda: torch.nn.functional.linear(x, dense), graph=False)
+            t_deq = bench(lambda: torch.nn.functional.linear(x, dequantize(pw, torch.bfloat16)), graph=False)
+            flops = 2 * 512 * n * k
+            t, cfg = best
+            RESULTS["gemm"].append({"kind": kind, "shape": name, "m": 512, "us": t * 1e6, "config": cfg,
+                                    "tflops": flops / t / 1e12, "cublas_bf16_tflops": flops / t_cublas / 1e12,
+                                    "dequant_then_cublas_tflops": flops / t_deq / 1e12})
+            print(f"gemm {kind:4} {name:8} M=512 {flops / t / 1e12:6.1f} TFLOP/s cfg={cfg} | cuBLAS bf16 "
+                  f"{flops / t_cublas / 1e12:6.1f} | dequant+cuBLAS {flops / t_deq / 1e12:6.1f}", flush=True)
+
+
+def section_step(dev, models: list[str]) -> None:
+    import yaml
+
+    from engine.cuda_graphs import DecodeStepRunner
+    from engine.kernels.attention_decode import default_num_splits
+    from engine.kv_cache import KVCache
+    from engine.loader import load_dummy
+    from engine.model_config import ModelConfig
+    from engine.packed_linear import WeightFormat
+    root = Path(__file__).resolve().parents[2]
+    for spec in models:  # name:weights:head
+        name, weights, head = spec.split(":")
+        cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs" / "models" / f"{name}.yaml").read_text()))
+        loaded = load_dummy(cfg, name, dev, WeightFormat(weights, 128, head))
+        for ctx in (512, 4096):
+            cache = KVCache(cfg, ctx + 64, 1, dtype=torch.bfloat16, device=dev)
+            step = DecodeStepRunner(loaded.model, cache, 1, default_num_splits(ctx + 64))
+            step.run([1], [ctx], [0])
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            reps = 200
+            for i in range(reps):
+                step.graph.replay()
+            torch.cuda.synchronize()
+            t = (time.perf_counter() - t0) / reps
+            wbytes = sum(b.numel() * b.element_size() for n_, b in loaded.model.named_buffers() if n_.endswith(("words", "scales")))
+            wbytes += sum(p.numel() * p.element_size() for n_, p in loaded.model.named_parameters()
+                          if p.dim() == 2 and "embed" not in n_)
+            kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * ctx
+            row = {"model": name, "weights": weights, "head": head, "context": ctx, "us_per_token": t * 1e6,
+                   "tokens_per_second": 1 / t, "bytes_per_token": wbytes + kv, "gb_per_s": (wbytes + kv) / t / 1e9}
+            RESULTS["step"].append(row)
+            print(f"step {name} {weights}/{head} ctx={ctx}: {t * 1e6:.0f} us/token = {1 / t:.0f} tok/s, "
+                  f"{(wbytes + kv) / 1e9:.2f} GB/token, {(wbytes + kv) / t / 1e9:.0f} GB/s", flush=True)
+            del step, cache
+        del loaded
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--sections", default="check,gemv,gemm,step")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", default="qwen3-8b:tri:int4,qwen3-8b:bin:int4,qwen3-8b:bf16:bf16,dense-27b:tri:int4")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    RESULTS["device"] = torch.cuda.get_device_name(0)
+    copy_bw = measure_copy_bandwidth(dev)
+    RESULTS["copy_bytes_per_second"] = copy_bw
+    print(f"{RESULTS['device']}: copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
+    sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick),
+                "gemm": lambda: section_gemm(dev), "step": lambda: section_step(dev, args.models.split(","))}
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            sections[name]()
+        except Exception:
+            traceback.print_exc()
+            RESULTS.setdefault("errors", []).append(name)
+        print(f"== section {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(RESULTS, indent=1))
+
+
+if __name__ == "__main__":
+    main()
