@@ -16,10 +16,11 @@ from engine.model import Transformer
 class DecodeStepRunner:
     """Runs `decode_step` for a fixed number of rows, graphed on CUDA."""
 
-    def __init__(self, model: Transformer, cache: KVCache, rows: int, num_splits: int, use_graph: bool = True):
+    def __init__(self, model: Transformer, cache: KVCache, rows: int, num_splits: int, use_graph: bool = True,
+                 kernels: bool | None = None):
         device = cache.k.device
         self.model, self.cache, self.rows, self.num_splits = model, cache, rows, num_splits
-        self.ops = make_ops(device)
+        self.ops = make_ops(device, kernels)
         self.inputs = StepInputs(tokens=torch.zeros(rows, dtype=torch.long, device=device),
                                  positions=torch.zeros(rows, dtype=torch.int32, device=device),
                                  slot_ids=torch.zeros(rows, dtype=torch.int32, device=device),

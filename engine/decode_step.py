@@ -31,8 +31,8 @@ class StepInputs:
 class _Ops:
     """The kernels or their references, chosen once per device."""
 
-    def __init__(self, device: torch.device):
-        fast = kernels_usable(device)
+    def __init__(self, device: torch.device, kernels: bool | None = None):
+        fast = kernels_usable(device) if kernels is None else kernels
         if fast:
             from engine.kernels.attention_decode import decode_attention
             from engine.kernels.rope_cache import qk_norm_rope_write
@@ -95,6 +95,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
                     tied_weight=model.embed.weight if head is None else None)  # [M, V]
 
 
-def make_ops(device: torch.device) -> _Ops:
-    return _Ops(device)
+def make_ops(device: torch.device, kernels: bool | None = None) -> _Ops:
+    """The Triton kernels (default on CUDA; on the CPU only under TRITON_INTERPRET) or the references."""
+    return _Ops(device, kernels)
 

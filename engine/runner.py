@@ -36,7 +36,9 @@ class ModelRunner:
         from engine.cuda_graphs import DecodeStepRunner
         from engine.kernels.attention_decode import default_num_splits
         try:
-            return DecodeStepRunner(self.model, self.cache, rows=1, num_splits=default_num_splits(self.max_seq_len))
+            cfg = self.loaded.config
+            splits = default_num_splits(self.max_seq_len, cfg.num_kv_heads, head_dim=cfg.head_dim)
+            return DecodeStepRunner(self.model, self.cache, rows=1, num_splits=splits)
         except ValueError as e:  # a shape the kernels do not handle: the plain path still works
             log.warning("fused decode step unavailable (%s); decoding through the plain model path", e)
             return None

@@ -167,7 +167,7 @@ def section_step(dev, models: list[str]) -> None:
         loaded = load_dummy(cfg, name, dev, WeightFormat(weights, 128, head))
         for ctx in (512, 4096):
             cache = KVCache(cfg, ctx + 64, 1, dtype=torch.bfloat16, device=dev)
-            step = DecodeStepRunner(loaded.model, cache, 1, default_num_splits(ctx + 64))
+            step = DecodeStepRunner(loaded.model, cache, 1, default_num_splits(ctx + 64, cfg.num_kv_heads, head_dim=cfg.head_dim))
             step.run([1], [ctx], [0])
             torch.cuda.synchronize()
             t0 = time.perf_counter()

@@ -1,0 +1,35 @@
+"""Whole-model logits on the GPU (packed kernels, fused CUDA-graph decode) vs the CPU reference path,
+on the real SmolLM2: top-1 agreement ≥ 99% at every decoded position. GPU only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.loader import load_model
+from engine.packed_linear import WeightFormat
+from engine.runner import ModelRunner
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+        "combined movable metal type, oil-based ink and a wooden press. Books became cheaper, literacy "
+        "spread, and scholars could compare identical copies of the same text across Europe. ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_smollm2_gpu_decode_agrees_with_cpu_reference(smollm2_gguf, weights):
+    fmt = WeightFormat(weights, 64, "bf16")
+    cpu = load_model(smollm2_gguf, "cpu", weight_dtype=torch.float32, weight_format=fmt)
+    ids = cpu.tokenizer.encode(TEXT * 2)[:160]
+    ref_runner = ModelRunner(cpu, max_seq_len=256, fast_decode=False)
+    ref = ref_runner.forward(ref_runner.slot(0), ids, num_logits=None)  # [T, V]
+    gpu = load_model(smollm2_gguf, "cuda", weight_format=fmt)
+    runner = ModelRunner(gpu, max_seq_len=256)
+    assert runner.decoder is not None and runner.decoder.graph is not None
+    slot = runner.slot(0)
+    runner.prefill(slot, ids[:32])
+    agree = total = 0
+    for i in range(32, len(ids) - 1):
+        logits = runner.forward(slot, [ids[i]])[0].cpu()
+        agree += int(logits.argmax() == ref[i].argmax())
+        total += 1
+    assert agree / total >= 0.99, f"{weights}: top-1 agreement {agree}/{total}"
