@@ -1,0 +1,230 @@
+"""Decode attention over the static KV cache, split across the sequence ("flash decoding").
+
+Each program handles one (row, kv head, split): the query heads that share the kv head form one
+[G_PAD, D] tile (padded to 16 rows for tl.dot) and stream the split's keys/values in BLOCK_S tiles with
+an online softmax in float32. The grid (M, KV, num_splits) never depends on the values of seq_lens, so
+a CUDA graph captures it once and replays it at any length: a split past a row's length only records
+an empty partial. A second kernel combines the splits' partials by log-sum-exp.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import UnsupportedKernelShape, next_power_of_2
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_GROUP = 64  # query heads per kv head
+MAX_SPLITS = 1024
+MIN_SPLIT_LEN = 256  # keys: below this a split's fixed costs (q load, partial write) dominate
+PROGRAMS_PER_SM = 2
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_ptr, out_ptr,
+                         stride_qm, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
+                         stride_om, stride_oh, num_heads, max_seq, split_len, scale_log2,
+                         GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.minimum(tl.load(len_ptr + row), max_seq)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    rows = tl.arange(0, G_PAD)
+    dims = tl.arange(0, D)
+    row_ok = rows < GROUP
+    heads = kv_head * GROUP + rows  # [G_PAD]
+    q = tl.load(q_ptr + row * stride_qm + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)  # [G_PAD, D]
+    if DOT_F32:
+        q = q.to(tl.float32)
+    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
+    v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        keys = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        key_ok = keys < end
+        k = tl.load(k_base + keys[:, None] * stride_kt + dims[None, :], mask=key_ok[:, None], other=0.0,
+                    eviction_policy="evict_first")  # [BLOCK_S, D]
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_S]
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [G_PAD, BLOCK_S]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + keys[:, None] * stride_vt + dims[None, :], mask=key_ok[:, None], other=0.0,
+                    eviction_policy="evict_first")  # [BLOCK_S, D]
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + row * stride_om + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part_rows = (row * num_heads + heads) * NUM_SPLITS + split  # [G_PAD]
+        tl.store(part_ptr + part_rows[:, None] * D + dims[None, :], acc / l_safe[:, None],
+                 mask=(row_ok & (rows * 0 + end > start))[:, None])  # broadcast first: the interpreter
+        # mistypes a scalar comparison inside a mask
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # [G_PAD], -inf: an empty split
+        tl.store(lse_ptr + part_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_om, stride_oh, num_heads,
+                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                           D: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (row * num_heads + head) * NUM_SPLITS
+    splits = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(lse_ptr + base + splits, mask=splits < NUM_SPLITS, other=float("-inf"))  # [SPLITS_PAD]
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row without keys gives zeros, not NaN
+    total = tl.sum(tl.exp2(lse - top), 0)
+    dims = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    for c in range(0, NUM_SPLITS, CHUNK):
+        chunk = c + tl.arange(0, CHUNK)
+        chunk_lse = tl.load(lse_ptr + base + chunk, mask=chunk < NUM_SPLITS, other=float("-inf"))  # [CHUNK]
+        used = chunk_lse > float("-inf")
+        part = tl.load(part_ptr + (base + chunk)[:, None] * D + dims[None, :], mask=used[:, None],
+                       other=0.0)  # [CHUNK, D]
+        acc += tl.sum(part * tl.exp2(chunk_lse - top)[:, None], 0)
+    total = tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_om + head * stride_oh + dims, (acc / total).to(out_ptr.dtype.element_ty))
+
+
+def block_size(head_dim: int) -> int:
+    """Keys per tile of the split kernel."""
+    return 64 if head_dim >= 128 else 128
+
+
+def split_length(max_seq_len: int, num_splits: int, head_dim: int) -> int:
+    """Keys per split (a whole number of tiles): split i covers keys [i * length, (i + 1) * length)."""
+    block = block_size(head_dim)
+    return triton.cdiv(triton.cdiv(max_seq_len, num_splits), block) * block
+
+
+def default_num_splits(max_seq_len: int, num_kv_heads: int = 8, batch: int = 1, num_sms: int = 132,
+                       head_dim: int = 128) -> int:
+    """Splits for a cache of max_seq_len keys: at full length the grid holds about PROGRAMS_PER_SM programs
+    per SM (batch * kv_heads * splits), but no split is shorter than MIN_SPLIT_LEN keys, so short caches
+    use few programs (one split skips the combine kernel); no split is left empty at full length."""
+    assert max_seq_len > 0 and num_kv_heads > 0 and batch > 0 and num_sms > 0
+    wanted = max(1, math.ceil(PROGRAMS_PER_SM * num_sms / (batch * num_kv_heads)))
+    length = split_length(max_seq_len, min(wanted, MAX_SPLITS), head_dim)
+    length = max(length, split_length(MIN_SPLIT_LEN, 1, head_dim))
+    return triton.cdiv(max_seq_len, length)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+           seq_lens: torch.Tensor, num_splits: int) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise UnsupportedKernelShape(
+            f"decode_attention needs q [M, H, D] and caches [slots, KV, S, D] of one shape; got q "
+            f"{tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    m, h, d = q.shape
+    kv = k_cache.shape[1]
+    if k_cache.shape[3] != d or d not in SUPPORTED_HEAD_DIMS:
+        raise UnsupportedKernelShape(f"decode_attention supports head_dim {SUPPORTED_HEAD_DIMS}; got q {d}, "
+                                     f"cache {k_cache.shape[3]}")
+    if h % kv or h // kv > MAX_GROUP:
+        raise UnsupportedKernelShape(f"decode_attention needs num_heads ({h}) a multiple of num_kv_heads ({kv}) "
+                                     f"with at most {MAX_GROUP} query heads per kv head")
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise UnsupportedKernelShape(f"decode_attention needs q and caches of one dtype among float32/float16/"
+                                     f"bfloat16; got q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise UnsupportedKernelShape("decode_attention needs the head_dim of q and the caches contiguous")
+    if slot_ids.shape != (m,) or seq_lens.shape != (m,) or slot_ids.dtype.is_floating_point \
+            or seq_lens.dtype.is_floating_point:
+        raise UnsupportedKernelShape(f"decode_attention needs integer slot_ids and seq_lens of shape [{m}]; got "
+                                     f"{tuple(slot_ids.shape)} {slot_ids.dtype}, {tuple(seq_lens.shape)} "
+                                     f"{seq_lens.dtype}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise UnsupportedKernelShape(f"decode_attention needs 1 <= num_splits <= {MAX_SPLITS}; got {num_splits}")
+    devices = {t.device for t in (q, k_cache, v_cache, slot_ids, seq_lens)}
+    if len(devices) != 1:
+        raise UnsupportedKernelShape(f"decode_attention needs all tensors on one device; got {sorted(map(str, devices))}")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, num_splits: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [M, H, D]; caches [slots, KV, S, D]; slot_ids [M] int32; seq_lens [M] int32 = number of valid
+    keys of each row (keys 0..seq_len-1 of its slot; a causal verify row passes position + 1; values
+    above S are clamped to S). Query head h reads kv head h // (H // KV). Returns out [M, H, D] in q's
+    dtype. Raises UnsupportedKernelShape (a ValueError) for shapes it cannot handle."""
+    _check(q, k_cache, v_cache, slot_ids, seq_lens, num_splits)
+    m, h, d = q.shape
+    if out is None:
+        out = torch.empty(m, h, d, dtype=q.dtype, device=q.device)  # [M, H, D]
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise UnsupportedKernelShape(f"decode_attention's out must be {tuple(q.shape)} {q.dtype} with a "
+                                     f"contiguous last dim; got {tuple(out.shape)} {out.dtype}")
+    # The interpreter multiplies bfloat16 tiles as raw uint16 integers: on the CPU the dots widen their
+    # inputs to float32 first (on a GPU, tf32 holds bf16/fp16 values exactly, so the maths is the same).
+    _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, out,
+            dot_f32=q.device.type == "cpu", block_s=block_size(d))
+    return out
+
+
+def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: int, out: torch.Tensor,
+            dot_f32: bool, block_s: int, num_warps: int = 4) -> None:
+    m, h, d = q.shape
+    kv, s_max = k_cache.shape[1], k_cache.shape[2]
+    group = h // kv
+    split_len = triton.cdiv(triton.cdiv(s_max, num_splits), block_s) * block_s  # split_length() for block_s
+    if num_splits > 1:
+        partials = torch.empty(m, h, num_splits, d, dtype=torch.float32, device=q.device)  # [M, H, NS, D]
+        lse = torch.empty(m, h, num_splits, dtype=torch.float32, device=q.device)  # [M, H, NS]
+    else:
+        partials = lse = out  # unused: the split kernel writes out directly
+    _decode_split_kernel[(m, kv, num_splits)](
+        q, k_cache, v_cache, slot_ids, seq_lens, partials, lse, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        h, s_max, split_len, scale * LOG2E,
+        GROUP=group, G_PAD=max(16, next_power_of_2(group)), D=d, BLOCK_S=block_s, NUM_SPLITS=num_splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F32=dot_f32, num_warps=num_warps)
+    if num_splits > 1:
+        _combine_splits_kernel[(m, h)](
+            partials, lse, out, out.stride(0), out.stride(1), h,
+            NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
+            CHUNK=min(16, next_power_of_2(num_splits)), D=d, num_warps=4)
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch, row by row in float32: softmax(q kᵀ * scale) v over the first seq_len keys of the
+    row's slot. num_splits is accepted for a matching signature and does not change the maths."""
+    m, h, d = q.shape
+    group = h // k_cache.shape[1]
+    result = torch.empty(m, h, d, dtype=q.dtype, device=q.device)  # [M, H, D]
+    for row, (slot, length) in enumerate(zip(slot_ids.tolist(), seq_lens.tolist())):
+        length = min(length, k_cache.shape[2])
+        keys = k_cache[slot, :, :length].float().repeat_interleave(group, dim=0)  # [H, L, D]
+        values = v_cache[slot, :, :length].float().repeat_interleave(group, dim=0)  # [H, L, D]
+        scores = torch.einsum("hd,hld->hl", q[row].float(), keys) * scale  # [H, L]
+        probs = torch.softmax(scores, dim=-1) if length else scores  # [H, L]
+        result[row] = torch.einsum("hl,hld->hd", probs, values).to(q.dtype)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result

@@ -1,0 +1,161 @@
+"""q/k RMSNorm (Qwen3) + rotary embedding + KV-cache write, fused in one launch.
+
+One program per (token row, head) of the fused qkv projection: a q head is normed, rotated and written
+to the returned q; a k head is normed, rotated and written to the k cache at [slot, head, position];
+a v head is copied to the v cache. The maths and roundings are those of engine/model.py: the norm in
+float32 rounded to the activation dtype, then the half-split (NeoX / HF) rotary in float32 rounded again.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import UnsupportedKernelShape
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr,
+                               k_cache_ptr, v_cache_ptr, q_out_ptr, stride_qkv, stride_qo_m, stride_qo_h,
+                               stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt, max_seq, eps,
+                               NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                               HAS_NORM: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    cols = tl.arange(0, HALF)
+    src = qkv_ptr + row * stride_qkv + head * (2 * HALF)
+    x1 = tl.load(src + cols)  # [HALF] first half of the head
+    x2 = tl.load(src + HALF + cols)  # [HALF] second half
+    in_dtype = x1.dtype
+    pos = tl.load(pos_ptr + row)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    # a position past the cache is dropped rather than written out of bounds (the comparison is made on a
+    # vector: the interpreter mistypes a scalar comparison used as a mask)
+    in_cache = cols * 0 + pos < max_seq  # [HALF]
+    if head >= NUM_HEADS + NUM_KV_HEADS:
+        dst = v_cache_ptr + slot * stride_vs + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + pos * stride_vt
+        tl.store(dst + cols, x1.to(v_cache_ptr.dtype.element_ty), mask=in_cache)
+        tl.store(dst + HALF + cols, x2.to(v_cache_ptr.dtype.element_ty), mask=in_cache)
+    else:
+        a1 = x1.to(tl.float32)
+        a2 = x2.to(tl.float32)
+        if HAS_NORM:
+            if head < NUM_HEADS:
+                w1 = tl.load(q_norm_ptr + cols).to(tl.float32)
+                w2 = tl.load(q_norm_ptr + HALF + cols).to(tl.float32)
+            else:
+                w1 = tl.load(k_norm_ptr + cols).to(tl.float32)
+                w2 = tl.load(k_norm_ptr + HALF + cols).to(tl.float32)
+            mean_square = (tl.sum(a1 * a1, 0) + tl.sum(a2 * a2, 0)) / (2 * HALF)
+            rstd = 1.0 / tl.sqrt(mean_square + eps)
+            a1 = (a1 * rstd * w1).to(in_dtype).to(tl.float32)  # the model rounds between norm and rotary
+            a2 = (a2 * rstd * w2).to(in_dtype).to(tl.float32)
+        angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + cols)  # [HALF] float32
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+        r1 = (a1 * cos - a2 * sin).to(in_dtype)
+        r2 = (a2 * cos + a1 * sin).to(in_dtype)
+        if head < NUM_HEADS:
+            dst = q_out_ptr + row * stride_qo_m + head * stride_qo_h
+            tl.store(dst + cols, r1)
+            tl.store(dst + HALF + cols, r2)
+        else:
+            dst = k_cache_ptr + slot * stride_ks + (head - NUM_HEADS) * stride_kh + pos * stride_kt
+            tl.store(dst + cols, r1.to(k_cache_ptr.dtype.element_ty), mask=in_cache)
+            tl.store(dst + HALF + cols, r2.to(k_cache_ptr.dtype.element_ty), mask=in_cache)
+
+
+def _check(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
+           q_norm_weight, k_norm_weight) -> None:
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise UnsupportedKernelShape(f"qk_norm_rope_write supports head_dim {SUPPORTED_HEAD_DIMS}; got {head_dim}")
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise UnsupportedKernelShape(f"qk_norm_rope_write needs qkv [M, {width}] with contiguous rows "
+                                     f"((H + 2*KV) * D for H={num_heads}, KV={num_kv_heads}, D={head_dim}); "
+                                     f"got {tuple(qkv.shape)}")
+    m = qkv.shape[0]
+    cache_shape = (k_cache.shape[0], num_kv_heads, k_cache.shape[2], head_dim) if k_cache.dim() == 4 else None
+    if tuple(k_cache.shape) != cache_shape or v_cache.shape != k_cache.shape \
+            or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise UnsupportedKernelShape(f"qk_norm_rope_write needs caches [slots, {num_kv_heads}, S, {head_dim}] "
+                                     f"with a contiguous last dim; got k {tuple(k_cache.shape)}, "
+                                     f"v {tuple(v_cache.shape)}")
+    if positions.shape != (m,) or slot_ids.shape != (m,) or positions.dtype.is_floating_point \
+            or slot_ids.dtype.is_floating_point:
+        raise UnsupportedKernelShape(f"qk_norm_rope_write needs integer positions and slot_ids of shape [{m}]; "
+                                     f"got {tuple(positions.shape)} {positions.dtype}, "
+                                     f"{tuple(slot_ids.shape)} {slot_ids.dtype}")
+    if inv_freq.shape != (head_dim // 2,) or inv_freq.dtype != torch.float32:
+        raise UnsupportedKernelShape(f"qk_norm_rope_write needs inv_freq [{head_dim // 2}] float32; "
+                                     f"got {tuple(inv_freq.shape)} {inv_freq.dtype}")
+    if qkv.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise UnsupportedKernelShape(f"qk_norm_rope_write needs float32/float16/bfloat16 qkv and caches; got qkv "
+                                     f"{qkv.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise UnsupportedKernelShape("qk_norm_rope_write needs both q_norm_weight and k_norm_weight, or neither")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None and (w.shape != (head_dim,) or not w.is_contiguous()):
+            raise UnsupportedKernelShape(f"qk_norm_rope_write needs a contiguous {name} [{head_dim}]; "
+                                         f"got {tuple(w.shape)}")
+    tensors = [qkv, positions, slot_ids, inv_freq, k_cache, v_cache, q_norm_weight, k_norm_weight]
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) != 1:
+        raise UnsupportedKernelShape(f"qk_norm_rope_write needs all tensors on one device; "
+                                     f"got {sorted(map(str, devices))}")
+
+
+def qk_norm_rope_write(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, inv_freq: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       head_dim: int, q_norm_weight: torch.Tensor | None = None,
+                       k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """qkv [M, (H + 2*KV) * D] (rows = tokens; q heads, then k heads, then v heads), positions [M] int
+    (absolute), slot_ids [M] int, inv_freq [D/2] float32, k_cache/v_cache [slots, KV, S, D].
+    Applies the optional per-head RMSNorm (Qwen3 q_norm/k_norm, in float32) to q and k, the half-split
+    rotary with angle = float(position) * inv_freq, writes k and v to the caches at [slot, :, position, :]
+    (a position >= S is not written) and returns q [M, H, D] in qkv's dtype. Raises UnsupportedKernelShape
+    (a ValueError) for shapes it cannot handle."""
+    _check(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
+           q_norm_weight, k_norm_weight)
+    m = qkv.shape[0]
+    q = torch.empty(m, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)  # [M, H, D]
+    if m == 0:
+        return q
+    has_norm = q_norm_weight is not None
+    _qk_norm_rope_write_kernel[(m, num_heads + 2 * num_kv_heads)](
+        qkv, positions, slot_ids, inv_freq, q_norm_weight if has_norm else inv_freq,
+        k_norm_weight if has_norm else inv_freq, k_cache, v_cache, q, qkv.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), k_cache.shape[2], eps,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, num_warps=1)
+    return q
+
+
+def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                                 inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 num_heads: int, num_kv_heads: int, head_dim: int,
+                                 q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                                 eps: float = 1e-6) -> torch.Tensor:
+    """Plain torch, the maths of engine/model.py (RMSNorm, apply_rotary, KVCache.write)."""
+    m = qkv.shape[0]
+    heads = qkv.view(m, num_heads + 2 * num_kv_heads, head_dim)  # [M, H + 2KV, D]
+    q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)  # [M, H|KV, D]
+    if q_norm_weight is not None:
+        q = torch.nn.functional.rms_norm(q.float(), (head_dim,), q_norm_weight.float(), eps).to(qkv.dtype)
+        k = torch.nn.functional.rms_norm(k.float(), (head_dim,), k_norm_weight.float(), eps).to(qkv.dtype)
+    angles = positions.float()[:, None] * inv_freq  # [M, D/2]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # [M, 1, D/2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    q, k = rotate(q), rotate(k)  # [M, H, D], [M, KV, D]
+    keep = positions < k_cache.shape[2]  # [M]
+    rows = (slot_ids[keep, None], torch.arange(num_kv_heads, device=qkv.device)[None, :], positions[keep, None])
+    k_cache.index_put_(rows, k[keep].to(k_cache.dtype))
+    v_cache.index_put_(rows, v[keep].to(v_cache.dtype))
+    return q.contiguous()
