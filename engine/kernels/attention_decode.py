@@ -21,7 +21,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_GROUP = 64  # query heads per kv head
 MAX_SPLITS = 1024
 MIN_SPLIT_LEN = 256  # keys: below this a split's fixed costs (q load, partial write) dominate
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 4  # at full length: a few waves of programs, each streaming >= MIN_SPLIT_LEN keys
 LOG2E = 1.4426950408889634
 
 
