@@ -127,6 +127,14 @@ def test_one_row_at_each_split_boundary(dtype):
         torch.testing.assert_close(got, decode_attention_reference(q, k, v, ints([0]), ints([n]), 0.1), **TOL[dtype])
 
 
+@pytest.mark.parametrize("d", [32, 256])
+def test_other_head_dims(d):
+    q, k, v = attention_inputs(6, 2, d, 100, torch.float32, rows=2, slots=2, seed=2)
+    slot_ids, lens = ints([1, 0]), ints([40, 100])
+    got = decode_attention(q, k, v, slot_ids, lens, 0.2, 2)
+    torch.testing.assert_close(got, decode_attention_reference(q, k, v, slot_ids, lens, 0.2), **TOL[torch.float32])
+
+
 def test_keys_past_each_length_are_never_read():
     h, kv, d, s = 9, 3, 64, 200
     q, k, v = attention_inputs(h, kv, d, s, torch.float32, rows=3)
@@ -148,7 +156,8 @@ def test_native_bfloat16_dot_path():
     slot_ids, lens = ints([1, 2]), ints([200, 300])
     out = torch.empty_like(q)
     _launch(q, k, v, slot_ids, lens, d ** -0.5, 2, out, dot_f32=False, block_s=block_size(d))  # as on a GPU
-    torch.testing.assert_close(out, decode_attention_reference(q, k, v, slot_ids, lens, d ** -0.5), **TOL[torch.bfloat16])
+    want = decode_attention_reference(q, k, v, slot_ids, lens, d ** -0.5)
+    torch.testing.assert_close(out, want, **TOL[torch.bfloat16])
 
 
 def test_reference_is_the_models_attention():
