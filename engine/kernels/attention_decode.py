@@ -21,7 +21,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_GROUP = 64  # query heads per kv head
 MAX_SPLITS = 1024
 MIN_SPLIT_LEN = 256  # keys: below this a split's fixed costs (q load, partial write) dominate
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 4  # at full length: a few waves of programs, each streaming >= MIN_SPLIT_LEN keys
 LOG2E = 1.4426950408889634
 
 
@@ -34,7 +34,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.minimum(tl.load(len_ptr + row), max_seq)
+    seq_len = tl.minimum(tl.load(len_ptr + row).to(tl.int32), max_seq)  # int32 loop bounds, int64 lengths too
     slot = tl.load(slot_ptr + row).to(tl.int64)
     rows = tl.arange(0, G_PAD)
     dims = tl.arange(0, D)
@@ -110,8 +110,8 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_om, stride_oh, num
 
 
 def block_size(head_dim: int) -> int:
-    """Keys per tile of the split kernel."""
-    return 64 if head_dim >= 128 else 128
+    """Keys per tile of the split kernel: 16 KB of K (and of V) per pipeline stage in bf16."""
+    return {256: 32, 128: 64}.get(head_dim, 128)
 
 
 def split_length(max_seq_len: int, num_splits: int, head_dim: int) -> int:
@@ -160,7 +160,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_i
         raise UnsupportedKernelShape(f"decode_attention needs 1 <= num_splits <= {MAX_SPLITS}; got {num_splits}")
     devices = {t.device for t in (q, k_cache, v_cache, slot_ids, seq_lens)}
     if len(devices) != 1:
-        raise UnsupportedKernelShape(f"decode_attention needs all tensors on one device; got {sorted(map(str, devices))}")
+        raise UnsupportedKernelShape(f"decode_attention needs all tensors on one device; "
+                                     f"got {sorted(map(str, devices))}")
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
