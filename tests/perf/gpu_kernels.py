@@ -70,16 +70,6 @@ def section_check(dev) -> None:
         want = (x.float() @ dequantize(pw).t())
         err = ((packed_gemm(x, pw).float() - want).abs().max() / want.abs().max()).item()
         check(f"gemm {kind} 512x4096x4096", err < 2e-2, f"max rel err {err:.2e} (bf16 output)")
-    try:
-        import subprocess
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/"], capture_output=True,
-                           text=True, timeout=400)
-        tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
-        check("pytest -m gpu", r.returncode == 0, tail)
-        if r.returncode:
-            print(r.stdout[-4000:], flush=True)
-    except Exception as e:  # keep timing even if the test run breaks
-        check("pytest -m gpu", False, repr(e))
 
 
 def section_gemv(dev, copy_bw: float, quick: bool) -> None:
