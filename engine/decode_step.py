@@ -84,8 +84,9 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
         q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, cache.k[i], cache.v[i],
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            att.q_norm.weight if att.q_norm is not None else None,
-                           att.k_norm.weight if att.k_norm is not None else None, eps)  # [M, H, D]
-        a = ops.attention(q.to(cache.k.dtype), cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
+                           att.k_norm.weight if att.k_norm is not None else None, eps,
+                           out_dtype=cache.k.dtype)  # [M, H, D]
+        a = ops.attention(q, cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
                           num_splits)  # [M, H, D]
         _project(ops, a.reshape(a.shape[0], cfg.q_size).float(), att.wo, residual=x)
         gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps)  # [M, 2F]

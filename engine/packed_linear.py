@@ -17,7 +17,7 @@ from quant import grids
 from quant.packed_layout import KINDS, PackedWeight, check_packable, pack, random_packed
 
 log = logging.getLogger(__name__)
-GEMV_MAX_ROWS = 16
+GEMV_MAX_ROWS = 4  # measured on an H200: above this, unpack-to-bf16 + cuBLAS is faster than the GEMV
 WEIGHT_TYPES = ("bf16", *KINDS)
 
 
@@ -77,15 +77,16 @@ class PackedLinear(nn.Module):
 
 
 def packed_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """x [M, K] @ Wᵀ: the kernels on CUDA, the references elsewhere (same maths)."""
+    """x [M, K] @ Wᵀ: the kernels on CUDA (dp4a GEMV for few rows; for more, the codes unpacked to
+    a bf16 Wᵀ and cuBLAS's tensor-core GEMM), the references elsewhere (same maths)."""
     small = x.shape[0] <= GEMV_MAX_ROWS
     if kernels_usable(x.device):
         if small:
             from quant.kernels.act_quant import quantize_activations
             from quant.kernels.packed_gemv import packed_gemv
             return packed_gemv(*quantize_activations(x.contiguous(), pw.group_size), pw)
-        from quant.kernels.packed_gemm import packed_gemm
-        return packed_gemm(x.contiguous(), pw)
+        from quant.kernels.packed_dequant import dequantize_t
+        return torch.matmul(x, dequantize_t(pw, x.dtype))
     from quant.packed_layout import dequantize
     if small:
         from quant.kernels.act_quant import quantize_activations_reference

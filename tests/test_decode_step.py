@@ -37,7 +37,10 @@ def test_fused_step_matches_the_model(weights, head, kernels):
     step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=kernels)
     for i, (token, ref) in enumerate(zip(TOKENS[10:], want)):
         got = step.run([token], [10 + i], [0])[0]
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        # int8 activations: a last-bit difference of the float32 residual can move one activation to
+        # the next int8 step, so the tolerance is a step's effect (~1e-3 of the logits' scale)
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
+        assert got.argmax() == ref.argmax()
 
 
 def test_runner_uses_the_fused_step_when_asked():
@@ -49,7 +52,7 @@ def test_runner_uses_the_fused_step_when_asked():
     runner.prefill(slot, TOKENS[:12])
     got = [runner.forward(slot, [t])[0] for t in TOKENS[12:]]
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=2e-3 * b.abs().max().item())
     assert slot.tokens == TOKENS
 
 
@@ -61,4 +64,4 @@ def test_fused_step_catches_a_wrong_position():
     runner.prefill(runner.slot(0), TOKENS[:10])
     step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=False)
     got = step.run([TOKENS[10]], [11], [0])[0]
-    assert not torch.allclose(got, want[0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got, want[0], rtol=1e-3, atol=2e-3 * want[0].abs().max().item())

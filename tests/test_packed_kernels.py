@@ -122,3 +122,13 @@ def test_gemm_kernel_matches_reference(kind):
     x = torch.randn(37, 256, device=DEVICE)
     got = packed_gemm(x, pw, config=(16, 32, 32, 4, 1))
     torch.testing.assert_close(got, packed_gemm_reference(x, pw), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_dequantize_kernel_matches_reference(kind):
+    from quant.kernels.packed_dequant import dequantize_t, dequantize_t_reference
+    _, _, _, pw = _packed(kind, n=80)
+    pw = pw.to(DEVICE)
+    got = dequantize_t(pw, torch.float32)
+    assert got.shape == (256, 80)
+    torch.testing.assert_close(got, dequantize_t_reference(pw, torch.float32), rtol=0, atol=0)

@@ -36,9 +36,9 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
     # vector: the interpreter mistypes a scalar comparison used as a mask)
     in_cache = cols * 0 + pos < max_seq  # [HALF]
     if head >= NUM_HEADS + NUM_KV_HEADS:
-        dst = v_cache_ptr + slot * stride_vs + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + pos * stride_vt
-        tl.store(dst + cols, x1.to(v_cache_ptr.dtype.element_ty), mask=in_cache)
-        tl.store(dst + HALF + cols, x2.to(v_cache_ptr.dtype.element_ty), mask=in_cache)
+        v_dst = v_cache_ptr + slot * stride_vs + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + pos * stride_vt
+        tl.store(v_dst + cols, x1.to(v_cache_ptr.dtype.element_ty), mask=in_cache)
+        tl.store(v_dst + HALF + cols, x2.to(v_cache_ptr.dtype.element_ty), mask=in_cache)
     else:
         a1 = x1.to(tl.float32)
         a2 = x2.to(tl.float32)
@@ -59,13 +59,13 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
         r1 = (a1 * cos - a2 * sin).to(in_dtype)
         r2 = (a2 * cos + a1 * sin).to(in_dtype)
         if head < NUM_HEADS:
-            dst = q_out_ptr + row * stride_qo_m + head * stride_qo_h
-            tl.store(dst + cols, r1)
-            tl.store(dst + HALF + cols, r2)
+            q_dst = q_out_ptr + row * stride_qo_m + head * stride_qo_h
+            tl.store(q_dst + cols, r1.to(q_out_ptr.dtype.element_ty))
+            tl.store(q_dst + HALF + cols, r2.to(q_out_ptr.dtype.element_ty))
         else:
-            dst = k_cache_ptr + slot * stride_ks + (head - NUM_HEADS) * stride_kh + pos * stride_kt
-            tl.store(dst + cols, r1.to(k_cache_ptr.dtype.element_ty), mask=in_cache)
-            tl.store(dst + HALF + cols, r2.to(k_cache_ptr.dtype.element_ty), mask=in_cache)
+            k_dst = k_cache_ptr + slot * stride_ks + (head - NUM_HEADS) * stride_kh + pos * stride_kt
+            tl.store(k_dst + cols, r1.to(k_cache_ptr.dtype.element_ty), mask=in_cache)
+            tl.store(k_dst + HALF + cols, r2.to(k_cache_ptr.dtype.element_ty), mask=in_cache)
 
 
 def _check(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
@@ -111,17 +111,18 @@ def _check(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads, num_
 def qk_norm_rope_write(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, inv_freq: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                        head_dim: int, q_norm_weight: torch.Tensor | None = None,
-                       k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                       k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """qkv [M, (H + 2*KV) * D] (rows = tokens; q heads, then k heads, then v heads), positions [M] int
     (absolute), slot_ids [M] int, inv_freq [D/2] float32, k_cache/v_cache [slots, KV, S, D].
     Applies the optional per-head RMSNorm (Qwen3 q_norm/k_norm, in float32) to q and k, the half-split
     rotary with angle = float(position) * inv_freq, writes k and v to the caches at [slot, :, position, :]
-    (a position >= S is not written) and returns q [M, H, D] in qkv's dtype. Raises UnsupportedKernelShape
+    (a position >= S is not written) and returns q [M, H, D] in qkv's dtype (or out_dtype). Raises UnsupportedKernelShape
     (a ValueError) for shapes it cannot handle."""
     _check(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
            q_norm_weight, k_norm_weight)
     m = qkv.shape[0]
-    q = torch.empty(m, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)  # [M, H, D]
+    q = torch.empty(m, num_heads, head_dim, dtype=out_dtype or qkv.dtype, device=qkv.device)  # [M, H, D]
     if m == 0:
         return q
     has_norm = q_norm_weight is not None
@@ -138,7 +139,7 @@ def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slo
                                  inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  num_heads: int, num_kv_heads: int, head_dim: int,
                                  q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                                 eps: float = 1e-6) -> torch.Tensor:
+                                 eps: float = 1e-6, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Plain torch, the maths of engine/model.py (RMSNorm, apply_rotary, KVCache.write)."""
     m = qkv.shape[0]
     heads = qkv.view(m, num_heads + 2 * num_kv_heads, head_dim)  # [M, H + 2KV, D]
@@ -158,4 +159,4 @@ def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slo
     rows = (slot_ids[keep, None], torch.arange(num_kv_heads, device=qkv.device)[None, :], positions[keep, None])
     k_cache.index_put_(rows, k[keep].to(k_cache.dtype))
     v_cache.index_put_(rows, v[keep].to(v_cache.dtype))
-    return q.contiguous()
+    return q.to(out_dtype or qkv.dtype).contiguous()

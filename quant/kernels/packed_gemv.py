@@ -100,14 +100,17 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
 
 
 def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_N, split_k, num_warps): enough programs to fill the GPU several times over, each reading
-    whole groups of contiguous columns."""
-    block_n = 64 if kind == "int8" else 128
+    """(BLOCK_N, split_k, num_warps). BLOCK_N = 128 per warp: each thread owns four neighbouring
+    columns and every word row of a group, so the per-group sum stays inside the thread (a
+    cross-warp reduction per group made the first version ALU/latency-bound). Split-K until the
+    grid covers the GPU about twice, keeping at least two groups per split."""
+    warps = 2 if kind == "int8" else 4
+    block_n = 128 * warps
     blocks = triton.cdiv(n, block_n)
     split = 1
-    while blocks * split < 4 * num_sms and split * 2 <= num_groups // 2:
+    while blocks * split < 2 * num_sms and split * 2 <= num_groups // 2:
         split *= 2
-    return block_n, split, 4
+    return block_n, split, warps
 
 
 def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
