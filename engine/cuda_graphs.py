@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.decode_step import StepInputs, decode_step, make_ops
+from engine.decode_step import StepInputs, Workspace, decode_step, make_ops
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 
@@ -25,13 +25,14 @@ class DecodeStepRunner:
                                  positions=torch.zeros(rows, dtype=torch.int32, device=device),
                                  slot_ids=torch.zeros(rows, dtype=torch.int32, device=device),
                                  seq_lens=torch.ones(rows, dtype=torch.int32, device=device))
+        self.workspace = Workspace.make(model, rows, device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         if use_graph and device.type == "cuda":
             self._capture()
 
     def _eager(self) -> torch.Tensor:
-        return decode_step(self.model, self.cache, self.inputs, self.ops, self.num_splits)
+        return decode_step(self.model, self.cache, self.inputs, self.ops, self.num_splits, self.workspace)
 
     @torch.inference_mode()
     def _capture(self) -> None:

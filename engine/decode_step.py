@@ -28,6 +28,21 @@ class StepInputs:
     seq_lens: torch.Tensor  # [M] int32 = positions + 1 (keys each row attends to)
 
 
+@dataclass
+class Workspace:
+    """Static float32 accumulation buffers of the split-K projections whose consumers read them
+    whole (q/k/v → rope; gate/up → SwiGLU). They start at zero, the projection adds into them with
+    atomics, and the consumer kernel zeroes them again as it reads: no memset between kernels."""
+    qkv: torch.Tensor  # [M, Q + 2KV]
+    gate_up: torch.Tensor  # [M, 2F]
+
+    @staticmethod
+    def make(model: Transformer, rows: int, device: torch.device) -> "Workspace":
+        cfg = model.config
+        return Workspace(torch.zeros(rows, cfg.q_size + 2 * cfg.kv_size, device=device),
+                         torch.zeros(rows, 2 * cfg.intermediate_size, device=device))
+
+
 class _Ops:
     """The kernels or their references, chosen once per device."""
 
@@ -50,12 +65,14 @@ class _Ops:
 
 def _project(ops: _Ops, x: torch.Tensor, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,
              eps: float = 1e-6, gated: bool = False, residual: torch.Tensor | None = None,
-             tied_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """norm/SwiGLU (optional) → projection; added into `residual` in place when given. Returns the
-    float32 result [M, N] (the residual itself when adding)."""
+             tied_weight: torch.Tensor | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+    """norm/SwiGLU (optional) → projection, added into `residual` (or a zeroed workspace buffer
+    `into`) in place when given. Returns the float32 result [M, N]. A gated input of a packed
+    layer is the gate/up workspace buffer: it is zeroed as it is read."""
     if isinstance(layer, PackedLinear):
-        xq = ops.quantize(x, layer.group_size, norm_weight, eps, gated=gated)
-        y = ops.gemv(*xq, layer.packed, out=residual, accumulate=residual is not None)
+        xq = ops.quantize(x, layer.group_size, norm_weight, eps, gated=gated, zero_input=gated)
+        target = residual if residual is not None else into
+        y = ops.gemv(*xq, layer.packed, out=target, accumulate=target is not None)
         if layer.bias is not None:
             y += layer.bias.float()
         return y
@@ -72,7 +89,8 @@ def _project(ops: _Ops, x: torch.Tensor, layer: torch.nn.Module, norm_weight: to
     return y
 
 
-def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Ops, num_splits: int) -> torch.Tensor:
+def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Ops, num_splits: int,
+                ws: Workspace) -> torch.Tensor:
     """Logits float32 [M, V] for one token per row; K/V of the rows are written to the cache."""
     cfg = model.config
     eps = cfg.rms_norm_eps
@@ -80,16 +98,16 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
     scale = cfg.head_dim ** -0.5
     for i, block in enumerate(model.layers):
         att, ffn = block.attention, block.feed_forward
-        qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps)  # [M, Q + 2KV]
+        qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv)  # [M, Q + 2KV]
         q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, cache.k[i], cache.v[i],
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            att.q_norm.weight if att.q_norm is not None else None,
                            att.k_norm.weight if att.k_norm is not None else None, eps,
-                           out_dtype=cache.k.dtype)  # [M, H, D]
+                           out_dtype=cache.k.dtype, zero_input=qkv is ws.qkv)  # [M, H, D]
         a = ops.attention(q, cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
                           num_splits)  # [M, H, D]
-        _project(ops, a.reshape(a.shape[0], cfg.q_size).float(), att.wo, residual=x)
-        gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps)  # [M, 2F]
+        _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x)
+        gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up)  # [M, 2F]
         _project(ops, gu, ffn.w2, gated=True, residual=x)
     head = model.lm_head
     return _project(ops, x, head, model.norm.weight, eps,

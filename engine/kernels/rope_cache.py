@@ -22,13 +22,16 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
                                k_cache_ptr, v_cache_ptr, q_out_ptr, stride_qkv, stride_qo_m, stride_qo_h,
                                stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt, max_seq, eps,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                               HAS_NORM: tl.constexpr):
+                               HAS_NORM: tl.constexpr, ZERO_INPUT: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     cols = tl.arange(0, HALF)
     src = qkv_ptr + row * stride_qkv + head * (2 * HALF)
     x1 = tl.load(src + cols)  # [HALF] first half of the head
     x2 = tl.load(src + HALF + cols)  # [HALF] second half
+    if ZERO_INPUT:  # leave the input zeroed: the next step's split-K projection accumulates into it
+        tl.store(src + cols, tl.zeros_like(x1))
+        tl.store(src + HALF + cols, tl.zeros_like(x2))
     in_dtype = x1.dtype
     pos = tl.load(pos_ptr + row)
     slot = tl.load(slot_ptr + row).to(tl.int64)
@@ -112,12 +115,13 @@ def qk_norm_rope_write(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: tor
                        k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                        head_dim: int, q_norm_weight: torch.Tensor | None = None,
                        k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                       out_dtype: torch.dtype | None = None, zero_input: bool = False) -> torch.Tensor:
     """qkv [M, (H + 2*KV) * D] (rows = tokens; q heads, then k heads, then v heads), positions [M] int
     (absolute), slot_ids [M] int, inv_freq [D/2] float32, k_cache/v_cache [slots, KV, S, D].
     Applies the optional per-head RMSNorm (Qwen3 q_norm/k_norm, in float32) to q and k, the half-split
     rotary with angle = float(position) * inv_freq, writes k and v to the caches at [slot, :, position, :]
-    (a position >= S is not written) and returns q [M, H, D] in qkv's dtype (or out_dtype). Raises UnsupportedKernelShape
+    (a position >= S is not written) and returns q [M, H, D] in qkv's dtype (or out_dtype). zero_input:
+    qkv is left all zeros (it is the accumulation buffer of the next step's projection). Raises UnsupportedKernelShape
     (a ValueError) for shapes it cannot handle."""
     _check(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
            q_norm_weight, k_norm_weight)
@@ -131,7 +135,8 @@ def qk_norm_rope_write(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: tor
         k_norm_weight if has_norm else inv_freq, k_cache, v_cache, q, qkv.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), k_cache.shape[2], eps,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm, num_warps=1)
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm,
+        ZERO_INPUT=zero_input, num_warps=1)
     return q
 
 
@@ -139,7 +144,8 @@ def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slo
                                  inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  num_heads: int, num_kv_heads: int, head_dim: int,
                                  q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                                 eps: float = 1e-6, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                                 eps: float = 1e-6, out_dtype: torch.dtype | None = None,
+                                 zero_input: bool = False) -> torch.Tensor:
     """Plain torch, the maths of engine/model.py (RMSNorm, apply_rotary, KVCache.write)."""
     m = qkv.shape[0]
     heads = qkv.view(m, num_heads + 2 * num_kv_heads, head_dim)  # [M, H + 2KV, D]
@@ -159,4 +165,7 @@ def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slo
     rows = (slot_ids[keep, None], torch.arange(num_kv_heads, device=qkv.device)[None, :], positions[keep, None])
     k_cache.index_put_(rows, k[keep].to(k_cache.dtype))
     v_cache.index_put_(rows, v[keep].to(v_cache.dtype))
-    return q.to(out_dtype or qkv.dtype).contiguous()
+    q = q.to(out_dtype or qkv.dtype).contiguous()
+    if zero_input:
+        qkv.zero_()
+    return q

@@ -12,9 +12,11 @@ import triton.language as tl
 
 
 def quantize_activations_reference(x: torch.Tensor, group_size: int, norm_weight: torch.Tensor | None = None,
-                                   eps: float = 1e-6, gated: bool = False
+                                   eps: float = 1e-6, gated: bool = False, zero_input: bool = False
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gated: x [M, 2K] holds gate and up halves; the activations are silu(gate) * up."""
+    """gated: x [M, 2K] holds gate and up halves; the activations are silu(gate) * up.
+    zero_input: x is left all zeros (a split-K accumulation buffer, ready for the next product)."""
+    source = x
     if gated:
         gate, up = x.float().chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up  # [M, K]
@@ -26,13 +28,15 @@ def quantize_activations_reference(x: torch.Tensor, group_size: int, norm_weight
     sx = g.abs().amax(-1) / 127.0  # [M, K/G]
     inv = torch.where(sx > 0, 1.0 / sx, torch.zeros_like(sx))
     q = torch.floor(g * inv[..., None] + 0.5).clamp(-127, 127)
+    if zero_input:
+        source.zero_()
     return q.to(torch.int8).reshape(m, k), sx, q.sum(-1).to(torch.int32)
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, w_ptr, xq_ptr, sx_ptr, sumx_ptr, K, NG, eps,
                      GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, HAS_NORM: tl.constexpr,
-                     NORM_BLOCK: tl.constexpr, GATED: tl.constexpr):
+                     NORM_BLOCK: tl.constexpr, GATED: tl.constexpr, ZERO_INPUT: tl.constexpr):
     row = tl.program_id(0)
     first = tl.program_id(1) * GROUPS_PER_PROG
     rstd = 1.0
@@ -49,6 +53,9 @@ def _quantize_kernel(x_ptr, w_ptr, xq_ptr, sx_ptr, sumx_ptr, K, NG, eps,
     if GATED:  # row of x = [gate (K) | up (K)]: y = silu(gate) * up
         gate = tl.load(x_ptr + row * 2 * K + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * 2 * K + K + cols, mask=mask, other=0.0).to(tl.float32)
+        if ZERO_INPUT:
+            tl.store(x_ptr + row * 2 * K + cols, tl.zeros_like(gate), mask=mask)
+            tl.store(x_ptr + row * 2 * K + K + cols, tl.zeros_like(up), mask=mask)
         y = gate / (1.0 + tl.exp(-gate)) * up
     else:
         y = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32) * rstd
@@ -64,11 +71,13 @@ def _quantize_kernel(x_ptr, w_ptr, xq_ptr, sx_ptr, sumx_ptr, K, NG, eps,
 
 def quantize_activations(x: torch.Tensor, group_size: int, norm_weight: torch.Tensor | None = None,
                          eps: float = 1e-6, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                         gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         gated: bool = False, zero_input: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel: same results as `quantize_activations_reference`. x [M, K] ([M, 2K] gated), contiguous."""
     m, k = x.shape
     k = k // 2 if gated else k
     assert k % group_size == 0 and x.is_contiguous() and not (gated and norm_weight is not None)
+    assert gated or not zero_input, "zero_input is implemented for the gated (SwiGLU) input"
     ng = k // group_size
     if out is None:
         out = (torch.empty(m, k, dtype=torch.int8, device=x.device),
@@ -80,5 +89,6 @@ def quantize_activations(x: torch.Tensor, group_size: int, norm_weight: torch.Te
     w = norm_weight if norm_weight is not None else x
     _quantize_kernel[grid](x, w, xq, sx, sumx, k, ng, eps, GROUP=group_size, GROUPS_PER_PROG=per_prog,
                            HAS_NORM=norm_weight is not None,
-                           NORM_BLOCK=min(triton.next_power_of_2(k), 4096), GATED=gated, num_warps=4)
+                           NORM_BLOCK=min(triton.next_power_of_2(k), 4096), GATED=gated,
+                           ZERO_INPUT=zero_input, num_warps=4)
     return xq, sx, sumx

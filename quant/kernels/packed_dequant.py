@@ -29,7 +29,7 @@ def _dequant_t_kernel(w_ptr, s_ptr, out_ptr, N, BITS: tl.constexpr, MULT: tl.con
     w = tl.load(w_ptr + (k0 // E + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)  # [IW, BN]
     scale = tl.load(s_ptr + (k0 // GROUP) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
     for c in tl.static_range(E):  # element c of each word: step c // 4, byte c % 4
-        shift: tl.constexpr = 8 * (c % 4) + BITS * (c // 4)
+        shift = 8 * (c % 4) + BITS * (c // 4)
         if SIGNED:
             u = (w << (24 - shift)) >> 24
         else:

@@ -100,15 +100,14 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
 
 
 def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_N, split_k, num_warps). BLOCK_N = 128 per warp: each thread owns four neighbouring
-    columns and every word row of a group, so the per-group sum stays inside the thread (a
-    cross-warp reduction per group made the first version ALU/latency-bound). Split-K until the
-    grid covers the GPU about twice, keeping at least two groups per split."""
-    warps = 2 if kind == "int8" else 4
-    block_n = 128 * warps
+    """(BLOCK_N, split_k, num_warps). Measured on an H200 (tests/perf/gpu_kernels.py sweep): one warp
+    of 128 columns per program (each thread owns four neighbouring columns and every word of a group,
+    so per-group sums stay inside the thread) and split-K until the grid holds ~4096 programs (at
+    most 32 splits, at least two groups each) beat wider programs at every Qwen3-8B shape."""
+    block_n, warps = 128, 1
     blocks = triton.cdiv(n, block_n)
     split = 1
-    while blocks * split < 2 * num_sms and split * 2 <= num_groups // 2:
+    while blocks * split < 4096 and split < 32 and split * 2 <= num_groups // 2:
         split *= 2
     return block_n, split, warps
 
