@@ -96,7 +96,8 @@ def run_model_bench(runner: ModelRunner, tests: list[BenchTest], repetitions: in
         raise BonsaiError("-r (repetitions) must be >= 1")
     results = []
     for test in tests:
-        run_test(runner, BenchTest(min(test.n_prompt, 16), min(test.n_gen, 4), 0), 10_000, special_ids)  # warm-up
+        # warm-up at the test's own prompt length and depth: the same kernels, shapes and allocations
+        run_test(runner, BenchTest(test.n_prompt, min(test.n_gen, 4), test.depth), 10_000, special_ids)
         m = Measurement(test.name, test.n_prompt, test.n_gen, test.depth)
         for rep in range(repetitions):
             seconds = run_test(runner, test, seed=rep + 1, special_ids=special_ids)

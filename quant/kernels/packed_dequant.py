@@ -39,15 +39,16 @@ def _dequant_t_kernel(w_ptr, s_ptr, out_ptr, N, BITS: tl.constexpr, MULT: tl.con
                  value.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
-def dequantize_t(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_t(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+                 config: tuple[int, int] = (128, 4)) -> torch.Tensor:
     """Wᵀ [K, N] in dtype, same values as `dequantize_t_reference` (up to the dtype's rounding)."""
     kind = layout_kind(pw.kind)
     k, n = pw.in_features, pw.out_features
     if out is None:
         out = torch.empty(k, n, dtype=dtype, device=pw.words.device)
     block_k = min(pw.group_size, 128)
-    block_n = 128
+    block_n, warps = config  # (BLOCK_N, num_warps)
     grid = (k // block_k, triton.cdiv(n, block_n))
     _dequant_t_kernel[grid](pw.words, pw.scales, out, n, BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset,
-                            SIGNED=kind.signed, GROUP=pw.group_size, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4)
+                            SIGNED=kind.signed, GROUP=pw.group_size, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=warps)
     return out

@@ -109,6 +109,20 @@ def section_gemv(dev, copy_bw: float, quick: bool) -> None:
                       f"x{row['speedup_vs_bf16']:.1f} (default cfg {t_default * 1e6:.1f} us)", flush=True)
 
 
+def section_dequant(dev) -> None:
+    from quant.kernels.packed_dequant import dequantize_t
+    g = torch.Generator(device=dev).manual_seed(3)
+    for kind in ("tri", "int4"):
+        pw = random_packed(kind, 24576, 4096, 128, device=dev, generator=g)
+        out = torch.empty(4096, 24576, device=dev, dtype=torch.bfloat16)
+        for cfg in ((128, 4), (256, 4), (256, 8), (512, 8), (64, 2), (128, 2)):
+            t = bench(lambda: dequantize_t(pw, out=out, config=cfg))
+            moved = out.numel() * 2 + pw.nbytes
+            RESULTS.setdefault("dequant", []).append({"kind": kind, "config": cfg, "us": t * 1e6,
+                                                      "gb_per_s": moved / t / 1e9})
+            print(f"dequant {kind} gate_up cfg={cfg}: {t * 1e6:.0f} us, {moved / t / 1e9:.0f} GB/s", flush=True)
+
+
 def section_gemm(dev) -> None:
     g = torch.Generator(device=dev).manual_seed(2)
     configs = [(128, 256, 64, 8, 3), (64, 256, 64, 4, 4)]
@@ -193,7 +207,7 @@ def main() -> None:
     RESULTS["copy_bytes_per_second"] = copy_bw
     print(f"{RESULTS['device']}: copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick),
-                "gemm": lambda: section_gemm(dev), "step": lambda: section_step(dev, args.models.split(","))}
+                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "step": lambda: section_step(dev, args.models.split(","))}
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:
