@@ -6,6 +6,7 @@ GPU without Triton) the plain-torch references run the same maths, so every path
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -41,11 +42,26 @@ class WeightFormat:
         return self.quant_type != "bf16" or self.head_type != "bf16"
 
 
+MIN_CAPABILITY = (8, 0)  # bf16 tensor cores and the dp4a/atomic paths the kernels were checked on
+
+
+@functools.lru_cache(maxsize=None)
 def kernels_usable(device: torch.device) -> bool:
+    """Whether the Triton kernels run on `device`; when a GPU cannot, say why once and use the references."""
     if device.type != "cuda":
         return False
     from quant.kernels import triton_available
-    return triton_available()
+    if not triton_available():
+        log.warning("triton is not installed: packed layers run through the slow reference path "
+                    "(pip install triton)")
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        log.warning("%s (compute capability %d.%d) lacks what the packed kernels need (sm_80+: bf16 tensor "
+                    "cores): packed layers run through the slow reference path",
+                    torch.cuda.get_device_name(device), *capability)
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
