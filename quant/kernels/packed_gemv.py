@@ -56,98 +56,80 @@ def _dot4(a, b, acc, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG,
+def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, groups_per_split,
                         BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, BYTE_MASK: tl.constexpr,
-                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GPP: tl.constexpr,
-                        CHUNKS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Program (n-block, k-split) handles CHUNKS chunks of GPP groups; each chunk is one load of
-    [GPP * GW, BLOCK_N] words (many bytes in flight per thread), summed per group in registers."""
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr, USE_ASM: tl.constexpr):
     STEPS: tl.constexpr = 8 // BITS  # shift steps per word
     GW: tl.constexpr = GROUP * BITS // 32  # words per group (per column)
-    R: tl.constexpr = GPP * GW  # word rows per chunk
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)  # [BM]
     m_mask = offs_m < M
-    rows = tl.arange(0, R)  # [R]
-    gi = tl.arange(0, GPP)  # [GPP]
+    rows = tl.arange(0, GW)  # [GW]
     x_words = K // 4
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, NG)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for c in tl.static_range(CHUNKS):
-        g0 = (pid_k * CHUNKS + c) * GPP  # first group of this chunk
-        row_ok = g0 * GW + rows < NG * GW  # [R]
-        w = tl.load(w_ptr + (g0 * GW + rows)[:, None] * N + offs_n[None, :], mask=row_ok[:, None] & n_mask[None, :],
-                    other=0, eviction_policy="evict_first")  # [R, BN] int32
-        isum = tl.zeros([BLOCK_M, R, BLOCK_N], dtype=tl.int32)
+    for g in range(g_start, g_end):
+        w = tl.load(w_ptr + (g * GW + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0,
+                    eviction_policy="evict_first")  # [GW, BN] int32
+        isum = tl.zeros([BLOCK_M, GW, BLOCK_N], dtype=tl.int32)
         for j in tl.static_range(STEPS):
-            codes = (w >> (BITS * j)) & BYTE_MASK  # [R, BN]: four codes as bytes
-            xw = tl.load(xq_ptr + offs_m[:, None] * x_words + g0 * (GROUP // 4) + (STEPS * rows + j)[None, :],
-                         mask=m_mask[:, None] & row_ok[None, :], other=0)  # [BM, R]: the int8 activations they meet
-            isum = _dot4(tl.broadcast_to(codes[None, :, :], [BLOCK_M, R, BLOCK_N]),
-                         tl.broadcast_to(xw[:, :, None], [BLOCK_M, R, BLOCK_N]), isum, USE_ASM)
-        dot = tl.reshape(tl.sum(tl.reshape(isum, [BLOCK_M * GPP, GW, BLOCK_N]), axis=1), [BLOCK_M, GPP, BLOCK_N])
-        g_ok = g0 + gi < NG  # [GPP]
-        gm = m_mask[:, None] & g_ok[None, :]
-        sumx = tl.load(sumx_ptr + offs_m[:, None] * NG + g0 + gi[None, :], mask=gm, other=0)  # [BM, GPP]
-        sx = tl.load(sx_ptr + offs_m[:, None] * NG + g0 + gi[None, :], mask=gm, other=0.0)  # [BM, GPP]
-        sw = tl.load(s_ptr + (g0 + gi)[:, None] * N + offs_n[None, :], mask=g_ok[:, None] & n_mask[None, :],
-                     other=0.0).to(tl.float32)  # [GPP, BN]
-        corrected = (dot * MULT - OFFSET * sumx[:, :, None]).to(tl.float32)  # [BM, GPP, BN]
-        acc += tl.sum(corrected * sx[:, :, None] * sw[None, :, :], axis=1)
-    tl.atomic_add(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
+            codes = (w >> (BITS * j)) & BYTE_MASK  # [GW, BN]: four codes as bytes
+            xw = tl.load(xq_ptr + offs_m[:, None] * x_words + g * (GROUP // 4) + (STEPS * rows + j)[None, :],
+                         mask=m_mask[:, None], other=0)  # [BM, GW]: the four int8 activations they meet
+            isum = _dot4(tl.broadcast_to(codes[None, :, :], [BLOCK_M, GW, BLOCK_N]),
+                         tl.broadcast_to(xw[:, :, None], [BLOCK_M, GW, BLOCK_N]), isum, USE_ASM)
+        dot = tl.sum(isum, axis=1)  # [BM, BN]
+        sumx = tl.load(sumx_ptr + offs_m * NG + g, mask=m_mask, other=0)  # [BM]
+        sx = tl.load(sx_ptr + offs_m * NG + g, mask=m_mask, other=0.0)  # [BM]
+        sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
+        corrected = (dot * MULT - OFFSET * sumx[:, None]).to(tl.float32)
+        acc += corrected * sx[:, None] * sw[None, :]
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptr + out_offs, acc, mask=mask)
+    else:
+        if ACCUMULATE:
+            acc += tl.load(out_ptr + out_offs, mask=mask, other=0.0)
+        tl.store(out_ptr + out_offs, acc, mask=mask)
 
 
-def _autotune_configs() -> list:
-    return [triton.Config({"BLOCK_N": 128 * w, "GPP": gpp, "CHUNKS": chunks}, num_warps=w)
-            for w in (1, 2) for gpp in (1, 2, 4) for chunks in (1, 2, 4)]
-
-
-def _prune(configs, named_args, **kwargs):
-    ng = named_args["NG"]
-    kept = [c for c in configs if c.kwargs["GPP"] * c.kwargs["CHUNKS"] <= max(ng // 2, 1)]
-    return kept or configs[:1]
-
-
-def _quick_bench(fn, quantiles=None):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
-
-
-# The same kernel, with its launch shape chosen by timing on first use per shape (on the GPU; the
-# graphed decode step warms up before capture). Benchmark runs restore the output they add into.
-_packed_gemv_tuned = triton.autotune(_autotune_configs(), key=["M", "N", "K", "BITS"], restore_value=["out_ptr"],
-                                     prune_configs_by={"early_config_prune": _prune}, do_bench=_quick_bench
-                                     )(_packed_gemv_kernel)
+def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -> tuple[int, int, int]:
+    """(BLOCK_N, split_k, num_warps). Measured on an H200 (tests/perf/gpu_kernels.py sweep): one warp
+    of 128 columns per program (each thread owns four neighbouring columns and every word of a group,
+    so per-group sums stay inside the thread) and split-K until the grid holds ~4096 programs (at
+    most 32 splits, at least two groups each) beat wider programs at every Qwen3-8B shape."""
+    block_n, warps = 128, 1
+    blocks = triton.cdiv(n, block_n)
+    split = 1
+    while blocks * split < 4096 and split < 32 and split * 2 <= num_groups // 2:
+        split *= 2
+    return block_n, split, warps
 
 
 def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
                 out: torch.Tensor | None = None, accumulate: bool = False,
-                config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y.
-    config (BLOCK_N, GPP, CHUNKS, num_warps) fixes the launch; by default it is tuned per shape
-    (in Triton's interpreter: (128, 1, 2, 1))."""
+                config: tuple[int, int, int] | None = None, num_sms: int = 132) -> torch.Tensor:
+    """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y."""
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous()
     kind = layout_kind(pw.kind)
     ng = k // pw.group_size
+    block_n, split, warps = config or gemv_launch_config(pw.out_features, ng, pw.kind, num_sms)
     if out is None:
         out = torch.zeros(m, pw.out_features, dtype=torch.float32, device=xq.device)
-    elif not accumulate:
+    elif not accumulate and split > 1:
         out.zero_()
-    args = (xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng)
-    consts = dict(BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits],
-                  GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 1), USE_ASM=not interpreting())
-    if config is None and interpreting():
-        config = (128, 1, 2, 1)
-    if config is not None:
-        block_n, gpp, chunks, warps = config
-        grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(ng, gpp * chunks))
-        _packed_gemv_kernel[grid](*args, **consts, BLOCK_N=block_n, GPP=gpp, CHUNKS=chunks, num_warps=warps)
-        return out
-
-    def grid(meta):
-        return triton.cdiv(pw.out_features, meta["BLOCK_N"]), triton.cdiv(ng, meta["GPP"] * meta["CHUNKS"])
-    _packed_gemv_tuned[grid](*args, **consts)
+    per_split = triton.cdiv(ng, split)
+    grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(ng, per_split))
+    _packed_gemv_kernel[grid](
+        xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
+        BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits],
+        GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 1), BLOCK_N=block_n,
+        ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(), num_warps=warps)
     return out

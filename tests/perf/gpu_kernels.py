@@ -74,16 +74,16 @@ def section_check(dev) -> None:
 
 def section_gemv(dev, copy_bw: float, quick: bool) -> None:
     g = torch.Generator(device=dev).manual_seed(1)
-    configs = [(128 * w, gpp, chunks, w) for w in (1, 2) for gpp in (1, 2, 4) for chunks in (1, 2, 4)]
+    configs = [(128 * w, s, w) for w in (1, 2, 4) for s in (1, 2, 4, 8, 16, 32)]
     if quick:
-        configs = [(128, gpp, chunks, 1) for gpp in (1, 2, 4) for chunks in (1, 2)]
-    for kind in ("tri", "bin") if quick else ("tri", "bin", "int4", "int8"):
+        configs = [(128 * w, s, w) for w in (2, 4) for s in (4, 8, 16)]
+    for kind in ("tri", "bin", "int4", "int8"):
         for name, (n, k) in SHAPES_8B.items():
             if name == "head" and kind not in ("int4", "tri"):
                 continue
             pw = random_packed(kind, n, k, 128, device=dev, generator=g)
             dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-            for m in ((1, 4) if name != "head" and not quick else (1,)):
+            for m in ((1, 4) if name != "head" else (1,)):
                 xq = quantize_activations(torch.randn(m, k, device=dev), 128)
                 out = torch.zeros(m, n, device=dev)
                 best = None
