@@ -16,7 +16,7 @@ import torch
 from engine.errors import ModelFileError, UnsupportedModelError
 from engine.gguf_reader import GGUFFormatError, TensorExtent, read_gguf, tensor_bytes
 from engine.model_config import ModelConfig
-from quant import gguf_types
+from quant import gguf_codec, gguf_types
 
 _GGUF_MAGIC = b"GGUF"
 _TOP_LEVEL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
@@ -76,11 +76,12 @@ class GGUFFile:
         """(name, type name, torch-order shape, bytes) of every tensor, in file order."""
         return [(t.name, gguf_types.type_name(t.type_id), t.shape, t.nbytes) for t in self._tensors.values()]
 
-    def iter_canonical_tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (canonical name, float32 tensor), one tensor decoded at a time."""
+    def iter_canonical_tensors(self, config: ModelConfig, skip: frozenset[str] = frozenset()
+                               ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (canonical name, float32 tensor), one tensor decoded at a time; `skip` names are not read."""
         for t in self._tensors.values():
             name = canonical_name(t.name)
-            if name is None:
+            if name is None or name in skip:
                 continue
             try:
                 tensor = gguf_types.dequantize(tensor_bytes(self._data, t), t.type_id, t.shape)
@@ -91,6 +92,25 @@ class GGUFFile:
             elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                 tensor = _unpermute_rotary(tensor, config.num_kv_heads)
             yield name, tensor
+
+
+    def iter_quantized_tensors(self, config: ModelConfig
+                               ) -> Iterator[tuple[str, str, int, torch.Tensor, torch.Tensor]]:
+        """Trained-ternary and 1-bit tensors (TQ1_0, TQ2_0, Q1_0, Q2_0) as they are stored, without
+        requantizing: (canonical name, quant type, group size, codes int8 [N, K], scales float32 [N, K/G]).
+        Q2_0 codes are {-1, 0, 1, 2}: 'tri' if a tensor uses no 2, else 'int4'."""
+        for t in self._tensors.values():
+            name = canonical_name(t.name)
+            if name is None or t.type_id not in gguf_codec.IMPORTABLE or len(t.shape) != 2:
+                continue
+            codes, scales = gguf_codec.decode(tensor_bytes(self._data, t), t.type_id, t.shape[-1])
+            quant_type = gguf_codec.IMPORTABLE[t.type_id]
+            if quant_type == "q2_0":
+                quant_type = "int4" if bool((codes == 2).any()) else "tri"
+            heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+            if config.architecture == "llama" and heads is not None:
+                codes, scales = _unpermute_rotary(codes, heads), _unpermute_rotary(scales, heads)
+            yield name, quant_type, t.shape[-1] // scales.shape[-1], codes, scales
 
 
 def _first_line(e: BaseException) -> str:

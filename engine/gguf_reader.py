@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from quant.gguf_types import block_size
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -94,7 +95,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], list[TensorExtent], np.memmap
     tensors = []
     for name, dims, type_id, offset in infos:
         try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+            block, type_size = block_size(type_id)
         except (ValueError, KeyError):
             raise GGUFFormatError(f"tensor {name} has unknown type id {type_id}") from None
         numel = int(np.prod(dims)) if dims else 1
