@@ -40,6 +40,24 @@ def canonical_name(gguf_name: str) -> str | None:
     return f"{part}.{kind}" if part else None
 
 
+def gguf_name(canonical: str) -> str:
+    """The GGUF name of a canonical tensor name (the inverse of canonical_name)."""
+    if canonical == "rope_freqs":
+        return "rope_freqs.weight"
+    stem, _, kind = canonical.rpartition(".")
+    top = {v: k for k, v in _TOP_LEVEL.items()}
+    if stem in top:
+        return f"{top[stem]}.{kind}"
+    _, layer, part = stem.split(".")
+    return f"blk.{layer}.{ {v: k for k, v in _BLOCK.items()}[part]}.{kind}"
+
+
+def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row permutation for llama GGUFs (half-split → interleaved rotary)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
 def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation for llama GGUFs (interleaved → half-split rotary)."""
     rows = w.shape[0]

@@ -206,6 +206,7 @@ class CheckpointWriter:
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
         self._shards: list[Path] = []
         self._names_by_shard: list[list[str]] = []
+        self._finished = False
         self._open_shard()
 
     def __enter__(self) -> "CheckpointWriter":
@@ -272,22 +273,31 @@ class CheckpointWriter:
         self._shards.append(shard)
         self._names_by_shard.append(list(self._header))
 
-    def commit(self) -> Path:
-        """Close the last shard, name the shards, write the index if sharded, rename into place."""
+    def finish(self) -> Path:
+        """Close the last shard, name the shards and write the index if sharded; returns the still
+        hidden directory (readable with Checkpoint) that `commit` renames."""
+        if self._finished:
+            return self.tmp
         self._close_shard()
+        self._finished = True
         n = len(self._shards)
         if n == 1:
             os.replace(self._shards[0], self.tmp / "model.safetensors")
-        else:
-            weight_map, total = {}, 0
-            for i, (shard, names) in enumerate(zip(self._shards, self._names_by_shard)):
-                final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                total += shard.stat().st_size
-                os.replace(shard, self.tmp / final)
-                weight_map.update({name: final for name in names})
-            index = {"metadata": {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "total_size": total},
-                     "weight_map": weight_map}
-            (self.tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+            return self.tmp
+        weight_map, total = {}, 0
+        for i, (shard, names) in enumerate(zip(self._shards, self._names_by_shard)):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            total += shard.stat().st_size
+            os.replace(shard, self.tmp / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "total_size": total},
+                 "weight_map": weight_map}
+        (self.tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        return self.tmp
+
+    def commit(self) -> Path:
+        """Finish and rename the directory into place (replacing the output with force)."""
+        self.finish()
         self._rename_into_place()
         return self.out
 
