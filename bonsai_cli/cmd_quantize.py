@@ -49,12 +49,15 @@ def quantize(
     opts = QuantizeOptions(recipe=built, method=method, calib=calib, calib_samples=calib_samples,
                            calib_seq_len=calib_seq_len, lora=lora, gguf=gguf, device=device, force=force)
     path = store.resolve_model(src)
-    signal.signal(signal.SIGTERM, _interrupt)  # so a killed run removes its temporary files too
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed run removes its temporary files too
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=True) as bar:
-        task = bar.add_task("quantizing", total=None)
-        report = run_quantize(path, out, opts, progress=lambda message, done, total: bar.update(
-            task, description=message, completed=done, total=total))
+    try:
+        with Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
+            task = bar.add_task("quantizing", total=None)
+            report = run_quantize(path, out, opts, progress=lambda message, done, total: bar.update(
+                task, description=message, completed=done, total=total))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if json_out:
         print_json(report.as_dict())
         return

@@ -82,7 +82,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise BonsaiError(f"unsupported device '{device}': use cpu or cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BonsaiError(f"device '{device}' was asked for but no CUDA GPU is available "
                           "(use device: cpu, or install the CUDA build of torch)")

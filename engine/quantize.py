@@ -236,8 +236,20 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
                 report.gguf.path = opts.gguf
         writer.commit()
     report.seconds = time.perf_counter() - start
-    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report.peak_rss_bytes = peak_rss_bytes()
     return report
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: VmHWM on Linux (ru_maxrss would include the RSS of the
+    process that forked us, which Linux carries across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _write_tensors(source: Any, config: ModelConfig, shapes: dict[str, tuple[int, ...]],

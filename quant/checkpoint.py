@@ -34,7 +34,7 @@ FLOAT_TYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float3
 _DTYPES = {"U8": torch.uint8, "I8": torch.int8, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
            "I32": torch.int32, "I64": torch.int64, "F64": torch.float64, "I16": torch.int16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_COPY_CHUNK = 1 << 24
+_COPY_CHUNK = 1 << 20
 
 
 class CheckpointError(ValueError):

@@ -25,7 +25,7 @@ CODE_RANGE = {"tri": (-1, 1), "tri-dense": (-1, 1), "bin": (-1, 1), "int4": (-7,
 _PER_BYTE = {"tri": 4, "bin": 8, "int4": 2}
 BITS_TO_TYPE = {1: "bin", 2: "tri", 4: "int4", 8: "int8", 16: "bf16"}
 SCALE_BITS = 16
-_CHUNK_ELEMENTS = 1 << 20  # rows are rounded in chunks of about this many weights (bounded memory)
+_CHUNK_ELEMENTS = 1 << 18  # rows are rounded in chunks of about this many weights (bounded memory)
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,14 @@ def fp16_scales(scales: torch.Tensor) -> torch.Tensor:
 
 def relative_error(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[float, float]:
     """(Σ (w - ŵ)², Σ w²) for ŵ = dequantized codes: the two sums of a relative Frobenius error."""
-    diff = grids.dequantize(codes, scales, group_size) - w.float()  # [N, K]
-    return float(diff.pow(2).sum()), float(w.float().pow(2).sum())
+    rows = max(1, _CHUNK_ELEMENTS // max(w.shape[1], 1))
+    err = ref = 0.0
+    for start in range(0, w.shape[0], rows):
+        part = w[start:start + rows].float()  # [n, K]
+        diff = grids.dequantize(codes[start:start + rows], scales[start:start + rows], group_size) - part
+        err += float(diff.pow(2).sum(dtype=torch.float64))
+        ref += float(part.pow(2).sum(dtype=torch.float64))
+    return err, ref
 
 
 # ---- tri-dense: five trits per byte, TQ1_0's byte code ----
