@@ -271,7 +271,9 @@ def _write_tensors(source: Any, config: ModelConfig, shapes: dict[str, tuple[int
                 keep = QuantSpec(spec.quant_type, group)
             except ValueError:
                 continue
-            record(name, f"{keep.quant_type} g{group}", writer.write_quantized(name, keep, codes, scales), was_kept=True)
+            nbytes = writer.write_quantized(name, keep, codes, scales)
+            weight = (codes.float().reshape(codes.shape[0], -1, group) * scales[..., None]).reshape(codes.shape)
+            record(name, f"{keep.quant_type} g{group}", nbytes, (0.0, float(weight.pow(2).sum())), was_kept=True)
             kept.add(canon)
     pending = set()
     for name, w in _iter_float(source, config, frozenset(kept)):

@@ -115,3 +115,95 @@ def test_bad_row_lengths_are_refused():
         gguf_codec.decode(np.zeros((1, 60), np.uint8), int(T.TQ2_0), 256)
     with pytest.raises(ValueError, match="256-blocks"):
         gguf_codec.encode(torch.zeros(1, 128, dtype=torch.int8), torch.ones(1, 1), 128, int(T.TQ2_0))
+
+
+# ---- GGUF files: trained-ternary and 1-bit sources served packed; exports read back ----
+
+def write_raw_gguf(path, tokenizer_source, qtype: int):
+    """A tiny llama GGUF whose matrices are random raw blocks of qtype (Q1_0, or Q2_0 by patching the header)."""
+    from gguf import GGUFWriter
+
+    from tests.gguf_tiny import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, copy_tokenizer
+    writer = GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_block_count, LAYERS), (writer.add_context_length, 256),
+                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FFN),
+                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS)):
+        add(value)
+    writer.add_layer_norm_rms_eps(1e-5)
+    vocab = copy_tokenizer(writer, tokenizer_source)
+    hd = HIDDEN // HEADS
+    shapes = {"token_embd.weight": (vocab, HIDDEN), "output_norm.weight": (HIDDEN,)}
+    for i in range(LAYERS):
+        shapes.update({f"blk.{i}.attn_norm.weight": (HIDDEN,), f"blk.{i}.ffn_norm.weight": (HIDDEN,),
+                       f"blk.{i}.attn_q.weight": (HEADS * hd, HIDDEN), f"blk.{i}.attn_k.weight": (KV_HEADS * hd, HIDDEN),
+                       f"blk.{i}.attn_v.weight": (KV_HEADS * hd, HIDDEN), f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN),
+                       f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN), f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
+                       f"blk.{i}.ffn_down.weight": (HIDDEN, FFN)})
+    shapes["output.weight"] = (vocab, HIDDEN)
+    raws = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            writer.add_tensor(name, np.ones(shape, np.float32))
+            continue
+        raws[name] = random_blocks(qtype, *shape)
+        if qtype == gguf_codec.Q2_0_ID:  # the same bytes as Q1_0 of twice the row length; patched below
+            writer.add_tensor(name, raws[name], raw_dtype=T.Q1_0)
+        else:
+            writer.add_tensor(name, raws[name], raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if qtype == gguf_codec.Q2_0_ID:
+        data = bytearray(path.read_bytes())
+        for name in raws:
+            cols = shapes[name][1]
+            key = len(name).to_bytes(8, "little") + name.encode()
+            at = data.index(key) + len(key)  # n_dims u32, dims u64 x2, type u32
+            assert int.from_bytes(data[at + 4:at + 12], "little") == 2 * cols
+            data[at + 4:at + 12] = cols.to_bytes(8, "little")
+            data[at + 20:at + 24] = gguf_codec.Q2_0_ID.to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+    return raws
+
+
+@pytest.mark.parametrize("qtype", [int(T.Q1_0), gguf_codec.Q2_0_ID], ids=["Q1_0", "Q2_0"])
+def test_q1_q2_gguf_files_load_and_serve_codes(qtype, tmp_path, smollm2_gguf):
+    from engine.gguf_file import GGUFFile
+    from engine.loader import load_model
+    path = tmp_path / "m.gguf"
+    raws = write_raw_gguf(path, smollm2_gguf, qtype)
+    source = GGUFFile(path)
+    cfg = source.model_config()
+    floats = dict(source.iter_canonical_tensors(cfg))
+    packed = {name: rest for name, *rest in source.iter_quantized_tensors(cfg)}
+    assert len(packed) == 16
+    reference = reference_q1_0 if qtype == T.Q1_0 else reference_q2_0
+    quant_type, group, codes, scales = packed["layers.1.down_proj.weight"]
+    assert (quant_type, group) == (("bin", 128) if qtype == T.Q1_0 else ("int4", 64))  # random Q2_0 bytes use code 2
+    assert np.array_equal(dequantize(codes, scales, group).numpy(), reference(raws["blk.1.ffn_down.weight"]))
+    for name, (_, group, codes, scales) in packed.items():  # q/k rows are unpermuted like the float path
+        assert torch.equal(dequantize(codes, scales, group), floats[name]), name
+    loaded = load_model(path, weight_dtype=torch.float32)
+    assert ("Q1_0" if qtype == T.Q1_0 else "Q2_0") in loaded.summary.types
+
+
+@pytest.mark.parametrize("qtype", [T.TQ2_0, T.TQ1_0])
+def test_trained_ternary_gguf_is_kept_without_requantizing(qtype, tmp_path, smollm2_gguf):
+    from engine.checkpoint_file import BonsaiCheckpoint
+    from engine.gguf_file import GGUFFile
+    from engine.quantize import QuantizeOptions, quantize
+    from quant.recipe import Recipe
+    from tests.gguf_tiny import write_tiny_gguf
+    path = write_tiny_gguf(tmp_path / "t.gguf", smollm2_gguf, qtype)
+    source = GGUFFile(path)
+    cfg = source.model_config()
+    served = {name: rest for name, *rest in source.iter_quantized_tensors(cfg)}
+    floats = dict(source.iter_canonical_tensors(cfg))
+    assert len(served) == 16 and all(torch.equal(dequantize(c, s, g), floats[n]) for n, (_, g, c, s) in served.items())
+    report = quantize(path, tmp_path / "ckpt", QuantizeOptions(Recipe(QuantSpec("tri", 64))))
+    assert sum(t.kept for t in report.tensors) == 14  # the block matrices; embedding and head go to bf16
+    assert report.error_by_class()["mlp.up_proj"] == 0.0 and "tri g256" in report.by_format()
+    ckpt = {name: rest for name, *rest in BonsaiCheckpoint(tmp_path / "ckpt").iter_quantized_tensors(cfg)}
+    for name, (quant_type, group, codes, scales) in ckpt.items():
+        assert group == 256 and torch.equal(codes, served[name][2]) and torch.equal(scales, served[name][3])
