@@ -207,3 +207,75 @@ def test_trained_ternary_gguf_is_kept_without_requantizing(qtype, tmp_path, smol
     ckpt = {name: rest for name, *rest in BonsaiCheckpoint(tmp_path / "ckpt").iter_quantized_tensors(cfg)}
     for name, (quant_type, group, codes, scales) in ckpt.items():
         assert group == 256 and torch.equal(codes, served[name][2]) and torch.equal(scales, served[name][3])
+
+
+def logits_of(path, ids):
+    from engine.loader import load_model
+    from engine.runner import ModelRunner
+    runner = ModelRunner(load_model(path, weight_dtype=torch.float32), max_seq_len=32)
+    return runner.forward(runner.slot(), ids, num_logits=None)
+
+
+def transformers_logits(path, ids):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+IDS = [1, 100, 200, 1000, 5, 77, 409, 12]
+
+
+@pytest.mark.parametrize("quant_type,group,gguf_type,lossless", [
+    ("int4", 32, "Q4_0", True), ("tri", 128, "TQ2_0", False), ("tri-dense", 256, "TQ1_0", True), ("bin", 128, "Q1_0", True)])
+def test_gguf_export_reads_back(quant_type, group, gguf_type, lossless, tmp_path, smollm2_gguf):
+    """Exported weights equal the checkpoint's (or differ by exactly the reported error); llama-layout
+    q/k rows; transformers reads the file (Q1_0 excepted: it has no decoder for it)."""
+    from engine.checkpoint_file import BonsaiCheckpoint
+    from engine.gguf_file import GGUFFile
+    from engine.quantize import QuantizeOptions, quantize
+    from quant.recipe import Recipe
+    from tests.gguf_tiny import write_tiny_gguf
+    src = write_tiny_gguf(tmp_path / "src.gguf", smollm2_gguf, T.F32)
+    ckpt, gguf = tmp_path / "ckpt", tmp_path / "out.gguf"
+    report = quantize(src, ckpt, QuantizeOptions(Recipe(QuantSpec(quant_type, group)), gguf=gguf))
+    exported = report.gguf
+    assert {t.gguf_type for t in exported.tensors if t.source_type == quant_type} == {gguf_type}
+    assert (exported.relative_error < 1e-6) if lossless else (0.01 < exported.relative_error < 0.3)
+    out = GGUFFile(gguf)
+    cfg = out.model_config()
+    theirs = dict(out.iter_canonical_tensors(cfg))
+    ours = dict(BonsaiCheckpoint(ckpt).iter_canonical_tensors(cfg))
+    assert set(theirs) == set(ours)
+    errors = {t.name: t.relative_error for t in exported.tensors}
+    for name, w in ours.items():
+        from engine.gguf_file import gguf_name
+        real = float((theirs[name] - w).norm() / w.norm())
+        assert real == pytest.approx(errors[gguf_name(name)], rel=1e-3, abs=1e-7), name
+    assert out.metadata["tokenizer.chat_template"] == GGUFFile(src).metadata["tokenizer.chat_template"]
+    if lossless:
+        torch.testing.assert_close(logits_of(gguf, IDS), logits_of(ckpt, IDS), atol=1e-4, rtol=1e-4)
+    if gguf_type != "Q1_0":
+        expected = transformers_logits(gguf, IDS)
+        torch.testing.assert_close(logits_of(gguf, IDS), expected, atol=1e-4 * max(1, float(expected.abs().max())), rtol=0)
+
+
+def test_gguf_export_from_a_hf_source_builds_the_tokenizer(tmp_path, smollm2_gguf):
+    from engine.gguf_file import GGUFFile
+    from engine.quantize import QuantizeOptions, quantize
+    from engine.tokenizer import Tokenizer
+    from quant.recipe import Recipe
+    from tests.gguf_tiny import write_tiny_gguf
+    from tests.hf_tiny import write_tiny_hf
+    hf = write_tiny_hf(tmp_path / "hf", write_tiny_gguf(tmp_path / "t.gguf", smollm2_gguf, T.F32))
+    gguf = tmp_path / "ckpt" / "model.gguf"  # inside the checkpoint: written into it before the rename
+    quantize(hf, tmp_path / "ckpt", QuantizeOptions(Recipe(QuantSpec("int8", 32)), gguf=gguf))
+    meta = GGUFFile(gguf).metadata
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "smollm"
+    ours, ref = Tokenizer.from_gguf_metadata(meta), Tokenizer.from_hf_dir(hf)
+    for text in ["Hello world 123", "<|im_start|>user\nhi<|im_end|>", "  ü\t\n"]:
+        assert ours.encode(text, True) == ref.encode(text, True)
+    assert ours.chat_template == ref.chat_template and ours.eos_id == ref.eos_id
+    torch.testing.assert_close(logits_of(gguf, IDS), logits_of(tmp_path / "ckpt", IDS), atol=1e-4, rtol=1e-4)
+    expected = transformers_logits(gguf, IDS)  # llama.cpp's q/k layout, undone by transformers
+    torch.testing.assert_close(logits_of(gguf, IDS), expected, atol=1e-4 * max(1, float(expected.abs().max())), rtol=0)
