@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from engine.checkpoint_file import canonical_name, hf_config, hf_name
-from engine.errors import BonsaiError
+from engine.errors import BonsaiError, ModelFileError
 from engine.evaluate import read_eval_text
 from engine.gguf_file import GGUFFile
 from engine.gguf_file import canonical_name as gguf_canonical_name
@@ -34,7 +34,7 @@ from engine.lora import LoraAdapter, load_adapter
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from quant import recipe as recipes
-from quant.checkpoint import Checkpoint, CheckpointWriter, SafetensorsFile
+from quant.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, SafetensorsFile
 from quant.formats import CODE_RANGE, QuantSpec, quantize_rtn, relative_error
 
 METHODS = ("rtn", "gptq", "gsq")
@@ -153,7 +153,10 @@ def _iter_float(source: Any, config: ModelConfig, skip: frozenset[str]) -> Itera
     HF safetensors are read with plain reads (no memory map: RSS stays what we hold)."""
     if isinstance(source, HFModelDir):
         for file in source.weight_files:
-            st = SafetensorsFile(file)
+            try:
+                st = SafetensorsFile(file)
+            except (CheckpointError, OSError) as e:
+                raise ModelFileError(f"{file} is not a valid safetensors file ({e})") from None
             for name in st.entries:
                 canon = canonical_name(name)
                 if canon is not None and canon not in skip:
@@ -173,6 +176,8 @@ def _tokenizer_files(source: Any) -> dict[str, Path | bytes]:
 
 
 def _calibration_tokens(opts: QuantizeOptions, source: Any) -> list[list[int]]:
+    if not Path(opts.calib).is_file():
+        raise BonsaiError(f"calibration text not found: {opts.calib}")
     tokenizer = (Tokenizer.from_gguf_metadata(source.metadata) if isinstance(source, GGUFFile)
                  else Tokenizer.from_hf_dir(source.path))
     ids = tokenizer.encode(read_eval_text(opts.calib))
