@@ -72,6 +72,12 @@ class GGUFExportReport:
                                 for k, v in conversions.items()}}
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _row_permutation(name: str, config: ModelConfig) -> int | None:
     """Heads to permute q/k rows by (llama), else None."""
     if config.architecture != "llama":
@@ -108,6 +114,7 @@ def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, sourc
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp made it private
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

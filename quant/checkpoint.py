@@ -37,6 +37,12 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _COPY_CHUNK = 1 << 20
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class CheckpointError(ValueError):
     """The files are not a readable bonsai checkpoint."""
 
@@ -302,6 +308,7 @@ class CheckpointWriter:
         return self.out
 
     def _rename_into_place(self) -> None:
+        os.chmod(self.tmp, 0o777 & ~_umask())  # mkdtemp made it private
         if self.out.exists() or self.out.is_symlink():
             if not self.force:
                 raise FileExistsError(f"{self.out} exists")

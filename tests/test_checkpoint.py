@@ -131,3 +131,11 @@ def test_plain_safetensors_is_not_a_checkpoint(tmp_path):
     assert not is_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="not a bonsai checkpoint"):
         Checkpoint(tmp_path)
+
+
+def test_output_directory_is_not_private(tmp_path):
+    out = tmp_path / "ckpt"
+    write_sample(out)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask

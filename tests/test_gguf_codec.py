@@ -1,6 +1,8 @@
 """GGUF blocks ↔ codes + scales: bit-exact import, exact or measured-loss export, GGUF files served packed."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -240,6 +242,9 @@ def test_gguf_export_reads_back(quant_type, group, gguf_type, lossless, tmp_path
     ckpt, gguf = tmp_path / "ckpt", tmp_path / "out.gguf"
     report = quantize(src, ckpt, QuantizeOptions(Recipe(QuantSpec(quant_type, group)), gguf=gguf))
     exported = report.gguf
+    mask = os.umask(0)
+    os.umask(mask)
+    assert gguf.stat().st_mode & 0o777 == 0o666 & ~mask  # not the temporary file's private mode
     assert {t.gguf_type for t in exported.tensors if t.source_type == quant_type} == {gguf_type}
     assert (exported.relative_error < 1e-6) if lossless else (0.01 < exported.relative_error < 0.3)
     out = GGUFFile(gguf)
