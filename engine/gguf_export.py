@@ -26,7 +26,7 @@ from engine.gguf_file import gguf_name, permute_rotary
 from engine.gguf_metadata import add_architecture, add_tokenizer_from_hf, copy_metadata
 from engine.model_config import ModelConfig
 from quant import gguf_codec
-from quant.checkpoint import Checkpoint
+from quant.checkpoint import Checkpoint, TensorEntry
 from quant.grids import dequantize
 from quant.recipe import layer_kind
 
@@ -94,31 +94,47 @@ def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, sourc
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        writer = GGUFWriter(str(tmp), config.architecture, use_temp_file=True)
+        writer = GGUFWriter(str(tmp), config.architecture)
         if source_gguf is not None:
             copy_metadata(writer, source_gguf)
         else:
             add_architecture(writer, config)
             add_tokenizer_from_hf(writer, tokenizer_dir, config.vocab_size)
         writer.add_quantization_version(2)
-        for name, entry in checkpoint.entries.items():
-            canon = canonical_name(name)
-            if canon is None:
-                continue
-            data, record = _export_tensor(checkpoint, name, config)
-            record.name = gguf_name(canon)
-            writer.add_tensor(record.name, data, raw_dtype=T[record.gguf_type]
-                              if data.dtype == np.uint8 else None)
-            report.tensors.append(record)
+        names = [n for n in checkpoint.entries if canonical_name(n) is not None]
+        for name in names:  # the header first, from the metadata alone: then tensors stream one at a time
+            type_id, shape, dtype, nbytes = _export_layout(checkpoint.entries[name])
+            writer.add_tensor_info(gguf_name(canonical_name(name)), shape, dtype, nbytes,
+                                   raw_dtype=T(type_id) if dtype == np.uint8 else None)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for name in names:
+            data, record = _export_tensor(checkpoint, name, config)
+            record.name = gguf_name(canonical_name(name))
+            writer.write_tensor_data(data)
+            report.tensors.append(record)
         writer.close()
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp made it private
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return report
+
+
+def _export_layout(entry: TensorEntry) -> tuple[int, tuple[int, ...], type, int]:
+    """(GGUF type, shape as written, numpy dtype, bytes) of a checkpoint tensor's export."""
+    numel = int(np.prod(entry.shape))
+    if entry.is_float:
+        if len(entry.shape) < 2:
+            return int(T.F32), entry.shape, np.float32, 4 * numel
+        return int(T.F16), entry.shape, np.float16, 2 * numel
+    rows, k = entry.shape
+    type_id = gguf_codec.export_type(entry.quant_type, k)
+    if type_id == T.F16:
+        return type_id, entry.shape, np.float16, 2 * numel
+    block, size = gguf_codec.BLOCKS[type_id]
+    return type_id, (rows, k // block * size), np.uint8, rows * (k // block) * size
 
 
 def _export_tensor(checkpoint: Checkpoint, name: str, config: ModelConfig) -> tuple[np.ndarray, GGUFTensorExport]:
