@@ -22,11 +22,12 @@ from gguf import GGUFWriter
 
 from engine.checkpoint_file import canonical_name
 from engine.errors import BonsaiError
-from engine.gguf_file import gguf_name, permute_rotary
+from engine.gguf_file import GGUFFile, gguf_name, permute_rotary
 from engine.gguf_metadata import add_architecture, add_tokenizer_from_hf, copy_metadata
 from engine.model_config import ModelConfig
 from quant import gguf_codec
 from quant.checkpoint import Checkpoint, TensorEntry
+from quant.formats import rounding_error
 from quant.grids import dequantize
 from quant.recipe import layer_kind
 
@@ -85,7 +86,7 @@ def _row_permutation(name: str, config: ModelConfig) -> int | None:
     return {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(layer_kind(name).rsplit(".", 1)[-1])
 
 
-def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, source_gguf: Path | None,
+def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, source_gguf: GGUFFile | None,
                 tokenizer_dir: Path) -> GGUFExportReport:
     """Write `out` (through a temporary file renamed at the end) from an opened checkpoint."""
     out = Path(out)
@@ -141,24 +142,23 @@ def _export_tensor(checkpoint: Checkpoint, name: str, config: ModelConfig) -> tu
     entry = checkpoint.entries[name]
     heads = _row_permutation(name, config) if len(entry.shape) == 2 else None
     if entry.is_float:
-        w = checkpoint.read_float(name).float()
-        if heads is not None:
-            w = permute_rotary(w, heads)
+        w = checkpoint.read_float(name)
         if w.dim() < 2:
-            return w.numpy().astype(np.float32), GGUFTensorExport(name, entry.quant_type, "F32")
+            return w.float().numpy(), GGUFTensorExport(name, entry.quant_type, "F32")
         half = w.to(torch.float16)
         if not torch.isfinite(half).all():
             raise BonsaiError(f"--gguf: tensor {name} has values beyond float16's range; it cannot be exported as F16")
-        err = float((half.float() - w).pow(2).sum())
-        return half.numpy(), GGUFTensorExport(name, entry.quant_type, "F16", err, float(w.pow(2).sum()))
+        err, ref = rounding_error(w, torch.float16)
+        if heads is not None:
+            half = permute_rotary(half, heads)
+        return half.numpy(), GGUFTensorExport(name, entry.quant_type, "F16", err, ref)
     spec, codes, scales = checkpoint.read_quantized(name)
     if heads is not None:
         codes, scales = permute_rotary(codes, heads), permute_rotary(scales, heads)
     type_id = gguf_codec.export_type(spec.quant_type, codes.shape[1])
     if type_id == T.F16:
         w = dequantize(codes, scales, spec.group_size)  # [N, K]
-        half = w.to(torch.float16)
-        err = float((half.float() - w).pow(2).sum())
-        return half.numpy(), GGUFTensorExport(name, spec.quant_type, "F16", err, float(w.pow(2).sum()))
+        err, ref = rounding_error(w, torch.float16)
+        return w.to(torch.float16).numpy(), GGUFTensorExport(name, spec.quant_type, "F16", err, ref)
     raw, err, ref = gguf_codec.encode(codes, scales, spec.group_size, type_id)
     return raw, GGUFTensorExport(name, spec.quant_type, T(type_id).name, err, ref)

@@ -77,7 +77,8 @@ class GGUFFile:
             raise ModelFileError(f"{self.path} is not a GGUF file (it does not start with 'GGUF'); "
                                  "give a .gguf file, a Hugging Face model directory or a bonsai checkpoint")
         try:
-            self.metadata, extents, self._data = read_gguf(self.path)
+            self.metadata_types: dict[str, tuple[int, int | None]] = {}
+            self.metadata, extents, self._data = read_gguf(self.path, self.metadata_types)
         except (GGUFFormatError, OSError, ValueError, struct.error) as e:
             raise ModelFileError(f"{self.path} is a corrupt or truncated GGUF file ({_first_line(e)}); "
                                  "download it again") from None

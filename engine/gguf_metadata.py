@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, RopeScalingType
+from gguf import GGUFValueType, GGUFWriter, RopeScalingType
 
 from engine.errors import BonsaiError
+from engine.gguf_file import GGUFFile
 from engine.model_config import ModelConfig
 from engine.tokenizer import (GPT2_SPLIT, PRE_TOKENIZER_SPLITS, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED,
                               TOKEN_USER_DEFINED)
@@ -21,15 +22,13 @@ from engine.tokenizer import (GPT2_SPLIT, PRE_TOKENIZER_SPLITS, TOKEN_CONTROL, T
 _NOT_COPIED = {"general.architecture", "general.file_type", "general.quantization_version", "general.alignment"}
 
 
-def copy_metadata(writer: GGUFWriter, source: Path) -> None:
+def copy_metadata(writer: GGUFWriter, source: GGUFFile) -> None:
     """Every key of the source GGUF (architecture, tokenizer, chat template...) with its exact type."""
-    reader = GGUFReader(str(source))
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in _NOT_COPIED or not field.types:
+    for name, value in source.metadata.items():
+        vtype, item = source.metadata_types[name]
+        if name.startswith("GGUF.") or name in _NOT_COPIED or item == GGUFValueType.ARRAY:
             continue
-        main = field.types[0]
-        sub = field.types[-1] if main == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), main, sub_type=sub)
+        writer.add_key_value(name, value, GGUFValueType(vtype), sub_type=GGUFValueType(item) if item is not None else None)
 
 
 def add_architecture(writer: GGUFWriter, cfg: ModelConfig) -> None:

@@ -70,8 +70,10 @@ class _Cursor:
         raise GGUFFormatError(f"unknown metadata value type {vtype}")
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], list[TensorExtent], np.memmap]:
-    """(metadata, tensor extents, the whole file memory-mapped as uint8)."""
+def read_gguf(path: Path, types: dict[str, tuple[int, int | None]] | None = None
+              ) -> tuple[dict[str, Any], list[TensorExtent], np.memmap]:
+    """(metadata, tensor extents, the whole file memory-mapped as uint8); `types`, if given, receives
+    each key's GGUF value type and, for arrays, the item type (to copy the metadata exactly)."""
     file_size = Path(path).stat().st_size
     with open(path, "rb") as f:
         cur = _Cursor(f)
@@ -84,7 +86,14 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], list[TensorExtent], np.memmap
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
-            metadata[key] = cur.value(cur.scalar("<I"))
+            vtype = cur.scalar("<I")
+            if types is not None:
+                item = None
+                if vtype == _ARRAY:
+                    item = cur.scalar("<I")
+                    f.seek(-4, 1)
+                types[key] = (vtype, item)
+            metadata[key] = cur.value(vtype)
         infos = []
         for _ in range(n_tensors):
             name = cur.string()

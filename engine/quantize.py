@@ -35,7 +35,7 @@ from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from quant import recipe as recipes
 from quant.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, SafetensorsFile
-from quant.formats import CODE_RANGE, QuantSpec, quantize_rtn, relative_error
+from quant.formats import CODE_RANGE, QuantSpec, quantize_rtn, relative_error, rounding_error
 
 METHODS = ("rtn", "gptq", "gsq")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -235,7 +235,7 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
             progress("writing the GGUF", len(shapes), len(shapes))
             inside = opts.gguf.resolve().parent == out.resolve()
             report.gguf = export_gguf(Checkpoint(tmp), tmp / opts.gguf.name if inside else opts.gguf, config,
-                                      source_gguf=source.path if isinstance(source, GGUFFile) else None,
+                                      source_gguf=source if isinstance(source, GGUFFile) else None,
                                       tokenizer_dir=tmp)
             if inside:
                 report.gguf.path = opts.gguf
@@ -289,9 +289,7 @@ def _write_tensors(source: Any, config: ModelConfig, shapes: dict[str, tuple[int
         if spec is None:
             record(name, "f32", writer.write_float(name, w, "f32"))
         elif spec.is_float:
-            nbytes = writer.write_float(name, w, "bf16")
-            record(name, "bf16", nbytes, (float((w.bfloat16().float() - w.float()).pow(2).sum()),
-                                          float(w.float().pow(2).sum())))
+            record(name, "bf16", writer.write_float(name, w, "bf16"), rounding_error(w, torch.bfloat16))
         elif opts.method == "rtn":
             try:
                 codes, scales = quantize_rtn(spec, w.float())

@@ -257,11 +257,11 @@ class CheckpointWriter:
             self._close_shard()
             self._open_shard()
         for stored_name, t in tensors:
-            data = t.contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()  # the tensor's bytes, not a copy
             self._header[stored_name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                                         "data_offsets": [self._size, self._size + len(data)]}
-            self._data.write(data)
-            self._size += len(data)
+                                         "data_offsets": [self._size, self._size + data.size]}
+            self._data.write(memoryview(data))
+            self._size += data.size
         self._table[name] = entry
         return nbytes
 

@@ -111,6 +111,18 @@ def relative_error(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g
     return err, ref
 
 
+def rounding_error(w: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:
+    """(Σ (w - w.to(dtype))², Σ w²): the error of storing float weights in a narrower float type."""
+    flat = w.reshape(w.shape[0], -1) if w.dim() > 1 else w.reshape(1, -1)
+    rows = max(1, _CHUNK_ELEMENTS // max(flat.shape[1], 1))
+    err = ref = 0.0
+    for start in range(0, flat.shape[0], rows):
+        part = flat[start:start + rows].float()
+        err += float((part.to(dtype).float() - part).pow(2).sum(dtype=torch.float64))
+        ref += float(part.pow(2).sum(dtype=torch.float64))
+    return err, ref
+
+
 # ---- tri-dense: five trits per byte, TQ1_0's byte code ----
 # q = Σ t_i 3^(4-i) (t = code + 1, first trit most significant), stored byte = ceil(q * 256 / 243), so
 # trit n is ((uint8)(byte * 3^n) * 3) >> 8: decoding needs only multiplications and shifts.

@@ -22,6 +22,9 @@ DECODABLE_TYPES: frozenset[T] = frozenset({
 CODEC_TYPES: frozenset[int] = frozenset({int(T.Q1_0), gguf_codec.Q2_0_ID})
 
 
+_CHUNK_BYTES = 1 << 20
+
+
 class UnsupportedTensorType(ValueError):
     """A tensor type this version cannot decode."""
 
@@ -63,8 +66,11 @@ def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> torch.T
         values = raw.view(np.float32)
     elif qtype == T.F16:
         values = raw.view(np.float16)
-    else:
-        values = gguf_quants.dequantize(raw, qtype)
+    else:  # in row chunks: the reference dequantizers make several temporaries of their input's size
+        values = np.empty((raw.shape[0], int(np.prod(shape)) // max(raw.shape[0], 1)), dtype=np.float32)
+        step = max(1, _CHUNK_BYTES // max(raw.shape[-1], 1))
+        for start in range(0, raw.shape[0], step):
+            values[start:start + step] = gguf_quants.dequantize(raw[start:start + step], qtype)
     if not values.flags.writeable:  # a view of a memory-mapped file: copy out of it
         values = values.copy()
     tensor = torch.from_numpy(np.ascontiguousarray(values))

@@ -257,7 +257,10 @@ def test_gguf_export_reads_back(quant_type, group, gguf_type, lossless, tmp_path
         from engine.gguf_file import gguf_name
         real = float((theirs[name] - w).norm() / w.norm())
         assert real == pytest.approx(errors[gguf_name(name)], rel=1e-3, abs=1e-7), name
-    assert out.metadata["tokenizer.chat_template"] == GGUFFile(src).metadata["tokenizer.chat_template"]
+    source_file = GGUFFile(src)
+    for key, value in source_file.metadata.items():  # copied with their exact types
+        if key not in ("general.file_type", "general.quantization_version", "general.alignment"):
+            assert out.metadata[key] == value and out.metadata_types[key] == source_file.metadata_types[key], key
     if lossless:
         torch.testing.assert_close(logits_of(gguf, IDS), logits_of(ckpt, IDS), atol=1e-4, rtol=1e-4)
     if gguf_type != "Q1_0":
