@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from quant.gguf_types import block_size
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -69,8 +70,10 @@ class _Cursor:
         raise GGUFFormatError(f"unknown metadata value type {vtype}")
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], list[TensorExtent], np.memmap]:
-    """(metadata, tensor extents, the whole file memory-mapped as uint8)."""
+def read_gguf(path: Path, types: dict[str, tuple[int, int | None]] | None = None
+              ) -> tuple[dict[str, Any], list[TensorExtent], np.memmap]:
+    """(metadata, tensor extents, the whole file memory-mapped as uint8); `types`, if given, receives
+    each key's GGUF value type and, for arrays, the item type (to copy the metadata exactly)."""
     file_size = Path(path).stat().st_size
     with open(path, "rb") as f:
         cur = _Cursor(f)
@@ -83,7 +86,14 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], list[TensorExtent], np.memmap
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
-            metadata[key] = cur.value(cur.scalar("<I"))
+            vtype = cur.scalar("<I")
+            if types is not None:
+                item = None
+                if vtype == _ARRAY:
+                    item = cur.scalar("<I")
+                    f.seek(-4, 1)
+                types[key] = (vtype, item)
+            metadata[key] = cur.value(vtype)
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -94,7 +104,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], list[TensorExtent], np.memmap
     tensors = []
     for name, dims, type_id, offset in infos:
         try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+            block, type_size = block_size(type_id)
         except (ValueError, KeyError):
             raise GGUFFormatError(f"tensor {name} has unknown type id {type_id}") from None
         numel = int(np.prod(dims)) if dims else 1

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint_file import BonsaiCheckpoint
 from engine.errors import BonsaiError, ModelFileError
 from engine.gguf_file import GGUFFile
 from engine.hf_files import HFModelDir
@@ -15,12 +16,13 @@ from engine.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.model_config import ModelConfig
 from engine.packed_linear import WeightFormat, pack_linears
 from engine.tokenizer import Tokenizer
+from quant.checkpoint import is_checkpoint
 
 
 @dataclass
 class TensorSummary:
     """What `bonsai info` shows: tensor types with their counts, parameters and bytes."""
-    format: str  # "gguf" | "hf" | "dummy"
+    format: str  # "gguf" | "hf" | "bonsai" | "dummy"
     num_tensors: int
     num_parameters: int
     file_bytes: int
@@ -51,10 +53,12 @@ class LoadedModel:
         return self.tokenizer
 
 
-def open_model_source(path: Path) -> GGUFFile | HFModelDir:
+def open_model_source(path: Path) -> GGUFFile | HFModelDir | BonsaiCheckpoint:
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"model file not found: {path}")
+    if path.is_dir() and is_checkpoint(path):  # its safetensors metadata says format bonsai
+        return BonsaiCheckpoint(path)
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and len(ggufs) == 1:
@@ -63,7 +67,7 @@ def open_model_source(path: Path) -> GGUFFile | HFModelDir:
     return GGUFFile(path)
 
 
-def summarize(source: GGUFFile | HFModelDir) -> TensorSummary:
+def summarize(source: GGUFFile | HFModelDir | BonsaiCheckpoint) -> TensorSummary:
     info = source.tensor_info()
     types: Counter = Counter()
     params: Counter = Counter()
@@ -76,7 +80,7 @@ def summarize(source: GGUFFile | HFModelDir) -> TensorSummary:
         params[type_name] += n
         nbytes[type_name] += size
     return TensorSummary(
-        format="gguf" if isinstance(source, GGUFFile) else "hf",
+        format="gguf" if isinstance(source, GGUFFile) else getattr(source, "format_name", "hf"),
         num_tensors=len(info), num_parameters=sum(params.values()), file_bytes=sum(nbytes.values()),
         types={t: (types[t], params[t], nbytes[t]) for t in sorted(types, key=lambda t: -nbytes[t])})
 
@@ -86,7 +90,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise BonsaiError(f"unsupported device '{device}': use cpu or cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BonsaiError(f"device '{device}' was asked for but no CUDA GPU is available "
                           "(use device: cpu, or install the CUDA build of torch)")

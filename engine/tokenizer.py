@@ -327,6 +327,20 @@ class Tokenizer:
                    chat_template=template if isinstance(template, str) else None,
                    unk_id=special_id("unk_token"), pad_id=special_id("pad_token"))
 
+    def hf_files(self) -> dict[str, str]:
+        """tokenizer.json, tokenizer_config.json and generation_config.json (contents) that
+        ``from_hf_dir`` reads back as this tokenizer: for checkpoints made from a GGUF."""
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos,
+                                  "add_eos_token": self.add_eos, "clean_up_tokenization_spaces": False,
+                                  **self.special_tokens_map}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        generation = {"bos_token_id": self.bos_id,
+                      "eos_token_id": [self.eos_id] * (self.eos_id is not None) + sorted(self.eos_ids - {self.eos_id})}
+        return {"tokenizer.json": self._backend.to_str(pretty=True),
+                "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
+                "generation_config.json": json.dumps(generation, indent=2)}
+
     @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)

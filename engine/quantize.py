@@ -1,0 +1,334 @@
+"""`bonsai quantize`: a source model (HF dir, GGUF, bonsai checkpoint) → a bonsai checkpoint.
+
+rtn works tensor by tensor: read one weight, merge the LoRA update, round, write, forget. gptq/gsq
+hand the loaded model, the calibration tokens and the plan to engine.calibration. Tensors that a
+GGUF or checkpoint already holds as codes on a grid the plan allows are kept, not requantized.
+Everything is written to a temporary directory renamed at the end; the report says per type the
+tensors, parameters and bits per weight, and the relative weight error per tensor class.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import math
+import resource
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from engine.checkpoint_file import canonical_name, hf_config, hf_name
+from engine.errors import BonsaiError, ModelFileError
+from engine.evaluate import read_eval_text
+from engine.gguf_file import GGUFFile
+from engine.gguf_file import canonical_name as gguf_canonical_name
+from engine.gguf_export import GGUFExportReport, export_gguf
+from engine.hf_files import HFModelDir
+from engine.loader import open_model_source
+from engine.lora import LoraAdapter, load_adapter
+from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+from quant import recipe as recipes
+from quant.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, SafetensorsFile
+from quant.formats import CODE_RANGE, QuantSpec, quantize_rtn, relative_error, rounding_error
+
+METHODS = ("rtn", "gptq", "gsq")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "added_tokens.json")
+Progress = Callable[[str, int, int], None]  # (message, done, total)
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    recipe: recipes.Recipe
+    method: str = "rtn"
+    calib: Path | None = None
+    calib_samples: int = 128
+    calib_seq_len: int = 512
+    lora: Path | None = None
+    gguf: Path | None = None
+    device: str = "cpu"
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise BonsaiError(f"unknown method '{self.method}': use one of {', '.join(METHODS)}")
+        if self.calib_samples < 1 or self.calib_seq_len < 2:
+            raise BonsaiError("--calib-samples must be >= 1 and --calib-seq-len >= 2")
+
+
+@dataclass
+class TensorRecord:
+    name: str
+    format: str  # "tri g64", "bf16", "f32"
+    params: int
+    nbytes: int
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+    kept: bool = False  # codes taken from the source as they were
+
+
+@dataclass
+class QuantizeReport:
+    out: Path
+    method: str
+    tensors: list[TensorRecord] = field(default_factory=list)
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    gguf: GGUFExportReport | None = None
+
+    @property
+    def params(self) -> int:
+        return sum(t.params for t in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / max(self.params, 1)
+
+    def by_format(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = defaultdict(lambda: {"tensors": 0, "params": 0, "bytes": 0})
+        for t in self.tensors:
+            row = out[t.format]
+            row["tensors"] += 1
+            row["params"] += t.params
+            row["bytes"] += t.nbytes
+        return {k: {**v, "bits_per_weight": 8 * v["bytes"] / max(v["params"], 1)} for k, v in out.items()}
+
+    def error_by_class(self) -> dict[str, float]:
+        """Relative Frobenius error ‖W - Ŵ‖ / ‖W‖ per tensor class (self_attn.q_proj, embed_tokens...)."""
+        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for t in self.tensors:
+            if t.ref_sq > 0:
+                s = sums[recipes.layer_kind(t.name)]
+                s[0] += t.err_sq
+                s[1] += t.ref_sq
+        return {k: math.sqrt(e / r) for k, (e, r) in sums.items()}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"out": str(self.out), "method": self.method, "tensors": len(self.tensors), "parameters": self.params,
+                "bytes": self.nbytes, "bits_per_weight": self.bits_per_weight, "seconds": self.seconds,
+                "peak_rss_bytes": self.peak_rss_bytes, "formats": self.by_format(),
+                "relative_error": self.error_by_class(), "kept_from_source": sum(t.kept for t in self.tensors),
+                "gguf": self.gguf.as_dict() if self.gguf else None}
+
+
+def calibration_available() -> bool:
+    return importlib.util.find_spec("engine.calibration") is not None
+
+
+def _check_paths(src: Path, out: Path, gguf: Path | None, force: bool) -> None:
+    src, out = src.resolve(), out.resolve()
+    for target, flag in ((out, "OUT"), (gguf.resolve() if gguf else None, "--gguf")):
+        if target is None:
+            continue
+        if target == src or target in src.parents:
+            raise BonsaiError(f"{flag} {target} would overwrite the source model: choose another path")
+        if target.exists() and not force and not (flag == "--gguf" and out in target.parents):
+            raise BonsaiError(f"{target} exists: pass --force to replace it")
+
+
+def _source_shapes(source: Any, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name → shape of every tensor the model uses (a tied model's copy of the embedding dropped)."""
+    shapes = {}
+    for name, _, shape, _ in source.tensor_info():
+        canon = gguf_canonical_name(name) if isinstance(source, GGUFFile) else canonical_name(name)
+        if canon is None or (canon == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        shapes[hf_name(canon)] = tuple(shape)
+    return shapes
+
+
+def _iter_float(source: Any, config: ModelConfig, skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every source tensor not in `skip` (canonical names), one at a time.
+    HF safetensors are read with plain reads (no memory map: RSS stays what we hold)."""
+    if isinstance(source, HFModelDir):
+        for file in source.weight_files:
+            try:
+                st = SafetensorsFile(file)
+            except (CheckpointError, OSError) as e:
+                raise ModelFileError(f"{file} is not a valid safetensors file ({e})") from None
+            for name in st.entries:
+                canon = canonical_name(name)
+                if canon is not None and canon not in skip:
+                    yield hf_name(canon), st.read(name)
+        return
+    for canon, tensor in source.iter_canonical_tensors(config, skip=skip):
+        yield hf_name(canon), tensor
+
+
+def _tokenizer_files(source: Any) -> dict[str, Path | bytes]:
+    if isinstance(source, GGUFFile):
+        return {k: v.encode() for k, v in Tokenizer.from_gguf_metadata(source.metadata).hf_files().items()}
+    files = {name: source.path / name for name in TOKENIZER_FILES if (source.path / name).is_file()}
+    if "tokenizer.json" not in files:
+        raise BonsaiError(f"{source.path} has no tokenizer.json: the checkpoint needs the model's tokenizer files")
+    return files
+
+
+def _calibration_tokens(opts: QuantizeOptions, source: Any) -> list[list[int]]:
+    if not Path(opts.calib).is_file():
+        raise BonsaiError(f"calibration text not found: {opts.calib}")
+    tokenizer = (Tokenizer.from_gguf_metadata(source.metadata) if isinstance(source, GGUFFile)
+                 else Tokenizer.from_hf_dir(source.path))
+    ids = tokenizer.encode(read_eval_text(opts.calib))
+    n = min(opts.calib_samples, len(ids) // opts.calib_seq_len)
+    if n == 0:
+        raise BonsaiError(f"the calibration text has {len(ids)} tokens, fewer than --calib-seq-len "
+                          f"{opts.calib_seq_len}: give more text or a shorter --calib-seq-len")
+    return [ids[i * opts.calib_seq_len:(i + 1) * opts.calib_seq_len] for i in range(n)]
+
+
+def _fits(source_type: str, target_type: str) -> bool:
+    """Whether codes of source_type's grid are exactly representable on target_type's."""
+    if target_type not in CODE_RANGE:
+        return False
+    lo, hi = {"tri": (-1, 1), "tri-dense": (-1, 1), "int4": (-7, 7), "int8": (-127, 127)}.get(source_type, (-1, 1))
+    tlo, thi = CODE_RANGE[target_type]
+    return tlo <= lo and hi <= thi and (target_type != "bin" or source_type == "bin")
+
+
+def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = lambda m, d, t: None) -> QuantizeReport:
+    """Quantize `src` into the checkpoint directory `out` (and opts.gguf); nothing is left on error."""
+    start = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if opts.method != "rtn":
+        if not calibration_available():
+            raise BonsaiError(f"method {opts.method} is not available in this build")
+        if opts.calib is None:
+            raise BonsaiError(f"--method {opts.method} needs calibration text: pass --calib FILE (UTF-8 prose, "
+                              "not the text you evaluate on)")
+    _check_paths(src, out, opts.gguf, opts.force)
+    source = open_model_source(src)
+    config = source.model_config()
+    shapes = _source_shapes(source, config)
+    try:
+        specs = recipes.plan(opts.recipe, shapes, config.num_layers)
+    except ValueError as e:
+        raise BonsaiError(str(e)) from None
+    adapter = load_adapter(opts.lora) if opts.lora else None
+    if adapter is not None:
+        adapter.check_fits(shapes)
+    tokenizer_files = _tokenizer_files(source)
+    calib_ids = _calibration_tokens(opts, source) if opts.method != "rtn" else None
+    report = QuantizeReport(out=out, method=opts.method)
+    with CheckpointWriter(out, force=opts.force) as writer:
+        config_json = source.path / "config.json" if not isinstance(source, GGUFFile) else None
+        if config_json is not None:
+            writer.copy_file("config.json", config_json)
+        else:
+            writer.add_file("config.json", json.dumps(hf_config(config), indent=2).encode())
+        for name, content in tokenizer_files.items():
+            writer.copy_file(name, content) if isinstance(content, Path) else writer.add_file(name, content)
+        _write_tensors(source, config, shapes, specs, adapter, opts, calib_ids, writer, report, progress)
+        tmp = writer.finish()
+        if opts.gguf is not None:
+            progress("writing the GGUF", len(shapes), len(shapes))
+            inside = opts.gguf.resolve().parent == out.resolve()
+            report.gguf = export_gguf(Checkpoint(tmp), tmp / opts.gguf.name if inside else opts.gguf, config,
+                                      source_gguf=source if isinstance(source, GGUFFile) else None,
+                                      tokenizer_dir=tmp)
+            if inside:
+                report.gguf.path = opts.gguf
+        writer.commit()
+    report.seconds = time.perf_counter() - start
+    report.peak_rss_bytes = peak_rss_bytes()
+    return report
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: VmHWM on Linux (ru_maxrss would include the RSS of the
+    process that forked us, which Linux carries across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _write_tensors(source: Any, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                   specs: dict[str, QuantSpec], adapter: LoraAdapter | None, opts: QuantizeOptions,
+                   calib_ids: list[list[int]] | None, writer: CheckpointWriter, report: QuantizeReport,
+                   progress: Progress) -> None:
+    total, kept = len(shapes), set()
+
+    def record(name: str, fmt: str, nbytes: int, err: tuple[float, float] = (0.0, 0.0), was_kept: bool = False):
+        report.tensors.append(TensorRecord(name, fmt, int(torch.Size(shapes[name]).numel()), nbytes, *err, was_kept))
+        progress(name, len(report.tensors), total)
+
+    if opts.method == "rtn" and hasattr(source, "iter_quantized_tensors"):
+        for canon, qtype, group, codes, scales in source.iter_quantized_tensors(config):
+            name, spec = hf_name(canon), specs.get(hf_name(canon))
+            if spec is None or spec.is_float or (adapter and name in adapter.pairs) or not _fits(qtype, spec.quant_type):
+                continue
+            try:
+                keep = QuantSpec(spec.quant_type, group)
+            except ValueError:
+                continue
+            nbytes = writer.write_quantized(name, keep, codes, scales)
+            weight = (codes.float().reshape(codes.shape[0], -1, group) * scales[..., None]).reshape(codes.shape)
+            record(name, f"{keep.quant_type} g{group}", nbytes, (0.0, float(weight.pow(2).sum())), was_kept=True)
+            kept.add(canon)
+    pending = set()
+    for name, w in _iter_float(source, config, frozenset(kept)):
+        if name not in shapes:
+            continue
+        w = adapter.merge(name, w) if adapter else w
+        spec = specs.get(name)
+        if spec is None:
+            record(name, "f32", writer.write_float(name, w, "f32"))
+        elif spec.is_float:
+            record(name, "bf16", writer.write_float(name, w, "bf16"), rounding_error(w, torch.bfloat16))
+        elif opts.method == "rtn":
+            try:
+                codes, scales = quantize_rtn(spec, w.float())
+            except ValueError as e:
+                raise BonsaiError(f"{name}: {e}") from None
+            nbytes = writer.write_quantized(name, spec, codes, scales)
+            record(name, f"{spec.quant_type} g{spec.group_size}", nbytes,
+                   relative_error(w, codes, scales, spec.group_size))
+        else:
+            pending.add(name)
+    if pending:
+        _write_calibrated(source, config, specs, adapter, opts, calib_ids or [], writer, record, pending,
+                          lambda message: progress(message, len(report.tensors), total))
+
+
+def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSpec], adapter: LoraAdapter | None,
+                      opts: QuantizeOptions, calib_ids: list[list[int]], writer: CheckpointWriter,
+                      record: Callable, pending: set[str], message: Callable[[str], None]) -> None:
+    """gptq / gsq through engine.calibration (the loaded model, LoRA merged), then the errors."""
+    from engine.loader import load_model
+    calibration = importlib.import_module("engine.calibration")
+    loaded = load_model(source.path, device=opts.device, dtype=torch.float32, weight_dtype=torch.float32)
+    if adapter is not None:
+        for name, w in _iter_float(source, config, frozenset()):
+            if name in adapter.pairs:
+                loaded.model.load_tensor(canonical_name(name), adapter.merge(name, w).float())
+    fields = {f.name for f in dataclasses.fields(calibration.CalibrationOptions)}
+    options = calibration.CalibrationOptions(**({"device": opts.device} if "device" in fields else {}))
+    results = {}
+    for name, codes, scales, spec in calibration.quantize_with_calibration(
+            loaded, calib_ids, recipes.calibration_plan(specs), opts.method, options, progress=message):
+        results[name] = (spec, codes.cpu(), scales.cpu(), writer.write_quantized(name, spec, codes.cpu(), scales.cpu()))
+    del loaded
+    missing = pending - set(results)
+    if missing:
+        raise BonsaiError(f"calibration returned no codes for {sorted(missing)[0]} ({len(missing)} tensors)")
+    for name, w in _iter_float(source, config, frozenset()):
+        if name in results:
+            spec, codes, scales, nbytes = results.pop(name)
+            w = adapter.merge(name, w) if adapter else w
+            record(name, f"{spec.quant_type} g{spec.group_size}", nbytes, relative_error(w, codes, scales, spec.group_size))
+

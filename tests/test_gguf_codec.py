@@ -1,0 +1,289 @@
+"""GGUF blocks ↔ codes + scales: bit-exact import, exact or measured-loss export, GGUF files served packed."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
+
+from quant import gguf_codec
+from quant.formats import QuantSpec, quantize_rtn
+from quant.grids import dequantize
+
+RNG = np.random.default_rng(0)
+
+
+def reference_q1_0(raw: np.ndarray) -> np.ndarray:
+    """Q1_0 by the field notes, one block at a time: fp16 d, qs[16], bit i of byte j = element 8j+i."""
+    out = []
+    for block in raw.reshape(-1, 18):
+        d = float(block[:2].view(np.float16)[0])
+        for j in range(16):
+            for i in range(8):
+                out.append(d if (block[2 + j] >> i) & 1 else -d)
+    return np.array(out, dtype=np.float32).reshape(raw.shape[0], -1)
+
+
+def reference_q2_0(raw: np.ndarray) -> np.ndarray:
+    """Q2_0 by the field notes: fp16 d, qs[16], 4 codes a byte LSB-first, 0..3 → {-1, 0, 1, 2}·d."""
+    out = []
+    for block in raw.reshape(-1, 18):
+        d = float(block[:2].view(np.float16)[0])
+        for j in range(16):
+            for i in range(4):
+                out.append(((int(block[2 + j]) >> (2 * i)) & 3) - 1)
+                out[-1] = out[-1] * d
+    return np.array(out, dtype=np.float32).reshape(raw.shape[0], -1)
+
+
+def random_blocks(type_id: int, rows: int, k: int) -> np.ndarray:
+    block, size = gguf_codec.BLOCKS[type_id]
+    raw = RNG.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
+    d = RNG.uniform(0.001, 0.1, size=(rows, k // block)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    raw[..., 0:2] = d  # Q1_0 and Q2_0 start with d
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [T.TQ2_0, T.TQ1_0])
+def test_ternary_import_is_bit_exact_against_gguf(qtype):
+    w = (RNG.standard_normal((6, 512)) * RNG.uniform(0.01, 1, (6, 1))).astype(np.float32)
+    raw = gguf_quants.quantize(w, qtype)  # [6, bytes]
+    codes, scales = gguf_codec.decode(raw, int(qtype), 512)
+    assert codes.shape == (6, 512) and scales.shape == (6, 2) and set(codes.unique().tolist()) <= {-1, 0, 1}
+    assert np.array_equal(dequantize(codes, scales, 256).numpy(), gguf_quants.dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype,reference", [(T.Q1_0, reference_q1_0), (gguf_codec.Q2_0_ID, reference_q2_0)])
+def test_q1_q2_import_matches_the_byte_layout(qtype, reference):
+    raw = random_blocks(int(qtype), 3, 256)
+    codes, scales = gguf_codec.decode(raw, int(qtype), 256)
+    block = gguf_codec.BLOCKS[int(qtype)][0]
+    assert np.array_equal(dequantize(codes, scales, block).numpy(), reference(raw))
+
+
+@pytest.mark.parametrize("qtype", [T.TQ2_0, T.TQ1_0, T.Q1_0, T.Q4_0, T.Q8_0])
+def test_export_is_exact_when_groups_are_whole_blocks(qtype):
+    quant_type = {T.TQ2_0: "tri", T.TQ1_0: "tri-dense", T.Q1_0: "bin", T.Q4_0: "int4", T.Q8_0: "int8"}[qtype]
+    group = 256 if qtype in (T.TQ2_0, T.TQ1_0) else 128
+    codes, scales = quantize_rtn(QuantSpec(quant_type, group), torch.randn(5, 512))
+    raw, err, ref = gguf_codec.encode(codes, scales, group, int(qtype))
+    assert raw.shape == (5, 512 // gguf_codec.BLOCKS[int(qtype)][0] * gguf_codec.BLOCKS[int(qtype)][1])
+    assert err == 0 and ref > 0
+    want = dequantize(codes, scales, group).numpy()
+    if qtype == T.Q1_0:  # no gguf dequantizer: our decoder, itself checked against the byte layout
+        got = dequantize(*gguf_codec.decode(raw, int(qtype), 512), 128).numpy()
+        assert np.array_equal(got, reference_q1_0(raw))
+    else:
+        got = gguf_quants.dequantize(raw, qtype)
+    assert np.array_equal(got, want)
+
+
+def test_group_128_into_256_blocks_uses_the_best_common_scale():
+    torch.manual_seed(0)
+    codes, scales = quantize_rtn(QuantSpec("tri", 128), torch.randn(4, 512) * torch.tensor([1.0, 3.0]).repeat(256))
+    raw, err, ref = gguf_codec.encode(codes, scales, 128, int(T.TQ2_0))
+    target = dequantize(codes, scales, 128).numpy()
+    got = gguf_quants.dequantize(raw, T.TQ2_0)
+    assert np.isclose(((got - target) ** 2).sum(), err, rtol=1e-4) and 0.01 < (err / ref) ** 0.5 < 0.9
+    # any other scale for a block does worse (the exported one is the least-squares optimum, up to fp16)
+    c = codes.float().numpy()[0, :256]
+    d = float(got[0, :256][c != 0][0] / c[c != 0][0])
+    for factor in (0.97, 1.03):
+        assert ((c * d * factor - target[0, :256]) ** 2).sum() > ((c * d - target[0, :256]) ** 2).sum()
+    assert np.array_equal(gguf_codec.decode(raw, int(T.TQ2_0), 512)[0].numpy(), codes.numpy())  # codes kept
+
+
+def test_int4_group_16_into_q4_0_reports_its_loss():
+    codes, scales = quantize_rtn(QuantSpec("int4", 16), torch.randn(3, 64))
+    raw, err, ref = gguf_codec.encode(codes, scales, 16, int(T.Q4_0))
+    target = dequantize(codes, scales, 16).numpy()
+    assert np.isclose(((gguf_quants.dequantize(raw, T.Q4_0) - target) ** 2).sum(), err, rtol=1e-4) and err > 0
+
+
+def test_export_types_and_fallbacks():
+    assert gguf_codec.export_type("tri", 1536) == T.TQ2_0
+    assert gguf_codec.export_type("tri", 576) == T.Q4_0  # 576 is not a multiple of 256
+    assert gguf_codec.export_type("tri-dense", 512) == T.TQ1_0
+    assert gguf_codec.export_type("bin", 384) == T.Q1_0 and gguf_codec.export_type("bin", 576) == T.Q4_0
+    assert gguf_codec.export_type("int8", 64) == T.Q8_0 and gguf_codec.export_type("int4", 48) == T.F16
+    assert gguf_codec.export_type("bf16", 64) == T.F16
+
+
+def test_bad_row_lengths_are_refused():
+    with pytest.raises(ValueError, match="do not hold"):
+        gguf_codec.decode(np.zeros((1, 60), np.uint8), int(T.TQ2_0), 256)
+    with pytest.raises(ValueError, match="256-blocks"):
+        gguf_codec.encode(torch.zeros(1, 128, dtype=torch.int8), torch.ones(1, 1), 128, int(T.TQ2_0))
+
+
+# ---- GGUF files: trained-ternary and 1-bit sources served packed; exports read back ----
+
+def write_raw_gguf(path, tokenizer_source, qtype: int):
+    """A tiny llama GGUF whose matrices are random raw blocks of qtype (Q1_0, or Q2_0 by patching the header)."""
+    from gguf import GGUFWriter
+
+    from tests.gguf_tiny import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, copy_tokenizer
+    writer = GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_block_count, LAYERS), (writer.add_context_length, 256),
+                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FFN),
+                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS)):
+        add(value)
+    writer.add_layer_norm_rms_eps(1e-5)
+    vocab = copy_tokenizer(writer, tokenizer_source)
+    hd = HIDDEN // HEADS
+    shapes = {"token_embd.weight": (vocab, HIDDEN), "output_norm.weight": (HIDDEN,)}
+    for i in range(LAYERS):
+        shapes.update({f"blk.{i}.attn_norm.weight": (HIDDEN,), f"blk.{i}.ffn_norm.weight": (HIDDEN,),
+                       f"blk.{i}.attn_q.weight": (HEADS * hd, HIDDEN), f"blk.{i}.attn_k.weight": (KV_HEADS * hd, HIDDEN),
+                       f"blk.{i}.attn_v.weight": (KV_HEADS * hd, HIDDEN), f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN),
+                       f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN), f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
+                       f"blk.{i}.ffn_down.weight": (HIDDEN, FFN)})
+    shapes["output.weight"] = (vocab, HIDDEN)
+    raws = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            writer.add_tensor(name, np.ones(shape, np.float32))
+            continue
+        raws[name] = random_blocks(qtype, *shape)
+        if qtype == gguf_codec.Q2_0_ID:  # the same bytes as Q1_0 of twice the row length; patched below
+            writer.add_tensor(name, raws[name], raw_dtype=T.Q1_0)
+        else:
+            writer.add_tensor(name, raws[name], raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if qtype == gguf_codec.Q2_0_ID:
+        data = bytearray(path.read_bytes())
+        for name in raws:
+            cols = shapes[name][1]
+            key = len(name).to_bytes(8, "little") + name.encode()
+            at = data.index(key) + len(key)  # n_dims u32, dims u64 x2, type u32
+            assert int.from_bytes(data[at + 4:at + 12], "little") == 2 * cols
+            data[at + 4:at + 12] = cols.to_bytes(8, "little")
+            data[at + 20:at + 24] = gguf_codec.Q2_0_ID.to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+    return raws
+
+
+@pytest.mark.parametrize("qtype", [int(T.Q1_0), gguf_codec.Q2_0_ID], ids=["Q1_0", "Q2_0"])
+def test_q1_q2_gguf_files_load_and_serve_codes(qtype, tmp_path, smollm2_gguf):
+    from engine.gguf_file import GGUFFile
+    from engine.loader import load_model
+    path = tmp_path / "m.gguf"
+    raws = write_raw_gguf(path, smollm2_gguf, qtype)
+    source = GGUFFile(path)
+    cfg = source.model_config()
+    floats = dict(source.iter_canonical_tensors(cfg))
+    packed = {name: rest for name, *rest in source.iter_quantized_tensors(cfg)}
+    assert len(packed) == 16
+    reference = reference_q1_0 if qtype == T.Q1_0 else reference_q2_0
+    quant_type, group, codes, scales = packed["layers.1.down_proj.weight"]
+    assert (quant_type, group) == (("bin", 128) if qtype == T.Q1_0 else ("int4", 64))  # random Q2_0 bytes use code 2
+    assert np.array_equal(dequantize(codes, scales, group).numpy(), reference(raws["blk.1.ffn_down.weight"]))
+    for name, (_, group, codes, scales) in packed.items():  # q/k rows are unpermuted like the float path
+        assert torch.equal(dequantize(codes, scales, group), floats[name]), name
+    loaded = load_model(path, weight_dtype=torch.float32)
+    assert ("Q1_0" if qtype == T.Q1_0 else "Q2_0") in loaded.summary.types
+
+
+@pytest.mark.parametrize("qtype", [T.TQ2_0, T.TQ1_0])
+def test_trained_ternary_gguf_is_kept_without_requantizing(qtype, tmp_path, smollm2_gguf):
+    from engine.checkpoint_file import BonsaiCheckpoint
+    from engine.gguf_file import GGUFFile
+    from engine.quantize import QuantizeOptions, quantize
+    from quant.recipe import Recipe
+    from tests.gguf_tiny import write_tiny_gguf
+    path = write_tiny_gguf(tmp_path / "t.gguf", smollm2_gguf, qtype)
+    source = GGUFFile(path)
+    cfg = source.model_config()
+    served = {name: rest for name, *rest in source.iter_quantized_tensors(cfg)}
+    floats = dict(source.iter_canonical_tensors(cfg))
+    assert len(served) == 16 and all(torch.equal(dequantize(c, s, g), floats[n]) for n, (_, g, c, s) in served.items())
+    report = quantize(path, tmp_path / "ckpt", QuantizeOptions(Recipe(QuantSpec("tri", 64))))
+    assert sum(t.kept for t in report.tensors) == 14  # the block matrices; embedding and head go to bf16
+    assert report.error_by_class()["mlp.up_proj"] == 0.0 and "tri g256" in report.by_format()
+    ckpt = {name: rest for name, *rest in BonsaiCheckpoint(tmp_path / "ckpt").iter_quantized_tensors(cfg)}
+    for name, (quant_type, group, codes, scales) in ckpt.items():
+        assert group == 256 and torch.equal(codes, served[name][2]) and torch.equal(scales, served[name][3])
+
+
+def logits_of(path, ids):
+    from engine.loader import load_model
+    from engine.runner import ModelRunner
+    runner = ModelRunner(load_model(path, weight_dtype=torch.float32), max_seq_len=32)
+    return runner.forward(runner.slot(), ids, num_logits=None)
+
+
+def transformers_logits(path, ids):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+IDS = [1, 100, 200, 1000, 5, 77, 409, 12]
+
+
+@pytest.mark.parametrize("quant_type,group,gguf_type,lossless", [
+    ("int4", 32, "Q4_0", True), ("tri", 128, "TQ2_0", False), ("tri-dense", 256, "TQ1_0", True), ("bin", 128, "Q1_0", True)])
+def test_gguf_export_reads_back(quant_type, group, gguf_type, lossless, tmp_path, smollm2_gguf):
+    """Exported weights equal the checkpoint's (or differ by exactly the reported error); llama-layout
+    q/k rows; transformers reads the file (Q1_0 excepted: it has no decoder for it)."""
+    from engine.checkpoint_file import BonsaiCheckpoint
+    from engine.gguf_file import GGUFFile
+    from engine.quantize import QuantizeOptions, quantize
+    from quant.recipe import Recipe
+    from tests.gguf_tiny import write_tiny_gguf
+    src = write_tiny_gguf(tmp_path / "src.gguf", smollm2_gguf, T.F32)
+    ckpt, gguf = tmp_path / "ckpt", tmp_path / "out.gguf"
+    report = quantize(src, ckpt, QuantizeOptions(Recipe(QuantSpec(quant_type, group)), gguf=gguf))
+    exported = report.gguf
+    mask = os.umask(0)
+    os.umask(mask)
+    assert gguf.stat().st_mode & 0o777 == 0o666 & ~mask  # not the temporary file's private mode
+    assert {t.gguf_type for t in exported.tensors if t.source_type == quant_type} == {gguf_type}
+    assert (exported.relative_error < 1e-6) if lossless else (0.01 < exported.relative_error < 0.3)
+    out = GGUFFile(gguf)
+    cfg = out.model_config()
+    theirs = dict(out.iter_canonical_tensors(cfg))
+    ours = dict(BonsaiCheckpoint(ckpt).iter_canonical_tensors(cfg))
+    assert set(theirs) == set(ours)
+    errors = {t.name: t.relative_error for t in exported.tensors}
+    for name, w in ours.items():
+        from engine.gguf_file import gguf_name
+        real = float((theirs[name] - w).norm() / w.norm())
+        assert real == pytest.approx(errors[gguf_name(name)], rel=1e-3, abs=1e-7), name
+    source_file = GGUFFile(src)
+    for key, value in source_file.metadata.items():  # copied with their exact types
+        if key not in ("general.file_type", "general.quantization_version", "general.alignment"):
+            assert out.metadata[key] == value and out.metadata_types[key] == source_file.metadata_types[key], key
+    if lossless:
+        torch.testing.assert_close(logits_of(gguf, IDS), logits_of(ckpt, IDS), atol=1e-4, rtol=1e-4)
+    if gguf_type != "Q1_0":
+        expected = transformers_logits(gguf, IDS)
+        torch.testing.assert_close(logits_of(gguf, IDS), expected, atol=1e-4 * max(1, float(expected.abs().max())), rtol=0)
+
+
+def test_gguf_export_from_a_hf_source_builds_the_tokenizer(tmp_path, smollm2_gguf):
+    from engine.gguf_file import GGUFFile
+    from engine.quantize import QuantizeOptions, quantize
+    from engine.tokenizer import Tokenizer
+    from quant.recipe import Recipe
+    from tests.gguf_tiny import write_tiny_gguf
+    from tests.hf_tiny import write_tiny_hf
+    hf = write_tiny_hf(tmp_path / "hf", write_tiny_gguf(tmp_path / "t.gguf", smollm2_gguf, T.F32))
+    gguf = tmp_path / "ckpt" / "model.gguf"  # inside the checkpoint: written into it before the rename
+    quantize(hf, tmp_path / "ckpt", QuantizeOptions(Recipe(QuantSpec("int8", 32)), gguf=gguf))
+    meta = GGUFFile(gguf).metadata
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "smollm"
+    ours, ref = Tokenizer.from_gguf_metadata(meta), Tokenizer.from_hf_dir(hf)
+    for text in ["Hello world 123", "<|im_start|>user\nhi<|im_end|>", "  ü\t\n"]:
+        assert ours.encode(text, True) == ref.encode(text, True)
+    assert ours.chat_template == ref.chat_template and ours.eos_id == ref.eos_id
+    torch.testing.assert_close(logits_of(gguf, IDS), logits_of(tmp_path / "ckpt", IDS), atol=1e-4, rtol=1e-4)
+    expected = transformers_logits(gguf, IDS)  # llama.cpp's q/k layout, undone by transformers
+    torch.testing.assert_close(logits_of(gguf, IDS), expected, atol=1e-4 * max(1, float(expected.abs().max())), rtol=0)
