@@ -15,6 +15,7 @@ from engine.hf_files import HFModelDir
 from engine.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.model_config import ModelConfig
 from engine.packed_linear import WeightFormat, pack_linears
+from engine.packed_load import pack_stored_codes
 from engine.tokenizer import Tokenizer
 from quant.checkpoint import is_checkpoint
 
@@ -140,12 +141,15 @@ def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, wei
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None) -> LoadedModel:
+               weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None,
+               keep_codes: bool | None = None) -> LoadedModel:
     """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
 
     dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the
     matrices and the embedding (default_weight_dtype); weight_format: pack the matrices at load
-    (round-to-nearest onto the ternary / 1-bit / int grids) for the packed kernels.
+    (round-to-nearest onto the ternary / 1-bit / int grids) for the packed kernels; keep_codes:
+    tensors stored quantized (bonsai checkpoints, TQ1_0/TQ2_0/Q1_0/Q2_0 GGUFs) run packed as stored
+    (default on CUDA, where the packed kernels are fast; on the CPU floats decode faster).
     """
     start = time.perf_counter()
     dev = resolve_device(device)
@@ -169,6 +173,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelFileError(f"{path} lacks tensors the architecture needs: {', '.join(missing[:3])}{more}")
     weight_format = weight_format or WeightFormat()
+    if keep_codes if keep_codes is not None else dev.type == "cuda":
+        pack_stored_codes(model, source, config)
     if weight_format.packed:
         pack_linears(model, weight_format)
     model.eval()

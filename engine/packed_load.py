@@ -1,0 +1,68 @@
+"""Quantized tensors of a checkpoint or GGUF → the packed runtime layouts, without requantizing.
+
+A bonsai checkpoint (and a GGUF of TQ1_0 / TQ2_0 / Q1_0 / Q2_0 tensors) stores integer codes and
+group scales; the kernels' layouts hold the same codes, so loading them is a repack: the values the
+kernels multiply are exactly the stored ones. Fused projections (q/k/v, gate/up) are packed
+together when their parts share a layout kind and group size; otherwise they stay float.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.model import Linear, Transformer
+from engine.packed_linear import PackedLinear
+from quant.packed_layout import check_packable, pack
+
+log = logging.getLogger(__name__)
+LAYOUT_OF = {"tri": "tri", "tri-dense": "tri", "bin": "bin", "int4": "int4", "int8": "int8"}
+
+
+def _targets(model: Transformer) -> list[tuple[str, list[str]]]:
+    """(module path, canonical tensor names whose rows it stacks)."""
+    out = []
+    for i in range(len(model.layers)):
+        p = f"layers.{i}"
+        out += [(f"{p}.attention.wqkv", [f"{p}.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]),
+                (f"{p}.attention.wo", [f"{p}.o_proj.weight"]),
+                (f"{p}.feed_forward.w13", [f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]),
+                (f"{p}.feed_forward.w2", [f"{p}.down_proj.weight"])]
+    if model.lm_head is not None:
+        out.append(("lm_head", ["lm_head.weight"]))
+    return out
+
+
+def pack_stored_codes(model: Transformer, source, config) -> int:
+    """Swap every Linear whose source tensors are stored quantized for a PackedLinear holding those
+    codes. Returns how many layers were packed."""
+    if not hasattr(source, "iter_quantized_tensors"):
+        return 0
+    stored = {name: (qt, g, codes, scales) for name, qt, g, codes, scales in source.iter_quantized_tensors(config)}
+    if not stored:
+        return 0
+    packed = 0
+    for path, names in _targets(model):
+        parts = [stored.get(n) for n in names]
+        if any(p is None for p in parts):
+            continue
+        kinds = {LAYOUT_OF.get(p[0]) for p in parts}
+        groups = {p[1] for p in parts}
+        if len(kinds) != 1 or None in kinds or len(groups) != 1:
+            log.info("%s: parts stored as %s; kept in float", path, sorted(str(p[0]) for p in parts))
+            continue
+        kind, group = kinds.pop(), groups.pop()
+        codes = torch.cat([p[2] for p in parts])  # [N, K]
+        scales = torch.cat([p[3] for p in parts])  # [N, K/G]
+        try:
+            check_packable(kind, codes.shape[0], codes.shape[1], group)
+        except ValueError as e:
+            log.info("%s: %s; kept in float", path, e)
+            continue
+        module: Linear = model.get_submodule(path)
+        bias = module.bias.data if module.bias is not None else None
+        pw = pack(kind, codes, scales, group).to(module.weight.device)
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(pw, bias))
+        packed += 1
+    return packed
