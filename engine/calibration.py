@@ -11,10 +11,11 @@ much). The embedding, a gather with no Hessian, is rounded to nearest first, unl
 output layer: then it is quantized last, as the output layer (on SmolLM2-135M, int4 g64 of the tied
 embedding alone: ppl 14.70 → 17.61 by rtn, → 15.44 by GPTQ; mean KL 0.179 → 0.044).
 
-Memory: besides the model, the calibration state is one block's activations for the whole set:
-tokens × (hidden + max(q_size, intermediate)) × 4 bytes at the widest point (the down projection's
-inputs next to the residual stream), plus one Hessian (in² × 8 bytes) at a time, plus, for gsq, at most
-`gsq_tokens` input rows per layer. 64 × 256 tokens of SmolLM2-135M: about 140 MB.
+Memory: besides the model, the calibration state is one block's activations for the whole set, at
+the widest point the residual stream twice (in and out) next to the down projection's inputs:
+tokens × (2 · hidden + intermediate) × 4 bytes (float32 activations), plus one Hessian (in² × 8 bytes)
+at a time, plus, for gsq, `gsq_tokens` input rows per layer and GSQ's own state (about 12 floats per
+weight of the layer). 64 × 256 tokens of SmolLM2-135M: about 180 MB.
 Blocks are moved to `device` one at a time (and back), so a GPU holds one block plus that state.
 The model is modified in place: afterwards it holds the dequantized weights.
 """

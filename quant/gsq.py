@@ -141,8 +141,8 @@ def gsq_refine(w: torch.Tensor, inputs: torch.Tensor, codes: torch.Tensor, scale
     start = codes.to(device).float()[None]  # [1, N, K]
     preference = -0.5 * (start - values) ** 2  # [L, N, K]: the start code is preferred
     preference = preference - preference.mean(0, keepdim=True)
-    gen = torch.Generator(device=device).manual_seed(opts.seed)
-    noise = torch.randn(preference.shape, generator=gen, device=device)
+    gen = torch.Generator().manual_seed(opts.seed)  # on the CPU: the same draws on every device
+    noise = torch.randn(preference.shape, generator=gen).to(device)
     logits = opts.init_std * (noise + opts.init_strength * preference)  # [L, N, K]
     logits = torch.where(valid, logits, torch.full_like(logits, -1e4))
     rel_scale = torch.ones_like(start_scales)  # [N, K/G], scale = start · rel
@@ -157,14 +157,17 @@ def gsq_refine(w: torch.Tensor, inputs: torch.Tensor, codes: torch.Tensor, scale
     best_err = output_error(w, best_codes * _expand(best_scales, group_size), gram)
     # Gumbel noise: one pool of draws, rolled by a random offset along both axes at every step (on a
     # CPU, fresh draws would cost more than the rest of the step)
-    pool = -torch.log(-torch.log(torch.rand(logits.shape, generator=gen, device=device).clamp_(1e-10, 1 - 1e-7)))
-    total = opts.total_steps(x.shape[0])
+    pool = -torch.log(-torch.log(torch.rand(logits.shape, generator=gen).clamp_(1e-10, 1 - 1e-7))).to(device)
+    total, batch = opts.total_steps(x.shape[0]), min(opts.batch_size, x.shape[0])
+    order = torch.empty(0, dtype=torch.long)
     for step in range(total):
+        if order.numel() < batch:  # a new epoch: the rows in a new random order
+            order = torch.randperm(x.shape[0], generator=gen)
+        rows, order = order[:batch].to(device), order[batch:]
         frac = step / max(total - 1, 1)
         temperature = opts.temperature[0] + (opts.temperature[1] - opts.temperature[0]) * frac
         logit_scale = opts.logit_scale[0] + (opts.logit_scale[1] - opts.logit_scale[0]) * frac
-        rows = torch.randint(0, x.shape[0], (min(opts.batch_size, x.shape[0]),), generator=gen, device=device)
-        shift = torch.randint(0, n * k, (1,), generator=gen, device=device).item()
+        shift = int(torch.randint(0, n * k, (1,), generator=gen))
         gumbel = pool.roll((shift // k, shift % k), dims=(1, 2))  # [L, N, K]
         grad_logits, grad_scale = relaxed_gradients(logits, rel_scale, values, start_scales, gumbel, x[rows],
                                                     target[rows], logit_scale, temperature, group_size)

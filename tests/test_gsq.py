@@ -12,6 +12,15 @@ from tests.test_gptq import correlated_inputs, output_error
 FAST = GSQOptions(steps=120, batch_size=256, eval_every=20)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: extra threads only add overhead (and stall on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def layer(seed: int = 0, n: int = 64, k: int = 128):
     x = correlated_inputs(1024, k, seed=seed)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)) * 0.05
