@@ -14,7 +14,7 @@ embedding alone: ppl 14.70 → 17.61 by rtn, → 15.44 by GPTQ; mean KL 0.179 �
 Memory: besides the model, the calibration state is one block's activations for the whole set, at
 the widest point the residual stream twice (in and out) next to the down projection's inputs:
 tokens × (2 · hidden + intermediate) × 4 bytes (float32 activations), plus one Hessian (in² × 8 bytes)
-at a time, plus, for gsq, `gsq_tokens` input rows per layer and GSQ's own state (about 12 floats per
+at a time, plus, for gsq, `gsq_tokens` input rows per layer and GSQ's own state (about 20 floats per
 weight of the layer). 64 × 256 tokens of SmolLM2-135M: about 180 MB.
 Blocks are moved to `device` one at a time (and back), so a GPU holds one block plus that state.
 The model is modified in place: afterwards it holds the dequantized weights.
@@ -46,7 +46,7 @@ class CalibrationOptions:
     block_size: int = 128  # GPTQ lazy-update block
     act_order: bool = False  # GPTQ: columns by decreasing H[i, i] (groups stay contiguous)
     gsq: GSQOptions = field(default_factory=GSQOptions)
-    gsq_tokens: int = 4096  # input rows per layer given to GSQ (a random subsample of all tokens)
+    gsq_tokens: int = 16384  # input rows per layer given to GSQ (a random subsample when there are more)
     device: str = "cpu"
     batch_sequences: int = 8  # sequences per forward pass
     seed: int = 0

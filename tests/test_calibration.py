@@ -176,7 +176,7 @@ def test_calibrated_models_are_closer_to_the_float_model_than_rtn(tiny, token_st
 
     rtn_kl = model_kl(tiny, token_stream, lambda loaded: quantize_rtn(loaded, "tri", "int4"))
     gptq_kl = model_kl(tiny, token_stream, run("gptq"))
-    gsq = CalibrationOptions(seq_len=48, gsq=GSQOptions(steps=60, batch_size=256, eval_every=10), gsq_tokens=512)
+    gsq = CalibrationOptions(seq_len=48, gsq=GSQOptions(steps=60, eval_every=10), gsq_tokens=512)
     gsq_kl = model_kl(tiny, token_stream, run("gsq", gsq))
     print(f"KL vs float: rtn {rtn_kl:.4f}, gptq {gptq_kl:.4f}, gsq {gsq_kl:.4f}")
     assert gptq_kl < 0.9 * rtn_kl, (gptq_kl, rtn_kl)

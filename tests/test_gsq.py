@@ -6,10 +6,11 @@ import torch
 
 from quant.grids import dequantize
 from quant.gptq import code_range, gptq_quantize, rtn
-from quant.gsq import GSQOptions, candidate_codes, gsq_refine, lion_step, relaxed_gradients
+from quant.gsq import (GSQOptions, candidate_codes, full_batch_grad, gsq_refine, lion_step, minibatch_grad,
+                       relaxed_gradients)
 from tests.test_gptq import correlated_inputs, output_error
 
-FAST = GSQOptions(steps=120, batch_size=256, eval_every=20)
+FAST = GSQOptions(steps=120, eval_every=20)
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +61,7 @@ def test_deterministic_with_a_seed():
     codes, scales = rtn(w, "tri", 32)
     a = gsq_refine(w, x, codes, scales, "tri", 32, FAST)
     b = gsq_refine(w, x, codes, scales, "tri", 32, FAST)
-    c = gsq_refine(w, x, codes, scales, "tri", 32, GSQOptions(steps=120, batch_size=256, eval_every=20, seed=1))
+    c = gsq_refine(w, x, codes, scales, "tri", 32, GSQOptions(steps=120, eval_every=20, seed=1))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(a[0], c[0])
 
@@ -82,23 +83,33 @@ def test_candidates_of_int_grids_are_the_neighbours_of_the_start():
 
 
 @pytest.mark.parametrize("grid", ["tri", "int4"])
-def test_written_out_gradients_match_autograd(grid):
+@pytest.mark.parametrize("objective", ["full", "minibatch"])
+def test_written_out_gradients_match_autograd(grid, objective):
+    """Both objectives are mean((x Ŵᵀ − x Wᵀ)²); the full one is computed through xᵀx."""
     gen = torch.Generator().manual_seed(7)
     codes = torch.randint(-1, 2, (6, 16), generator=gen).to(torch.int8)
     values, _ = candidate_codes(codes, grid)
+    values = values.double()
     logits = (0.01 * torch.randn(3, 6, 16, generator=gen, dtype=torch.float64)).requires_grad_(True)
     rel = (1 + 0.1 * torch.rand(6, 2, generator=gen, dtype=torch.float64)).requires_grad_(True)
     start = torch.rand(6, 2, generator=gen, dtype=torch.float64) + 0.5
     gumbel = torch.randn(3, 6, 16, generator=gen, dtype=torch.float64)
-    x, target = torch.randn(5, 16, generator=gen, dtype=torch.float64), torch.randn(5, 6, generator=gen, dtype=torch.float64)
-    values = values.double()
+    x, w = torch.randn(5, 16, generator=gen, dtype=torch.float64), torch.randn(6, 16, generator=gen, dtype=torch.float64)
     probs = torch.softmax((logits * 150 + gumbel) / 1.3, dim=0)
     w_hat = (probs * values).sum(0) * (start * rel).repeat_interleave(8, dim=1)
-    (x @ w_hat.T - target).pow(2).mean().backward()
-    grad_logits, grad_scale = relaxed_gradients(logits.detach(), rel.detach(), values, start, gumbel, x, target,
-                                                150.0, 1.3, 8)
+    (x @ w_hat.T - x @ w.T).pow(2).mean().backward()
+    output_grad = full_batch_grad(w, x.T @ x, 5) if objective == "full" else minibatch_grad(x, x @ w.T)
+    grad_logits, grad_scale = relaxed_gradients(logits.detach(), rel.detach(), values, start, gumbel, 150.0, 1.3, 8,
+                                                output_grad)
     assert torch.allclose(grad_logits, logits.grad, rtol=1e-9, atol=1e-12)
     assert torch.allclose(grad_scale, rel.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_minibatches_work_too():
+    x, w = layer(seed=4)
+    codes, scales = gptq_quantize(w, x.T @ x, "tri", group_size=32)
+    new_codes, new_scales = gsq_refine(w, x, codes, scales, "tri", 32, GSQOptions(batch_size=128, epochs=15, eval_every=20))
+    assert output_error(x, w, dequantize(new_codes, new_scales, 32)) < 0.97 * output_error(x, w, dequantize(codes, scales, 32))
 
 
 def test_lion_step_matches_its_definition():
@@ -109,8 +120,8 @@ def test_lion_step_matches_its_definition():
     assert torch.allclose(m, torch.tensor([-0.99 + 0.003, 0.001, 0.99 - 0.04]))
 
 
-@pytest.mark.parametrize("bad", [dict(epochs=0), dict(lr=0), dict(batch_size=0), dict(temperature=(2.0, 0.0)),
-                                 dict(logit_scale=(-1.0, 5.0)), dict(betas=(0.9, 1.0)), dict(steps=-1)])
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(lr=0), dict(batch_size=-1), dict(temperature=(2.0, 0.0)),
+                                 dict(logit_scale=(-1.0, 5.0)), dict(betas=(0.9, 1.0)), dict(epochs=-1)])
 def test_options_are_validated(bad):
     with pytest.raises(ValueError, match="GSQ option"):
         GSQOptions(**bad)

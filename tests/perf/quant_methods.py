@@ -1,7 +1,7 @@
 """Quality and time of rtn / gptq / gsq on SmolLM2-135M-Instruct: perplexity, KL and same-top vs the float model.
 
 Usage: python tests/perf/quant_methods.py [--rows int4:rtn,int4:gptq,...] [--samples 64] [--seq-len 256]
-       [--gsq-steps 0] [--gsq-epochs 10] [--gsq-tokens 4096] [--gsq-batch 512] [--gsq-lr 1e-3]
+       [--gsq-steps 200] [--gsq-tokens 16384] [--gsq-batch 0] [--gsq-lr 1e-3] [--act-order]
        [--device cpu] [--threads 1] [--model GGUF] [--json OUT]
 
 Calibration text: docstrings of Python standard-library modules (inspect.getdoc of each module and of
@@ -111,10 +111,9 @@ def main() -> None:
     ap.add_argument("--rows", default="int4:rtn,int4:gptq,tq:rtn,tq:gptq,tq:gsq")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--gsq-steps", type=int, default=0)
-    ap.add_argument("--gsq-epochs", type=int, default=10)
-    ap.add_argument("--gsq-tokens", type=int, default=4096)
-    ap.add_argument("--gsq-batch", type=int, default=512)
+    ap.add_argument("--gsq-steps", type=int, default=200)
+    ap.add_argument("--gsq-tokens", type=int, default=16384)
+    ap.add_argument("--gsq-batch", type=int, default=0, help="0: all rows through the Gram matrix")
     ap.add_argument("--gsq-lr", type=float, default=1e-3)
     ap.add_argument("--gsq-scale-lr", type=float, default=1e-3)
     ap.add_argument("--model", type=Path, help="the GGUF (default: the pulled SmolLM2)")
@@ -142,8 +141,8 @@ def main() -> None:
           f"eval: {len(eval_ids)} tokens of pydoc topics", file=sys.stderr)
     options = CalibrationOptions(samples=args.samples, seq_len=args.seq_len, act_order=args.act_order,
                                  device=args.device, gsq_tokens=args.gsq_tokens,
-                                 gsq=GSQOptions(epochs=args.gsq_epochs, steps=args.gsq_steps, batch_size=args.gsq_batch,
-                                                lr=args.gsq_lr, scale_lr=args.gsq_scale_lr))
+                                 gsq=GSQOptions(steps=args.gsq_steps, batch_size=args.gsq_batch, lr=args.gsq_lr,
+                                                scale_lr=args.gsq_scale_lr))
     results = []
     for row in args.rows.split(","):
         recipe, method = row.split(":")
