@@ -57,7 +57,8 @@ def random_k_quant_bytes(rng: np.random.Generator, qtype: T, rows: int, cols: in
 
 
 def write_tiny_gguf(path: Path, tokenizer_source: Path, weight_type: T = T.F32, arch: str = "llama",
-                    seed: int = 0) -> Path:
+                    seed: int = 0, tied: bool = False) -> Path:
+    """tied: no output.weight (the embedding is the output layer too)."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
@@ -100,7 +101,8 @@ def write_tiny_gguf(path: Path, tokenizer_source: Path, weight_type: T = T.F32, 
         add(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
         add(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
     add("output_norm.weight", HIDDEN, None)
-    add("output.weight", vocab, HIDDEN)
+    if not tied:
+        add("output.weight", vocab, HIDDEN)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

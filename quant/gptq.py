@@ -1,0 +1,128 @@
+"""GPTQ (Frantar et al., 2022): round columns one at a time and push each column's rounding error
+onto the columns not yet rounded, through the inverse Hessian H = Σ xᵀx of the layer's inputs.
+
+Pure maths on tensors: w [N, K] and H [K, K] in, integer codes [N, K] and group scales [N, K/G] out,
+on any of the grids of quant.grids (value = code * scale of its group). Every row is independent
+given H, so a fused matrix can be cut into row slices with different grids.
+"""
+from __future__ import annotations
+
+import torch
+
+from quant.grids import binary_rtn, int_rtn, ternary_rtn
+
+GRIDS = ("tri", "tri-dense", "bin", "int4", "int8")
+
+
+def check_grid(grid: str) -> None:
+    if grid not in GRIDS:
+        raise ValueError(f"unknown quantization grid '{grid}': use one of {', '.join(GRIDS)}")
+
+
+def code_range(grid: str) -> tuple[int, int]:
+    """Smallest and largest integer code of a grid (binary codes skip 0)."""
+    check_grid(grid)
+    qmax = {"int4": 7, "int8": 127}.get(grid, 1)
+    return -qmax, qmax
+
+
+def rtn(w: torch.Tensor, grid: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest on `grid` with its scale rule: codes int8 [N, K], scales float32 [N, K/G]."""
+    check_grid(grid)
+    if grid in ("tri", "tri-dense"):
+        return ternary_rtn(w, group_size)
+    if grid == "bin":
+        return binary_rtn(w, group_size)
+    return int_rtn(w, 4 if grid == "int4" else 8, group_size)
+
+
+def round_with_scale(w: torch.Tensor, scale: torch.Tensor, grid: str) -> torch.Tensor:
+    """Nearest code for w [..] given its scale [..] (same shape): float codes on the grid."""
+    if grid == "bin":
+        return torch.where(w >= 0, 1.0, -1.0)
+    lo, hi = code_range(grid)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.where(scale > 0, torch.clamp(torch.round(w / safe), lo, hi), torch.zeros_like(w))
+
+
+def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean diag(H), in float64.
+
+    Dead inputs (H[i, i] = 0, never active in the calibration data) get H[i, i] = 1 so H stays
+    invertible; their weights do not change the layer's output on that data. Returns the factor
+    [K, K] and the dead mask [K]."""
+    h = hessian.double().clone()  # [K, K]
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    diag = torch.arange(h.shape[0], device=h.device)
+    damping = damp * float(torch.diag(h).mean())
+    for attempt in range(6):  # a near-singular H (few tokens, duplicated inputs) needs more damping
+        try:
+            hd = h.clone()
+            hd[diag, diag] += damping * (10 ** attempt)
+            chol = torch.linalg.cholesky(hd)
+            return torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True), dead
+        except torch.linalg.LinAlgError:
+            continue
+    raise ValueError("the Hessian is not positive definite even with strong damping: "
+                     "give more calibration tokens")
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size: int = 128, damp: float = 0.01,
+                  block_size: int = 128, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float32, hessian [K, K] = Σ xᵀx of the layer's inputs. grid: "tri" | "tri-dense" | "bin" |
+    "int4" | "int8". Returns codes int8 [N, K] on the grid and scales float32 [N, K/G] (value = code *
+    scale of its group).
+
+    Columns are rounded in order (or by decreasing H[i, i] with act_order) in lazy blocks of
+    `block_size`: the error of a column goes to the rest of its block at once and to the columns after
+    the block in one matmul. A group's scale is chosen by the grid's own rule (quant.grids) on the
+    error-updated weights of the group when its first column is reached; with act_order the groups
+    stay contiguous in the original order and their scales are fixed up front from w ("static groups").
+    """
+    check_grid(grid)
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"group size {group_size} does not divide the input dimension {k}")
+    if hessian.shape != (k, k):
+        raise ValueError(f"the Hessian has shape {tuple(hessian.shape)}, expected ({k}, {k})")
+    if damp <= 0 or block_size < 1:
+        raise ValueError(f"damp must be > 0 and block_size >= 1 (got {damp}, {block_size})")
+    work = w.detach().float().clone()  # [N, K], updated in place with the error feedback
+    hinv, dead = inverse_hessian_factor(hessian.to(w.device), damp)
+    hinv = hinv.float()  # [K, K] upper
+    work[:, dead] = 0.0
+    scales = torch.zeros(n, k // group_size, dtype=torch.float32, device=w.device)  # [N, K/G]
+    order = torch.arange(k, device=w.device)
+    if act_order:
+        order = torch.argsort(torch.diag(hessian).to(w.device), descending=True, stable=True)
+        _, scales = rtn(work, grid, group_size)  # static groups, from the unquantized weights
+        work = work[:, order]
+        hinv, _ = inverse_hessian_factor(hessian.to(w.device)[order][:, order], damp)
+        hinv = hinv.float()
+    codes = torch.zeros(n, k, dtype=torch.float32, device=w.device)  # [N, K] in permuted order
+    for b0 in range(0, k, block_size):
+        b1 = min(b0 + block_size, k)
+        block = work[:, b0:b1].clone()  # [N, B]
+        errors = torch.zeros_like(block)  # [N, B]
+        h_block = hinv[b0:b1, b0:b1]  # [B, B]
+        for j in range(b1 - b0):
+            col = int(order[b0 + j])
+            group = col // group_size
+            if not act_order and col % group_size == 0:
+                # the group starts here: its scale from the current (error-updated) weights; columns
+                # past this block still owe the lazy update of the block's columns done so far
+                end = b0 + j + group_size
+                pending = work[:, b1:end] - errors[:, :j] @ hinv[b0:b0 + j, b1:end]  # [N, end - b1]
+                current = torch.cat([block[:, j:], pending], dim=1)[:, :group_size]  # [N, G]
+                scales[:, group] = rtn(current, grid, group_size)[1][:, 0]
+            s = scales[:, group]  # [N]
+            q = round_with_scale(block[:, j], s, grid)  # [N]
+            codes[:, b0 + j] = q
+            err = (block[:, j] - q * s) / h_block[j, j]  # [N]
+            block[:, j:] -= err[:, None] * h_block[j, j:][None, :]
+            errors[:, j] = err
+        work[:, b1:] -= errors @ hinv[b0:b1, b1:]
+    if act_order:
+        codes = codes[:, torch.argsort(order)]
+    return codes.to(torch.int8), scales

@@ -1,0 +1,173 @@
+"""Quality and time of rtn / gptq / gsq on SmolLM2-135M-Instruct: perplexity, KL and same-top vs the float model.
+
+Usage: python tests/perf/quant_methods.py [--rows int4:rtn,int4:gptq,...] [--samples 64] [--seq-len 256]
+       [--gsq-steps 200] [--gsq-tokens 16384] [--gsq-batch 0] [--gsq-lr 1e-3] [--act-order]
+       [--device cpu] [--threads 1] [--model GGUF] [--json OUT]
+
+Calibration text: docstrings of Python standard-library modules (inspect.getdoc of each module and of
+its public classes, functions and methods), never pydoc_data, whose topics are the evaluation text
+(the default of `bonsai eval`). Scoring: engine.evaluate.evaluate on the first 4,096 tokens of the
+pydoc topics in 512-token windows, the reference being the same GGUF loaded in float32.
+Rows (recipe:method): int4 = int4 g64 everywhere (the tied embedding / output included, by rtn);
+tq = ternary g64 for gate/up/down with q/k/v/o at int4 g64, embedding int4 g64 (rtn);
+emb = only the embedding at int4 g64 (what rtn of the tied embedding alone costs).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+CALIB_MODULES = ("collections", "argparse", "email.message", "json", "http.client", "http.server", "logging",
+                 "pathlib", "itertools", "functools", "typing", "subprocess", "threading", "asyncio.tasks",
+                 "datetime", "decimal", "fractions", "statistics", "textwrap", "string", "re", "shutil",
+                 "tarfile", "zipfile", "csv", "sqlite3", "unittest.case", "doctest", "inspect", "dataclasses",
+                 "enum", "contextlib", "heapq", "bisect", "random", "urllib.parse", "urllib.request",
+                 "xml.etree.ElementTree", "configparser", "socket", "ssl", "selectors", "queue", "sched",
+                 "tempfile", "glob", "fnmatch", "difflib", "pprint", "pickle", "copy", "weakref", "abc",
+                 "numbers", "operator", "io", "codecs", "locale", "gettext", "calendar", "zoneinfo", "uuid",
+                 "hashlib", "hmac", "secrets", "base64", "binascii", "struct", "array", "mmap", "signal",
+                 "multiprocessing.pool", "concurrent.futures", "traceback", "warnings", "timeit", "trace",
+                 "tokenize", "ast", "dis", "importlib", "zipimport", "platform", "sysconfig", "smtplib",
+                 "imaplib", "ftplib", "mailbox", "mimetypes", "html.parser", "webbrowser", "wave", "colorsys",
+                 "shlex", "getpass", "curses", "tkinter", "turtle", "cmd", "code", "pdb", "profile", "pstats")
+
+
+@dataclass(frozen=True)
+class Spec:
+    quant_type: str
+    group_size: int
+
+
+def calibration_text() -> str:
+    """Docstrings of standard-library modules and their public members (pydoc_data excluded)."""
+    seen, parts = set(), []
+
+    def add(obj) -> None:
+        doc = inspect.getdoc(obj)
+        if doc and len(doc) > 80 and doc not in seen:
+            seen.add(doc)
+            parts.append(doc)
+
+    for name in CALIB_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # a module this Python lacks (tkinter, curses): skip it
+            continue
+        add(module)
+        for attr in sorted(dir(module)):
+            obj = getattr(module, attr, None)
+            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            add(obj)
+            if inspect.isclass(obj):
+                for meth in sorted(vars(obj)):
+                    if not meth.startswith("_"):
+                        add(getattr(obj, meth, None))
+    return "\n\n".join(parts)
+
+
+def plan_for(recipe: str):
+    def plan(name: str) -> Spec | None:
+        if name == "model.embed_tokens.weight" or name == "lm_head.weight":
+            return Spec("int4", 64)
+        if recipe == "emb":
+            return None
+        if recipe == "int4" or "self_attn" in name:
+            return Spec("int4", 64)
+        return Spec("tri", 64)
+    return plan
+
+
+def quantize_rtn(loaded, plan) -> None:
+    from engine.calibration import _block_targets
+    from quant.grids import dequantize
+    from quant.gptq import rtn
+    model = loaded.model
+    with torch.no_grad():
+        weights = [("model.embed_tokens.weight", model.embed.weight, 0, model.embed.weight.shape[0], plan(
+            "model.embed_tokens.weight"))]
+        for i, block in enumerate(model.layers):
+            for targets in _block_targets(block, i, loaded.config, plan).values():
+                weights += [(t.name, t.param, t.start, t.rows, t.spec) for t in targets]
+        for _, param, start, rows, spec in weights:
+            if spec is None:
+                continue
+            codes, scales = rtn(param[start:start + rows].float(), spec.quant_type, spec.group_size)
+            param[start:start + rows] = dequantize(codes, scales, spec.group_size).to(param.dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="int4:rtn,int4:gptq,tq:rtn,tq:gptq,tq:gsq")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--gsq-steps", type=int, default=200)
+    ap.add_argument("--gsq-tokens", type=int, default=16384)
+    ap.add_argument("--gsq-batch", type=int, default=0, help="0: all rows through the Gram matrix")
+    ap.add_argument("--gsq-lr", type=float, default=1e-3)
+    ap.add_argument("--gsq-scale-lr", type=float, default=1e-3)
+    ap.add_argument("--model", type=Path, help="the GGUF (default: the pulled SmolLM2)")
+    ap.add_argument("--act-order", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from engine import store
+    from engine.calibration import CalibrationOptions, calibration_sequences, quantize_with_calibration
+    from engine.evaluate import default_eval_text, evaluate
+    from engine.loader import load_model
+    from engine.runner import ModelRunner
+    from quant.gsq import GSQOptions
+
+    path = args.model or store.find_pulled(store.DEFAULT_MODEL)
+    reference = ModelRunner(load_model(path, weight_dtype=torch.float32), max_seq_len=512)
+    tok = reference.loaded.tokenizer
+    eval_ids = tok.encode(default_eval_text())[:4096]
+    calib_ids = tok.encode(calibration_text())
+    sequences = calibration_sequences(calib_ids, args.samples, args.seq_len)
+    print(f"calibration: {len(calib_ids)} tokens of stdlib docstrings, {len(sequences)} x {args.seq_len} used; "
+          f"eval: {len(eval_ids)} tokens of pydoc topics", file=sys.stderr)
+    options = CalibrationOptions(samples=args.samples, seq_len=args.seq_len, act_order=args.act_order,
+                                 device=args.device, gsq_tokens=args.gsq_tokens,
+                                 gsq=GSQOptions(steps=args.gsq_steps, batch_size=args.gsq_batch, lr=args.gsq_lr,
+                                                scale_lr=args.gsq_scale_lr))
+    results = []
+    for row in args.rows.split(","):
+        recipe, method = row.split(":")
+        loaded = load_model(path, weight_dtype=torch.float32)
+        plan = plan_for(recipe)
+        wall, cpu = time.perf_counter(), time.process_time()
+        if method == "rtn":
+            quantize_rtn(loaded, plan)
+        else:
+            for name, _, _, _ in quantize_with_calibration(loaded, sequences, plan, method, options):
+                pass
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if args.device != "cpu":
+            loaded.model.to("cpu")
+        r = evaluate(ModelRunner(loaded, max_seq_len=512), reference, eval_ids, 512)
+        results.append({"recipe": recipe, "method": method, "ppl": r.perplexity, "ref_ppl": r.reference_perplexity,
+                        "kl_mean": r.kl_mean, "kl_p99": r.kl_p99, "same_top": r.same_top, "tokens": r.tokens,
+                        "wall_s": wall, "cpu_s": cpu})
+        print(f"{row:12s} ppl {r.perplexity:10.3f} (ref {r.reference_perplexity:.3f})  KL {r.kl_mean:.4f} "
+              f"p99 {r.kl_p99:.3f}  same-top {100 * r.same_top:.1f}%  {wall:.0f} s wall, {cpu:.0f} s cpu",
+              flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    main()
