@@ -26,6 +26,7 @@ def quantize(
     calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text (UTF-8) for gptq / gsq"),
     calib_samples: int = typer.Option(128, "--calib-samples", help="calibration sequences"),
     calib_seq_len: int = typer.Option(512, "--calib-seq-len", help="tokens per calibration sequence"),
+    gsq_steps: int = typer.Option(200, "--gsq-steps", help="gsq: learned-rounding steps per layer"),
     lora: Optional[Path] = typer.Option(None, "--lora", help="PEFT LoRA adapter directory merged into the weights first"),
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="also write a GGUF llama.cpp reads"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N] (gptq / gsq)"),
@@ -47,7 +48,8 @@ def quantize(
                          where=str(recipe) if recipe else "the recipe")
     resolve_device(device)
     opts = QuantizeOptions(recipe=built, method=method, calib=calib, calib_samples=calib_samples,
-                           calib_seq_len=calib_seq_len, lora=lora, gguf=gguf, device=device, force=force)
+                           calib_seq_len=calib_seq_len, gsq_steps=gsq_steps, lora=lora, gguf=gguf, device=device,
+                           force=force)
     path = store.resolve_model(src)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed run removes its temporary files too
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

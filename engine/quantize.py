@@ -8,7 +8,6 @@ tensors, parameters and bits per weight, and the relative weight error per tenso
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import json
@@ -51,6 +50,7 @@ class QuantizeOptions:
     calib: Path | None = None
     calib_samples: int = 128
     calib_seq_len: int = 512
+    gsq_steps: int = 200  # learned-rounding steps per layer (method gsq)
     lora: Path | None = None
     gguf: Path | None = None
     device: str = "cpu"
@@ -61,6 +61,8 @@ class QuantizeOptions:
             raise BonsaiError(f"unknown method '{self.method}': use one of {', '.join(METHODS)}")
         if self.calib_samples < 1 or self.calib_seq_len < 2:
             raise BonsaiError("--calib-samples must be >= 1 and --calib-seq-len >= 2")
+        if self.gsq_steps < 1:
+            raise BonsaiError(f"--gsq-steps must be >= 1, got {self.gsq_steps}")
 
 
 @dataclass
@@ -316,8 +318,9 @@ def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSp
         for name, w in _iter_float(source, config, frozenset()):
             if name in adapter.pairs:
                 loaded.model.load_tensor(canonical_name(name), adapter.merge(name, w).float())
-    fields = {f.name for f in dataclasses.fields(calibration.CalibrationOptions)}
-    options = calibration.CalibrationOptions(**({"device": opts.device} if "device" in fields else {}))
+    from quant.gsq import GSQOptions
+    options = calibration.CalibrationOptions(samples=opts.calib_samples, seq_len=opts.calib_seq_len,
+                                             device=opts.device, gsq=GSQOptions(steps=opts.gsq_steps))
     results = {}
     for name, codes, scales, spec in calibration.quantize_with_calibration(
             loaded, calib_ids, recipes.calibration_plan(specs), opts.method, options, progress=message):
