@@ -8,8 +8,6 @@ tensors, parameters and bits per weight, and the relative weight error per tenso
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import math
 import resource
@@ -124,10 +122,6 @@ class QuantizeReport:
                 "gguf": self.gguf.as_dict() if self.gguf else None}
 
 
-def calibration_available() -> bool:
-    return importlib.util.find_spec("engine.calibration") is not None
-
-
 def _check_paths(src: Path, out: Path, gguf: Path | None, force: bool) -> None:
     src, out = src.resolve(), out.resolve()
     for target, flag in ((out, "OUT"), (gguf.resolve() if gguf else None, "--gguf")):
@@ -204,8 +198,6 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     start = time.perf_counter()
     src, out = Path(src), Path(out)
     if opts.method != "rtn":
-        if not calibration_available():
-            raise BonsaiError(f"method {opts.method} is not available in this build")
         if opts.calib is None:
             raise BonsaiError(f"--method {opts.method} needs calibration text: pass --calib FILE (UTF-8 prose, "
                               "not the text you evaluate on)")
@@ -312,7 +304,7 @@ def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSp
                       record: Callable, pending: set[str], message: Callable[[str], None]) -> None:
     """gptq / gsq through engine.calibration (the loaded model, LoRA merged), then the errors."""
     from engine.loader import load_model
-    calibration = importlib.import_module("engine.calibration")
+    from engine import calibration
     loaded = load_model(source.path, device=opts.device, dtype=torch.float32, weight_dtype=torch.float32)
     if adapter is not None:
         for name, w in _iter_float(source, config, frozenset()):

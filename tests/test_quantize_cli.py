@@ -1,16 +1,11 @@
 """`bonsai quantize`: recipes, the command end to end, LoRA merging, bad input, interruption, memory."""
 from __future__ import annotations
 
-import dataclasses
-import importlib.machinery
-import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from bonsai_cli.recipe_file import build_recipe, read_recipe_file
-from engine.checkpoint_file import BonsaiCheckpoint, hf_name
+from engine.checkpoint_file import BonsaiCheckpoint
 from engine.errors import BonsaiError
 from engine.gguf_file import GGUFFile
 from engine.hf_files import HFModelDir
@@ -235,10 +230,7 @@ def test_bad_sources_and_outputs(tiny, tmp_path, capsys):
         str(tiny.hf), str(tmp_path / "o"), "--lora", str(wrong), "--group-size", "32")
     assert "for another base model: the source has no model.layers.7.self_attn.q_proj" in error(
         str(tiny.hf), str(tmp_path / "o"), "--lora", str(missing), "--group-size", "32")
-    if importlib.util.find_spec("engine.calibration") is None:
-        assert "method gptq is not available in this build" in error(str(tiny.gguf), str(tmp_path / "o"), "--method", "gptq")
-    else:
-        assert "needs calibration text" in error(str(tiny.gguf), str(tmp_path / "o"), "--method", "gptq")
+    assert "needs calibration text" in error(str(tiny.gguf), str(tmp_path / "o"), "--method", "gptq")
     assert_nothing_written(tmp_path, before)
     assert (tmp_path / "exists").is_dir() and not any((tmp_path / "exists").iterdir())
 
@@ -261,31 +253,24 @@ def test_force_replaces_and_an_interrupted_run_leaves_nothing(tiny, tmp_path):
 
 
 def test_calibration_methods_go_through_engine_calibration(tiny, tmp_path, monkeypatch):
-    """gptq / gsq hand the loaded model, calibration tokens and plan to engine.calibration (here a stand-in)."""
+    """gptq / gsq hand the loaded model, the calibration tokens (cut as asked) and the plan to
+    engine.calibration (the real one, watched by a spy) and write what it returns."""
+    import engine.calibration as calibration
     calls = {}
-    fake = types.ModuleType("engine.calibration")
-    fake.__spec__ = importlib.machinery.ModuleSpec("engine.calibration", None)
+    real = calibration.quantize_with_calibration
 
-    class CalibrationOptions:
-        pass
-    fake.CalibrationOptions = dataclasses.dataclass(CalibrationOptions)
-
-    def quantize_with_calibration(loaded, token_ids, plan_of, method, options, progress=None):
-        calls.update(method=method, ids=token_ids)
-        source = GGUFFile(tiny.gguf)
-        for canon, w in source.iter_canonical_tensors(source.model_config()):
-            hf = hf_name(canon)
-            spec = plan_of(hf)
-            if spec is not None:
-                codes, scales = quantize_rtn(spec, w)
-                yield hf, codes, scales, spec
-    fake.quantize_with_calibration = quantize_with_calibration
-    monkeypatch.setitem(sys.modules, "engine.calibration", fake)
+    def spy(loaded, token_ids, plan_of, method, options, progress=None):
+        calls.update(method=method, ids=token_ids, samples=options.samples, seq_len=options.seq_len,
+                     steps=options.gsq.steps)
+        yield from real(loaded, token_ids, plan_of, method, options, progress)
+    monkeypatch.setattr(calibration, "quantize_with_calibration", spy)
     calib = tmp_path / "calib.txt"
     calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     report = quantize(tiny.gguf, tmp_path / "ckpt", QuantizeOptions(Recipe(QuantSpec("tri", 128)), method="gsq",
-                                                                    calib=calib, calib_samples=3, calib_seq_len=32))
+                                                                    calib=calib, calib_samples=3, calib_seq_len=32,
+                                                                    gsq_steps=3))
     assert calls["method"] == "gsq" and len(calls["ids"]) == 3 and all(len(s) == 32 for s in calls["ids"])
+    assert (calls["samples"], calls["seq_len"], calls["steps"]) == (3, 32, 3)
     assert report.by_format()["tri g128"]["tensors"] == 14
     assert report.error_by_class()["mlp.up_proj"] > 0.1
 
