@@ -75,7 +75,7 @@ def calibration_sequences(token_ids: list[int], samples: int, seq_len: int) -> l
 
 
 @dataclass
-class _Target:
+class Target:
     """One HF tensor that lives in `param[start:start + rows]` of the engine's (possibly fused) weight."""
     name: str
     param: torch.Tensor
@@ -84,7 +84,7 @@ class _Target:
     spec: Any
 
 
-def _block_targets(block: Block, layer: int, cfg, plan) -> dict[str, list[_Target]]:
+def block_targets(block: Block, layer: int, cfg, plan) -> dict[str, list[Target]]:
     """The block's quantized tensors by the input they share: qkv, o, gate_up, down."""
     p = f"model.layers.{layer}."
     attn, ffn = block.attention, block.feed_forward
@@ -104,7 +104,7 @@ def _block_targets(block: Block, layer: int, cfg, plan) -> dict[str, list[_Targe
             name = f"{p}{part}.weight"
             spec = _checked_spec(plan, name, param.shape[1])
             if spec is not None:
-                out[key].append(_Target(name, param, start, rows, spec))
+                out[key].append(Target(name, param, start, rows, spec))
     return out
 
 
@@ -193,14 +193,14 @@ def quantize_with_calibration(loaded: LoadedModel, token_ids: list[list[int]], p
     model, cfg = loaded.model, loaded.config
     home = next(model.parameters()).device
     with torch.no_grad():
-        targets = [_block_targets(block, i, cfg, plan) for i, block in enumerate(model.layers)]
+        targets = [block_targets(block, i, cfg, plan) for i, block in enumerate(model.layers)]
         embed_spec = _checked_spec(plan, "model.embed_tokens.weight", cfg.hidden_size)
         tied = model.lm_head is None  # the embedding is also the output layer: quantized last, as such
         head = None
         if tied and embed_spec is not None:
-            head = _Target("model.embed_tokens.weight", model.embed.weight, 0, cfg.vocab_size, embed_spec)
+            head = Target("model.embed_tokens.weight", model.embed.weight, 0, cfg.vocab_size, embed_spec)
         elif not tied and (head_spec := _checked_spec(plan, "lm_head.weight", cfg.hidden_size)) is not None:
-            head = _Target("lm_head.weight", model.lm_head.weight, 0, cfg.vocab_size, head_spec)
+            head = Target("lm_head.weight", model.lm_head.weight, 0, cfg.vocab_size, head_spec)
         if embed_spec is not None and not tied:
             say(f"model.embed_tokens.weight: rtn {embed_spec.quant_type} g{embed_spec.group_size}")
             weight = model.embed.weight
@@ -243,7 +243,7 @@ def _gsq_rows(hidden: list[torch.Tensor], options: CalibrationOptions) -> list[t
     return out
 
 
-def _quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str, list[_Target]],
+def _quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str, list[Target]],
                     keep, method: str, options: CalibrationOptions, model, say):
     """Quantize one block stage by stage (generator: yields its tensors, returns the next hidden)."""
     cfg = model.config
@@ -275,7 +275,7 @@ def _quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str,
     return [h + block.feed_forward.w2(s) for h, s in zip(hidden, swiglu)]
 
 
-def _quantize_rows(target: _Target, inputs: _Inputs, method: str, options: CalibrationOptions, say):
+def _quantize_rows(target: Target, inputs: _Inputs, method: str, options: CalibrationOptions, say):
     spec, g = target.spec, target.spec.group_size
     say(f"{target.name}: {method} {spec.quant_type} g{g}")
     param = target.param

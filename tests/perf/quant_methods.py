@@ -89,7 +89,7 @@ def plan_for(recipe: str):
 
 
 def quantize_rtn(loaded, plan) -> None:
-    from engine.calibration import _block_targets
+    from engine.calibration import block_targets
     from quant.grids import dequantize
     from quant.gptq import rtn
     model = loaded.model
@@ -97,7 +97,7 @@ def quantize_rtn(loaded, plan) -> None:
         weights = [("model.embed_tokens.weight", model.embed.weight, 0, model.embed.weight.shape[0], plan(
             "model.embed_tokens.weight"))]
         for i, block in enumerate(model.layers):
-            for targets in _block_targets(block, i, loaded.config, plan).values():
+            for targets in block_targets(block, i, loaded.config, plan).values():
                 weights += [(t.name, t.param, t.start, t.rows, t.spec) for t in targets]
         for _, param, start, rows, spec in weights:
             if spec is None:
