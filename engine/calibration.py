@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from engine.errors import BonsaiError
 from engine.loader import LoadedModel, resolve_device
-from engine.model import Block, apply_rotary
+from engine.model import Block
 from quant.grids import dequantize
 from quant.gptq import GRIDS, gptq_quantize, rtn
 from quant.gsq import GSQOptions, gsq_refine
@@ -141,19 +141,12 @@ class _Inputs:
 
 def _attention_output(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The input of o_proj: causal self-attention of the whole sequences x [B, T, H], no KV cache
-    (the same steps as engine.model.Attention.forward). Returns [B, T, q_size]."""
+    (engine.model.Attention's own projection). Returns [B, T, q_size]."""
     attn = block.attention
     cfg = attn.cfg
     b, t, _ = x.shape
-    q, k, v = attn.wqkv(block.attention_norm(x)).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    q = q.view(b, t, cfg.num_heads, cfg.head_dim)  # [B, T, H, D]
-    k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)  # [B, T, KV, D]
-    v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)  # [B, T, KV, D]
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q = apply_rotary(q, cos, sin).transpose(1, 2)  # [B, H, T, D]
-    k = apply_rotary(k, cos, sin).transpose(1, 2)  # [B, KV, T, D]
-    out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
+    q, k, v = attn.project(block.attention_norm(x), cos, sin)  # [B, H, T, D], [B, KV, T, D] x2
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                          enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
     return out.transpose(1, 2).reshape(b, t, cfg.q_size)
 

@@ -61,8 +61,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                batch: CacheBatch, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, H, T, D], k and v [B, KV, T, D] of x [B, T, hidden]: projection, q/k norms, rotary."""
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -73,7 +74,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # [B, H, T, D]
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # [B, KV, T, D]
-        cache.write(self.layer, batch, k, v.transpose(1, 2))
+        return q, k, v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                batch: CacheBatch, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        cache.write(self.layer, batch, k, v)
         keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]
         causal = mask is None and t > 1  # a fresh single sequence: the flash kernel's own causal mask
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,

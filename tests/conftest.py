@@ -54,3 +54,12 @@ def smollm2_hf_tok(smollm2_gguf):
     """transformers' tokenizer for the same GGUF: the reference."""
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensors: extra threads only add overhead (and stall on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -19,13 +19,7 @@ from quant.gsq import GSQOptions
 from tests.gguf_tiny import write_tiny_gguf
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: extra threads only add overhead (and stall on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = ("The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. " * 3 +
         "A list is a mutable sequence; a tuple is an immutable one. Functions return values to the caller. ") * 12

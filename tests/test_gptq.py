@@ -8,13 +8,7 @@ from quant.grids import dequantize
 from quant.gptq import GRIDS, code_range, gptq_quantize, round_with_scale, rtn
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: extra threads only add overhead (and stall on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def correlated_inputs(tokens: int, width: int, seed: int = 0) -> torch.Tensor:

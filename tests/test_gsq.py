@@ -13,13 +13,7 @@ from tests.test_gptq import correlated_inputs, output_error
 FAST = GSQOptions(steps=120, eval_every=20)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: extra threads only add overhead (and stall on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def layer(seed: int = 0, n: int = 64, k: int = 128):
