@@ -161,6 +161,13 @@ class Transformer(nn.Module):
                 num_logits: int | None = 1) -> torch.Tensor:
         """tokens [B, T] written to the cache where `batch` says; attention reads the first kv_len
         positions of each row's slot. Returns logits [B, n, V] of the last n positions (all if None)."""
+        return self.forward_hidden(tokens, batch, cache, kv_len, num_logits)[0]
+
+    def forward_hidden(self, tokens: torch.Tensor, batch: CacheBatch, cache: KVCache, kv_len: int,
+                       num_logits: int | None = 1, hidden_layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`forward`, plus the residual stream after each block in `hidden_layers` (layer index
+        i: the output of block i, before any norm; -1: the last block): {i: [B, T, hidden]}."""
         b, t = tokens.shape
         positions = batch.positions  # [B, T]
         angles = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
@@ -170,12 +177,16 @@ class Transformer(nn.Module):
         if (t > 1 or b > 1) and not fresh:
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+        wanted = {i % len(self.layers): i for i in hidden_layers}
+        hidden: dict[int, torch.Tensor] = {}
         x = self.embed(tokens).to(self.norm.weight.dtype)  # [B, T, H]
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
             x = block(x, cos, sin, cache, batch, kv_len, mask)
+            if i in wanted:
+                hidden[wanted[i]] = x
         if num_logits is not None:
             x = x[:, -num_logits:]
-        return self.output(self.norm(x)).float()  # [B, n, V]
+        return self.output(self.norm(x)).float(), hidden  # [B, n, V], {i: [B, T, H]}
 
     @torch.no_grad()
     def load_tensor(self, name: str, tensor: torch.Tensor) -> None:

@@ -63,6 +63,22 @@ class ModelRunner:
         slot.tokens.extend(tokens)
         return logits[0]
 
+    @torch.inference_mode()
+    def verify(self, slot: KVSlot, tokens: list[int], hidden_layers: tuple[int, ...] = ()
+               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Score `tokens` (the last accepted token + drafts) after the slot's content in one pass and
+        append them: logits [T, V] of every row, and {layer: [T, hidden]} for `hidden_layers`.
+        The caller rewinds the slot past the rejected rows (`slot.rewind`)."""
+        start, t = slot.length, len(tokens)
+        if start + t > slot.capacity:
+            raise BonsaiError(f"the sequence needs {start + t} positions but the context holds "
+                              f"{slot.capacity}: shorten the prompt or raise max_seq_len")
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
+        batch = CacheBatch.make([slot.index], [start], t, self.device)
+        logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, None, hidden_layers)
+        slot.tokens.extend(tokens)
+        return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}
+
     def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
         """Feed tokens in chunks; logits [V] after the last one."""
         assert tokens

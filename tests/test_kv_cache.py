@@ -80,3 +80,23 @@ def test_common_prefix():
     assert slot.common_prefix([1, 2, 9]) == 2
     assert slot.common_prefix([1, 2, 3, 4, 5]) == 4
     assert slot.common_prefix([7]) == 0
+
+
+def test_runner_verify_scores_every_row_and_returns_hidden_states():
+    from tests.test_bench_model import tiny_runner
+    runner = tiny_runner()
+    slot = runner.slot(0)
+    prompt, drafts = [1, 5, 9, 2], [7, 3, 11]
+    runner.prefill(slot, prompt)
+    logits, hidden = runner.verify(slot, drafts, hidden_layers=(0, -1))
+    assert logits.shape == (3, TINY.vocab_size) and slot.length == 7
+    assert set(hidden) == {0, -1} and hidden[-1].shape == (3, TINY.hidden_size)
+    reference = tiny_runner()
+    ref_slot = reference.slot(0)
+    reference.prefill(ref_slot, prompt)
+    for i, token in enumerate(drafts):
+        torch.testing.assert_close(logits[i], reference.forward(ref_slot, [token])[-1], rtol=1e-4, atol=1e-4)
+    slot.rewind(2)  # reject the last two drafts, then continue as if only [7] had been accepted
+    ref_slot.rewind(2)
+    torch.testing.assert_close(runner.forward(slot, [4])[-1], reference.forward(ref_slot, [4])[-1],
+                               rtol=1e-4, atol=1e-4)
