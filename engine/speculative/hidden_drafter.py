@@ -1,0 +1,77 @@
+"""Bookkeeping shared by drafters that read the target's hidden states (MTP, DFlash): which verified
+rows have arrived since the last proposal, at which positions, with which next tokens; and how a
+drafted token is picked (argmax, or sampled under the request's parameters with its probabilities).
+
+Row convention: the target's hidden state at position p is the output of feeding token p; the token
+it predicted is p + 1. Feedback brings the kept rows of a verification, which end right before the
+bonus token; so at the next `propose(context, k)` the newest row sits at position len(context) - 2
+and every row's next token is known from the context. Nothing here depends on which drafter
+proposed the verified tokens (a mix may have chosen another member's draft).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling import SamplingParams, make_generator, probabilities
+from engine.speculative.drafter import Feedback
+
+
+@dataclass
+class NewRows:
+    positions: list[int]  # absolute positions of the rows, ascending and consecutive
+    hidden: dict[int, torch.Tensor]  # layer → [n, hidden]
+    next_tokens: list[int]  # the token each row predicts (context[p + 1])
+
+
+class HiddenStateRows:
+    """Rows of target hidden states received but not yet consumed by the drafter."""
+
+    def __init__(self, layers: tuple[int, ...]):
+        self.layers = layers
+        self._chunks: list[dict[int, torch.Tensor]] = []
+
+    def clear(self) -> None:
+        self._chunks.clear()
+
+    def add(self, feedback: Feedback) -> None:
+        if feedback.hidden is None:
+            self.clear()  # the loop ran without hidden states: the drafter restarts from the next rows
+            return
+        missing = [i for i in self.layers if i not in feedback.hidden]
+        assert not missing, f"feedback lacks hidden states of layers {missing}"
+        n = feedback.accepted + 1
+        self._chunks.append({i: feedback.hidden[i][-n:] for i in self.layers})
+
+    def take(self, context: list[int]) -> NewRows | None:
+        """The pending rows placed against `context` (newest at len(context) - 2), or None if none."""
+        if not self._chunks:
+            return None
+        hidden = {i: torch.cat([c[i] for c in self._chunks], dim=0) for i in self.layers}  # [n, H]
+        self._chunks.clear()
+        n = next(iter(hidden.values())).shape[0]
+        last = len(context) - 2
+        if last - n + 1 < 0:  # more rows than positions: keep the newest that fit
+            hidden = {i: h[h.shape[0] - (last + 1):] for i, h in hidden.items()}
+            n = last + 1
+        if n <= 0:
+            return None
+        positions = list(range(last - n + 1, last + 1))
+        return NewRows(positions, hidden, [context[p + 1] for p in positions])
+
+
+class TokenPicker:
+    """Greedy drafting (no probabilities: verification counts q = 1 for the token, which keeps any
+    temperature lossless), or sampling from the request's distribution with its probabilities."""
+
+    def __init__(self, sampling: SamplingParams | None = None, device: torch.device | str = "cpu"):
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None
+        self.generator = make_generator(self.sampling, torch.device(device)) if self.sampling else None
+
+    def pick(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """logits [n, V] → n tokens and their distributions [n, V] (None when greedy)."""
+        if self.sampling is None:
+            return logits.argmax(-1).tolist(), None
+        probs = probabilities(logits, self.sampling)  # [n, V]
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0].tolist(), probs
