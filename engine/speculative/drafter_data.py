@@ -146,9 +146,11 @@ def self_distillation_data(loaded, layers: tuple[int, ...], samples: int, seq_le
     """`samples` sequences of the target's own continuations of the built-in prompts, each
     `seq_len` tokens long (prompt included) or ending at a stop token."""
     tokenizer = loaded.require_tokenizer()
-    prompts = [prompt_ids(tokenizer, p)[:seq_len // 2] for p in TRAIN_PROMPTS]
-    if min(len(p) for p in prompts) < 1:
-        raise BonsaiError("a built-in prompt encodes to no tokens with this tokenizer")
+    prompts = [prompt_ids(tokenizer, p) for p in TRAIN_PROMPTS]
+    longest = max(len(p) for p in prompts + [prompt_ids(tokenizer, p) for p in EVAL_PROMPTS])
+    if seq_len < longest + 16:
+        raise BonsaiError(f"--seq-len {seq_len} leaves too little room after the built-in prompts ({longest} "
+                          f"tokens with this model's chat template): use at least {longest + 16}")
     rec = _Recorder(samples, seq_len, loaded.config.hidden_size, layers, top_k)
     generator = torch.Generator().manual_seed(seed)
     lengths: list[int] = []
@@ -160,7 +162,7 @@ def self_distillation_data(loaded, layers: tuple[int, ...], samples: int, seq_le
                                   tokenizer.eos_ids)
         if on_progress:
             on_progress(min(first + batch, samples), samples)
-    evals = [prompt_ids(tokenizer, p)[:seq_len // 2] for p in EVAL_PROMPTS[:eval_prompts]]
+    evals = [prompt_ids(tokenizer, p) for p in EVAL_PROMPTS[:eval_prompts]]
     return DrafterData(rec.tokens, torch.tensor(lengths), torch.tensor([len(p) for p in chosen]), rec.hidden,
                        rec.top_ids, rec.top_probs, evals)
 

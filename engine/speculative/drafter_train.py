@@ -134,13 +134,14 @@ class Trainer:
 
     def loss(self, idx: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, float]:
         data, dev = self.data, self.device
-        tokens = data.tokens[idx].to(dev)  # [B, T]
-        starts, lengths = data.starts[idx], data.lengths[idx]
+        crop = int(data.starts[idx].min())  # nothing before a sequence's start is seen: drop what none sees
+        tokens = data.tokens[idx, crop:].to(dev)  # [B, T]
+        starts, lengths = data.starts[idx] - crop, data.lengths[idx] - crop
         b, t = tokens.shape
         size = self.cfg.block_size
         decay = torch.tensor([POSITION_DECAY ** i for i in range(size)], device=dev)
         if self.cfg.kind == "mtp":
-            outs = mtp.train_forward(self.module, self.target, tokens, data.hidden[-1][idx].to(dev),
+            outs = mtp.train_forward(self.module, self.target, tokens, data.hidden[-1][idx, crop:].to(dev),
                                      starts.to(dev), size)
             out = torch.stack(outs, dim=2)  # [B, T, depth, H]: row j, depth d predicts token j + d + 1
             j = torch.arange(t)[None, :, None]
@@ -155,12 +156,12 @@ class Trainer:
             anchors = low[:, None] + (torch.rand(b, self.cfg.blocks_per_sequence, generator=generator)
                                       * span[:, None]).long()  # [B, nb]
             anchors = torch.minimum(anchors, (lengths - 1)[:, None]).clamp_min(0)
-            hidden = {i: data.hidden[i][idx].to(dev) for i in self.module.cfg.target_layers}
+            hidden = {i: data.hidden[i][idx, crop:].to(dev) for i in self.module.cfg.target_layers}
             out = dflash.train_forward(self.module, self.target, tokens, hidden, starts.to(dev), anchors.to(dev))
             positions = anchors[:, :, None] + torch.arange(size)[None, None]  # [B, nb, size]
             valid = (high >= low)[:, None, None].expand_as(positions)
         weights = valid.to(dev).float() * decay  # [B, ..., size]
-        target_ids, target_probs = self.targets(idx, positions)
+        target_ids, target_probs = self.targets(idx, positions + crop)
         logits = shared_logits(self.target, out, self.rows)  # [B, ..., size, S]
         loss, top1 = soft_cross_entropy(logits, target_ids, target_probs, weights)
         first = valid[..., 0].to(dev)
@@ -221,7 +222,7 @@ def train_drafter(target_loaded, data: DrafterData, cfg: TrainConfig, out_dir: P
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
         optimizer.step()
         step += 1
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
         if on_step:
             on_step(step, cfg.steps, loss_value, top1)
         if step % cfg.checkpoint_every == 0 and step < cfg.steps:

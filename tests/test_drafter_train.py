@@ -1,0 +1,148 @@
+"""Drafter training: loss pieces, checkpoints and resume on the tiny model; the CLI; and on the real
+SmolLM2 a trained drafter beats an untrained one at greedy acceptance."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engine.errors import BonsaiError
+from engine.speculative import dflash, mtp
+from engine.speculative.drafter_data import DrafterData, score_sequences
+from engine.speculative.drafter_file import read_drafter
+from engine.speculative.drafter_train import (TrainConfig, drafter_acceptance, learning_rate, new_module,
+                                              soft_cross_entropy, train_drafter)
+from tests.test_drafters import tiny_loaded
+
+
+def tiny_data(loaded, layers, n=12, length=24) -> DrafterData:
+    gen = torch.Generator().manual_seed(3)
+    seqs = torch.randint(0, loaded.config.vocab_size, (n, length), generator=gen).tolist()
+    return score_sequences(loaded, seqs, [4] * n, layers, [s[:6] for s in seqs[:2]], top_k=4)
+
+
+def test_soft_cross_entropy_and_schedule(one_thread):
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 3.0, 0.0]])
+    ids = torch.tensor([[0, 1], [1, 0]])
+    probs = torch.tensor([[0.75, 0.25], [1.0, 0.0]])
+    loss, top1 = soft_cross_entropy(logits, ids, probs, torch.tensor([1.0, 0.0]))
+    logq = torch.log_softmax(logits[0], -1)
+    assert float(loss) == pytest.approx(float(-(0.75 * logq[0] + 0.25 * logq[1])))
+    assert top1.tolist() == [1.0, 1.0]
+    cfg = TrainConfig(kind="mtp", steps=1000, lr=1.0)
+    assert learning_rate(cfg, 0) == pytest.approx(0.01) and learning_rate(cfg, 99) == pytest.approx(1.0)
+    assert learning_rate(cfg, 999) == pytest.approx(0.1, abs=1e-3)
+    with pytest.raises(BonsaiError, match="--loss must be kl or ce"):
+        TrainConfig(kind="mtp", steps=1, loss="mse")
+    with pytest.raises(BonsaiError, match="--block-size 8 needs --seq-len of at least 20"):
+        TrainConfig(kind="dflash", steps=1, seq_len=16)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dflash"])
+def test_resume_continues_the_same_run(kind, tmp_path, one_thread):
+    loaded = tiny_loaded()
+    cfg = TrainConfig(kind=kind, steps=6, block_size=3, batch=4, seq_len=24, lr=3e-3, checkpoint_every=2)
+    layers = cfg.drafter_config(loaded.config).target_layers
+    data = tiny_data(loaded, layers)
+    losses = []
+    whole, result = train_drafter(loaded, data, cfg, tmp_path / "whole", on_step=lambda s, n, l, t: losses.append(l))
+    assert result.step == 6 and len(losses) == 6
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_5(step, total, loss, top1):
+        if step == 5:
+            raise Crash  # after the checkpoint of step 4
+    with pytest.raises(Crash):
+        train_drafter(loaded, data, cfg, tmp_path / "split", on_step=crash_at_5)
+    assert read_drafter(tmp_path / "split").step == 4
+    with pytest.raises(BonsaiError, match="already holds a drafter training: add --resume"):
+        train_drafter(loaded, data, cfg, tmp_path / "split")
+    resumed_steps = []
+    split, result = train_drafter(loaded, data, cfg, tmp_path / "split", resume=True,
+                                  on_step=lambda s, n, l, t: resumed_steps.append(s))
+    assert resumed_steps == [5, 6] and result.step == 6
+    for name, tensor in whole.state_dict().items():
+        torch.testing.assert_close(split.state_dict()[name], tensor, msg=name)
+    assert read_drafter(tmp_path / "split").step == 6
+    other = TrainConfig(kind=kind, steps=8, block_size=2, batch=4, seq_len=24)
+    with pytest.raises(BonsaiError, match="training of another drafter or model"):
+        train_drafter(loaded, data, other, tmp_path / "split", resume=True)
+    with pytest.raises(BonsaiError, match="nothing to resume"):
+        train_drafter(loaded, data, cfg, tmp_path / "fresh", resume=True)
+    load = mtp.load_mtp_drafter if kind == "mtp" else dflash.load_dflash_drafter
+    assert load(tmp_path / "whole", loaded).module.cfg.block_size == 3
+
+
+def test_training_fits_a_small_data_set(one_thread, tmp_path):
+    """Many steps on two sequences: the drafter learns them (the loss and top-1 the optimizer sees)."""
+    loaded = tiny_loaded()
+    data = tiny_data(loaded, (-1,), n=2)
+    cfg = TrainConfig(kind="mtp", steps=150, block_size=1, batch=2, seq_len=24, lr=1e-2, loss="ce",
+                      checkpoint_every=1000)
+    seen = []
+    train_drafter(loaded, data, cfg, tmp_path, on_step=lambda s, n, l, t: seen.append((l, t)))
+    assert seen[-1][0] < 0.3 * seen[0][0]
+    assert seen[-1][1] > 0.9
+
+
+def test_cli_trains_resumes_and_reports_acceptance(tmp_path, smollm2_gguf, capsys):
+    """`bonsai train-drafter` end to end on a tiny random model with SmolLM2's tokenizer."""
+    import json
+
+    from bonsai_cli.main import main
+    from tests.gguf_tiny import write_tiny_gguf
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_gguf)
+    out = tmp_path / "drafter"
+    args = ["train-drafter", str(model), "--kind", "dflash", "--samples", "4", "--seq-len", "32",
+            "--block-size", "2", "--batch", "2", "--eval-tokens", "6", "--out", str(out), "--json"]
+    main([*args, "--steps", "3", "--checkpoint-every", "2"])
+    first = json.loads(capsys.readouterr().out)
+    assert first["steps"] == 3 and first["sequences"] == 4 and first["block_size"] == 2
+    assert first["acceptance"]["steps"] > 0 and 0 <= first["acceptance"]["acceptance_rate"] <= 1
+    assert {p.name for p in out.iterdir()} == {"drafter.safetensors", "train_state.pt", "data.pt"}
+    main([*args, "--steps", "5", "--resume", "--baseline"])
+    second = json.loads(capsys.readouterr().out)
+    assert second["steps"] == 5 and second["untrained_acceptance"]["steps"] > 0
+    assert read_drafter(out).step == 5
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--steps", "5"])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: ")
+
+
+@pytest.fixture(scope="module")
+def smollm2_float32(smollm2_gguf):
+    from engine.loader import load_model
+    return load_model(smollm2_gguf, "cpu", weight_dtype=torch.float32)  # verification runs several rows
+
+
+@pytest.fixture(scope="module")
+def smollm2_self_data(smollm2_float32):
+    """SmolLM2's own continuations of 12 built-in prompts, generated once per test session."""
+    from engine.speculative.drafter_data import self_distillation_data
+    return self_distillation_data(smollm2_float32, (-1,), samples=12, seq_len=80, batch=12, eval_prompts=2)
+
+
+@pytest.mark.slow
+def test_trained_mtp_beats_an_untrained_one_on_smollm2(smollm2_float32, smollm2_self_data, tmp_path, one_thread):
+    """MTP at depth 1, 300 steps on SmolLM2's self-generated text (CPU, ~40 s of training), greedy
+    acceptance drafting for real against SmolLM2 on two held-out prompts. Measured: untrained 0%
+    (mean accepted length 1.00), trained ~50% (1.5 tokens/step); see docs/perf.md."""
+    loaded, data = smollm2_float32, smollm2_self_data
+    cfg = TrainConfig(kind="mtp", steps=300, block_size=1, batch=4, seq_len=80, lr=2e-3, intermediate_size=256,
+                      checkpoint_every=1000)
+    started = time.perf_counter()
+    module, result = train_drafter(loaded, data, cfg, tmp_path)
+    seconds = time.perf_counter() - started
+    untrained = drafter_acceptance(loaded, new_module(module.cfg, loaded.config.vocab_size), data, 32)
+    trained = drafter_acceptance(loaded, module, data, 32)
+    print(f"train {seconds:.1f}s loss {result.loss:.3f}; untrained {untrained.as_dict()}; trained {trained.as_dict()}")
+    assert untrained.steps > 0 and trained.steps > 0
+    assert trained.acceptance_rate >= untrained.acceptance_rate + 0.2
+    assert trained.mean_accepted_length > 1.2
+    reloaded = mtp.load_mtp_drafter(tmp_path, loaded)  # the file written is the drafter measured
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(reloaded.module.state_dict()[name], tensor.to(reloaded.module.state_dict()[name].dtype))
