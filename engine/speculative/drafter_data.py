@@ -102,6 +102,19 @@ class _Recorder:
         for i, h in hidden.items():
             self.hidden[i][row, start:start + t] = h.float().cpu()
 
+    def copy_prefix(self, source: int, row: int, n: int) -> None:
+        for table in (self.tokens, self.top_ids, self.top_probs, *self.hidden.values()):
+            table[row, :n] = table[source, :n]
+
+
+def _shared_prefix(prompts: list[list[int]]) -> int:
+    """Leading tokens all prompts share, leaving each at least one of its own."""
+    n = min(len(p) for p in prompts) - 1
+    for i in range(max(n, 0)):
+        if any(p[i] != prompts[0][i] for p in prompts):
+            return i
+    return max(n, 0)
+
 
 def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
     if temperature <= 0:
@@ -112,16 +125,28 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
 
 @torch.inference_mode()
 def _generate_rows(loaded, prompts: list[list[int]], length: int, layers: tuple[int, ...], rec: _Recorder,
-                   first_row: int, temperature: float, generator: torch.Generator, stop_ids: frozenset[int]) -> list[int]:
+                   first_row: int, temperature: float, generator: torch.Generator, stop_ids: frozenset[int],
+                   share_prefix: bool = True) -> list[int]:
     """Continue `prompts` together up to `length` tokens each (or a stop token); returns lengths."""
     model, device, b = loaded.model, loaded.device, len(prompts)
     cache = KVCache(loaded.config, length, b, dtype=loaded.dtype, device=device)
+    common = _shared_prefix(prompts) if share_prefix else 0  # a chat template's system prompt: run once, copied to every row
+    if common:
+        batch = CacheBatch.make([0], [0], common, device)
+        logits, hidden = model.forward_hidden(torch.tensor([prompts[0][:common]], device=device), batch, cache,
+                                              common, None, layers)  # [1, C, V]
+        rec.put(first_row, 0, prompts[0][:common], logits[0], {i: h[0] for i, h in hidden.items()})
+        for r in range(1, b):
+            rec.copy_prefix(first_row, first_row + r, common)
+            cache.k[:, r, :, :common] = cache.k[:, 0, :, :common]
+            cache.v[:, r, :, :common] = cache.v[:, 0, :, :common]
     fed, nxt = [], []
     for r, prompt in enumerate(prompts):
-        batch = CacheBatch.make([r], [0], len(prompt), device)
-        ids = torch.tensor([prompt], device=device)  # [1, P]
-        logits, hidden = model.forward_hidden(ids, batch, cache, len(prompt), None, layers)  # [1, P, V]
-        rec.put(first_row + r, 0, prompt, logits[0], {i: h[0] for i, h in hidden.items()})
+        rest = prompt[common:]
+        batch = CacheBatch.make([r], [common], len(rest), device)
+        ids = torch.tensor([rest], device=device)  # [1, P - C]
+        logits, hidden = model.forward_hidden(ids, batch, cache, len(prompt), None, layers)  # [1, P - C, V]
+        rec.put(first_row + r, common, rest, logits[0], {i: h[0] for i, h in hidden.items()})
         fed.append(len(prompt))
         nxt.append(_choose(logits[0, -1], temperature, generator))
     active = [f < length for f in fed]

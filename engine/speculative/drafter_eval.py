@@ -94,3 +94,65 @@ def measure_acceptance(runner: ModelRunner, drafter: Drafter, prompts: list[list
     for prompt in prompts:
         greedy_speculative(runner, drafter, prompt, max_new_tokens, k, stats, stop_ids)
     return stats
+
+
+@torch.inference_mode()
+def greedy_continuation(runner: ModelRunner, prompt: list[int], max_new_tokens: int,
+                        stop_ids: frozenset[int] = frozenset()) -> list[int]:
+    """The target's plain greedy continuation (up to and including a stop id)."""
+    slot = runner.slot(0)
+    slot.reset()
+    out = [int(runner.prefill(slot, prompt).argmax())]
+    while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        out.append(int(runner.forward(slot, [out[-1]])[-1].argmax()))
+    return out
+
+
+@torch.inference_mode()
+def draft_predictions(target_loaded, module, prompt: list[int], continuation: list[int], k: int) -> dict[int, list[int]]:
+    """For every bonus position b after the first generated token: the k tokens the drafter proposes
+    after prompt + continuation[:b - len(prompt) + 1], computed in one pass of the whole-sequence
+    (training) forward. Drafts after an accepted prefix see exactly what drafting one step at a
+    time sees, so walking these reproduces greedy acceptance (tests check it against the loop)."""
+    from engine.speculative import dflash, mtp
+    from engine.speculative.draft_layers import shared_logits
+    seq = prompt + continuation
+    p, t = len(prompt), len(seq)
+    runner = ModelRunner(target_loaded, max_seq_len=t + 1)
+    layers = tuple(module.cfg.target_layers)
+    _, hidden = runner.verify(runner.slot(0), seq, layers)  # {layer: [T, H]}
+    device, dtype = target_loaded.device, next(module.parameters()).dtype
+    pad = max(k, module.cfg.block_size) + 1
+    tokens = torch.tensor([seq + [0] * pad], device=device)  # [1, T + pad]
+    hidden = {i: torch.nn.functional.pad(h.to(dtype), (0, 0, 0, pad))[None] for i, h in hidden.items()}
+    starts = torch.tensor([p], device=device)
+    bonus = list(range(p + 1, t))
+    if not bonus:
+        return {}
+    if module.cfg.kind == "mtp":
+        outs = mtp.train_forward(module, target_loaded.model, tokens, hidden[-1], starts, k)
+        rows = torch.stack([o[0, p:t - 1] for o in outs], dim=1)  # [n, k, H]: row b - 1 for bonus b
+    else:
+        anchors = torch.tensor([bonus], device=device)  # [1, n]
+        rows = dflash.train_forward(module, target_loaded.model, tokens, hidden, starts, anchors)[0, :, :k]  # [n, k, H]
+    choice = shared_logits(target_loaded.model, rows).argmax(-1).tolist()  # [n, k]
+    return dict(zip(bonus, choice))
+
+
+def teacher_forced_acceptance(target_loaded, module, prompts: list[list[int]], continuations: list[list[int]],
+                              k: int, stats: AcceptanceStats | None = None) -> AcceptanceStats:
+    """Greedy acceptance of `module` drafting k tokens per step along the target's greedy
+    continuations: the steps greedy_speculative would take, from one batched pass per prompt."""
+    stats = stats or AcceptanceStats()
+    for prompt, continuation in zip(prompts, continuations):
+        predictions = draft_predictions(target_loaded, module, prompt, continuation, k)
+        seq, n = prompt + continuation, len(continuation)
+        produced = 2  # the first step has no rows to draft from: the target alone adds a token
+        while produced < n:
+            room = min(k, n - produced - 1)
+            b = len(prompt) + produced - 1  # position of the newest token (the last bonus)
+            draft = predictions[b][:room] if room > 0 else []
+            accepted = count_accepted(draft, seq[b + 1:b + 1 + room])
+            stats.record(len(draft), accepted)
+            produced += accepted + 1
+    return stats
