@@ -19,7 +19,8 @@ def train_drafter(
     lr: float = typer.Option(1e-3, "--lr", help="peak learning rate (warm-up, then cosine to 10%)"),
     batch: int = typer.Option(8, "--batch", help="sequences per step"),
     seq_len: int = typer.Option(128, "--seq-len", help="tokens per training sequence (prompt included)"),
-    samples: int = typer.Option(64, "--samples", help="--data self: sequences to generate"),
+    samples: Optional[int] = typer.Option(None, "--samples", help="sequences to train on: generated with --data self "
+                                          "(default 64), at most this many windows of a text file (default all)"),
     loss: str = typer.Option("kl", "--loss", help="kl (to the target's top-16 distribution) or ce (to its argmax)"),
     train_vocab: str = typer.Option("data", "--train-vocab", help="data (output rows the data can ask for; fast) or full"),
     layers: Optional[int] = typer.Option(None, "--layers", help="drafter blocks (default MTP 1, DFlash 2)"),
@@ -60,11 +61,11 @@ def train_drafter(
             task = bar.add_task("scoring data", total=None, info="")
             progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
             if data == "self":
-                train_data = self_distillation_data(loaded, target_layers, samples, seq_len, seed=seed,
+                train_data = self_distillation_data(loaded, target_layers, samples or 64, seq_len, seed=seed,
                                                     on_progress=progress)
             else:
                 train_data = text_file_data(loaded, Path(data), target_layers, seq_len, seed=seed,
-                                            on_progress=progress)
+                                            max_sequences=samples, on_progress=progress)
             bar.remove_task(task)
             train_data.save(data_path)
         task = bar.add_task("training", total=cfg.steps, info="")

@@ -85,7 +85,7 @@ def test_generation_shares_the_prompts_common_prefix_exactly(one_thread):
     recorded = []
     for share in (True, False):
         rec = _Recorder(3, 12, loaded.config.hidden_size, (-1,), 4)
-        lengths = _generate_rows(loaded, prompts, 12, (-1,), rec, 0, 0.0, torch.Generator(), frozenset(), share)
+        lengths = _generate_rows(loaded, prompts, 12, (-1,), rec, 0, [0.0] * 3, torch.Generator(), frozenset(), share)
         recorded.append((rec, lengths))
     (shared, lengths), (plain, plain_lengths) = recorded
     assert lengths == plain_lengths == [12, 12, 12]
@@ -123,11 +123,11 @@ def test_cli_trains_resumes_and_reports_acceptance(tmp_path, smollm2_gguf, capsy
     from tests.gguf_tiny import write_tiny_gguf
     model = write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_gguf)
     out = tmp_path / "drafter"
-    args = ["train-drafter", str(model), "--kind", "dflash", "--samples", "4", "--seq-len", "96",
-            "--block-size", "2", "--batch", "2", "--eval-tokens", "6", "--out", str(out), "--json"]
+    args = ["train-drafter", str(model), "--kind", "dflash", "--samples", "2", "--seq-len", "96",
+            "--block-size", "2", "--batch", "2", "--eval-tokens", "5", "--out", str(out), "--json"]
     main([*args, "--steps", "3", "--checkpoint-every", "2"])
     first = json.loads(capsys.readouterr().out)
-    assert first["steps"] == 3 and first["sequences"] == 4 and first["block_size"] == 2
+    assert first["steps"] == 3 and first["sequences"] == 2 and first["block_size"] == 2
     assert first["acceptance"]["steps"] > 0 and 0 <= first["acceptance"]["acceptance_rate"] <= 1
     assert {p.name for p in out.iterdir()} == {"drafter.safetensors", "train_state.pt", "data.pt"}
     main([*args, "--steps", "5", "--resume", "--baseline"])
@@ -184,3 +184,23 @@ def test_trained_mtp_beats_an_untrained_one_on_smollm2(smollm2_float32, smollm2_
     reloaded = mtp.load_mtp_drafter(tmp_path, loaded)  # the file written is the drafter measured
     for name, tensor in module.state_dict().items():
         assert torch.equal(reloaded.module.state_dict()[name], tensor), name
+
+
+def test_text_file_data_windows_held_out_prompts_and_refusals(tmp_path, smollm2_gguf, one_thread):
+    from engine.loader import load_model
+    from engine.speculative.drafter_data import text_file_data
+    from tests.gguf_tiny import write_tiny_gguf
+    loaded = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_gguf), "cpu")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    ids = loaded.tokenizer.encode(text.read_text())
+    data = text_file_data(loaded, text, (0, -1), seq_len=16, eval_prompts=2, max_sequences=3)
+    assert data.tokens.tolist() == [ids[i * 16:(i + 1) * 16] for i in range(3)]
+    held_out = len(ids) // 16 - 2
+    assert data.eval_prompts == [ids[w * 16:w * 16 + 8] for w in (held_out, held_out + 1)]
+    assert set(data.hidden) == {0, -1} and data.hidden[0].shape == (3, 16, loaded.config.hidden_size)
+    assert ((data.starts >= 0) & (data.starts < 8)).all() and (data.lengths == 16).all()
+    with pytest.raises(BonsaiError, match="too little for 3 windows"):
+        text_file_data(loaded, text, (-1,), seq_len=len(ids) // 2, eval_prompts=2)
+    with pytest.raises(BonsaiError, match="training text not found"):
+        text_file_data(loaded, tmp_path / "missing.txt", (-1,), seq_len=16)

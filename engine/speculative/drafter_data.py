@@ -125,9 +125,10 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
 
 @torch.inference_mode()
 def _generate_rows(loaded, prompts: list[list[int]], length: int, layers: tuple[int, ...], rec: _Recorder,
-                   first_row: int, temperature: float, generator: torch.Generator, stop_ids: frozenset[int],
+                   first_row: int, temperatures: list[float], generator: torch.Generator, stop_ids: frozenset[int],
                    share_prefix: bool = True) -> list[int]:
-    """Continue `prompts` together up to `length` tokens each (or a stop token); returns lengths."""
+    """Continue `prompts` together up to `length` tokens each (or a stop token), row r sampled at
+    temperatures[r] (0: greedy); returns the lengths."""
     model, device, b = loaded.model, loaded.device, len(prompts)
     cache = KVCache(loaded.config, length, b, dtype=loaded.dtype, device=device)
     common = _shared_prefix(prompts) if share_prefix else 0  # a chat template's system prompt: run once, copied to every row
@@ -148,7 +149,7 @@ def _generate_rows(loaded, prompts: list[list[int]], length: int, layers: tuple[
         logits, hidden = model.forward_hidden(ids, batch, cache, len(prompt), None, layers)  # [1, P - C, V]
         rec.put(first_row + r, common, rest, logits[0], {i: h[0] for i, h in hidden.items()})
         fed.append(len(prompt))
-        nxt.append(_choose(logits[0, -1], temperature, generator))
+        nxt.append(_choose(logits[0, -1], temperatures[r], generator))
     active = [f < length for f in fed]
     while any(active):
         rows = [r for r in range(b) if active[r]]
@@ -161,7 +162,7 @@ def _generate_rows(loaded, prompts: list[list[int]], length: int, layers: tuple[
             if nxt[r] in stop_ids or fed[r] >= length:
                 active[r] = False
             else:
-                nxt[r] = _choose(logits[i, -1], temperature, generator)
+                nxt[r] = _choose(logits[i, -1], temperatures[r], generator)
     return fed
 
 
@@ -169,7 +170,8 @@ def self_distillation_data(loaded, layers: tuple[int, ...], samples: int, seq_le
                            top_k: int = 16, temperature: float = 0.8, seed: int = 0, eval_prompts: int = 8,
                            on_progress: Callable[[int, int], None] | None = None) -> DrafterData:
     """`samples` sequences of the target's own continuations of the built-in prompts, each
-    `seq_len` tokens long (prompt included) or ending at a stop token."""
+    `seq_len` tokens long (prompt included) or ending at a stop token: greedy on the first pass
+    over the prompts, sampled at `temperature` on later passes."""
     tokenizer = loaded.require_tokenizer()
     prompts = [prompt_ids(tokenizer, p) for p in TRAIN_PROMPTS]
     longest = max(len(p) for p in prompts + [prompt_ids(tokenizer, p) for p in EVAL_PROMPTS])
@@ -182,8 +184,8 @@ def self_distillation_data(loaded, layers: tuple[int, ...], samples: int, seq_le
     chosen = [prompts[i % len(prompts)] for i in range(samples)]
     for first in range(0, samples, batch):
         part = chosen[first:first + batch]
-        temperature_now = 0.0 if first + len(part) <= len(prompts) else temperature
-        lengths += _generate_rows(loaded, part, seq_len, layers, rec, first, temperature_now, generator,
+        temperatures = [0.0 if first + r < len(prompts) else temperature for r in range(len(part))]
+        lengths += _generate_rows(loaded, part, seq_len, layers, rec, first, temperatures, generator,
                                   tokenizer.eos_ids)
         if on_progress:
             on_progress(min(first + batch, samples), samples)

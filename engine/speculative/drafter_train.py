@@ -25,7 +25,7 @@ import torch
 from engine.errors import BonsaiError
 from engine.runner import ModelRunner
 from engine.speculative import dflash, mtp
-from engine.speculative.draft_layers import DrafterConfig, default_config, shared_logits
+from engine.speculative.draft_layers import DrafterConfig, default_config, shared_logits, to_target
 from engine.speculative.drafter_data import DrafterData
 from engine.speculative.drafter_eval import AcceptanceStats, measure_acceptance
 from engine.speculative.drafter_file import TargetIdentity, atomic_write, save_drafter
@@ -86,7 +86,6 @@ def new_module(cfg: DrafterConfig, vocab_size: int, seed: int = 0) -> torch.nn.M
 
 def make_drafter(module: torch.nn.Module, target_loaded, **opts):
     """A Drafter over a (trained or fresh) module, on the target's device and dtype."""
-    from engine.speculative.draft_layers import to_target
     copy = new_module(module.cfg, target_loaded.config.vocab_size)
     copy.load_state_dict(module.state_dict())
     cls = mtp.MTPDrafter if module.cfg.kind == "mtp" else dflash.DFlashDrafter

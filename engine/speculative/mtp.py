@@ -95,6 +95,7 @@ class MTPDrafter:
     """The Drafter protocol over an MTPModule (see the module docstring)."""
 
     hidden_layers = (-1,)
+    max_draft = None  # chained: any k (trained for module.cfg.block_size; deeper drafts are weaker)
 
     def __init__(self, module: MTPModule, target_loaded, max_seq_len: int | None = None, sampling=None,
                  name: str = "mtp"):
