@@ -2,7 +2,6 @@
 SmolLM2 a trained drafter beats an untrained one at greedy acceptance."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
