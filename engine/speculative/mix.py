@@ -20,6 +20,7 @@ from engine.speculative.planner import (Acceptance, DraftCost, TargetCost, best_
                                         shadow_matches)
 
 PROBE_EVERY = 16  # a model member whose plan says "do not draft" still drafts one token this often
+REMEASURE_EVERY = 64  # a plain step this often keeps the cost of a one-row pass current
 
 
 @dataclass
@@ -91,7 +92,8 @@ class MixDrafter:
                     plan = 1
             if plan > 0:
                 candidates.append(((self._speed(m, plan), -order), m, draft, plan))
-        if not candidates:
+        plain_step = self.adaptive and (1 not in self.target.seconds or self._steps % REMEASURE_EVERY == 0)
+        if not candidates or plain_step:
             return Draft([], source=self.name)
         _, chosen, draft, plan = max(candidates, key=lambda c: c[0])
         if draft is None:
