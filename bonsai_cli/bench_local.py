@@ -11,7 +11,7 @@ from bonsai_cli.common import err_console, load_for_cli
 def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, load: dict[str, Any],
                     max_seq_len: int, suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
-                    save: Callable[[], None]) -> None:
+                    save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False) -> None:
     from engine.bench import model_bench
     from engine.bench.environment import describe_environment
     from engine.bench.suites import load_suite
@@ -40,7 +40,19 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
                           "cuda_graph": getattr(runner.decoder, "graph", None) is not None}
     save()
     if prompts is not None:
-        _run_suite(report, runner, loaded.require_tokenizer(), suite, prompts, repetitions, save)
+        tokenizer = loaded.require_tokenizer()
+        if spec_config is None:
+            _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save)
+            return
+        from engine.speculative.config import build_drafter
+        drafter = build_drafter(spec_config, loaded, runner.max_seq_len)
+        if vs_plain:
+            _run_suite(report, "plain_suite", runner, tokenizer, suite, prompts, repetitions, save)
+        _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save, drafter,
+                   spec_config.num_draft_tokens)
+        if vs_plain:
+            _add_speedup(report)
+            save()
         return
     copy_bw = model_bench.measure_copy_bandwidth(loaded.device)
     report["bandwidth"] = {"copy_bytes_per_second": copy_bw}
@@ -63,20 +75,34 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
             save()
 
 
-def _run_suite(report, runner, tokenizer, name, prompts, repetitions, save) -> None:
+def _run_suite(report, key, runner, tokenizer, name, prompts, repetitions, save, drafter=None,
+               num_draft_tokens: int = 4) -> None:
     from engine.bench import suite_runner
 
-    report["suite"] = {"name": name, "prompts": len(prompts), "results": [], "by_category": {}}
+    entry = report[key] = {"name": name, "prompts": len(prompts), "results": [], "by_category": {}}
+    label = f"suite {name}" + (" (plain)" if key == "plain_suite" else "")
     with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task(f"suite {name}", total=len(prompts) * repetitions)
+        task = progress.add_task(label, total=len(prompts) * repetitions)
 
         done = []
 
         def on_result(result) -> None:
             done.append(result)
-            report["suite"]["results"].append(result.as_dict())
-            report["suite"]["by_category"] = suite_runner.summarize_by_category(done)
+            entry["results"].append(result.as_dict())
+            entry["by_category"] = suite_runner.summarize_by_category(done)
             progress.update(task, advance=1, description=f"{result.category} {result.decode_tokens_per_second:.1f} tok/s")
             save()
 
-        suite_runner.run_suite(runner, tokenizer, prompts, repetitions, on_result=on_result)
+        suite_runner.run_suite(runner, tokenizer, prompts, repetitions, on_result=on_result, drafter=drafter,
+                               num_draft_tokens=num_draft_tokens)
+
+
+def _add_speedup(report: dict[str, Any]) -> None:
+    """Per category: speculative decode tok/s over plain; and whether every greedy output matched."""
+    from bonsai_cli.bench_report import output_mismatches
+    plain, spec = report["plain_suite"]["by_category"], report["suite"]["by_category"]
+    report["suite"]["speedup"] = {cat: spec[cat]["decode_tokens_per_second"] / plain[cat]["decode_tokens_per_second"]
+                                  for cat in spec if plain.get(cat, {}).get("decode_tokens_per_second")}
+    compared, mismatches = output_mismatches({**report, "suite": report["plain_suite"]}, report)
+    report["suite"]["outputs_compared"] = compared
+    report["suite"]["output_mismatches"] = mismatches

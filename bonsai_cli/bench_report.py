@@ -47,15 +47,37 @@ def model_table(report: dict[str, Any]) -> Table:
     return table
 
 
-def suite_table(summary: dict[str, dict[str, float]], title: str) -> Table:
+def suite_table(summary: dict[str, dict[str, Any]], title: str, speedup: dict[str, float] | None = None) -> Table:
     table = Table(title=title)
-    for col in ("category", "runs", "tokens", "decode tok/s", "± std", "TTFT ms", "TTFT p90", "ITL p50 ms", "ITL p90"):
+    spec = any("speculative" in s for s in summary.values())
+    columns = ["category", "runs", "tokens", "decode tok/s", "± std", "TTFT ms", "TTFT p90", "ITL p50 ms", "ITL p90"]
+    columns += ["accepted", "tok/pass"] if spec else []
+    columns += ["speedup"] if speedup else []
+    for col in columns:
         table.add_column(col, justify="right" if col != "category" else "left")
     for name, s in summary.items():
         style = "bold" if name == "overall" else None
-        table.add_row(name, str(s["runs"]), str(s["generated_tokens"]), f"{s['decode_tokens_per_second']:.2f}",
-                      f"{s['decode_stddev']:.2f}", f"{s['ttft_ms_mean']:.0f}", f"{s['ttft_ms_p90']:.0f}",
-                      f"{s['itl_ms_p50']:.1f}", f"{s['itl_ms_p90']:.1f}", style=style)
+        row = [name, str(s["runs"]), str(s["generated_tokens"]), f"{s['decode_tokens_per_second']:.2f}",
+               f"{s['decode_stddev']:.2f}", f"{s['ttft_ms_mean']:.0f}", f"{s['ttft_ms_p90']:.0f}",
+               f"{s['itl_ms_p50']:.1f}", f"{s['itl_ms_p90']:.1f}"]
+        if spec:
+            sp = s.get("speculative")
+            row += [f"{100 * sp['acceptance']:.0f}%", f"{sp['mean_accepted_length']:.2f}"] if sp else ["", ""]
+        if speedup:
+            row.append(f"{speedup[name]:.2f}x" if name in speedup else "")
+        table.add_row(*row, style=style)
+    return table
+
+
+def drafter_table(summary: dict[str, dict[str, Any]]) -> Table:
+    """Per category and drafter: drafted, accepted, acceptance."""
+    table = Table(title="drafters")
+    for col in ("category", "drafter", "proposals", "drafted", "accepted", "acceptance"):
+        table.add_column(col, justify="right" if col not in ("category", "drafter") else "left")
+    for name, s in summary.items():
+        for drafter, c in s.get("speculative", {}).get("by_drafter", {}).items():
+            table.add_row(name, drafter, str(c["proposals"]), str(c["drafted"]), str(c["accepted"]),
+                          f"{100 * c['acceptance']:.0f}%", style="bold" if name == "overall" else None)
     return table
 
 
@@ -75,8 +97,22 @@ def concurrency_table(levels: list[dict[str, Any]]) -> Table:
 def print_report(report: dict[str, Any], console: Console) -> None:
     if report.get("tests"):
         console.print(model_table(report))
+    if report.get("plain_suite", {}).get("by_category"):
+        console.print(suite_table(report["plain_suite"]["by_category"], f"suite {report['plain_suite']['name']} (plain)"))
     if report.get("suite", {}).get("by_category"):
-        console.print(suite_table(report["suite"]["by_category"], f"suite {report['suite']['name']}"))
+        suite = report["suite"]
+        spec = report.get("speculative", {})
+        title = f"suite {suite['name']}" + (f" · speculative {spec['method']} k={spec['num_draft_tokens']}"
+                                            if spec.get("active") else "")
+        console.print(suite_table(suite["by_category"], title, suite.get("speedup")))
+        if spec.get("active"):
+            console.print(drafter_table(suite["by_category"]))
+        if "outputs_compared" in suite:
+            bad = suite["output_mismatches"]
+            console.print(f"[{'red' if bad else 'green'}]{suite['outputs_compared'] - len(bad)} of "
+                          f"{suite['outputs_compared']} greedy outputs identical to plain decoding[/]")
+            for line in bad:
+                console.print(f"[red]mismatch: {line}[/red]")
     if report.get("concurrency"):
         console.print(concurrency_table(report["concurrency"]))
     if not report.get("complete", True):

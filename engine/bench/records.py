@@ -76,6 +76,7 @@ class PromptResult:
     drafted: int | None = None  # speculative decoding, when active
     accepted: int | None = None
     steps: int | None = None
+    speculative: dict[str, Any] | None = None  # local runs: the full draft statistics (SpecStats.as_dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
