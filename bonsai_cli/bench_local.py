@@ -39,13 +39,15 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
                           "fused_decode": runner.decoder is not None,
                           "cuda_graph": getattr(runner.decoder, "graph", None) is not None}
     save()
-    if prompts is not None:
-        tokenizer = loaded.require_tokenizer()
-        if spec_config is None:
-            _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save)
-            return
+    drafter = None
+    if spec_config is not None:
         from engine.speculative.config import build_drafter
         drafter = build_drafter(spec_config, loaded, runner.max_seq_len)
+    if prompts is not None:
+        tokenizer = loaded.require_tokenizer()
+        if drafter is None:
+            _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save)
+            return
         if vs_plain:
             _run_suite(report, "plain_suite", runner, tokenizer, suite, prompts, repetitions, save)
         _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save, drafter,
@@ -63,9 +65,10 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         for test in tests:
             progress.update(task, description=test.name)
             [m] = model_bench.run_model_bench(runner, [test], repetitions, special,
-                                              on_sample=lambda t, r, s: progress.advance(task))
+                                              on_sample=lambda t, r, s: progress.advance(task), drafter=drafter,
+                                              num_draft_tokens=spec_config.num_draft_tokens if spec_config else 4)
             entry = m.summary()
-            if test.n_gen and not test.n_prompt:
+            if test.n_gen and not test.n_prompt and drafter is None:  # with drafts, tokens per pass vary
                 bytes_per_token = model_bench.decode_bytes_per_token(runner, test.depth + test.n_gen // 2)
                 achieved = bytes_per_token * entry["tokens_per_second"]
                 entry["decode_bandwidth"] = {"bytes_per_token": bytes_per_token, "achieved_gb_per_s": achieved / 1e9,

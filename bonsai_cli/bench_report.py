@@ -36,14 +36,17 @@ def model_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"{m['name']} · {m['architecture']} · {m['parameters'] / 1e6:.0f}M params · "
                         f"{m['bits_per_weight']:.2f} bpw · weights {_weights(m)} · KV {m['kv_dtype']} · "
                         f"{report['environment']['device']}")
-    for col in ("test", "tok/s", "± std", "runs", "bytes/token", "GB/s", "of copy BW"):
+    spec = any("speculative" in t for t in report["tests"])
+    for col in ("test", "tok/s", "± std", "runs", "bytes/token", "GB/s", "of copy BW") + (("accepted", "tok/pass") if spec else ()):
         table.add_column(col, justify="right" if col != "test" else "left")
     for t in report["tests"]:
         bw = t.get("decode_bandwidth") or {}
+        sp = t.get("speculative")
         table.add_row(t["name"], f"{t['tokens_per_second']:.2f}", f"{t['stddev']:.2f}", str(len(t["samples_tps"])),
                       f"{bw['bytes_per_token'] / 1e6:.1f} MB" if bw else "",
                       f"{bw['achieved_gb_per_s']:.1f}" if bw else "",
-                      f"{100 * bw['fraction_of_copy']:.0f}%" if bw else "")
+                      f"{100 * bw['fraction_of_copy']:.0f}%" if bw else "",
+                      *((f"{100 * sp['acceptance']:.0f}%", f"{sp['mean_accepted_length']:.2f}") if sp else ("", ""))[:2 if spec else 0])
     return table
 
 

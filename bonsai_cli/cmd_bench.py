@@ -50,7 +50,7 @@ def bench(
     head_weights: str = typer.Option("bf16", "--head-weights", help="run-time format of the output layer"),
     load_format: str = typer.Option("auto", "--load-format", help=LOAD_FORMAT_HELP),
     max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
-    spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP + "; with --suite"),
+    spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     vs_plain: bool = typer.Option(False, "--vs-plain", help="with --spec: run the suite plain first; report the "
                                   "speedup per category and check the outputs are identical"),
@@ -83,11 +83,11 @@ def bench(
     if repetitions < 1:
         raise BonsaiError("-r (repetitions) must be >= 1")
     spec_config = speculative_config(spec, draft_tokens)
-    if spec_config is not None and (url or not suite):
-        raise BonsaiError("--spec measures a local MODEL on a --suite (speculation depends on the text; a server "
-                          "sets its own speculation in its config)")
-    if vs_plain and spec_config is None:
-        raise BonsaiError("--vs-plain compares speculative decoding with plain decoding: give --spec too")
+    if spec_config is not None and url:
+        raise BonsaiError("--spec measures a local MODEL; a server sets its own speculation in its config")
+    if vs_plain and (spec_config is None or not suite):
+        raise BonsaiError("--vs-plain compares speculative with plain decoding on a suite: give --spec and --suite "
+                          "(for -p/-n tests, run twice and use --compare)")
     report: dict[str, Any] = {"bonsai_bench": bench_report.SCHEMA_VERSION, "complete": False,
                               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                               "speculative": _spec_entry(spec_config),

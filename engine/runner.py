@@ -11,6 +11,8 @@ from engine.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
+MAX_FUSED_VERIFY_ROWS = 16  # the fused decode step handles up to this many rows
+
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, num_slots: int = 1,
@@ -29,6 +31,7 @@ class ModelRunner:
         self.prefill_chunk_size = prefill_chunk_size
         self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device)
         self.decoder = None
+        self._verifiers: dict[int, object] = {}  # fused steps of several rows (speculative verify), by rows
         if fast_decode if fast_decode is not None else self.device.type == "cuda":
             self.decoder = self._make_decoder()
 
@@ -68,16 +71,36 @@ class ModelRunner:
                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Score `tokens` (the last accepted token + drafts) after the slot's content in one pass and
         append them: logits [T, V] of every row, and {layer: [T, hidden]} for `hidden_layers`.
-        The caller rewinds the slot past the rejected rows (`slot.rewind`)."""
+        The caller rewinds the slot past the rejected rows (`slot.rewind`). Without hidden states,
+        where a decode step runs fused, the rows run through the same fused step (CUDA-graphed per
+        row count), so each row's logits are those plain decoding would compute."""
         start, t = slot.length, len(tokens)
         if start + t > slot.capacity:
             raise BonsaiError(f"the sequence needs {start + t} positions but the context holds "
                               f"{slot.capacity}: shorten the prompt or raise max_seq_len")
+        if not hidden_layers and self.decoder is not None and t <= MAX_FUSED_VERIFY_ROWS:
+            logits = self._fused_step(t).run(tokens, list(range(start, start + t)), [slot.index] * t)  # [T, V]
+            slot.tokens.extend(tokens)
+            return logits.clone(), {}
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         batch = CacheBatch.make([slot.index], [start], t, self.device)
         logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, None, hidden_layers)
         slot.tokens.extend(tokens)
         return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}
+
+    def _fused_step(self, rows: int):
+        """The fused decode step for `rows` rows, made on first use."""
+        if rows == 1:
+            return self.decoder
+        step = self._verifiers.get(rows)
+        if step is None:
+            from engine.cuda_graphs import DecodeStepRunner
+            # its warm-up before graph capture writes K/V at position 0 of slot 0: keep what is there
+            k0, v0 = self.cache.k[:, 0, :, 0].clone(), self.cache.v[:, 0, :, 0].clone()
+            step = DecodeStepRunner(self.model, self.cache, rows=rows, num_splits=self.decoder.num_splits)
+            self.cache.k[:, 0, :, 0], self.cache.v[:, 0, :, 0] = k0, v0
+            self._verifiers[rows] = step
+        return step
 
     def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
         """Feed tokens in chunks; logits [V] after the last one."""

@@ -171,3 +171,40 @@ def test_sampling_distribution_is_unchanged(one_thread):
     assert accepted > runs // 10  # drafts were in play, not only plain steps
     stat, critical = chi_square_ok(counts, exact)
     assert stat < critical, (stat, critical)
+
+
+def test_verify_runs_the_fused_decode_step_and_matches_plain_fused_decoding(one_thread):
+    """Where decoding runs the fused step (a GPU; asked for here on the CPU), verify runs the same
+    step over several rows: the greedy output equals plain fused decoding's, and making a step
+    for a new row count leaves the cache as it was."""
+    from engine.loader import load_dummy
+    from engine.packed_linear import WeightFormat
+    from tests.test_decode_step import CFG
+    loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
+    tok = TinyTokenizer()
+    request = GenerationRequest(max_tokens=24, ignore_eos=True)
+    plain = ModelRunner(loaded, 96, fast_decode=True)
+    _, want, _, _ = generate_text(plain, tok, PROMPT, request)
+    runner = ModelRunner(loaded, 96, fast_decode=True)
+    runner.prefill(runner.slot(0), PROMPT)
+    before = runner.cache.k[:, 0, :, :len(PROMPT)].clone()
+    logits, hidden = runner.verify(runner.slot(0), [want[0], want[1], 7])
+    assert hidden == {} and logits.shape == (3, CFG.vocab_size) and set(runner._verifiers) == {3}
+    torch.testing.assert_close(runner.cache.k[:, 0, :, :len(PROMPT)], before)
+    runner.slot(0).reset()
+    _, got, _, stats = generate_text(runner, tok, PROMPT, request, drafter=NgramDrafter(1, 3), num_draft_tokens=4)
+    assert got == want and stats.speculative.drafted > 0
+
+
+def test_model_bench_decodes_speculatively_with_a_drafter(one_thread):
+    from engine.bench.model_bench import BenchTest, run_model_bench, run_test
+    from engine.speculative.stats import SpecStats
+    loaded = tiny_loaded()
+    [m] = run_model_bench(ModelRunner(loaded, 96), [BenchTest(8, 24)], 2, frozenset(), drafter=NgramDrafter(1, 3))
+    spec = m.summary()["speculative"]
+    assert spec["steps"] + spec["accepted"] == 2 * 24 and spec["drafted"] > 0  # n_gen tokens per repetition
+    runner, stats = ModelRunner(loaded, 96), SpecStats()
+    run_test(runner, BenchTest(8, 24), 1, frozenset(), MixDrafter([NgramDrafter(1, 3)]), 4, stats)
+    plain = ModelRunner(loaded, 96)
+    run_test(plain, BenchTest(8, 24), 1, frozenset())
+    assert runner.slot(0).tokens[:33] == plain.slot(0).tokens  # the same greedy tokens
