@@ -1,6 +1,7 @@
 """Speculative decoding on the real SmolLM2: at temperature 0 every drafter and the mix give
-token for token what plain decoding gives (10 prompts x 128 tokens), and bad input fails in one
-line. One plain reference run per prompt is shared by the tests of this file."""
+token for token what plain decoding gives (10 prompts x 128 tokens, past EOS so every answer is
+full length), and bad input fails in one line. One plain reference run per prompt is shared by
+the tests of this file."""
 from __future__ import annotations
 
 import pytest
@@ -49,13 +50,13 @@ def prompts(target):
 @pytest.fixture(scope="module")
 def plain(target, prompts):
     runner = ModelRunner(target, SEQ)
-    request = GenerationRequest(max_tokens=MAX_TOKENS)
+    request = GenerationRequest(max_tokens=MAX_TOKENS, ignore_eos=True)
     return [generate_text(runner, target.tokenizer, ids, request)[1] for ids in prompts]
 
 
 def _spec_outputs(target, prompts, drafter, k, max_tokens=MAX_TOKENS):
     runner = ModelRunner(target, SEQ)
-    request = GenerationRequest(max_tokens=max_tokens)
+    request = GenerationRequest(max_tokens=max_tokens, ignore_eos=True)
     out, total = [], None
     for ids in prompts:
         _, got, _, stats = generate_text(runner, target.tokenizer, ids, request, drafter=drafter, num_draft_tokens=k)
@@ -67,13 +68,21 @@ def _spec_outputs(target, prompts, drafter, k, max_tokens=MAX_TOKENS):
     return out, total
 
 
+def _first_difference(got, want) -> int:
+    return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
 def test_ngram_output_equals_plain_decoding(target, prompts, plain):
-    """Always verifying k n-gram tokens (not adaptive), so verification does the work."""
-    outputs, stats = _spec_outputs(target, prompts, NgramDrafter(1, 4), k=4)
+    """`--spec ngram` as users run it (adaptive length) on every prompt; then always verifying
+    k = 4 n-gram tokens (not adaptive) on two prompts, so verification does all the work."""
+    assert sum(len(o) for o in plain) == 10 * MAX_TOKENS
+    outputs, stats = _spec_outputs(target, prompts, MixDrafter([NgramDrafter(1, 4)]), k=4)
     for i, (got, want) in enumerate(zip(outputs, plain)):
-        assert got == want, f"prompt {i}: differs from token {next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)}"
-    assert sum(len(o) for o in plain) >= 10 * 100
-    assert stats.accepted > 50 and stats.drafted > stats.accepted  # drafts were accepted and rejected
+        assert got == want, f"prompt {i}: differs from token {_first_difference(got, want)}"
+    assert stats.accepted > 50  # drafts were verified and accepted
+    outputs, stats = _spec_outputs(target, prompts[:2], NgramDrafter(1, 4), k=4)
+    assert outputs == plain[:2]
+    assert stats.accepted > 20 and stats.drafted > stats.accepted  # drafts were accepted and rejected
 
 
 def test_draft_model_and_mix_outputs_equal_plain_decoding(smollm2_gguf, target, prompts, plain):
@@ -112,3 +121,25 @@ def test_cli_bad_spec_input_is_one_line(smollm2_gguf, tmp_path):
     assert_one_line_error(bonsai(*base, "--spec", f"draft:{tmp_path / 'missing.gguf'}", env=env), "not found")
     assert_one_line_error(bonsai(*base, "--spec", "ngarm", env=env), "did you mean ngram")
     assert_one_line_error(bonsai(*base, "--spec", "ngram", "--draft-tokens", "0", env=env), "1..64")
+
+
+def test_cli_generate_and_bench_report_draft_statistics(smollm2_gguf, tmp_path):
+    import json
+    env = {"HF_HUB_OFFLINE": "1"}
+    proc = bonsai("generate", str(smollm2_gguf), "--chat", "-p", PROMPTS[1], "-n", "24", "--spec", "ngram", "--json",
+                  env=env)
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads(proc.stdout)["timings"]["speculative"]
+    assert spec["method"] == "ngram" and spec["steps"] + spec["accepted"] == 23
+    out = tmp_path / "b.json"
+    proc = bonsai("bench", str(smollm2_gguf), "--suite", "short", "--categories", "code-edit", "-r", "1",
+                  "--spec", "mix:ngram", "--draft-tokens", "3", "--vs-plain", "--json", str(out), env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["speculative"]["active"] and report["speculative"]["num_draft_tokens"] == 3
+    suite = report["suite"]
+    assert suite["outputs_compared"] == 1 and suite["output_mismatches"] == []
+    assert set(suite["speedup"]) == {"code-edit", "overall"}
+    overall = suite["by_category"]["overall"]["speculative"]
+    assert overall["steps"] > 0 and "ngram" in overall["by_drafter"]
+    assert "tok/pass" in proc.stdout and "identical to plain decoding" in proc.stdout
