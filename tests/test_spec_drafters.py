@@ -188,6 +188,8 @@ def test_factory_refuses_missing_drafter_files_and_k_above_a_block_size(tmp_path
     cfg = SpeculativeConfig.from_spec("mtp:" + str(tmp_path / "missing.safetensors"))
     with pytest.raises(BonsaiError, match="not found"):
         build_drafter(cfg, target=None, max_seq_len=64)
+    with pytest.raises(BonsaiError, match="needs its file"):
+        build_drafter(SpeculativeConfig.from_spec("dflash"), target=None, max_seq_len=64)
     with pytest.raises(BonsaiError, match="draft model"):
         build_drafter(SpeculativeConfig.from_spec("draft:" + str(tmp_path / "nope.gguf")), target=None, max_seq_len=64)
 
@@ -197,8 +199,18 @@ def test_factory_refuses_missing_drafter_files_and_k_above_a_block_size(tmp_path
     import sys
     import types
     module = types.ModuleType("engine.speculative.dflash")
-    module.build_drafter = lambda spec, config, target: BlockDrafter("dflash", [1] * 8, False)
+    seen = {}
+
+    def load_dflash_drafter(path, target, *, k, max_seq_len):
+        seen.update(path=path, k=k, max_seq_len=max_seq_len)
+        return BlockDrafter("dflash", [1] * 8, False)
+
+    module.load_dflash_drafter = load_dflash_drafter
     monkeypatch.setitem(sys.modules, "engine.speculative.dflash", module)
-    assert build_drafter(SpeculativeConfig.from_spec("dflash", num_draft_tokens=8), None, 64).max_draft_tokens == 8
+    drafter_file = tmp_path / "d.safetensors"
+    drafter_file.write_bytes(b"")
+    cfg = SpeculativeConfig.from_spec(f"dflash:{drafter_file}", num_draft_tokens=8, adaptive=False)
+    assert build_drafter(cfg, None, 64).max_draft_tokens == 8
+    assert seen == {"path": str(drafter_file), "k": 8, "max_seq_len": 64 + 9}
     with pytest.raises(BonsaiError, match="block size"):
-        build_drafter(SpeculativeConfig.from_spec("dflash", num_draft_tokens=12), None, 64)
+        build_drafter(SpeculativeConfig.from_spec(f"dflash:{drafter_file}", num_draft_tokens=12), None, 64)

@@ -3,9 +3,10 @@
 Spec strings (`--spec`): `ngram`, `draft:PATH`, `mtp`, `mtp:PATH`, `dflash`, `dflash:PATH`, and
 `mix:A,B,...` of those (in order of precedence), e.g. `mix:ngram,draft:./smollm2-int4`.
 
-MTP and DFlash drafters live in `engine.speculative.mtp` / `engine.speculative.dflash`; each module
-provides `build_drafter(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel) -> Drafter`
-(PATH given or None: the drafter heads shipped in the target's own checkpoint).
+MTP and DFlash drafters live in `engine.speculative.mtp` / `engine.speculative.dflash`, imported
+only when asked for; each provides `load_mtp_drafter(path, target, *, max_seq_len)` /
+`load_dflash_drafter(path, target, *, k, max_seq_len)` for a drafter file written by
+`bonsai train-drafter`.
 """
 from __future__ import annotations
 
@@ -146,7 +147,10 @@ def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel
         return NgramDrafter(config.ngram_min, config.ngram_max, ngram_pool)
     if spec.method == "draft":
         return _draft_model(spec.path, target, max_seq_len + config.num_draft_tokens + 1)
-    if spec.path and not Path(spec.path).expanduser().exists():
+    if not spec.path:
+        raise BonsaiError(f"the {spec.method} drafter needs its file: {spec.method}:PATH (train one with "
+                          f"`bonsai train-drafter MODEL --kind {spec.method} --out DIR`)")
+    if not Path(spec.path).expanduser().exists():
         raise BonsaiError(f"{spec.method} drafter file not found: {spec.path}")
     try:
         module = importlib.import_module(f"engine.speculative.{spec.method}")
@@ -155,7 +159,10 @@ def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel
             raise
         raise BonsaiError(f"the {spec.method} drafter is not part of this bonsai build "
                           f"(engine/speculative/{spec.method}.py is missing): use ngram or draft:PATH") from None
-    return module.build_drafter(spec, config, target)
+    options = {"max_seq_len": max_seq_len + config.num_draft_tokens + 1}
+    if spec.method == "dflash":
+        options["k"] = config.num_draft_tokens  # refused in one line above its block size
+    return getattr(module, f"load_{spec.method}_drafter")(spec.path, target, **options)
 
 
 def _draft_model(path: str, target: LoadedModel, max_seq_len: int) -> Drafter:
