@@ -48,10 +48,8 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         if drafter is None:
             _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save)
             return
-        if vs_plain:
-            _run_suite(report, "plain_suite", runner, tokenizer, suite, prompts, repetitions, save)
         _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save, drafter,
-                   spec_config.num_draft_tokens)
+                   spec_config.num_draft_tokens, vs_plain)
         if vs_plain:
             _add_speedup(report)
             save()
@@ -79,25 +77,30 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
 
 
 def _run_suite(report, key, runner, tokenizer, name, prompts, repetitions, save, drafter=None,
-               num_draft_tokens: int = 4) -> None:
+               num_draft_tokens: int = 4, vs_plain: bool = False) -> None:
+    """The suite into report[key]; with vs_plain, plain runs interleaved into report['plain_suite']."""
     from engine.bench import suite_runner
 
-    entry = report[key] = {"name": name, "prompts": len(prompts), "results": [], "by_category": {}}
-    label = f"suite {name}" + (" (plain)" if key == "plain_suite" else "")
+    keys = [key] + (["plain_suite"] if vs_plain else [])
+    entries = {k: {"name": name, "prompts": len(prompts), "results": [], "by_category": {}} for k in keys}
+    report.update(entries)
     with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task(label, total=len(prompts) * repetitions)
+        task = progress.add_task(f"suite {name}", total=len(prompts) * repetitions * len(keys))
+        done: dict[str, list] = {k: [] for k in keys}
 
-        done = []
+        def recorder(k: str):
+            def on_result(result) -> None:
+                done[k].append(result)
+                entries[k]["results"].append(result.as_dict())
+                entries[k]["by_category"] = suite_runner.summarize_by_category(done[k])
+                progress.update(task, advance=1, description=f"{result.category} {result.decode_tokens_per_second:.1f} tok/s"
+                                + (" (plain)" if k == "plain_suite" else ""))
+                save()
+            return on_result
 
-        def on_result(result) -> None:
-            done.append(result)
-            entry["results"].append(result.as_dict())
-            entry["by_category"] = suite_runner.summarize_by_category(done)
-            progress.update(task, advance=1, description=f"{result.category} {result.decode_tokens_per_second:.1f} tok/s")
-            save()
-
-        suite_runner.run_suite(runner, tokenizer, prompts, repetitions, on_result=on_result, drafter=drafter,
-                               num_draft_tokens=num_draft_tokens)
+        suite_runner.run_suite(runner, tokenizer, prompts, repetitions, on_result=recorder(key), drafter=drafter,
+                               num_draft_tokens=num_draft_tokens,
+                               on_plain_result=recorder("plain_suite") if vs_plain else None)
 
 
 def _add_speedup(report: dict[str, Any]) -> None:

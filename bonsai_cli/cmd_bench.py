@@ -52,8 +52,8 @@ def bench(
     max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
-    vs_plain: bool = typer.Option(False, "--vs-plain", help="with --spec: run the suite plain first; report the "
-                                  "speedup per category and check the outputs are identical"),
+    vs_plain: bool = typer.Option(False, "--vs-plain", help="with --spec: also run each prompt plain, just before "
+                                  "(interleaved); report the speedup per category and check the outputs are identical"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every result and the environment here"),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="write a PNG chart here"),
     compare: Optional[list[Path]] = typer.Option(None, "--compare", help="two JSON files: print B/A ratios"),

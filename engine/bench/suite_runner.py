@@ -51,17 +51,26 @@ def run_prompt(runner: ModelRunner, tokenizer: Tokenizer, prompt: SuitePrompt,
 def run_suite(runner: ModelRunner, tokenizer: Tokenizer, prompts: list[SuitePrompt], repetitions: int,
               sampling: SamplingParams | None = None,
               on_result: Callable[[PromptResult], None] = lambda r: None, drafter: Drafter | None = None,
-              num_draft_tokens: int = 4) -> list[PromptResult]:
-    """Warm up on a variant no timed run uses, then every prompt `repetitions` times, fresh each time."""
+              num_draft_tokens: int = 4, on_plain_result: Callable[[PromptResult], None] | None = None
+              ) -> list[PromptResult]:
+    """Warm up on a variant no timed run uses, then every prompt `repetitions` times, fresh each time.
+    With a drafter and `on_plain_result`, each prompt also runs plain just before (interleaved, so
+    a drift of the machine's speed hits both alike); those results go to `on_plain_result`."""
     sampling = sampling or SamplingParams()
+    pair = drafter is not None and on_plain_result is not None
     if prompts:
         warm = fresh_variant(prompts[0], 10_000)
-        run_prompt(runner, tokenizer, SuitePrompt(warm.id, warm.category, warm.messages, 4), sampling,
-                   drafter, num_draft_tokens)
+        warm = SuitePrompt(warm.id, warm.category, warm.messages, 4)
+        if pair:
+            run_prompt(runner, tokenizer, warm, sampling)
+        run_prompt(runner, tokenizer, warm, sampling, drafter, num_draft_tokens)
     results = []
     for rep in range(repetitions):
         for prompt in prompts:
-            result = run_prompt(runner, tokenizer, fresh_variant(prompt, rep), sampling, drafter, num_draft_tokens)
+            variant = fresh_variant(prompt, rep)
+            if pair:
+                on_plain_result(run_prompt(runner, tokenizer, variant, sampling))
+            result = run_prompt(runner, tokenizer, variant, sampling, drafter, num_draft_tokens)
             results.append(result)
             on_result(result)
     return results
