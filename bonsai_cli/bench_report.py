@@ -50,25 +50,33 @@ def model_table(report: dict[str, Any]) -> Table:
     return table
 
 
-def suite_table(summary: dict[str, dict[str, Any]], title: str, speedup: dict[str, float] | None = None) -> Table:
+def suite_table(summary: dict[str, dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
-    spec = any("speculative" in s for s in summary.values())
-    columns = ["category", "runs", "tokens", "decode tok/s", "± std", "TTFT ms", "TTFT p90", "ITL p50 ms", "ITL p90"]
-    columns += ["accepted", "tok/pass"] if spec else []
-    columns += ["speedup"] if speedup else []
-    for col in columns:
+    for col in ("category", "runs", "tokens", "decode tok/s", "± std", "TTFT ms", "TTFT p90", "ITL p50 ms", "ITL p90"):
         table.add_column(col, justify="right" if col != "category" else "left")
     for name, s in summary.items():
         style = "bold" if name == "overall" else None
-        row = [name, str(s["runs"]), str(s["generated_tokens"]), f"{s['decode_tokens_per_second']:.2f}",
-               f"{s['decode_stddev']:.2f}", f"{s['ttft_ms_mean']:.0f}", f"{s['ttft_ms_p90']:.0f}",
-               f"{s['itl_ms_p50']:.1f}", f"{s['itl_ms_p90']:.1f}"]
-        if spec:
-            sp = s.get("speculative")
-            row += [f"{100 * sp['acceptance']:.0f}%", f"{sp['mean_accepted_length']:.2f}"] if sp else ["", ""]
+        table.add_row(name, str(s["runs"]), str(s["generated_tokens"]), f"{s['decode_tokens_per_second']:.2f}",
+                      f"{s['decode_stddev']:.2f}", f"{s['ttft_ms_mean']:.0f}", f"{s['ttft_ms_p90']:.0f}",
+                      f"{s['itl_ms_p50']:.1f}", f"{s['itl_ms_p90']:.1f}", style=style)
+    return table
+
+
+def speculative_table(summary: dict[str, dict[str, Any]], title: str, speedup: dict[str, float] | None) -> Table:
+    """Per category: drafted, accepted, acceptance, tokens per target pass, and the speedup over plain."""
+    table = Table(title=title)
+    columns = ["category", "passes", "drafted", "accepted", "acceptance", "tok/pass"] + (["speedup"] if speedup else [])
+    for col in columns:
+        table.add_column(col, justify="right" if col != "category" else "left")
+    for name, s in summary.items():
+        sp = s.get("speculative")
+        if not sp:
+            continue
+        row = [name, str(sp["steps"]), str(sp["drafted"]), str(sp["accepted"]), f"{100 * sp['acceptance']:.0f}%",
+               f"{sp['mean_accepted_length']:.2f}"]
         if speedup:
             row.append(f"{speedup[name]:.2f}x" if name in speedup else "")
-        table.add_row(*row, style=style)
+        table.add_row(*row, style="bold" if name == "overall" else None)
     return table
 
 
@@ -107,8 +115,10 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         spec = report.get("speculative", {})
         title = f"suite {suite['name']}" + (f" · speculative {spec['method']} k={spec['num_draft_tokens']}"
                                             if spec.get("active") else "")
-        console.print(suite_table(suite["by_category"], title, suite.get("speedup")))
+        console.print(suite_table(suite["by_category"], title))
         if spec.get("active"):
+            console.print(speculative_table(suite["by_category"], "speculative decoding by category",
+                                            suite.get("speedup")))
             console.print(drafter_table(suite["by_category"]))
         if "outputs_compared" in suite:
             bad = suite["output_mismatches"]
