@@ -13,6 +13,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
+from quant.kernels import pdl_options
 
 from engine.kernels import UnsupportedKernelShape, next_power_of_2
 
@@ -30,7 +32,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
                          stride_qm, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
                          stride_om, stride_oh, num_heads, max_seq, split_len, scale_log2,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,7 +92,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
 @triton.jit
 def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_om, stride_oh, num_heads,
                            NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                           D: tl.constexpr):
+                           D: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     head = tl.program_id(1)
     base = (row * num_heads + head) * NUM_SPLITS
@@ -202,12 +210,12 @@ def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: i
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         h, s_max, split_len, scale * LOG2E,
         GROUP=group, G_PAD=max(16, next_power_of_2(group)), D=d, BLOCK_S=block_s, NUM_SPLITS=num_splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F32=dot_f32, num_warps=num_warps)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F32=dot_f32, num_warps=num_warps, **pdl_options(q.device))
     if num_splits > 1:
         _combine_splits_kernel[(m, h)](
             partials, lse, out, out.stride(0), out.stride(1), h,
             NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
-            CHUNK=min(16, next_power_of_2(num_splits)), D=d, num_warps=4)
+            CHUNK=min(16, next_power_of_2(num_splits)), D=d, num_warps=4, **pdl_options(q.device))
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quant.kernels import pdl_options
+from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
 def quantize_activations_reference(x: torch.Tensor, group_size: int, norm_weight: torch.Tensor | None = None,
@@ -36,7 +38,10 @@ def quantize_activations_reference(x: torch.Tensor, group_size: int, norm_weight
 @triton.jit
 def _quantize_kernel(x_ptr, w_ptr, xq_ptr, sx_ptr, sumx_ptr, K, NG, eps,
                      GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, HAS_NORM: tl.constexpr,
-                     NORM_BLOCK: tl.constexpr, GATED: tl.constexpr, ZERO_INPUT: tl.constexpr):
+                     NORM_BLOCK: tl.constexpr, GATED: tl.constexpr, ZERO_INPUT: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     first = tl.program_id(1) * GROUPS_PER_PROG
     rstd = 1.0
@@ -90,5 +95,5 @@ def quantize_activations(x: torch.Tensor, group_size: int, norm_weight: torch.Te
     _quantize_kernel[grid](x, w, xq, sx, sumx, k, ng, eps, GROUP=group_size, GROUPS_PER_PROG=per_prog,
                            HAS_NORM=norm_weight is not None,
                            NORM_BLOCK=min(triton.next_power_of_2(k), 4096), GATED=gated,
-                           ZERO_INPUT=zero_input, num_warps=4)
+                           ZERO_INPUT=zero_input, num_warps=4, **pdl_options(x.device))
     return xq, sx, sumx

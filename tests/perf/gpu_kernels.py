@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -72,12 +73,12 @@ def section_check(dev) -> None:
         check(f"gemm {kind} 512x4096x4096", err < 2e-2, f"max rel err {err:.2e} (bf16 output)")
 
 
-def section_gemv(dev, copy_bw: float, quick: bool) -> None:
+def section_gemv(dev, copy_bw: float, quick: bool, kinds: list[str]) -> None:
     g = torch.Generator(device=dev).manual_seed(1)
     configs = [(128 * w, s, w) for w in (1, 2, 4) for s in (1, 2, 4, 8, 16, 32)]
     if quick:
         configs = [(128 * w, s, w) for w in (2, 4) for s in (4, 8, 16)]
-    for kind in ("tri", "bin", "int4", "int8"):
+    for kind in kinds:
         for name, (n, k) in SHAPES_8B.items():
             if name == "head" and kind not in ("int4", "tri"):
                 continue
@@ -169,10 +170,16 @@ def section_step(dev, models: list[str]) -> None:
         name, weights, head = spec.split(":")
         cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs" / "models" / f"{name}.yaml").read_text()))
         loaded = load_dummy(cfg, name, dev, WeightFormat(weights, 128, head))
-        for ctx in (512, 4096):
+        for ctx, pdl in ((512, "1"), (512, "0"), (4096, "1")):
+            os.environ["BONSAI_PDL"] = pdl  # programmatic dependent launch on / off (read at capture)
             cache = KVCache(cfg, ctx + 64, 1, dtype=torch.bfloat16, device=dev)
             step = DecodeStepRunner(loaded.model, cache, 1, default_num_splits(ctx + 64, cfg.num_kv_heads, head_dim=cfg.head_dim))
-            step.run([1], [ctx], [0])
+            logits = step.run([1], [ctx], [0]).clone()
+            eager = DecodeStepRunner(loaded.model, cache, 1, step.num_splits, use_graph=False)
+            os.environ["BONSAI_PDL"] = "0"
+            want = eager.run([1], [ctx], [0])
+            err = ((logits - want).abs().max() / want.abs().max()).item()
+            check(f"step {name} {weights} ctx={ctx} pdl={pdl} graph vs eager", err < 1e-3, f"max rel err {err:.2e}")
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             reps = 200
@@ -184,12 +191,12 @@ def section_step(dev, models: list[str]) -> None:
             wbytes += sum(p.numel() * p.element_size() for n_, p in loaded.model.named_parameters()
                           if p.dim() == 2 and "embed" not in n_)
             kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * ctx
-            row = {"model": name, "weights": weights, "head": head, "context": ctx, "us_per_token": t * 1e6,
+            row = {"model": name, "weights": weights, "head": head, "context": ctx, "pdl": pdl, "us_per_token": t * 1e6,
                    "tokens_per_second": 1 / t, "bytes_per_token": wbytes + kv, "gb_per_s": (wbytes + kv) / t / 1e9}
             RESULTS["step"].append(row)
-            print(f"step {name} {weights}/{head} ctx={ctx}: {t * 1e6:.0f} us/token = {1 / t:.0f} tok/s, "
+            print(f"step {name} {weights}/{head} ctx={ctx} pdl={pdl}: {t * 1e6:.0f} us/token = {1 / t:.0f} tok/s, "
                   f"{(wbytes + kv) / 1e9:.2f} GB/token, {(wbytes + kv) / t / 1e9:.0f} GB/s", flush=True)
-            del step, cache
+            del step, eager, cache
         del loaded
         torch.cuda.empty_cache()
 
@@ -199,6 +206,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--sections", default="check,gemv,gemm,step")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kinds", default="tri,bin,int4,int8", help="layouts the gemv section sweeps")
     ap.add_argument("--models", default="qwen3-8b:tri:int4,qwen3-8b:bin:int4,qwen3-8b:bf16:bf16,dense-27b:tri:int4")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -206,7 +214,7 @@ def main() -> None:
     copy_bw = measure_copy_bandwidth(dev)
     RESULTS["copy_bytes_per_second"] = copy_bw
     print(f"{RESULTS['device']}: copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
-    sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick),
+    sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick, args.kinds.split(",")),
                 "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "step": lambda: section_step(dev, args.models.split(","))}
     for name in args.sections.split(","):
         t0 = time.perf_counter()
