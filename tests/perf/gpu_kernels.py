@@ -156,6 +156,22 @@ def section_gemm(dev) -> None:
                   f"{flops / t_cublas / 1e12:6.1f} | dequant+cuBLAS {flops / t_deq / 1e12:6.1f}", flush=True)
 
 
+def profile_replays(graph, reps: int = 20) -> None:
+    """GPU time per kernel name inside the graphed step (CUPTI sees kernels of graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / reps, e.count // reps) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"  kernels per step: {sum(r[2] for r in rows)}, summed kernel time {total:.0f} us", flush=True)
+    for key, us, count in rows[:12]:
+        print(f"  {us:8.1f} us  x{count:4d}  {key[:90]}", flush=True)
+    RESULTS.setdefault("profile", []).append([{"kernel": k, "us": u, "count": c} for k, u, c in rows])
+
+
 def section_step(dev, models: list[str]) -> None:
     import yaml
 
@@ -177,9 +193,12 @@ def section_step(dev, models: list[str]) -> None:
             logits = step.run([1], [ctx], [0]).clone()
             eager = DecodeStepRunner(loaded.model, cache, 1, step.num_splits, use_graph=False)
             os.environ["BONSAI_PDL"] = "0"
-            want = eager.run([1], [ctx], [0])
+            want = eager.run([1], [ctx], [0]).clone()
+            again = eager.run([1], [ctx], [0])
+            noise = ((again - want).abs().max() / want.abs().max()).item()  # split-K atomics: sum order varies
             err = ((logits - want).abs().max() / want.abs().max()).item()
-            check(f"step {name} {weights} ctx={ctx} pdl={pdl} graph vs eager", err < 1e-3, f"max rel err {err:.2e}")
+            check(f"step {name} {weights} ctx={ctx} pdl={pdl} graph vs eager", err < max(1e-3, 4 * noise),
+                  f"max rel err {err:.2e} (eager vs eager {noise:.2e})")
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             reps = 200
@@ -187,6 +206,8 @@ def section_step(dev, models: list[str]) -> None:
                 step.graph.replay()
             torch.cuda.synchronize()
             t = (time.perf_counter() - t0) / reps
+            if pdl == "1" and ctx == 512:
+                profile_replays(step.graph)
             wbytes = sum(b.numel() * b.element_size() for n_, b in loaded.model.named_buffers() if n_.endswith(("words", "scales")))
             wbytes += sum(p.numel() * p.element_size() for n_, p in loaded.model.named_parameters()
                           if p.dim() == 2 and "embed" not in n_)
