@@ -76,7 +76,7 @@ def _quantize_kernel(x_ptr, w_ptr, xq_ptr, sx_ptr, sumx_ptr, K, NG, eps,
 
 def quantize_activations(x: torch.Tensor, group_size: int, norm_weight: torch.Tensor | None = None,
                          eps: float = 1e-6, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                         gated: bool = False, zero_input: bool = False
+                         gated: bool = False, zero_input: bool = False, groups_per_program: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel: same results as `quantize_activations_reference`. x [M, K] ([M, 2K] gated), contiguous."""
     m, k = x.shape
@@ -89,7 +89,7 @@ def quantize_activations(x: torch.Tensor, group_size: int, norm_weight: torch.Te
                torch.empty(m, ng, dtype=torch.float32, device=x.device),
                torch.empty(m, ng, dtype=torch.int32, device=x.device))
     xq, sx, sumx = out
-    per_prog = max(1, min(triton.next_power_of_2(ng), 4096 // group_size))
+    per_prog = groups_per_program or max(1, min(triton.next_power_of_2(ng), 4096 // group_size))
     grid = (m, triton.cdiv(ng, per_prog))
     w = norm_weight if norm_weight is not None else x
     _quantize_kernel[grid](x, w, xq, sx, sumx, k, ng, eps, GROUP=group_size, GROUPS_PER_PROG=per_prog,

@@ -110,6 +110,17 @@ def section_gemv(dev, copy_bw: float, quick: bool, kinds: list[str]) -> None:
                       f"x{row['speedup_vs_bf16']:.1f} (default cfg {t_default * 1e6:.1f} us)", flush=True)
 
 
+def section_small(dev) -> None:
+    """The small kernels of a decode step alone: activation quantization by groups per program."""
+    for mode, k in (("norm", 4096), ("plain", 4096), ("gated", 12288)):
+        x = torch.randn(1, 2 * k if mode == "gated" else k, device=dev)
+        w = torch.rand(k, device=dev) + 0.5 if mode == "norm" else None
+        for per in (1, 2, 4, 8, 32):
+            t = bench(lambda: quantize_activations(x, 128, w, gated=mode == "gated", groups_per_program=per))
+            print(f"act_quant {mode:5} K={k:5} groups/program {per:2}: {t * 1e6:6.2f} us", flush=True)
+            RESULTS.setdefault("small", []).append({"kernel": f"act_quant {mode}", "k": k, "per": per, "us": t * 1e6})
+
+
 def section_dequant(dev) -> None:
     from quant.kernels.packed_dequant import dequantize_t
     g = torch.Generator(device=dev).manual_seed(3)
@@ -206,7 +217,7 @@ def section_step(dev, models: list[str]) -> None:
                 step.graph.replay()
             torch.cuda.synchronize()
             t = (time.perf_counter() - t0) / reps
-            if pdl == "1" and ctx == 512:
+            if ctx == 512:
                 profile_replays(step.graph)
             wbytes = sum(b.numel() * b.element_size() for n_, b in loaded.model.named_buffers() if n_.endswith(("words", "scales")))
             wbytes += sum(p.numel() * p.element_size() for n_, p in loaded.model.named_parameters()
@@ -236,7 +247,7 @@ def main() -> None:
     RESULTS["copy_bytes_per_second"] = copy_bw
     print(f"{RESULTS['device']}: copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick, args.kinds.split(",")),
-                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "step": lambda: section_step(dev, args.models.split(","))}
+                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "small": lambda: section_small(dev), "step": lambda: section_step(dev, args.models.split(","))}
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:
