@@ -87,6 +87,7 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
                         ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr, USE_ASM: tl.constexpr,
                         USE_PDL: tl.constexpr):
     GW: tl.constexpr = GROUP * BITS // 32  # words per group (per column)
+    DEEP: tl.constexpr = GW <= 8  # two groups in flight when their words fit in registers (≤ 2-bit)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -97,18 +98,34 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
     x_words = K // 4
     g_start = pid_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, NG)
-    # Software pipeline: the next group's words are in flight while this one is computed. The
-    # first load needs nothing from the previous kernel, so with PDL it starts before the wait.
+    # Software pipeline, two groups deep: the next two groups' words are in flight while one is
+    # computed. The first loads need nothing from the previous kernel, so with PDL they are issued
+    # before the wait (most programs own two groups: their whole slice is then in flight early).
     w_next = tl.load(w_ptr + (g_start * GW + rows)[:, None] * N + offs_n[None, :],
-                     mask=n_mask[None, :] & ((rows * 0 + g_start) < g_end)[:, None], other=0, eviction_policy="evict_first")  # [GW, BN]
+                     mask=n_mask[None, :] & ((rows * 0 + g_start) < g_end)[:, None], other=0,
+                     eviction_policy="evict_first")  # [GW, BN]
+    if DEEP:
+        w_after = tl.load(w_ptr + ((g_start + 1) * GW + rows)[:, None] * N + offs_n[None, :],
+                          mask=n_mask[None, :] & ((rows * 0 + g_start + 1) < g_end)[:, None], other=0,
+                          eviction_policy="evict_first")  # [GW, BN]
+    else:
+        w_after = w_next
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g in range(g_start, g_end):
         w = w_next
-        w_next = tl.load(w_ptr + ((g + 1) * GW + rows)[:, None] * N + offs_n[None, :],
-                         mask=n_mask[None, :] & ((rows * 0 + g + 1) < g_end)[:, None], other=0, eviction_policy="evict_first")
+        if DEEP:
+            w_next = w_after
+            w_after = tl.load(w_ptr + ((g + 2) * GW + rows)[:, None] * N + offs_n[None, :],
+                              mask=n_mask[None, :] & ((rows * 0 + g + 2) < g_end)[:, None], other=0,
+                              eviction_policy="evict_first")
+        else:
+            w_next = tl.load(w_ptr + ((g + 1) * GW + rows)[:, None] * N + offs_n[None, :],
+                             mask=n_mask[None, :] & ((rows * 0 + g + 1) < g_end)[:, None], other=0,
+                             eviction_policy="evict_first")
+            w_after = w_next
         dot = _group_dot(w, xq_ptr, g, offs_m, m_mask, rows, x_words, BITS, BYTE_MASK, GROUP, BLOCK_M,
                          BLOCK_N, USE_ASM)  # [BM, BN]
         sumx = tl.load(sumx_ptr + offs_m * NG + g, mask=m_mask, other=0)  # [BM]
