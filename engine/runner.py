@@ -11,6 +11,8 @@ from engine.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
+MAX_STEP_ROWS = 16  # rows one fused decode step takes (the packed GEMV's limit)
+
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, num_slots: int = 1,
@@ -29,6 +31,7 @@ class ModelRunner:
         self.prefill_chunk_size = prefill_chunk_size
         self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device)
         self.decoder = None
+        self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)
         if fast_decode if fast_decode is not None else self.device.type == "cuda":
             self.decoder = self._make_decoder()
 
@@ -73,11 +76,31 @@ class ModelRunner:
         if start + t > slot.capacity:
             raise BonsaiError(f"the sequence needs {start + t} positions but the context holds "
                               f"{slot.capacity}: shorten the prompt or raise max_seq_len")
+        if not hidden_layers and 1 < t <= MAX_STEP_ROWS and self.decoder is not None:
+            # each verified token is one row of the fused step: row i attends to keys 0..start+i
+            logits = self.step_rows(tokens, list(range(start, start + t)), [slot.index] * t)  # [T, V]
+            slot.tokens.extend(tokens)
+            return logits, {}
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         batch = CacheBatch.make([slot.index], [start], t, self.device)
         logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, None, hidden_layers)
         slot.tokens.extend(tokens)
         return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}
+
+    def step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """One token per row through the fused (graphed) decode step: rows may be several slots
+        (batched decode) or consecutive positions of one slot (speculative verification). Writes
+        each row's K/V at its position; logits [M, V] (a copy). Slot bookkeeping is the caller's.
+        Needs the fused step (`fast_decode`); one graph is captured per row count on first use."""
+        assert self.decoder is not None and 0 < len(tokens) <= MAX_STEP_ROWS
+        rows = len(tokens)
+        step = self.decoder if rows == 1 else self._row_steps.get(rows)
+        if step is None:
+            from engine.cuda_graphs import DecodeStepRunner
+            step = DecodeStepRunner(self.model, self.cache, rows=rows, num_splits=self.decoder.num_splits,
+                                    use_graph=self.decoder.graph is not None)
+            self._row_steps[rows] = step
+        return step.run(tokens, positions, slots).clone()
 
     def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
         """Feed tokens in chunks; logits [V] after the last one."""
