@@ -30,7 +30,8 @@ def _plain_logits(loaded, prompt: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kernels", [False, True])
 def test_fused_step_matches_the_model(weights, head, kernels):
     device = "cuda" if kernels and torch.cuda.is_available() else "cpu"  # compiled kernels on a GPU
-    loaded = load_dummy(CFG, "tiny", device=device, weight_format=WeightFormat(weights, 64, head))
+    loaded = load_dummy(CFG, "tiny", device=device, weight_format=WeightFormat(weights, 64, head),
+                        dtype=torch.float32)
     want = _plain_logits(loaded, 10)
     runner = ModelRunner(loaded, max_seq_len=64, fast_decode=False)
     slot = runner.slot(0)

@@ -121,7 +121,8 @@ def test_gemm_kernel_matches_reference(kind):
     pw = pw.to(DEVICE)
     x = torch.randn(37, 256, device=DEVICE)
     got = packed_gemm(x, pw, config=(16, 32, 32, 4, 1))
-    torch.testing.assert_close(got, packed_gemm_reference(x, pw), rtol=1e-4, atol=1e-3)
+    tol = dict(rtol=1e-2, atol=5e-2) if DEVICE == "cuda" else dict(rtol=1e-4, atol=1e-3)  # GPU dots: tf32
+    torch.testing.assert_close(got, packed_gemm_reference(x, pw), **tol)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
