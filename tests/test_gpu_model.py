@@ -37,9 +37,9 @@ def test_smollm2_gpu_decode_agrees_with_cpu_reference(smollm2_gguf, weights, dty
         logits = runner.forward(slot, [ids[i]])[0].cpu()
         agree += int(logits.argmax() == ref[i].argmax())
         total += 1
-    # float32 activations and KV on the GPU: the same maths as the CPU reference up to summation order
-    # (the kernels' correctness, ≥ 99%). bfloat16 activations/KV: measured on an H200 (docs/perf.md)
-    # bf16 weights 66/66, int8 65/66, int4 62-64/66 — the packed formats miss where int8 activation
-    # rounding meets the bf16 (GPU) vs float32 (CPU) prefilled KV cache.
-    floor = 0.99 if weights == "bf16" or dtype == torch.float32 else 0.93
+    # Measured on an H200 (docs/perf.md): bf16 weights 66/66; packed formats 62-65/66 in bfloat16 and
+    # 64-66/66 in float32 — int8 activations are rounded from a differently-summed float (fused
+    # RMSNorm→int8 vs F.rms_norm then quantize), and a value near a rounding boundary moves a near-tie.
+    # A broken kernel gives far less (a wrong split, position or scale: < 50%).
+    floor = 0.99 if weights == "bf16" else 0.95 if dtype == torch.float32 else 0.93
     assert agree / total >= floor, f"{weights}: top-1 agreement {agree}/{total}"
