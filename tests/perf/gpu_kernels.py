@@ -183,6 +183,48 @@ def profile_replays(graph, reps: int = 20) -> None:
     RESULTS.setdefault("profile", []).append([{"kernel": k, "us": u, "count": c} for k, u, c in rows])
 
 
+def section_prefill(dev, models: list[str]) -> None:
+    """Where a 512-token prefill chunk spends its time, per kernel (the plain model path)."""
+    import yaml
+
+    from engine.kv_cache import CacheBatch, KVCache
+    from engine.loader import load_dummy
+    from engine.model_config import ModelConfig
+    from engine.packed_linear import WeightFormat
+    from torch.profiler import ProfilerActivity, profile
+    root = Path(__file__).resolve().parents[2]
+    for spec in models:
+        name, weights, head = spec.split(":")
+        cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs" / "models" / f"{name}.yaml").read_text()))
+        loaded = load_dummy(cfg, name, dev, WeightFormat(weights, 128, head))
+        cache = KVCache(cfg, 600, 1, dtype=torch.bfloat16, device=dev)
+        ids = torch.randint(0, cfg.vocab_size, (1, 512), device=dev)
+
+        def run():
+            with torch.inference_mode():
+                loaded.model(ids, CacheBatch.make([0], [0], 512, dev), cache, 512, 1)
+        run()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+        t = (time.perf_counter() - t0) / 5
+        print(f"prefill {name} {weights}/{head} 512 tokens: {t * 1e3:.1f} ms = {512 / t:.0f} tok/s", flush=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        rows = sorted(((e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0),
+                      key=lambda r: -r[1])
+        print(f"  summed kernel time {sum(r[1] for r in rows) / 1e3:.1f} ms", flush=True)
+        for key, us, count in rows[:8]:
+            print(f"  {us / 1e3:8.2f} ms  x{count:4d}  {key[:100]}", flush=True)
+        RESULTS.setdefault("prefill", []).append({"model": name, "weights": weights, "ms": t * 1e3,
+                                                  "kernels": [{"kernel": k, "us": u, "count": c} for k, u, c in rows]})
+        del loaded, cache
+        torch.cuda.empty_cache()
+
+
 def section_step(dev, models: list[str]) -> None:
     import yaml
 
@@ -247,7 +289,8 @@ def main() -> None:
     RESULTS["copy_bytes_per_second"] = copy_bw
     print(f"{RESULTS['device']}: copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick, args.kinds.split(",")),
-                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "small": lambda: section_small(dev), "step": lambda: section_step(dev, args.models.split(","))}
+                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "small": lambda: section_small(dev),
+                "prefill": lambda: section_prefill(dev, args.models.split(",")), "step": lambda: section_step(dev, args.models.split(","))}
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:
