@@ -211,9 +211,13 @@ def section_prefill(dev, models: list[str]) -> None:
         torch.cuda.synchronize()
         t = (time.perf_counter() - t0) / 5
         print(f"prefill {name} {weights}/{head} 512 tokens: {t * 1e3:.1f} ms = {512 / t:.0f} tok/s", flush=True)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             run()
             torch.cuda.synchronize()
+        host = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()), key=lambda r: -r[1])
+        print(f"  host time by op (self): {sum(r[1] for r in host) / 1e3:.1f} ms", flush=True)
+        for key, us, count in host[:14]:
+            print(f"  host {us / 1e3:8.2f} ms  x{count:4d}  {key[:80]}", flush=True)
         rows = sorted(((e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0),
                       key=lambda r: -r[1])
         print(f"  summed kernel time {sum(r[1] for r in rows) / 1e3:.1f} ms", flush=True)
