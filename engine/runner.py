@@ -34,6 +34,8 @@ class ModelRunner:
         self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)
         if fast_decode if fast_decode is not None else self.device.type == "cuda":
             self.decoder = self._make_decoder()
+        # the attention prologue kernel also serves prefill where the fused step runs (same shapes)
+        self.model.use_fused_prologue(self.decoder is not None and self.decoder.ops.fast)
 
     def _make_decoder(self):
         from engine.cuda_graphs import DecodeStepRunner

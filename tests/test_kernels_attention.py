@@ -344,3 +344,29 @@ def test_qk_norm_rope_write_qwen3_shape_long_positions(h):
     assert_rounded_alike(q, q_ref)
     assert_rounded_alike(k_cache[slot_ids.long(), :, positions], k_ref[slot_ids.long(), :, positions])
     assert torch.equal(k_cache == -3, k_ref == -3) and torch.equal(v_cache, v_ref)
+
+
+def test_model_forward_with_the_fused_prologue_matches_the_plain_one():
+    """Transformer.use_fused_prologue (what ModelRunner turns on with the GPU fast path): prefill and
+    batched rows of several slots give the same logits and cache as the plain prologue."""
+    from engine.model import Transformer
+    cfg = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model = model.to(DEVICE)
+    tokens = torch.randint(0, 64, (2, 5), device=DEVICE)
+    logits = []
+    for fused in (False, True):
+        model.use_fused_prologue(fused)
+        cache = KVCache(cfg, 16, num_slots=2, dtype=torch.float32, device=DEVICE)
+        with torch.no_grad():
+            first = model(tokens[:1], CacheBatch.make([1], [0], 5, DEVICE), cache, 5, None)  # [1, 5, V]
+            both = model(tokens[:, :1], CacheBatch.make([1, 0], [5, 0], 1, DEVICE), cache, 6, None)  # [2, 1, V]
+        logits.append((first, both, cache.k.clone()))
+    model.use_fused_prologue(False)
+    for a, b in zip(logits[0], logits[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
