@@ -47,6 +47,8 @@ def serve(
     prompt-cache reuse, batched decoding, /health, /metrics and /slots."""
     import ipaddress
     import logging
+    import signal
+    import sys
 
     import uvicorn
 
@@ -72,6 +74,11 @@ def serve(
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=log_level,
                                            timeout_graceful_shutdown=5, access_log=level <= logging.DEBUG))
     state.on_load_error = lambda message: setattr(server, "should_exit", True)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handlers
+    # that were there before: make that a normal exit, the shutdown being complete.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: sys.exit(0))
     server.run()
     if state.load_error:
         raise BonsaiError(state.load_error)
+    err_console.print("[dim]server stopped[/dim]")
