@@ -269,3 +269,15 @@ def test_metrics_are_prometheus_text(server):
             float(value)
     assert {"bonsai_requests_total", "bonsai_generation_tokens_total", "bonsai_prompt_cache_hits_total",
             "bonsai_slots_busy", "bonsai_spec_decode_num_draft_tokens_total"} <= names
+
+
+def test_chat_command_runs_on_the_serve_config(smollm2_gguf, tmp_path):
+    (tmp_path / "serve.yaml").write_text(f"model:\n  path: {smollm2_gguf}\n  max_context: 512\n")
+    script = "My name is Ada.\nWhat is my name?\n/stats\n/exit\n"
+    proc = subprocess.run([sys.executable, "-m", "bonsai_cli", "chat", "--config", str(tmp_path / "serve.yaml"),
+                           "--temperature", "0", "-n", "16"], input=script, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("bonsai> ") == 2 and "Ada" in proc.stdout.split("What is my name?")[1]
+    reused = int(proc.stdout.split("tokens (")[1].split(" reused")[0])
+    assert reused > 10  # the second turn reused the first turn's prefix in the engine's slot
