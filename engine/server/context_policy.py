@@ -50,7 +50,8 @@ def fit_conversation(messages: list[dict[str, Any]], count_tokens: Callable[[lis
     if n > threshold and n >= context:
         raise BonsaiError(f"the prompt has {n} tokens (system messages and the last message alone) but a slot's "
                           f"context holds {context}: shorten it or raise model.max_context")
-    log.info("context policy: the prompt had %d tokens, over %.0f%% of the %d-token context; dropped the %d "
-             "oldest messages (kept the system prompt and the current turn), now %d tokens",
-             before, 100 * compress_at, context, dropped, n)
+    if dropped:
+        log.info("context policy: the prompt had %d tokens, over %.0f%% of the %d-token context; dropped the %d "
+                 "oldest messages (kept the system prompt and the current turn), now %d tokens",
+                 before, 100 * compress_at, context, dropped, n)
     return Fitted(system + history, n, dropped)

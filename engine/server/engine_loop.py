@@ -111,8 +111,7 @@ class EngineLoop:
             request.emit(Failed("the server is shutting down", 503))
 
     def _admit(self) -> None:
-        for request in [r for r, _ in list(self.scheduler._queue) if r.cancelled.is_set()]:
-            self.scheduler.cancel(request)
+        for _ in self.scheduler.drop_waiting(lambda r: r.cancelled.is_set()):
             self.metrics.count_request("cancelled")
         for a in self.scheduler.assign():
             seq = Sequence(a.request, self.tokenizer, self.rules, self.runner.loaded.config.vocab_size,

@@ -89,13 +89,11 @@ class Scheduler(Generic[R]):
             raise QueueFull(len(self._queue), self.retry_after)
         self._queue.append((request, prompt))
 
-    def cancel(self, request: R) -> bool:
-        """Drop a request that is still waiting; False if it is not in the queue."""
-        for item in self._queue:
-            if item[0] is request:
-                self._queue.remove(item)
-                return True
-        return False
+    def drop_waiting(self, predicate) -> list[R]:
+        """Remove the waiting requests for which predicate(request) is true (clients gone)."""
+        gone = [r for r, _ in self._queue if predicate(r)]
+        self._queue = deque(item for item in self._queue if not predicate(item[0]))
+        return gone
 
     def assign(self) -> list[Assignment[R]]:
         """Give waiting requests (first come, first served) the free slot with the longest cached
