@@ -138,9 +138,9 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
         try:
             body = await _read_json(request, cfg.server.max_body_bytes)
             req = P.parse(P.ChatRequest if chat else P.CompletionRequest, body)
-            job = _make_job(served, req, chat)
-            queue: asyncio.Queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
+            job = await loop.run_in_executor(None, _make_job, served, req, chat)  # template + tokenizer off the loop
+            queue: asyncio.Queue = asyncio.Queue()
             job.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
             served.engine.submit(job)
         except QueueFull as e:
