@@ -63,6 +63,10 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
     progress("allocating the KV cache" + (" and capturing CUDA graphs" if rt.device != "cpu" else ""), 0.85)
     runner = ModelRunner(loaded, max_seq_len=config.seq_len, num_slots=rt.max_batch_size,
                          prefill_chunk_size=rt.prefill_chunk_size)
+    if runner.decoder is not None:  # capture the batched step for every row count now, not mid-request
+        from engine.runner import MAX_STEP_ROWS
+        for rows in range(2, min(rt.max_batch_size, MAX_STEP_ROWS) + 1):
+            runner.step_rows([0] * rows, [0] * rows, [0] * rows)  # writes position 0 of slot 0: still empty
     th = config.thinking
     engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
                         ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics)
