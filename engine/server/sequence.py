@@ -109,6 +109,8 @@ class Sequence:
         if token in self.eos:
             if not self._lead_into_answer():
                 self.finish("stop")
+            elif len(self.pending) > room:
+                self.finish("length")
             return
         logprobs = self._logprobs(logits, token) if self.request.top_logprobs is not None else []
         if self.seen is not None:
