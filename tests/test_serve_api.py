@@ -40,7 +40,7 @@ def server(smollm2_gguf, tmp_path_factory):
     (tmp / "serve.yaml").write_text(
         f"model:\n  path: {smollm2_gguf}\n  max_context: 256\n  chat_template: {tmp / 'template.jinja'}\n"
         "runtime:\n  device: cpu\n  max_batch_size: 4\n  prefill_chunk_size: 128\n"
-        f"server:\n  api_key: {KEY}\n  max_queue: 6\n  max_body_bytes: 65536\n  default_max_tokens: 8\n")
+        f"server:\n  api_key: {KEY}\n  max_queue: 4\n  max_body_bytes: 65536\n  default_max_tokens: 8\n")
     port = free_port()
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "bonsai_cli", "serve", "--config", str(tmp / "serve.yaml"),
@@ -233,16 +233,16 @@ def metric(server, name: str) -> float:
 
 
 def test_concurrent_streams_some_disconnecting_and_a_full_queue(server):
-    # 12 at once: 4 slots + 6 queue places take 10, the rest get 503; every 4th leaves mid-stream
+    # 11 at once: 4 slots + 4 queue places take 8, the rest get 503; every 4th leaves mid-stream
     rows0, steps0 = metric(server, "bonsai_decode_rows_total"), metric(server, "bonsai_decode_steps_total")
     out: dict = {}
-    threads = [threading.Thread(target=stream_one, args=(server["url"], i, i % 4 == 0, out)) for i in range(12)]
+    threads = [threading.Thread(target=stream_one, args=(server["url"], i, i % 4 == 0, out)) for i in range(11)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
     busy = "503 retry-after 1"
-    assert all(out.get(i) in (busy, "left" if i % 4 == 0 else "done") for i in range(12)), out
+    assert all(out.get(i) in (busy, "left" if i % 4 == 0 else "done") for i in range(11)), out
     results = list(out.values())
     assert 1 <= results.count(busy) <= 4 and results.count("left") >= 2, out
     slots = httpx.get(server["url"] + "/slots", headers={"Authorization": f"Bearer {KEY}"}).json()
@@ -254,7 +254,7 @@ def test_concurrent_streams_some_disconnecting_and_a_full_queue(server):
     assert metric(server, 'bonsai_requests_total{outcome="cancelled"}') >= results.count("left")
     assert metric(server, 'bonsai_requests_total{outcome="rejected_busy"}') == results.count(busy)
     rows, steps = metric(server, "bonsai_decode_rows_total") - rows0, metric(server, "bonsai_decode_steps_total") - steps0
-    assert rows > 2 * steps  # requests were decoded together, not one after another
+    assert rows >= 1.5 * steps  # requests were decoded together (one after another: rows == steps)
 
 
 def test_metrics_are_prometheus_text(server):
