@@ -133,14 +133,14 @@ def _command(text: str, session, console) -> bool:
 
 def _chat_with_config(path: Path, system: Optional[str], max_tokens: int, sampling, console) -> None:
     """The chat loop over the server's engine: thoughts are shown dimmed before the answer."""
-    from bonsai_cli.cmd_serve import read_serve_config
+    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
     from engine.errors import BonsaiError
     from engine.server.loading import load_engine
     from engine.server.local_chat import EngineChat
 
     cfg = read_serve_config(path)
     with err_console.status(f"loading {cfg.model.path} on {cfg.runtime.device}"):
-        served = load_engine(cfg)
+        served = load_engine(cfg, architecture=architecture_of(cfg))
     chat = EngineChat(served, system=system)
     interactive = sys.stdin.isatty()
     console.print(f"[dim]{HELP_TEXT}[/dim]")

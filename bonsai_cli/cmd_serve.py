@@ -33,6 +33,14 @@ def read_serve_config(path: Path, overrides: dict[str, Any] | None = None):
     return ServeConfig.from_dict(data)
 
 
+def architecture_of(cfg):
+    """With model.load_format dummy: the ModelConfig of model.path (an architecture YAML)."""
+    if cfg.model.load_format != "dummy":
+        return None
+    from bonsai_cli.common import _dummy_config
+    return _dummy_config(cfg.model.path)[0]
+
+
 def serve(
     config: Path = typer.Option(..., "--config", "-c", help="serve.yaml (see configs/serve-*.yaml)"),
     host: Optional[str] = typer.Option(None, "--host", help="address to bind (default 127.0.0.1)"),
@@ -45,6 +53,7 @@ def serve(
 ) -> None:
     """Serve a model over the OpenAI API (chat/completions, completions, models) with slots,
     prompt-cache reuse, batched decoding, /health, /metrics and /slots."""
+    import functools
     import ipaddress
     import logging
     import signal
@@ -70,7 +79,8 @@ def serve(
         err_console.print(f"[yellow]warning: listening on {cfg.server.host} without an API key: anyone who can "
                           "reach this address can use the server (set server.api_key or --api-key)[/yellow]")
     state = ServerState(cfg)
-    app = create_app(state, load_engine)
+    architecture = architecture_of(cfg)
+    app = create_app(state, functools.partial(load_engine, architecture=architecture))
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=log_level,
                                            timeout_graceful_shutdown=5, access_log=level <= logging.DEBUG))
     state.on_load_error = lambda message: setattr(server, "should_exit", True)

@@ -118,3 +118,12 @@ def test_every_example_config_loads_or_is_refused_by_name(tmp_path):
                 read_serve_config(path)
         else:
             assert read_serve_config(path).model.path
+
+
+def test_dummy_models_need_a_tokenizer(tmp_path):
+    assert "model.tokenizer" in error("model:\n  path: qwen3-8b\n  load_format: dummy\n", tmp_path)
+    assert "model.tokenizer" in error("model:\n  path: m\n  tokenizer: smollm2-135m\n", tmp_path)
+    cfg = load("model:\n  path: qwen3-8b\n  load_format: dummy\n  tokenizer: smollm2-135m\n  quant_type: tri\n",
+               tmp_path)
+    from bonsai_cli.cmd_serve import architecture_of
+    assert architecture_of(cfg).hidden_size == 4096

@@ -223,3 +223,16 @@ def test_graphed_batched_decode_matches_the_graphed_single_row_step(smollm2_gguf
     assert 3 in runner._row_steps and runner._row_steps[3].graph is not None  # the graphed 3-row step ran
     assert torch.equal(batched.argmax(-1), rows.argmax(-1))
     torch.testing.assert_close(batched, rows, atol=0.1, rtol=0.05)
+
+
+def test_ids_beyond_the_tokenizer_are_never_sampled(smollm2_tok, one_thread):
+    from engine.server.sequence import Sequence
+    tok = smollm2_tok
+    events: list = []
+    req = ServeRequest(id="v", prompt_ids=[1, 2], max_tokens=5, emit=events.append)
+    seq = Sequence(req, tok, ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
+    logits = torch.zeros(tok.vocab_size + 64)  # a padded output layer (or a dummy model's larger vocabulary)
+    logits[tok.vocab_size + 3] = 50.0
+    logits[42] = 10.0
+    seq.on_logits(logits, room=100)
+    assert seq.pending == [42]

@@ -42,6 +42,8 @@ class ModelSection:
     kv_cache_async_dequant: bool = False
     chat_template: str | None = None  # a .jinja file replacing the model's own template
     name: str | None = None  # the model id /v1/models lists (default: the file or directory name)
+    load_format: str = "auto"  # auto | dummy: path is an architecture YAML, random weights (speed work)
+    tokenizer: str | None = None  # with dummy: the model (path or pulled name) whose tokenizer to use
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -52,6 +54,13 @@ class ModelSection:
             _fail("model.group_size", f"{self.group_size} is not one of 32, 64, 128, 256")
         if self.max_context is not None and self.max_context < 2:
             _fail("model.max_context", f"must be >= 2, got {self.max_context}")
+        if self.load_format not in ("auto", "dummy"):
+            _fail("model.load_format", f"'{self.load_format}' is not auto or dummy")
+        if self.load_format == "dummy" and not self.tokenizer:
+            _fail("model.tokenizer", "is required with load_format: dummy (generated weights have no tokenizer); "
+                  "give a model such as smollm2-135m")
+        if self.load_format != "dummy" and self.tokenizer:
+            _fail("model.tokenizer", "only applies with load_format: dummy; remove it")
         if self.kv_cache_quant:
             raise not_available("model.kv_cache_quant", "a quantized KV cache (issue 8)",
                                 "set it to false")

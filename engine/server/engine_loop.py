@@ -35,6 +35,9 @@ class EngineLoop:
         self.runner, self.tokenizer = runner, tokenizer
         self.slot_context = min(slot_context, runner.max_seq_len)
         self.rules = rules or ThinkingRules()
+        # ids the tokenizer can turn into text: a model's padded vocabulary (or a borrowed tokenizer's
+        # smaller one) is cut to it before sampling
+        self.vocab = min(runner.loaded.config.vocab_size, tokenizer.vocab_size)
         self.metrics = metrics or Metrics()
         self.scheduler: Scheduler[ServeRequest] = Scheduler(runner.cache.slots, max_queue)
         self.metrics.slots_total = len(runner.cache.slots)
@@ -114,8 +117,7 @@ class EngineLoop:
         for _ in self.scheduler.drop_waiting(lambda r: r.cancelled.is_set()):
             self.metrics.count_request("cancelled")
         for a in self.scheduler.assign():
-            seq = Sequence(a.request, self.tokenizer, self.rules, self.runner.loaded.config.vocab_size,
-                           self.runner.device, a.reused)
+            seq = Sequence(a.request, self.tokenizer, self.rules, self.vocab, self.runner.device, a.reused)
             self.active[a.slot.index] = seq
             self.metrics.count_prompt(len(a.request.prompt_ids), a.reused)
         self.metrics.queue_waiting = self.scheduler.waiting

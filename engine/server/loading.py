@@ -37,20 +37,42 @@ def weight_dtype_for(config: ServeConfig):
     return getattr(torch, name)
 
 
-def load_engine(config: ServeConfig, metrics: Metrics | None = None,
-                progress: Callable[[str, float], None] = lambda stage, fraction: None) -> Served:
+def tokenizer_of(spec: str):
+    """The tokenizer of a model (path or pulled name) without loading its weights."""
     from engine import store
-    from engine.loader import load_model
+    from engine.gguf_file import GGUFFile
+    from engine.tokenizer import Tokenizer
+    path = store.resolve_model(spec)
+    return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata) if path.is_file() else Tokenizer.from_hf_dir(path)
+
+
+def load_engine(config: ServeConfig, metrics: Metrics | None = None,
+                progress: Callable[[str, float], None] = lambda stage, fraction: None,
+                architecture=None) -> Served:
+    """architecture: with model.load_format dummy, the ModelConfig read from model.path (the
+    command reads that YAML); the weights are generated and model.tokenizer gives the tokenizer."""
+    from engine import store
+    from engine.loader import load_dummy, load_model
     from engine.packed_linear import WeightFormat
     from engine.runner import ModelRunner
 
     m, rt = config.model, config.runtime
-    progress("finding the model", 0.02)
-    path = store.resolve_model(m.path)
-    progress(f"loading {path.name} on {rt.device}", 0.05)
     fmt = WeightFormat(quant_type=m.quant_type, group_size=m.group_size)
-    loaded = load_model(path, device=rt.device, weight_dtype=weight_dtype_for(config), weight_format=fmt)
-    tokenizer = loaded.require_tokenizer()
+    if m.load_format == "dummy":
+        assert architecture is not None, "the command passes the architecture of a dummy model"
+        path = Path(m.path)
+        progress(f"generating {path.stem} ({m.quant_type}) on {rt.device}", 0.05)
+        loaded = load_dummy(architecture, path.stem, device=rt.device, weight_format=fmt)
+        tokenizer = tokenizer_of(m.tokenizer)
+        if tokenizer.vocab_size > architecture.vocab_size:
+            raise BonsaiError(f"config model.tokenizer: its {tokenizer.vocab_size} tokens do not fit the "
+                              f"{architecture.vocab_size}-token vocabulary of {path.name}; use a smaller tokenizer")
+    else:
+        progress("finding the model", 0.02)
+        path = store.resolve_model(m.path)
+        progress(f"loading {path.name} on {rt.device}", 0.05)
+        loaded = load_model(path, device=rt.device, weight_dtype=weight_dtype_for(config), weight_format=fmt)
+        tokenizer = loaded.require_tokenizer()
     if m.chat_template:
         template = Path(m.chat_template).expanduser()
         if not template.is_file():

@@ -69,7 +69,7 @@ class ThinkingRules:
 class Sequence:
     def __init__(self, request: ServeRequest, tokenizer: Tokenizer, rules: ThinkingRules, vocab: int,
                  device: torch.device, reused: int):
-        self.request, self.tokenizer, self.rules = request, tokenizer, rules
+        self.request, self.tokenizer, self.rules, self.vocab = request, tokenizer, rules, vocab
         params = request.sampling
         self.generator = None if params.greedy else make_generator(params, device)
         self.seen = self.output = None
@@ -98,6 +98,7 @@ class Sequence:
     def on_logits(self, logits: torch.Tensor, room: int) -> None:
         """Sample after logits [V]; `room`: positions still free in the slot's context budget."""
         params = self.request.sampling
+        logits = logits[:self.vocab]  # [V] the ids the tokenizer knows
         if self.seen is not None:
             logits = apply_penalties(logits, self.seen, self.output, params)
         token = sample(logits, params, self.generator)
