@@ -69,6 +69,29 @@ class ModelRunner:
         return logits[0]
 
     @torch.inference_mode()
+    def decode_batch(self, slots: list[KVSlot], tokens: list[int]) -> torch.Tensor:
+        """One token for each of several slots (each at its own position) in one forward pass, and
+        append it to its slot: logits [B, V]. Through the fused step (graphed per row count) where
+        there is one, else the model's batched path (per-row positions, masked attention)."""
+        assert len(slots) == len(tokens) and len({s.index for s in slots}) == len(slots)
+        if len(slots) == 1:
+            return self.forward(slots[0], tokens, num_logits=1)
+        for slot in slots:
+            if slot.length + 1 > slot.capacity:
+                raise BonsaiError(f"the sequence needs {slot.length + 1} positions but the context holds "
+                                  f"{slot.capacity}: shorten the prompt or raise max_seq_len")
+        starts = [s.length for s in slots]
+        if self.decoder is not None and len(slots) <= MAX_STEP_ROWS:
+            logits = self.step_rows(tokens, starts, [s.index for s in slots])  # [B, V]
+        else:
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+            batch = CacheBatch.make([s.index for s in slots], starts, 1, self.device)
+            logits = self.model(ids, batch, self.cache, max(starts) + 1, 1)[:, -1]  # [B, V]
+        for slot, token in zip(slots, tokens):
+            slot.tokens.append(token)
+        return logits
+
+    @torch.inference_mode()
     def verify(self, slot: KVSlot, tokens: list[int], hidden_layers: tuple[int, ...] = ()
                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Score `tokens` (the last accepted token + drafts) after the slot's content in one pass and
