@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import WEIGHT_DTYPE_HELP, err_console, load_for_cli
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
+                               spec_summary, speculative_config)
 from bonsai_cli.cmd_generate import sampling_from_options
 
 HELP_TEXT = ("commands: /reset (forget the conversation), /system TEXT (set the system message; "
@@ -30,6 +31,8 @@ def chat(
     plain: bool = typer.Option(False, "--plain", help="print raw text instead of rendered markdown"),
     config: Optional[Path] = typer.Option(None, "--config", help="serve.yaml: chat through the server's engine "
                                           "(its model, slots, thinking budget and context policy)"),
+    spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
 ) -> None:
     """Chat with a model in the terminal; the conversation stays in the KV cache between turns."""
     from rich.console import Console
@@ -38,16 +41,24 @@ def chat(
     from engine.errors import BonsaiError
     from engine.generate import GenerationRequest
     from engine.runner import ModelRunner
+    from engine.speculative.config import build_drafter
 
     console = Console()
     if config is not None:
         if model is not None:
             raise BonsaiError("give either MODEL or --config (the config names the model), not both")
+        if spec is not None:
+            raise BonsaiError("--spec does not combine with --config: set speculation in the config's "
+                              "`speculative:` section")
         sampling = sampling_from_options(temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed)
         return _chat_with_config(config, system, max_tokens, sampling, console)
+    spec_config = speculative_config(spec, draft_tokens)
     loaded = load_for_cli(model, device, weight_dtype=weight_dtype)
     runner = ModelRunner(loaded, max_seq_len=max_seq_len)
     session = ChatSession(runner, loaded.tokenizer, system=system)
+    if spec_config is not None:
+        session.drafter = build_drafter(spec_config, loaded, max_seq_len)
+        session.num_draft_tokens = spec_config.num_draft_tokens
     request = GenerationRequest(max_tokens=max_tokens, sampling=sampling_from_options(
         temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed))
     interactive = sys.stdin.isatty()
@@ -126,6 +137,8 @@ def _command(text: str, session, console) -> bool:
             console.print(f"[dim]prompt {s.prompt_tokens} tokens ({s.cached_tokens} reused from cache) at "
                           f"{s.prefill_tokens_per_second:.1f} tok/s; {s.generated_tokens} generated at "
                           f"{s.decode_tokens_per_second:.1f} tok/s; context {slot.length}/{slot.capacity}[/dim]")
+            if s.speculative is not None:
+                console.print(f"[dim]{spec_summary(s.speculative)}[/dim]")
     else:
         console.print(f"[yellow]unknown command {name}[/yellow]; {HELP_TEXT}")
     return True

@@ -30,7 +30,8 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """y = x Wᵀ (+ b). The weight may be stored narrower than the activations (float16 weights with
     float32 activations on the CPU): a single row then goes through a gemv that reads the narrow
-    weight directly (about 3x less memory traffic than float32 on a CPU); several rows widen it."""
+    weight directly (about 3x less memory traffic than float32 on a CPU), and so do up to
+    NARROW_GEMV_ROWS rows, one gemv each; more rows widen it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -41,12 +42,22 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
+# Up to this many rows, a narrow weight (float16 under float32 activations on the CPU) is applied
+# one gemv per row: the weight stays in cache after the first row, widening it costs more, and each
+# row's result is bit-identical to the single-row decode step's (speculative verification).
+NARROW_GEMV_ROWS = 8
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [.., K] @ w[N, K]ᵀ → [.., N] in x's dtype, whatever w's dtype."""
     if w.dtype == x.dtype:
         return F.linear(x, w, bias)
-    if x.numel() == x.shape[-1]:
+    rows = x.numel() // x.shape[-1]
+    if rows == 1:
         y = torch.mv(w, x.reshape(-1).to(w.dtype)).to(x.dtype).view(*x.shape[:-1], w.shape[0])
+    elif rows <= NARROW_GEMV_ROWS:  # a speculative verify pass: one gemv per row, as a decode step does
+        flat = x.reshape(rows, -1).to(w.dtype)  # [rows, K]
+        y = torch.stack([torch.mv(w, r) for r in flat]).to(x.dtype).view(*x.shape[:-1], w.shape[0])
     else:
         y = F.linear(x, w.to(x.dtype))
     return y if bias is None else y + bias.to(x.dtype)

@@ -96,7 +96,9 @@ class ModelRunner:
                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Score `tokens` (the last accepted token + drafts) after the slot's content in one pass and
         append them: logits [T, V] of every row, and {layer: [T, hidden]} for `hidden_layers`.
-        The caller rewinds the slot past the rejected rows (`slot.rewind`)."""
+        The caller rewinds the slot past the rejected rows (`slot.rewind`). Without hidden states,
+        where a decode step runs fused, the rows run through the same fused step (CUDA-graphed per
+        row count), so each row's logits are those plain decoding would compute."""
         start, t = slot.length, len(tokens)
         if start + t > slot.capacity:
             raise BonsaiError(f"the sequence needs {start + t} positions but the context holds "
