@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kv_cache import CacheBatch, KVCache
 from engine.model_config import ModelConfig
@@ -99,8 +100,7 @@ class Attention(nn.Module):
             cache.write(self.layer, batch, k, v)
         keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]
         causal = mask is None and t > 1  # a fresh single sequence: the flash kernel's own causal mask
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                             enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
+        out = attention(q, keys, values, mask, causal, cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
         return self.wo(out.transpose(1, 2).reshape(b, t, cfg.q_size))
 
 
@@ -142,6 +142,20 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache, batch, kv_len, mask):
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, batch, kv_len, mask)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+# cuDNN's attention builds an execution plan for every new sequence length (~1 s each on an H200:
+# it showed as 1.2-1.5 s first-token times of new prompt lengths in the server); flash/efficient don't.
+_GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+              gqa: bool) -> torch.Tensor:
+    """softmax(q kᵀ/√D + mask) v: q [B, H, T, D], k/v [B, KV, S, D] → [B, H, T, D]."""
+    if q.is_cuda:
+        with sdpa_kernel(_GPU_ATTENTION_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

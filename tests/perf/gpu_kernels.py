@@ -84,7 +84,7 @@ def section_gemv(dev, copy_bw: float, quick: bool, kinds: list[str]) -> None:
                 continue
             pw = random_packed(kind, n, k, 128, device=dev, generator=g)
             dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-            for m in ((1, 4) if name != "head" else (1,)):
+            for m in ((1, 4, 8) if name != "head" else (1,)):
                 xq = quantize_activations(torch.randn(m, k, device=dev), 128)
                 out = torch.zeros(m, n, device=dev)
                 best = None
@@ -97,6 +97,13 @@ def section_gemv(dev, copy_bw: float, quick: bool, kinds: list[str]) -> None:
                         continue
                     if best is None or t < best[0]:
                         best = (t, cfg)
+                if m > 1:  # the M > 1 variants at the best launch shape
+                    t2d = bench(lambda: packed_gemv(*xq, pw, out=out, config=best[1], rows_2d=True))
+                    t3d = bench(lambda: packed_gemv(*xq, pw, out=out, config=best[1], rows_2d=False))
+                    print(f"gemv {kind:4} {name:8} M={m:2} rows as 2-D tiles {t2d * 1e6:6.1f} us, 3-D {t3d * 1e6:6.1f} us",
+                          flush=True)
+                    RESULTS.setdefault("gemv_rows", []).append({"kind": kind, "shape": name, "m": m,
+                                                                "rows_2d_us": t2d * 1e6, "rows_3d_us": t3d * 1e6})
                 xb = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 t_bf16 = bench(lambda: torch.nn.functional.linear(xb, dense))
                 t, cfg = best
