@@ -128,6 +128,23 @@ def section_small(dev) -> None:
             RESULTS.setdefault("small", []).append({"kernel": f"act_quant {mode}", "k": k, "per": per, "us": t * 1e6})
 
 
+def section_rows(dev) -> None:
+    """GEMV at M = 2..8 (verify widths, batched slots) with the default launch shape: rows as 3-D
+    broadcast tiles vs the M = 1 tiles once per row."""
+    g = torch.Generator(device=dev).manual_seed(2)
+    for name, (n, k) in SHAPES_8B.items():
+        if name == "head":
+            continue
+        pw = random_packed("tri", n, k, 128, device=dev, generator=g)
+        for m in (2, 4, 8):
+            xq = quantize_activations(torch.randn(m, k, device=dev), 128)
+            out = torch.zeros(m, n, device=dev)
+            t2 = bench(lambda: packed_gemv(*xq, pw, out=out, rows_2d=True))
+            t3 = bench(lambda: packed_gemv(*xq, pw, out=out, rows_2d=False))
+            print(f"rows tri {name:8} M={m}: 2-D tiles {t2 * 1e6:6.1f} us, 3-D {t3 * 1e6:6.1f} us", flush=True)
+            RESULTS.setdefault("rows", []).append({"shape": name, "m": m, "rows_2d_us": t2 * 1e6, "rows_3d_us": t3 * 1e6})
+
+
 def section_dequant(dev) -> None:
     from quant.kernels.packed_dequant import dequantize_t
     g = torch.Generator(device=dev).manual_seed(3)
@@ -300,7 +317,7 @@ def main() -> None:
     RESULTS["copy_bytes_per_second"] = copy_bw
     print(f"{RESULTS['device']}: copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick, args.kinds.split(",")),
-                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "small": lambda: section_small(dev),
+                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "small": lambda: section_small(dev), "rows": lambda: section_rows(dev),
                 "prefill": lambda: section_prefill(dev, args.models.split(",")), "step": lambda: section_step(dev, args.models.split(","))}
     for name in args.sections.split(","):
         t0 = time.perf_counter()
