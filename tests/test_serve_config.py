@@ -52,7 +52,7 @@ def test_seed_config_is_read_and_each_unavailable_key_is_named(tmp_path):
     assert "memory.max_gpu_memory" in error(step, tmp_path)
     step = step.replace("  max_gpu_memory: 6GB\n", "")
     message = error(step, tmp_path)
-    assert "runtime.decode_algorithm" in message and "n-gram" in message and "issue 6" in message
+    assert "runtime.decode_algorithm" in message and "n-gram" in message and "not available yet" in message
     cfg = load(step.replace("decode_algorithm: speculative", "decode_algorithm: standard")
                .replace("  draft_model: none\n", ""), tmp_path)
     assert cfg.model.quant_type == "tri" and cfg.runtime.device == "cuda:0"
@@ -85,7 +85,12 @@ def test_wrong_types_and_values_give_the_key_path(tmp_path):
     assert "context.compress_at" in error("model:\n  path: m\ncontext:\n  compress_at: 1.5\n", tmp_path)
     assert "model.max_context" in error("model:\n  path: m\n  max_context: 4096\nruntime:\n  max_seq_len: 1024\n",
                                         tmp_path)
-    assert "speculative" in error("model:\n  path: m\nspeculative:\n  drafter: ngram\n", tmp_path)
+    assert "speculative" in error("model:\n  path: m\nspeculative:\n  method: ngram\n", tmp_path)
+    assert "speculative.drafter" in error("model:\n  path: m\nspeculative:\n  drafter: ngram\n", tmp_path)
+    from engine.server.config import SpeculativeSection
+    assert SpeculativeSection("mix:ngram,mtp", num_draft_tokens=6).as_spec_config().num_draft_tokens == 6
+    with pytest.raises(BonsaiError, match="config speculative: unknown drafter 'ngarm'"):
+        SpeculativeSection("ngarm")
     assert "runtime.weight_dtype" in error("model:\n  path: m\nruntime:\n  weight_dtype: fp8\n", tmp_path)
     assert "memory.activation_checkpoint" in error("model:\n  path: m\nmemory:\n  activation_checkpoint: true\n",
                                                    tmp_path)

@@ -19,7 +19,6 @@ from engine.errors import BonsaiError
 WEIGHT_TYPES = ("bf16", "tri", "bin", "int4", "int8")
 WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DECODE_ALGORITHMS = ("standard", "speculative")
-DRAFTERS = ("ngram", "draft", "mtp", "dflash", "mix")
 
 
 def _fail(path: str, message: str) -> None:
@@ -130,22 +129,29 @@ class MemorySection:
 
 @dataclass(frozen=True)
 class SpeculativeSection:
-    """How slots draft when runtime.decode_algorithm is speculative. Each slot owns one drafter
-    instance (its own n-gram tables / draft-model cache), made by the drafter factory of
-    engine.speculative when a request lands in the slot (`Drafter.begin` gets the prompt whose
-    prefix the slot reused), so prefix reuse and several slots keep working with speculation."""
-    drafter: str = "ngram"
-    num_draft_tokens: int = 4  # k: tokens proposed per step
+    """The drafters a slot runs when runtime.decode_algorithm is speculative: the fields of
+    engine.speculative.config.SpeculativeConfig (method is a spec string as in `--spec`: ngram,
+    draft:PATH, mtp, dflash, mix:ngram,draft:PATH). Without this section, runtime.draft_model
+    decides: none → ngram, a path → draft:PATH. Each slot will own its drafter instance (its
+    n-gram tables or draft-model cache), begun on the prompt whose prefix the slot reused."""
+    method: str = "ngram"
+    num_draft_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
+    ngram_pool_size: int = 0
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
-        if self.drafter not in DRAFTERS:
-            _fail("speculative.drafter", f"'{self.drafter}' is not one of {', '.join(DRAFTERS)}")
-        if not 1 <= self.num_draft_tokens <= 16:
-            _fail("speculative.num_draft_tokens", f"must be in 1..16, got {self.num_draft_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            _fail("speculative.ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        try:
+            self.as_spec_config()  # the one validation of these fields lives there
+        except BonsaiError as e:
+            raise BonsaiError(f"config speculative: {e}") from None
+
+    def as_spec_config(self):
+        from engine.speculative.config import SpeculativeConfig
+        return SpeculativeConfig.from_spec(self.method, num_draft_tokens=self.num_draft_tokens,
+                                           ngram_min=self.ngram_min, ngram_max=self.ngram_max,
+                                           ngram_pool_size=self.ngram_pool_size, adaptive=self.adaptive)
 
 
 @dataclass(frozen=True)
@@ -217,7 +223,8 @@ class ServeConfig:
         if rt.decode_algorithm == "speculative":
             what = ("draftless n-gram speculation (runtime.draft_model: none)" if rt.draft_model in (None, "none")
                     else "speculation with a draft model")
-            raise not_available("runtime.decode_algorithm", f"{what} (issue 6)",
+            raise not_available("runtime.decode_algorithm", f"{what} in the server (the drafters run in "
+                                "bonsai generate/bench --spec; the server's per-slot verify step is not built)",
                                 "set runtime.decode_algorithm: standard")
 
     @property

@@ -10,9 +10,11 @@ requests it served with an error and resets their slots; the loop and the other 
 Speculative decoding plugs in per slot: a slot whose request drafts runs `runner.verify` on its
 last token + the drafter's proposal instead of joining the batched decode row, then rewinds its
 slot past the rejected drafts (`KVSlot.rewind`) — so prefix reuse keeps working, since the slot's
-tokens stay exactly what its KV holds. The drafter is made per slot from config.speculative (see
-SpeculativeSection) once engine.speculative provides them (issue 6); until then the config refuses
-decode_algorithm: speculative.
+tokens stay exactly what its KV holds. The drafter is made per slot from config.speculative
+(SpeculativeSection.as_spec_config → engine.speculative.config.build_drafter) and each step is the
+body of engine.speculative.decode.speculative_decode (propose, runner.verify, verify_draft, rewind,
+observe) with the accepted tokens pushed through Sequence like sampled ones. Not built yet: the
+config refuses decode_algorithm: speculative until it is.
 """
 from __future__ import annotations
 
