@@ -189,7 +189,7 @@ def test_verify_runs_the_fused_decode_step_and_matches_plain_fused_decoding(one_
     runner.prefill(runner.slot(0), PROMPT)
     before = runner.cache.k[:, 0, :, :len(PROMPT)].clone()
     logits, hidden = runner.verify(runner.slot(0), [want[0], want[1], 7])
-    assert hidden == {} and logits.shape == (3, CFG.vocab_size) and set(runner._verifiers) == {3}
+    assert hidden == {} and logits.shape == (3, CFG.vocab_size) and set(runner._row_steps) == {3}
     torch.testing.assert_close(runner.cache.k[:, 0, :, :len(PROMPT)], before)
     runner.slot(0).reset()
     _, got, _, stats = generate_text(runner, tok, PROMPT, request, drafter=NgramDrafter(1, 3), num_draft_tokens=4)
