@@ -114,6 +114,18 @@ class ModelRunner:
         slot.tokens.extend(tokens)
         return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}
 
+    def prepare_rows(self, max_rows: int) -> None:
+        """Capture the fused step for every row count up to max_rows now (a capture costs a
+        fraction of a second: better before a generation than in the middle of one)."""
+        if self.decoder is None:
+            return
+        from engine.cuda_graphs import DecodeStepRunner
+        for rows in range(2, min(max_rows, MAX_STEP_ROWS) + 1):
+            if rows not in self._row_steps:
+                self._row_steps[rows] = DecodeStepRunner(self.model, self.cache, rows=rows,
+                                                         num_splits=self.decoder.num_splits,
+                                                         use_graph=self.decoder.graph is not None)
+
     def step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """One token per row through the fused (graphed) decode step: rows may be several slots
         (batched decode) or consecutive positions of one slot (speculative verification). Writes

@@ -46,6 +46,7 @@ def speculative_decode(runner: ModelRunner, slot: KVSlot, drafter: Drafter, num_
     if configure is not None:
         configure(params)
     drafter.begin(list(context))
+    runner.prepare_rows(num_draft_tokens + 1)  # verify widths captured now, not mid-answer
     context.append(token)
     hidden_layers = tuple(drafter.hidden_layers)
     while True:
