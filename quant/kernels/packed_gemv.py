@@ -18,9 +18,10 @@ from quant.kernels import interpreting, pdl_options
 from quant.packed_layout import PackedWeight, layout_kind
 
 _BYTE_MASK = {1: 0x01010101, 2: 0x03030303, 4: 0x0F0F0F0F, 8: -1}
-# M > 1: False broadcasts the tiles over rows in 3-D (session 2's kernel); True runs the M = 1 tiles
-# once per row (tests/perf/gpu_kernels.py --sections gemv times both)
-ROWS_2D_DEFAULT = False
+# M > 1: the M = 1 tiles once per row ("2-D") or broadcast over rows in 3-D. Measured on an H200
+# (tests/perf/gpu_kernels.py --sections rows, Qwen3-8B ternary shapes): 2-D wins at M = 2 (6.6 vs
+# 8.0 µs qkv, 17.0 vs 21.0 gate/up), 3-D from M = 4 (gate/up 29.8 vs 35.2, M = 8: 92 vs 126).
+ROWS_2D_MAX = 2
 
 
 def packed_gemv_reference(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
@@ -192,6 +193,6 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
         BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits],
         GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 1), BLOCK_N=block_n,
         ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(),
-        ROWS_2D=ROWS_2D_DEFAULT if rows_2d is None else rows_2d, num_warps=warps,
+        ROWS_2D=(1 < m <= ROWS_2D_MAX) if rows_2d is None else rows_2d, num_warps=warps,
         **pdl_options(xq.device))
     return out
