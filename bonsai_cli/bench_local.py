@@ -11,7 +11,7 @@ from bonsai_cli.common import err_console, load_for_cli
 def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, load: dict[str, Any],
                     max_seq_len: int, suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
-                    save: Callable[[], None]) -> None:
+                    save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False) -> None:
     from engine.bench import model_bench
     from engine.bench.environment import describe_environment
     from engine.bench.suites import load_suite
@@ -39,8 +39,20 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
                           "fused_decode": runner.decoder is not None,
                           "cuda_graph": getattr(runner.decoder, "graph", None) is not None}
     save()
+    drafter = None
+    if spec_config is not None:
+        from engine.speculative.config import build_drafter
+        drafter = build_drafter(spec_config, loaded, runner.max_seq_len)
     if prompts is not None:
-        _run_suite(report, runner, loaded.require_tokenizer(), suite, prompts, repetitions, save)
+        tokenizer = loaded.require_tokenizer()
+        if drafter is None:
+            _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save)
+            return
+        _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save, drafter,
+                   spec_config.num_draft_tokens, vs_plain)
+        if vs_plain:
+            _add_speedup(report)
+            save()
         return
     copy_bw = model_bench.measure_copy_bandwidth(loaded.device)
     report["bandwidth"] = {"copy_bytes_per_second": copy_bw}
@@ -51,9 +63,10 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         for test in tests:
             progress.update(task, description=test.name)
             [m] = model_bench.run_model_bench(runner, [test], repetitions, special,
-                                              on_sample=lambda t, r, s: progress.advance(task))
+                                              on_sample=lambda t, r, s: progress.advance(task), drafter=drafter,
+                                              num_draft_tokens=spec_config.num_draft_tokens if spec_config else 4)
             entry = m.summary()
-            if test.n_gen and not test.n_prompt:
+            if test.n_gen and not test.n_prompt and drafter is None:  # with drafts, tokens per pass vary
                 bytes_per_token = model_bench.decode_bytes_per_token(runner, test.depth + test.n_gen // 2)
                 achieved = bytes_per_token * entry["tokens_per_second"]
                 entry["decode_bandwidth"] = {"bytes_per_token": bytes_per_token, "achieved_gb_per_s": achieved / 1e9,
@@ -63,20 +76,39 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
             save()
 
 
-def _run_suite(report, runner, tokenizer, name, prompts, repetitions, save) -> None:
+def _run_suite(report, key, runner, tokenizer, name, prompts, repetitions, save, drafter=None,
+               num_draft_tokens: int = 4, vs_plain: bool = False) -> None:
+    """The suite into report[key]; with vs_plain, plain runs interleaved into report['plain_suite']."""
     from engine.bench import suite_runner
 
-    report["suite"] = {"name": name, "prompts": len(prompts), "results": [], "by_category": {}}
+    keys = [key] + (["plain_suite"] if vs_plain else [])
+    entries = {k: {"name": name, "prompts": len(prompts), "results": [], "by_category": {}} for k in keys}
+    report.update(entries)
     with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task(f"suite {name}", total=len(prompts) * repetitions)
+        task = progress.add_task(f"suite {name}", total=len(prompts) * repetitions * len(keys))
+        done: dict[str, list] = {k: [] for k in keys}
 
-        done = []
+        def recorder(k: str):
+            def on_result(result) -> None:
+                done[k].append(result)
+                entries[k]["results"].append(result.as_dict())
+                entries[k]["by_category"] = suite_runner.summarize_by_category(done[k])
+                progress.update(task, advance=1, description=f"{result.category} {result.decode_tokens_per_second:.1f} tok/s"
+                                + (" (plain)" if k == "plain_suite" else ""))
+                save()
+            return on_result
 
-        def on_result(result) -> None:
-            done.append(result)
-            report["suite"]["results"].append(result.as_dict())
-            report["suite"]["by_category"] = suite_runner.summarize_by_category(done)
-            progress.update(task, advance=1, description=f"{result.category} {result.decode_tokens_per_second:.1f} tok/s")
-            save()
+        suite_runner.run_suite(runner, tokenizer, prompts, repetitions, on_result=recorder(key), drafter=drafter,
+                               num_draft_tokens=num_draft_tokens,
+                               on_plain_result=recorder("plain_suite") if vs_plain else None)
 
-        suite_runner.run_suite(runner, tokenizer, prompts, repetitions, on_result=on_result)
+
+def _add_speedup(report: dict[str, Any]) -> None:
+    """Per category: speculative decode tok/s over plain; and whether every greedy output matched."""
+    from bonsai_cli.bench_report import output_mismatches
+    plain, spec = report["plain_suite"]["by_category"], report["suite"]["by_category"]
+    report["suite"]["speedup"] = {cat: spec[cat]["decode_tokens_per_second"] / plain[cat]["decode_tokens_per_second"]
+                                  for cat in spec if plain.get(cat, {}).get("decode_tokens_per_second")}
+    compared, mismatches = output_mismatches({**report, "suite": report["plain_suite"]}, report)
+    report["suite"]["outputs_compared"] = compared
+    report["suite"]["output_mismatches"] = mismatches

@@ -36,18 +36,21 @@ def model_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"{m['name']} · {m['architecture']} · {m['parameters'] / 1e6:.0f}M params · "
                         f"{m['bits_per_weight']:.2f} bpw · weights {_weights(m)} · KV {m['kv_dtype']} · "
                         f"{report['environment']['device']}")
-    for col in ("test", "tok/s", "± std", "runs", "bytes/token", "GB/s", "of copy BW"):
+    spec = any("speculative" in t for t in report["tests"])
+    for col in ("test", "tok/s", "± std", "runs", "bytes/token", "GB/s", "of copy BW") + (("accepted", "tok/pass") if spec else ()):
         table.add_column(col, justify="right" if col != "test" else "left")
     for t in report["tests"]:
         bw = t.get("decode_bandwidth") or {}
+        sp = t.get("speculative")
         table.add_row(t["name"], f"{t['tokens_per_second']:.2f}", f"{t['stddev']:.2f}", str(len(t["samples_tps"])),
                       f"{bw['bytes_per_token'] / 1e6:.1f} MB" if bw else "",
                       f"{bw['achieved_gb_per_s']:.1f}" if bw else "",
-                      f"{100 * bw['fraction_of_copy']:.0f}%" if bw else "")
+                      f"{100 * bw['fraction_of_copy']:.0f}%" if bw else "",
+                      *((f"{100 * sp['acceptance']:.0f}%", f"{sp['mean_accepted_length']:.2f}") if sp else ("", ""))[:2 if spec else 0])
     return table
 
 
-def suite_table(summary: dict[str, dict[str, float]], title: str) -> Table:
+def suite_table(summary: dict[str, dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for col in ("category", "runs", "tokens", "decode tok/s", "± std", "TTFT ms", "TTFT p90", "ITL p50 ms", "ITL p90"):
         table.add_column(col, justify="right" if col != "category" else "left")
@@ -56,6 +59,36 @@ def suite_table(summary: dict[str, dict[str, float]], title: str) -> Table:
         table.add_row(name, str(s["runs"]), str(s["generated_tokens"]), f"{s['decode_tokens_per_second']:.2f}",
                       f"{s['decode_stddev']:.2f}", f"{s['ttft_ms_mean']:.0f}", f"{s['ttft_ms_p90']:.0f}",
                       f"{s['itl_ms_p50']:.1f}", f"{s['itl_ms_p90']:.1f}", style=style)
+    return table
+
+
+def speculative_table(summary: dict[str, dict[str, Any]], title: str, speedup: dict[str, float] | None) -> Table:
+    """Per category: drafted, accepted, acceptance, tokens per target pass, and the speedup over plain."""
+    table = Table(title=title)
+    columns = ["category", "passes", "drafted", "accepted", "acceptance", "tok/pass"] + (["speedup"] if speedup else [])
+    for col in columns:
+        table.add_column(col, justify="right" if col != "category" else "left")
+    for name, s in summary.items():
+        sp = s.get("speculative")
+        if not sp:
+            continue
+        row = [name, str(sp["steps"]), str(sp["drafted"]), str(sp["accepted"]), f"{100 * sp['acceptance']:.0f}%",
+               f"{sp['mean_accepted_length']:.2f}"]
+        if speedup:
+            row.append(f"{speedup[name]:.2f}x" if name in speedup else "")
+        table.add_row(*row, style="bold" if name == "overall" else None)
+    return table
+
+
+def drafter_table(summary: dict[str, dict[str, Any]]) -> Table:
+    """Per category and drafter: drafted, accepted, acceptance."""
+    table = Table(title="drafters")
+    for col in ("category", "drafter", "proposals", "drafted", "accepted", "acceptance"):
+        table.add_column(col, justify="right" if col not in ("category", "drafter") else "left")
+    for name, s in summary.items():
+        for drafter, c in s.get("speculative", {}).get("by_drafter", {}).items():
+            table.add_row(name, drafter, str(c["proposals"]), str(c["drafted"]), str(c["accepted"]),
+                          f"{100 * c['acceptance']:.0f}%", style="bold" if name == "overall" else None)
     return table
 
 
@@ -75,8 +108,24 @@ def concurrency_table(levels: list[dict[str, Any]]) -> Table:
 def print_report(report: dict[str, Any], console: Console) -> None:
     if report.get("tests"):
         console.print(model_table(report))
+    if report.get("plain_suite", {}).get("by_category"):
+        console.print(suite_table(report["plain_suite"]["by_category"], f"suite {report['plain_suite']['name']} (plain)"))
     if report.get("suite", {}).get("by_category"):
-        console.print(suite_table(report["suite"]["by_category"], f"suite {report['suite']['name']}"))
+        suite = report["suite"]
+        spec = report.get("speculative", {})
+        title = f"suite {suite['name']}" + (f" · speculative {spec['method']} k={spec['num_draft_tokens']}"
+                                            if spec.get("active") else "")
+        console.print(suite_table(suite["by_category"], title))
+        if spec.get("active"):
+            console.print(speculative_table(suite["by_category"], "speculative decoding by category",
+                                            suite.get("speedup")))
+            console.print(drafter_table(suite["by_category"]))
+        if "outputs_compared" in suite:
+            bad = suite["output_mismatches"]
+            console.print(f"[{'red' if bad else 'green'}]{suite['outputs_compared'] - len(bad)} of "
+                          f"{suite['outputs_compared']} greedy outputs identical to plain decoding[/]")
+            for line in bad:
+                console.print(f"[red]mismatch: {line}[/red]")
     if report.get("concurrency"):
         console.print(concurrency_table(report["concurrency"]))
     if not report.get("complete", True):

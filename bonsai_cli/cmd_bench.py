@@ -9,7 +9,8 @@ import typer
 from rich.console import Console
 
 from bonsai_cli import bench_report
-from bonsai_cli.common import LOAD_FORMAT_HELP, WEIGHT_DTYPE_HELP, WEIGHTS_HELP, err_console
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, LOAD_FORMAT_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, WEIGHTS_HELP,
+                               err_console, speculative_config)
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -18,6 +19,14 @@ def _int_list(text: str, option: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise BonsaiError(f"{option} takes comma-separated integers like 512,1024 (got '{text}')") from None
+
+
+def _spec_entry(config) -> dict[str, Any]:
+    if config is None:
+        return {"active": False, "drafters": []}
+    return {"active": True, "method": config.method, "drafters": [d.label for d in config.drafters],
+            "num_draft_tokens": config.num_draft_tokens, "adaptive": config.adaptive,
+            "ngram": [config.ngram_min, config.ngram_max], "ngram_pool_size": config.ngram_pool_size}
 
 
 def bench(
@@ -41,6 +50,10 @@ def bench(
     head_weights: str = typer.Option("bf16", "--head-weights", help="run-time format of the output layer"),
     load_format: str = typer.Option("auto", "--load-format", help=LOAD_FORMAT_HELP),
     max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
+    spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
+    vs_plain: bool = typer.Option(False, "--vs-plain", help="with --spec: also run each prompt plain, just before "
+                                  "(interleaved); report the speedup per category and check the outputs are identical"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every result and the environment here"),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="write a PNG chart here"),
     compare: Optional[list[Path]] = typer.Option(None, "--compare", help="two JSON files: print B/A ratios"),
@@ -69,9 +82,15 @@ def bench(
         raise BonsaiError("give either MODEL or --url, not both")
     if repetitions < 1:
         raise BonsaiError("-r (repetitions) must be >= 1")
+    spec_config = speculative_config(spec, draft_tokens)
+    if spec_config is not None and url:
+        raise BonsaiError("--spec measures a local MODEL; a server sets its own speculation in its config")
+    if vs_plain and (spec_config is None or not suite):
+        raise BonsaiError("--vs-plain compares speculative with plain decoding on a suite: give --spec and --suite "
+                          "(for -p/-n tests, run twice and use --compare)")
     report: dict[str, Any] = {"bonsai_bench": bench_report.SCHEMA_VERSION, "complete": False,
                               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                              "speculative": {"active": False, "drafters": []},
+                              "speculative": _spec_entry(spec_config),
                               "caches": {"prefix_reuse": False, "fresh_prompts_per_repetition": True}}
     save = (lambda: bench_report.write_json(report, json_out)) if json_out else (lambda: None)
     try:
@@ -85,7 +104,7 @@ def bench(
                         head_weights=head_weights, load_format=load_format)
             run_local_bench(report, model, device, load, max_seq_len, suite, categories, limit,
                             _int_list(n_prompt, "-p"), _int_list(n_gen, "-n"), _int_list(depth, "-d"),
-                            repetitions, combined, save)
+                            repetitions, combined, save, spec_config, vs_plain)
         report["complete"] = True
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted: keeping the results measured so far[/yellow]")

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
 
-from bonsai_cli.common import WEIGHT_DTYPE_HELP, load_for_cli
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
+                               spec_summary, speculative_config)
 from bonsai_cli.cmd_generate import sampling_from_options
 
 HELP_TEXT = ("commands: /reset (forget the conversation), /system TEXT (set the system message; "
@@ -27,6 +29,10 @@ def chat(
     weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
     plain: bool = typer.Option(False, "--plain", help="print raw text instead of rendered markdown"),
+    config: Optional[Path] = typer.Option(None, "--config", help="serve.yaml: chat through the server's engine "
+                                          "(its model, slots, thinking budget and context policy)"),
+    spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
 ) -> None:
     """Chat with a model in the terminal; the conversation stays in the KV cache between turns."""
     from rich.console import Console
@@ -35,11 +41,24 @@ def chat(
     from engine.errors import BonsaiError
     from engine.generate import GenerationRequest
     from engine.runner import ModelRunner
+    from engine.speculative.config import build_drafter
 
     console = Console()
+    if config is not None:
+        if model is not None:
+            raise BonsaiError("give either MODEL or --config (the config names the model), not both")
+        if spec is not None:
+            raise BonsaiError("--spec does not combine with --config: set speculation in the config's "
+                              "`speculative:` section")
+        sampling = sampling_from_options(temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed)
+        return _chat_with_config(config, system, max_tokens, sampling, console)
+    spec_config = speculative_config(spec, draft_tokens)
     loaded = load_for_cli(model, device, weight_dtype=weight_dtype)
     runner = ModelRunner(loaded, max_seq_len=max_seq_len)
     session = ChatSession(runner, loaded.tokenizer, system=system)
+    if spec_config is not None:
+        session.drafter = build_drafter(spec_config, loaded, max_seq_len)
+        session.num_draft_tokens = spec_config.num_draft_tokens
     request = GenerationRequest(max_tokens=max_tokens, sampling=sampling_from_options(
         temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed))
     interactive = sys.stdin.isatty()
@@ -118,6 +137,67 @@ def _command(text: str, session, console) -> bool:
             console.print(f"[dim]prompt {s.prompt_tokens} tokens ({s.cached_tokens} reused from cache) at "
                           f"{s.prefill_tokens_per_second:.1f} tok/s; {s.generated_tokens} generated at "
                           f"{s.decode_tokens_per_second:.1f} tok/s; context {slot.length}/{slot.capacity}[/dim]")
+            if s.speculative is not None:
+                console.print(f"[dim]{spec_summary(s.speculative)}[/dim]")
     else:
         console.print(f"[yellow]unknown command {name}[/yellow]; {HELP_TEXT}")
     return True
+
+
+def _chat_with_config(path: Path, system: Optional[str], max_tokens: int, sampling, console) -> None:
+    """The chat loop over the server's engine: thoughts are shown dimmed before the answer."""
+    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
+    from engine.errors import BonsaiError
+    from engine.server.loading import load_engine
+    from engine.server.local_chat import EngineChat
+
+    cfg = read_serve_config(path)
+    with err_console.status(f"loading {cfg.model.path} on {cfg.runtime.device}"):
+        served = load_engine(cfg, architecture=architecture_of(cfg))
+    chat = EngineChat(served, system=system)
+    interactive = sys.stdin.isatty()
+    console.print(f"[dim]{HELP_TEXT}[/dim]")
+    try:
+        while True:
+            try:
+                line = console.input("[bold green]you> [/bold green]") if interactive else _read_line(console)
+            except EOFError:
+                break
+            text = line.strip()
+            if not text:
+                continue
+            name, _, arg = text.partition(" ")
+            if name in ("/exit", "/quit", "/bye"):
+                break
+            if name in ("/reset", "/system"):
+                if name == "/system":
+                    chat.system = arg.strip() or None
+                chat.reset()
+                console.print("[dim]conversation cleared[/dim]")
+                continue
+            if name == "/stats":
+                t = chat.last.timings if chat.last else None
+                console.print("[dim]no answer yet[/dim]" if t is None else
+                              f"[dim]prompt {t['prompt_n'] + t['cache_n']} tokens ({t['cache_n']} reused from "
+                              f"cache) at {t['prompt_per_second']:.1f} tok/s; {t['predicted_n']} generated at "
+                              f"{t['predicted_per_second']:.1f} tok/s[/dim]")
+                continue
+            console.print("[bold cyan]bonsai>[/bold cyan] ", end="")
+            try:
+                thinking = False
+                for delta in chat.send(text, max_tokens, sampling):
+                    if delta.reasoning:
+                        thinking = True
+                        console.out(delta.reasoning, end="", style="dim", highlight=False)
+                    if delta.content:
+                        if thinking:
+                            console.out("\n", end="")
+                            thinking = False
+                        console.out(delta.content, end="", highlight=False)
+                console.out("")
+            except KeyboardInterrupt:
+                console.print("\n[dim](answer interrupted)[/dim]")
+            except BonsaiError as e:
+                console.print(f"[red]error: {e}[/red]")
+    finally:
+        served.engine.stop()

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import WEIGHT_DTYPE_HELP, err_console, load_for_cli, print_json
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
+                               print_json, spec_summary, speculative_config)
 
 
 def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
@@ -36,12 +37,15 @@ def generate(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
     weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
+    spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
 ) -> None:
     """Generate a continuation (or a chat answer with --chat), streamed to stdout."""
     from engine.errors import BonsaiError
     from engine.generate import GenerationRequest, stream_generate
     from engine.runner import ModelRunner
+    from engine.speculative.config import build_drafter
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -49,6 +53,7 @@ def generate(
         raise BonsaiError("--system needs --chat (a system message only exists in a chat template)")
     request = GenerationRequest(max_tokens=max_tokens, stop=tuple(stop), sampling=sampling_from_options(
         temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed))
+    spec_config = speculative_config(spec, draft_tokens)
     loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
     tok = loaded.tokenizer
     if chat:
@@ -57,8 +62,10 @@ def generate(
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
     runner = ModelRunner(loaded, max_seq_len=max_seq_len)
+    drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
     pieces, token_ids, finish, stats = [], [], "length", None
-    for event in stream_generate(runner, tok, ids, request):
+    for event in stream_generate(runner, tok, ids, request, drafter=drafter,
+                                 num_draft_tokens=spec_config.num_draft_tokens if spec_config else 0):
         pieces.append(event.text)
         token_ids.extend(event.token_ids)
         stats = event.stats
@@ -74,3 +81,5 @@ def generate(
     err_console.print(f"[dim]{stats.prompt_tokens} prompt tokens at {stats.prefill_tokens_per_second:.1f} tok/s, "
                       f"{stats.generated_tokens} generated at {stats.decode_tokens_per_second:.1f} tok/s "
                       f"(finish: {finish})[/dim]")
+    if stats.speculative is not None:
+        err_console.print(f"[dim]{spec_summary(stats.speculative)}[/dim]")

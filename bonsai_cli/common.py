@@ -34,6 +34,25 @@ def parse_weight_dtype(name: str):
 
 WEIGHTS_HELP = ("run-time weight format of the block matrices: bf16 (as loaded) or tri | bin | int4 | int8 "
                 "(rounded to nearest at load, or generated with --load-format dummy), run by the packed kernels")
+SPEC_HELP = ("speculative decoding: ngram | draft:PATH | mtp[:PATH] | dflash[:PATH] | mix:ngram,draft:PATH,... "
+             "(same output at temperature 0, same distribution above)")
+DRAFT_TOKENS_HELP = "most tokens drafted per step (k); with one drafter or a mix the length adapts up to it"
+
+
+def speculative_config(spec: str | None, draft_tokens: int):
+    """--spec / --draft-tokens as a validated config (None: plain decoding); checked before loading."""
+    from engine.speculative.config import spec_config_from_options
+    return spec_config_from_options(spec, draft_tokens)
+
+
+def spec_summary(spec) -> str:
+    """One line of draft statistics for the terminal."""
+    per = ", ".join(f"{name} {c.accepted}/{c.drafted}" for name, c in spec.by_drafter.items())
+    return (f"speculative {spec.method}: {spec.accepted}/{spec.drafted} drafted tokens accepted "
+            f"({100 * spec.acceptance:.0f}%), {spec.mean_accepted_length:.2f} tokens per target pass"
+            + (f" [{per}]" if len(spec.by_drafter) > 1 else ""))
+
+
 LOAD_FORMAT_HELP = ("auto (read the model's weights) or dummy: MODEL is an architecture YAML (configs/models/NAME.yaml "
                     "or a path) built at full size with random weights, for speed measurements")
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"

@@ -6,7 +6,7 @@ import sys
 import click
 import typer
 
-from bonsai_cli import cmd_bench, cmd_chat, cmd_eval, cmd_generate, cmd_info, cmd_pull, cmd_quantize
+from bonsai_cli import cmd_bench, cmd_chat, cmd_eval, cmd_generate, cmd_info, cmd_pull, cmd_quantize, cmd_serve
 from bonsai_cli import cmd_train_drafter
 
 # Typer 0.29+ vendors its own click: accept both its exception classes and click's.
@@ -25,6 +25,7 @@ app.command("chat")(cmd_chat.chat)
 app.command("bench")(cmd_bench.bench)
 app.command("eval")(cmd_eval.eval_command)
 app.command("quantize")(cmd_quantize.quantize)
+app.command("serve")(cmd_serve.serve)
 app.command("train-drafter")(cmd_train_drafter.train_drafter)
 
 

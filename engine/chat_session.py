@@ -6,6 +6,7 @@ from typing import Iterator
 
 from engine.generate import GenerationEvent, GenerationRequest, GenerationStats, stream_generate
 from engine.runner import ModelRunner
+from engine.speculative.drafter import Drafter
 from engine.tokenizer import Tokenizer
 
 
@@ -17,6 +18,8 @@ class ChatSession:
     messages: list[dict[str, str]] = field(default_factory=list)
     slot_index: int = 0
     last_stats: GenerationStats | None = None
+    drafter: Drafter | None = None  # speculative decoding when set
+    num_draft_tokens: int = 4
 
     def reset(self) -> None:
         self.messages.clear()
@@ -39,7 +42,8 @@ class ChatSession:
         pieces: list[str] = []
         try:
             ids = self.prompt_ids()
-            for event in stream_generate(self.runner, self.tokenizer, ids, request, self.slot_index):
+            for event in stream_generate(self.runner, self.tokenizer, ids, request, self.slot_index,
+                                         self.drafter, self.num_draft_tokens):
                 pieces.append(event.text)
                 self.last_stats = event.stats
                 yield event

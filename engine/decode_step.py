@@ -49,28 +49,33 @@ class _Ops:
     def __init__(self, device: torch.device, kernels: bool | None = None):
         fast = kernels_usable(device) if kernels is None else kernels
         if fast:
-            from engine.kernels.attention_decode import decode_attention
+            from engine.kernels.attention_decode import decode_attention, decode_attention_int8
             from engine.kernels.rope_cache import qk_norm_rope_write
             from quant.kernels.act_quant import quantize_activations
             from quant.kernels.packed_gemv import packed_gemv
         else:
             from engine.kernels.attention_decode import decode_attention_reference as decode_attention
+            from engine.kernels.attention_decode import decode_attention_int8_reference as decode_attention_int8
             from engine.kernels.rope_cache import qk_norm_rope_write_reference as qk_norm_rope_write
             from quant.kernels.act_quant import quantize_activations_reference as quantize_activations
             from quant.kernels.packed_gemv import packed_gemv_reference as packed_gemv
         self.fast = fast
         self.attention, self.rope_write = decode_attention, qk_norm_rope_write
+        self.attention_int8 = decode_attention_int8  # attention → int8 per head, for a packed o_proj
         self.quantize, self.gemv = quantize_activations, packed_gemv
 
 
-def _project(ops: _Ops, x: torch.Tensor, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,
+def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,
              eps: float = 1e-6, gated: bool = False, residual: torch.Tensor | None = None,
              tied_weight: torch.Tensor | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
     """norm/SwiGLU (optional) → projection, added into `residual` (or a zeroed workspace buffer
     `into`) in place when given. Returns the float32 result [M, N]. A gated input of a packed
     layer is the gate/up workspace buffer: it is zeroed as it is read."""
     if isinstance(layer, PackedLinear):
-        xq = ops.quantize(x, layer.group_size, norm_weight, eps, gated=gated, zero_input=gated)
+        if isinstance(x, tuple):  # already int8 activations (xq, sx, sumx)
+            xq = x
+        else:
+            xq = ops.quantize(x, layer.group_size, norm_weight, eps, gated=gated, zero_input=gated)
         target = residual if residual is not None else into
         y = ops.gemv(*xq, layer.packed, out=target, accumulate=target is not None)
         if layer.bias is not None:
@@ -104,9 +109,14 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
                            att.q_norm.weight if att.q_norm is not None else None,
                            att.k_norm.weight if att.k_norm is not None else None, eps,
                            out_dtype=cache.k.dtype, zero_input=qkv is ws.qkv)  # [M, H, D]
-        a = ops.attention(q, cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
-                          num_splits)  # [M, H, D]
-        _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x)
+        if isinstance(att.wo, PackedLinear) and att.wo.group_size == cfg.head_dim:
+            aq = ops.attention_int8(q, cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
+                                    num_splits)  # int8 [M, H * D], scales and sums [M, H]
+            _project(ops, aq, att.wo, residual=x)
+        else:
+            a = ops.attention(q, cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
+                              num_splits)  # [M, H, D]
+            _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x)
         gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up)  # [M, 2F]
         _project(ops, gu, ffn.w2, gated=True, residual=x)
     head = model.lm_head

@@ -11,6 +11,8 @@ from engine.detokenize import StreamDecoder
 from engine.errors import BonsaiError
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, apply_penalties, make_generator, sample
+from engine.speculative.drafter import Drafter
+from engine.speculative.stats import SpecStats
 from engine.stop import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
@@ -35,6 +37,7 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0  # prompt processing up to the first sampled token (TTFT)
     decode_seconds: float = 0.0  # after the first token until the last
+    speculative: SpecStats | None = None  # draft statistics when a drafter runs
 
     @property
     def ttft_seconds(self) -> float:
@@ -55,7 +58,8 @@ class GenerationStats:
                 "generated_tokens": self.generated_tokens, "prefill_seconds": self.prefill_seconds,
                 "decode_seconds": self.decode_seconds, "ttft_seconds": self.ttft_seconds,
                 "prefill_tokens_per_second": self.prefill_tokens_per_second,
-                "decode_tokens_per_second": self.decode_tokens_per_second}
+                "decode_tokens_per_second": self.decode_tokens_per_second,
+                **({"speculative": self.speculative.as_dict()} if self.speculative is not None else {})}
 
 
 @dataclass
@@ -67,9 +71,57 @@ class GenerationEvent:
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
 
 
+class _Sink:
+    """Takes sampled tokens one at a time and applies plain decoding's end rules: EOS (not
+    emitted), stop strings (text cut before them), max_tokens, and the context's capacity."""
+
+    def __init__(self, tokenizer: Tokenizer, request: GenerationRequest, stats: GenerationStats,
+                 capacity: int, start: float, counts: tuple[torch.Tensor, torch.Tensor] | None):
+        self.request, self.stats, self.capacity, self.start, self.counts = request, stats, capacity, start, counts
+        self.stop_ids = frozenset() if request.ignore_eos else tokenizer.eos_ids
+        self.decoder = StreamDecoder(tokenizer)
+        self.matcher = StopStringMatcher(request.stop)
+        self.first_token_time: float | None = None
+
+    @property
+    def generated(self) -> int:
+        return self.stats.generated_tokens
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_tokens - self.stats.generated_tokens
+
+    def push(self, token: int) -> tuple[bool, str, str | None]:
+        """(emitted, text, finish reason or None)."""
+        stats, matcher = self.stats, self.matcher
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+            stats.prefill_seconds = now - self.start
+        stats.decode_seconds = now - self.first_token_time
+        if token in self.stop_ids:
+            tail, _ = matcher.push(self.decoder.flush())
+            return False, tail + matcher.flush(), "stop"
+        stats.generated_tokens += 1
+        if self.counts is not None:
+            self.counts[0][token] += 1
+            self.counts[1][token] += 1
+        text, stopped = matcher.push(self.decoder.push(token))
+        if stopped:
+            return True, text, "stop"
+        # the token is not in the cache yet: the cache holds the prompt and the tokens before it
+        if stats.generated_tokens >= self.request.max_tokens or \
+                stats.prompt_tokens + stats.generated_tokens - 1 >= self.capacity:
+            tail, stopped = matcher.push(self.decoder.flush())
+            return True, text + tail + ("" if stopped else matcher.flush()), "stop" if stopped else "length"
+        return True, text, None
+
+
 def stream_generate(runner: ModelRunner, tokenizer: Tokenizer, prompt_ids: list[int],
-                    request: GenerationRequest, slot_index: int = 0) -> Iterator[GenerationEvent]:
-    """Prefill the prompt, then decode token by token, yielding an event per step."""
+                    request: GenerationRequest, slot_index: int = 0, drafter: Drafter | None = None,
+                    num_draft_tokens: int = 4) -> Iterator[GenerationEvent]:
+    """Prefill the prompt, then decode, yielding an event per step: one token per step, or with a
+    drafter (speculative decoding) the accepted drafts and the target's own token per step."""
     if not prompt_ids:
         raise BonsaiError("the prompt is empty: give at least one token of input")
     slot = runner.slot(slot_index)
@@ -85,54 +137,41 @@ def stream_generate(runner: ModelRunner, tokenizer: Tokenizer, prompt_ids: list[
     if params.uses_penalties:
         seen_counts = torch.bincount(torch.tensor(prompt_ids, device=device), minlength=vocab).float()
         output_counts = torch.zeros(vocab, device=device)
-    stop_ids = frozenset() if request.ignore_eos else tokenizer.eos_ids
-    decoder = StreamDecoder(tokenizer)
-    matcher = StopStringMatcher(request.stop)
-
     start = time.perf_counter()
+    sink = _Sink(tokenizer, request, stats, slot.capacity, start,
+                 (seen_counts, output_counts) if seen_counts is not None else None)
     if request.reuse_prefix:
         stats.cached_tokens = runner.reuse_prefix(slot, prompt_ids)
     else:
         slot.reset()
     logits = runner.prefill(slot, prompt_ids[slot.length:])
-    first_token_time = None
+    if drafter is not None:
+        from engine.speculative.decode import speculative_decode
+        stats.speculative = SpecStats(method=drafter.name)
+        for ids, text, finish in speculative_decode(runner, slot, drafter, num_draft_tokens, logits,
+                                                    list(prompt_ids), sink, params, generator, seen_counts,
+                                                    output_counts, stats.speculative):
+            yield GenerationEvent(ids, text, stats, finish)
+        return
     while True:
         if seen_counts is not None:
             logits = apply_penalties(logits, seen_counts, output_counts, params)
         token = sample(logits, params, generator)
-        now = time.perf_counter()
-        if first_token_time is None:
-            first_token_time = now
-            stats.prefill_seconds = now - start
-        stats.decode_seconds = now - first_token_time
-        if token in stop_ids:
-            tail, _ = matcher.push(decoder.flush())
-            yield GenerationEvent([], tail + matcher.flush(), stats, "stop")
+        emitted, text, finish = sink.push(token)
+        yield GenerationEvent([token] if emitted else [], text, stats, finish)
+        if finish:
             return
-        stats.generated_tokens += 1
-        if seen_counts is not None:
-            seen_counts[token] += 1
-            output_counts[token] += 1
-        text, stopped = matcher.push(decoder.push(token))
-        if stopped:
-            yield GenerationEvent([token], text, stats, "stop")
-            return
-        if stats.generated_tokens >= request.max_tokens or slot.length >= slot.capacity:
-            tail, stopped = matcher.push(decoder.flush())
-            yield GenerationEvent([token], text + tail + ("" if stopped else matcher.flush()), stats,
-                                  "stop" if stopped else "length")
-            return
-        yield GenerationEvent([token], text, stats)
         logits = runner.forward(slot, [token])[-1]
 
 
 def generate_text(runner: ModelRunner, tokenizer: Tokenizer, prompt_ids: list[int],
-                  request: GenerationRequest, slot_index: int = 0) -> tuple[str, list[int], str, GenerationStats]:
+                  request: GenerationRequest, slot_index: int = 0, drafter: Drafter | None = None,
+                  num_draft_tokens: int = 4) -> tuple[str, list[int], str, GenerationStats]:
     """Run the stream to its end: (text, token ids, finish reason, stats)."""
     pieces: list[str] = []
     ids: list[int] = []
     finish, stats = "length", GenerationStats()
-    for event in stream_generate(runner, tokenizer, prompt_ids, request, slot_index):
+    for event in stream_generate(runner, tokenizer, prompt_ids, request, slot_index, drafter, num_draft_tokens):
         pieces.append(event.text)
         ids.extend(event.token_ids)
         stats = event.stats

@@ -88,4 +88,8 @@ class KVCache:
         if len(batch.slots) == 1:
             slot = batch.slots[0]
             return self.k[layer, slot, :, :length].unsqueeze(0), self.v[layer, slot, :, :length].unsqueeze(0)
+        first = batch.slots[0]
+        if batch.slots == tuple(range(first, first + len(batch.slots))):  # consecutive slots: a view, no copy
+            rows = slice(first, first + len(batch.slots))
+            return self.k[layer, rows, :, :length], self.v[layer, rows, :, :length]
         return self.k[layer, batch.slot_ids, :, :length], self.v[layer, batch.slot_ids, :, :length]

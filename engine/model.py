@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kv_cache import CacheBatch, KVCache
 from engine.model_config import ModelConfig
@@ -22,15 +23,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32 or (x.is_cuda and self.weight.dtype == x.dtype):
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # CUDA: float32 maths inside
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 class Linear(nn.Module):
     """y = x Wᵀ (+ b). The weight may be stored narrower than the activations (float16 weights with
     float32 activations on the CPU): a single row then goes through a gemv that reads the narrow
-    weight directly (about 3x less memory traffic than float32 on a CPU); several rows widen it."""
+    weight directly (about 3x less memory traffic than float32 on a CPU), and so do up to
+    NARROW_GEMV_ROWS rows, one gemv each; more rows widen it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -41,12 +43,22 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
+# Up to this many rows, a narrow weight (float16 under float32 activations on the CPU) is applied
+# one gemv per row: the weight stays in cache after the first row, widening it costs more, and each
+# row's result is bit-identical to the single-row decode step's (speculative verification).
+NARROW_GEMV_ROWS = 8
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [.., K] @ w[N, K]ᵀ → [.., N] in x's dtype, whatever w's dtype."""
     if w.dtype == x.dtype:
         return F.linear(x, w, bias)
-    if x.numel() == x.shape[-1]:
+    rows = x.numel() // x.shape[-1]
+    if rows == 1:
         y = torch.mv(w, x.reshape(-1).to(w.dtype)).to(x.dtype).view(*x.shape[:-1], w.shape[0])
+    elif rows <= NARROW_GEMV_ROWS:  # a speculative verify pass: one gemv per row, as a decode step does
+        flat = x.reshape(rows, -1).to(w.dtype)  # [rows, K]
+        y = torch.stack([torch.mv(w, r) for r in flat]).to(x.dtype).view(*x.shape[:-1], w.shape[0])
     else:
         y = F.linear(x, w.to(x.dtype))
     return y if bias is None else y + bias.to(x.dtype)
@@ -60,6 +72,7 @@ class Attention(nn.Module):
         self.wo = Linear(cfg.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.fused_prologue: torch.Tensor | None = None  # inv_freq when q/k-norm + rotary + KV write run fused
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,13 +93,30 @@ class Attention(nn.Module):
                 batch: CacheBatch, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
-        cache.write(self.layer, batch, k, v)
+        if self.fused_prologue is not None:
+            q = self._fused_prologue(x, cache, batch)  # [B, H, T, D]; K/V written
+        else:
+            q, k, v = self.project(x, cos, sin)
+            cache.write(self.layer, batch, k, v)
         keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]
         causal = mask is None and t > 1  # a fresh single sequence: the flash kernel's own causal mask
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                             enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
+        out = attention(q, keys, values, mask, causal, cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
         return self.wo(out.transpose(1, 2).reshape(b, t, cfg.q_size))
+
+
+    def _fused_prologue(self, x: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
+        """The projection, then one kernel for q/k norms, rotary and the K/V write (fewer launches
+        than `project` + `cache.write`: prefill on a GPU is otherwise bound by the host)."""
+        from engine.kernels.rope_cache import qk_norm_rope_write
+        cfg = self.cfg
+        b, t, _ = x.shape
+        qkv = self.wqkv(x).reshape(b * t, -1)  # [B*T, Q + 2KV]
+        q = qk_norm_rope_write(qkv, batch.positions.reshape(-1), batch.slot_ids.repeat_interleave(t),
+                               self.fused_prologue, cache.k[self.layer], cache.v[self.layer], cfg.num_heads,
+                               cfg.num_kv_heads, cfg.head_dim, self.q_norm.weight if self.q_norm else None,
+                               self.k_norm.weight if self.k_norm else None, cfg.rms_norm_eps,
+                               out_dtype=x.dtype)  # [B*T, H, D]
+        return q.view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
 
 
 class FeedForward(nn.Module):
@@ -112,6 +142,20 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache, batch, kv_len, mask):
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, batch, kv_len, mask)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+# cuDNN's attention builds an execution plan for every new sequence length (~1 s each on an H200:
+# it showed as 1.2-1.5 s first-token times of new prompt lengths in the server); flash/efficient don't.
+_GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+              gqa: bool) -> torch.Tensor:
+    """softmax(q kᵀ/√D + mask) v: q [B, H, T, D], k/v [B, KV, S, D] → [B, H, T, D]."""
+    if q.is_cuda:
+        with sdpa_kernel(_GPU_ATTENTION_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -152,6 +196,11 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.register_buffer("inv_freq", rotary_inverse_frequencies(cfg), persistent=False)
+
+    def use_fused_prologue(self, on: bool) -> None:
+        """Run each layer's q/k-norm + rotary + KV write as one kernel (engine.kernels.rope_cache)."""
+        for block in self.layers:
+            block.attention.fused_prologue = self.inv_freq if on else None
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer: the tied embedding, or lm_head (a Linear or a PackedLinear)."""

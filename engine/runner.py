@@ -11,6 +11,8 @@ from engine.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
+MAX_STEP_ROWS = 16  # rows one fused decode step takes (the packed GEMV's limit)
+
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, num_slots: int = 1,
@@ -29,8 +31,11 @@ class ModelRunner:
         self.prefill_chunk_size = prefill_chunk_size
         self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device)
         self.decoder = None
+        self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)
         if fast_decode if fast_decode is not None else self.device.type == "cuda":
             self.decoder = self._make_decoder()
+        # the attention prologue kernel also serves prefill where the fused step runs (same shapes)
+        self.model.use_fused_prologue(self.decoder is not None and self.decoder.ops.fast)
 
     def _make_decoder(self):
         from engine.cuda_graphs import DecodeStepRunner
@@ -64,20 +69,77 @@ class ModelRunner:
         return logits[0]
 
     @torch.inference_mode()
+    def decode_batch(self, slots: list[KVSlot], tokens: list[int]) -> torch.Tensor:
+        """One token for each of several slots (each at its own position) in one forward pass, and
+        append it to its slot: logits [B, V]. Through the fused step (graphed per row count) where
+        there is one, else the model's batched path (per-row positions, masked attention)."""
+        assert len(slots) == len(tokens) and len({s.index for s in slots}) == len(slots)
+        if len(slots) == 1:
+            return self.forward(slots[0], tokens, num_logits=1)
+        for slot in slots:
+            if slot.length + 1 > slot.capacity:
+                raise BonsaiError(f"the sequence needs {slot.length + 1} positions but the context holds "
+                                  f"{slot.capacity}: shorten the prompt or raise max_seq_len")
+        starts = [s.length for s in slots]
+        if self.decoder is not None and len(slots) <= MAX_STEP_ROWS:
+            logits = self.step_rows(tokens, starts, [s.index for s in slots])  # [B, V]
+        else:
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+            batch = CacheBatch.make([s.index for s in slots], starts, 1, self.device)
+            logits = self.model(ids, batch, self.cache, max(starts) + 1, 1)[:, -1]  # [B, V]
+        for slot, token in zip(slots, tokens):
+            slot.tokens.append(token)
+        return logits
+
+    @torch.inference_mode()
     def verify(self, slot: KVSlot, tokens: list[int], hidden_layers: tuple[int, ...] = ()
                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Score `tokens` (the last accepted token + drafts) after the slot's content in one pass and
         append them: logits [T, V] of every row, and {layer: [T, hidden]} for `hidden_layers`.
-        The caller rewinds the slot past the rejected rows (`slot.rewind`)."""
+        The caller rewinds the slot past the rejected rows (`slot.rewind`). Without hidden states,
+        where a decode step runs fused, the rows run through the same fused step (CUDA-graphed per
+        row count), so each row's logits are those plain decoding would compute."""
         start, t = slot.length, len(tokens)
         if start + t > slot.capacity:
             raise BonsaiError(f"the sequence needs {start + t} positions but the context holds "
                               f"{slot.capacity}: shorten the prompt or raise max_seq_len")
+        if not hidden_layers and 1 < t <= MAX_STEP_ROWS and self.decoder is not None:
+            # each verified token is one row of the fused step: row i attends to keys 0..start+i
+            logits = self.step_rows(tokens, list(range(start, start + t)), [slot.index] * t)  # [T, V]
+            slot.tokens.extend(tokens)
+            return logits, {}
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         batch = CacheBatch.make([slot.index], [start], t, self.device)
         logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, None, hidden_layers)
         slot.tokens.extend(tokens)
         return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}
+
+    def prepare_rows(self, max_rows: int) -> None:
+        """Capture the fused step for every row count up to max_rows now (a capture costs a
+        fraction of a second: better before a generation than in the middle of one)."""
+        if self.decoder is None:
+            return
+        from engine.cuda_graphs import DecodeStepRunner
+        for rows in range(2, min(max_rows, MAX_STEP_ROWS) + 1):
+            if rows not in self._row_steps:
+                self._row_steps[rows] = DecodeStepRunner(self.model, self.cache, rows=rows,
+                                                         num_splits=self.decoder.num_splits,
+                                                         use_graph=self.decoder.graph is not None)
+
+    def step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """One token per row through the fused (graphed) decode step: rows may be several slots
+        (batched decode) or consecutive positions of one slot (speculative verification). Writes
+        each row's K/V at its position; logits [M, V] (a copy). Slot bookkeeping is the caller's.
+        Needs the fused step (`fast_decode`); one graph is captured per row count on first use."""
+        assert self.decoder is not None and 0 < len(tokens) <= MAX_STEP_ROWS
+        rows = len(tokens)
+        step = self.decoder if rows == 1 else self._row_steps.get(rows)
+        if step is None:
+            from engine.cuda_graphs import DecodeStepRunner
+            step = DecodeStepRunner(self.model, self.cache, rows=rows, num_splits=self.decoder.num_splits,
+                                    use_graph=self.decoder.graph is not None)
+            self._row_steps[rows] = step
+        return step.run(tokens, positions, slots).clone()
 
     def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
         """Feed tokens in chunks; logits [V] after the last one."""

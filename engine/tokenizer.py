@@ -345,6 +345,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token (added tokens included) → its id."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

@@ -29,7 +29,9 @@ def _plain_logits(loaded, prompt: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("weights,head", [("bf16", "bf16"), ("tri", "int4"), ("int8", "int8"), ("bin", "bf16")])
 @pytest.mark.parametrize("kernels", [False, True])
 def test_fused_step_matches_the_model(weights, head, kernels):
-    loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat(weights, 64, head))
+    device = "cuda" if kernels and torch.cuda.is_available() else "cpu"  # compiled kernels on a GPU
+    loaded = load_dummy(CFG, "tiny", device=device, weight_format=WeightFormat(weights, 64, head),
+                        dtype=torch.float32)
     want = _plain_logits(loaded, 10)
     runner = ModelRunner(loaded, max_seq_len=64, fast_decode=False)
     slot = runner.slot(0)
@@ -65,3 +67,23 @@ def test_fused_step_catches_a_wrong_position():
     step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=False)
     got = step.run([TOKENS[10]], [11], [0])[0]
     assert not torch.allclose(got, want[0], rtol=1e-3, atol=2e-3 * want[0].abs().max().item())
+
+
+def test_verify_rows_through_the_fused_step_equal_token_by_token():
+    """Speculative verification of 4 tokens in one fused step (rows = consecutive positions of one
+    slot, each attending to keys up to its own position) equals feeding them one at a time; a
+    rejected tail rewinds and the next step continues from the accepted prefix."""
+    loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
+    want = _plain_logits(loaded, 8)
+    runner = ModelRunner(loaded, max_seq_len=64, fast_decode=True)
+    slot = runner.slot(0)
+    runner.prefill(slot, TOKENS[:8])
+    logits, hidden = runner.verify(slot, TOKENS[8:12])
+    assert logits.shape == (4, CFG.vocab_size) and hidden == {} and 4 in runner._row_steps
+    for got, ref in zip(logits, want[:4]):
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
+    slot.rewind(2)  # keep TOKENS[8:10]
+    logits, _ = runner.verify(slot, TOKENS[10:13])
+    for got, ref in zip(logits, want[2:5]):
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
+    assert slot.tokens == TOKENS[:13]

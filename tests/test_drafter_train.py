@@ -112,6 +112,20 @@ def test_trained_drafter_is_accepted_and_teacher_forced_acceptance_equals_the_lo
     forced = teacher_forced_acceptance(loaded, module, prompts, continuations, 3)
     assert loop.accepted > loop.drafted // 4
     assert forced.as_dict() == loop.as_dict()
+    # the generation core with --spec KIND:DIR: the file train_drafter wrote, greedy output unchanged
+    from engine.generate import GenerationRequest, generate_text
+    from engine.speculative.config import SpeculativeConfig, build_drafter
+    from tests.test_spec_generate import TinyTokenizer
+    drafter = build_drafter(SpeculativeConfig.from_spec(f"{kind}:{tmp_path}", num_draft_tokens=3, adaptive=False),
+                            loaded, 64)
+    request = GenerationRequest(max_tokens=20, ignore_eos=True, reuse_prefix=False)
+    accepted = 0
+    for prompt, continuation in zip(prompts, continuations):
+        _, ids, _, stats = generate_text(ModelRunner(loaded, 64), TinyTokenizer(), prompt, request, drafter=drafter,
+                                         num_draft_tokens=3)
+        assert ids == continuation
+        accepted += stats.speculative.accepted
+    assert accepted == loop.accepted
 
 
 def test_cli_trains_resumes_and_reports_acceptance(tmp_path, smollm2_gguf, capsys, one_thread):

@@ -168,6 +168,31 @@ def test_file_round_trip_and_refusals(kind, tmp_path, one_thread):
         load(tmp_path / "junk.safetensors", loaded)
 
 
+@pytest.mark.parametrize("kind", ["mtp", "dflash"])
+def test_sampled_drafts_after_set_sampling_and_the_spec_parser_refusals(kind, tmp_path, one_thread):
+    from engine.speculative.config import SpeculativeConfig, build_drafter
+    loaded = tiny_loaded()
+    module = random_module(kind, block_size=4)
+    save_drafter(tmp_path, module.cfg, TargetIdentity.of(loaded), module.state_dict())
+    drafter = build_drafter(SpeculativeConfig.from_spec(f"{kind}:{tmp_path}", num_draft_tokens=4, adaptive=False),
+                            loaded, 64)
+    runner = ModelRunner(loaded, max_seq_len=64)
+    out = greedy_speculative(runner, drafter, PROMPT, 6, 4)
+    drafter.set_sampling(SamplingParams(temperature=0.7, top_k=20, seed=3))
+    first = drafter.propose(PROMPT + out, 4)
+    drafter.set_sampling(SamplingParams(temperature=0.7, top_k=20, seed=3))
+    assert drafter.propose(PROMPT + out, 4).tokens == first.tokens  # seeded: reproducible
+    assert first.probs.shape == (4, TINY.vocab_size) and ((first.probs > 0).sum(-1) <= 20).all()
+    drafter.set_sampling(SamplingParams())
+    assert drafter.propose(PROMPT + out, 4).probs is None
+    if kind == "dflash":
+        with pytest.raises(BonsaiError, match="block size 4"):
+            build_drafter(SpeculativeConfig.from_spec(f"dflash:{tmp_path}", num_draft_tokens=5), loaded, 64)
+    other = tiny_loaded(dataclasses.replace(TINY, num_layers=3))
+    with pytest.raises(BonsaiError, match="trained for another model"):
+        build_drafter(SpeculativeConfig.from_spec(f"{kind}:{tmp_path}"), other, 64)
+
+
 def test_dflash_refuses_a_draft_longer_than_its_block(tmp_path, one_thread):
     loaded = tiny_loaded()
     module = random_module("dflash", block_size=4)
@@ -175,7 +200,7 @@ def test_dflash_refuses_a_draft_longer_than_its_block(tmp_path, one_thread):
     with pytest.raises(BonsaiError, match="draft length 5 is larger than this DFlash drafter's block size 4"):
         dflash.load_dflash_drafter(tmp_path, loaded, k=5)
     drafter = dflash.load_dflash_drafter(tmp_path, loaded, k=4)
-    assert drafter.max_draft == 4
+    assert drafter.max_draft_tokens == 4
     drafter.begin(PROMPT)
     with pytest.raises(BonsaiError, match="block size 4"):
         drafter.propose(PROMPT + [1], 6)

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from engine.kernels import UnsupportedKernelShape, triton_available  # noqa: E402
 from engine.kernels.attention_decode import (_launch, block_size, decode_attention,  # noqa: E402
+                                             decode_attention_int8, decode_attention_int8_reference,
                                              decode_attention_reference, default_num_splits, split_length)
 from engine.kernels.rope_cache import qk_norm_rope_write, qk_norm_rope_write_reference  # noqa: E402
 from engine.kv_cache import CacheBatch, KVCache  # noqa: E402
@@ -115,6 +116,25 @@ def test_decode_attention_matches_reference(h, kv, d, dtype):
             wrong = decode_attention_reference(q, k, v, slot_ids, off_by_one, d ** -0.5)
             for row in torch.nonzero(off_by_one != lens).flatten().tolist():
                 assert not torch.allclose(got[row].float(), wrong[row].float(), **TOL[dtype]), (row, off_by_one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_int8_is_attention_then_quantize(dtype):
+    """The fused attention → int8 (per-head scale) equals quantizing the kernel's own attention output,
+    and stays within one int8 step of the reference path."""
+    from quant.kernels.act_quant import quantize_activations_reference
+    h, kv, d, s = 4, 2, 64, 200
+    q, k, v = attention_inputs(h, kv, d, s, dtype, rows=2, slots=2, seed=3)
+    slot_ids, lens = ints([1, 0]), ints([150, 37])
+    for splits in (1, 3):
+        xq, sx, sumx = decode_attention_int8(q, k, v, slot_ids, lens, d ** -0.5, splits)
+        assert xq.shape == (2, h * d) and xq.dtype == torch.int8 and sx.shape == sumx.shape == (2, h)
+        out = decode_attention(q, k, v, slot_ids, lens, d ** -0.5, splits)
+        want = quantize_activations_reference(out.reshape(2, h * d), d)
+        assert torch.equal(xq, want[0]) and torch.equal(sumx, want[2])
+        torch.testing.assert_close(sx, want[1], rtol=1e-6, atol=0)
+        ref = decode_attention_int8_reference(q, k, v, slot_ids, lens, d ** -0.5)
+        assert (xq.int() - ref[0].int()).abs().max() <= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -324,3 +344,29 @@ def test_qk_norm_rope_write_qwen3_shape_long_positions(h):
     assert_rounded_alike(q, q_ref)
     assert_rounded_alike(k_cache[slot_ids.long(), :, positions], k_ref[slot_ids.long(), :, positions])
     assert torch.equal(k_cache == -3, k_ref == -3) and torch.equal(v_cache, v_ref)
+
+
+def test_model_forward_with_the_fused_prologue_matches_the_plain_one():
+    """Transformer.use_fused_prologue (what ModelRunner turns on with the GPU fast path): prefill and
+    batched rows of several slots give the same logits and cache as the plain prologue."""
+    from engine.model import Transformer
+    cfg = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model = model.to(DEVICE)
+    tokens = torch.randint(0, 64, (2, 5), device=DEVICE)
+    logits = []
+    for fused in (False, True):
+        model.use_fused_prologue(fused)
+        cache = KVCache(cfg, 16, num_slots=2, dtype=torch.float32, device=DEVICE)
+        with torch.no_grad():
+            first = model(tokens[:1], CacheBatch.make([1], [0], 5, DEVICE), cache, 5, None)  # [1, 5, V]
+            both = model(tokens[:, :1], CacheBatch.make([1, 0], [5, 0], 1, DEVICE), cache, 6, None)  # [2, 1, V]
+        logits.append((first, both, cache.k.clone()))
+    model.use_fused_prologue(False)
+    for a, b in zip(logits[0], logits[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

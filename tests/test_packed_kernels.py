@@ -121,7 +121,8 @@ def test_gemm_kernel_matches_reference(kind):
     pw = pw.to(DEVICE)
     x = torch.randn(37, 256, device=DEVICE)
     got = packed_gemm(x, pw, config=(16, 32, 32, 4, 1))
-    torch.testing.assert_close(got, packed_gemm_reference(x, pw), rtol=1e-4, atol=1e-3)
+    tol = dict(rtol=1e-2, atol=5e-2) if DEVICE == "cuda" else dict(rtol=1e-4, atol=1e-3)  # GPU dots: tf32
+    torch.testing.assert_close(got, packed_gemm_reference(x, pw), **tol)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -132,3 +133,13 @@ def test_dequantize_kernel_matches_reference(kind):
     got = dequantize_t(pw, torch.float32)
     assert got.shape == (256, 80)
     torch.testing.assert_close(got, dequantize_t_reference(pw, torch.float32), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["tri", "int4"])
+def test_gemv_rows_as_2d_tiles_match_reference(kind):
+    """The per-row 2-D variant for M > 1 (rows_2d=True) gives the same sums as the reference."""
+    _, _, _, pw = _packed(kind)
+    pw = pw.to(DEVICE)
+    xq = quantize_activations(torch.randn(3, 256, device=DEVICE), 64)
+    got = packed_gemv(*xq, pw, config=(64, 2, 4), rows_2d=True)
+    torch.testing.assert_close(got, packed_gemv_reference(*xq, pw), rtol=1e-5, atol=1e-4)

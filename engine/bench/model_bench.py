@@ -17,6 +17,9 @@ from engine.errors import BonsaiError
 from engine.model import Linear
 from engine.packed_linear import PackedLinear
 from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.speculative.drafter import Drafter
+from engine.speculative.stats import SpecStats
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_test(runner: ModelRunner, test: BenchTest, seed: int, special_ids: frozenset[int]) -> float:
-    """One repetition; returns the timed seconds (prefill of n_prompt + decode of n_gen tokens)."""
+class _CountingSink:
+    """The end rule of a bench run: exactly n tokens, no text, no EOS."""
+
+    def __init__(self, n: int):
+        self.n, self.generated = n, 0
+
+    @property
+    def remaining(self) -> int:
+        return self.n - self.generated
+
+    def push(self, token: int) -> tuple[bool, str, str | None]:
+        self.generated += 1
+        return True, "", "length" if self.generated >= self.n else None
+
+
+def run_test(runner: ModelRunner, test: BenchTest, seed: int, special_ids: frozenset[int],
+             drafter: Drafter | None = None, num_draft_tokens: int = 4, spec_stats: SpecStats | None = None) -> float:
+    """One repetition; returns the timed seconds (prefill of n_prompt + decode of n_gen tokens).
+    With a drafter the decode is speculative (greedy) and its statistics add up in spec_stats."""
     vocab = runner.loaded.config.vocab_size
     slot = runner.slot(0)
     needed = test.depth + test.n_prompt + test.n_gen + 1
@@ -82,6 +102,15 @@ def run_test(runner: ModelRunner, test: BenchTest, seed: int, special_ids: froze
         logits = runner.forward(slot, prompt[:1])[-1]
         _sync(runner.device)
         start = time.perf_counter()
+    if drafter is not None and test.n_gen:
+        from engine.speculative.decode import speculative_decode
+        stats = spec_stats if spec_stats is not None else SpecStats()
+        # n_gen tokens after the one the prompt gives, as below
+        for _ in speculative_decode(runner, slot, drafter, num_draft_tokens, logits, list(prompt), _CountingSink(test.n_gen + 1),
+                                    SamplingParams(), None, None, None, stats):
+            pass
+        _sync(runner.device)
+        return time.perf_counter() - start
     token = int(torch.argmax(logits))
     for _ in range(test.n_gen):
         token = int(torch.argmax(runner.forward(slot, [token])[-1]))
@@ -90,17 +119,23 @@ def run_test(runner: ModelRunner, test: BenchTest, seed: int, special_ids: froze
 
 
 def run_model_bench(runner: ModelRunner, tests: list[BenchTest], repetitions: int, special_ids: frozenset[int],
-                    on_sample: Callable[[BenchTest, int, float], None] = lambda t, r, s: None) -> list[Measurement]:
-    """Warm up once per test, then `repetitions` timed runs with fresh tokens each."""
+                    on_sample: Callable[[BenchTest, int, float], None] = lambda t, r, s: None,
+                    drafter: Drafter | None = None, num_draft_tokens: int = 4) -> list[Measurement]:
+    """Warm up once per test, then `repetitions` timed runs with fresh tokens each (speculative
+    decode with a drafter: the measurement's `speculative` holds the draft statistics)."""
     if repetitions < 1:
         raise BonsaiError("-r (repetitions) must be >= 1")
     results = []
     for test in tests:
         # warm-up at the test's own prompt length and depth: the same kernels, shapes and allocations
-        run_test(runner, BenchTest(test.n_prompt, min(test.n_gen, 4), test.depth), 10_000, special_ids)
+        run_test(runner, BenchTest(test.n_prompt, min(test.n_gen, 4), test.depth), 10_000, special_ids,
+                 drafter, num_draft_tokens)
         m = Measurement(test.name, test.n_prompt, test.n_gen, test.depth)
+        if drafter is not None and test.n_gen:
+            m.speculative = SpecStats(drafter.name)
         for rep in range(repetitions):
-            seconds = run_test(runner, test, seed=rep + 1, special_ids=special_ids)
+            seconds = run_test(runner, test, seed=rep + 1, special_ids=special_ids, drafter=drafter,
+                               num_draft_tokens=num_draft_tokens, spec_stats=m.speculative)
             m.samples_seconds.append(seconds)
             on_sample(test, rep, seconds)
         results.append(m)

@@ -32,6 +32,7 @@ class Measurement:
     n_gen: int
     depth: int
     samples_seconds: list[float] = field(default_factory=list)  # timed part of each repetition
+    speculative: Any = None  # SpecStats of the decode, when speculative
 
     @property
     def tokens(self) -> int:
@@ -45,7 +46,8 @@ class Measurement:
         m, sd = mean_std(self.samples_tps)
         return {"name": self.name, "n_prompt": self.n_prompt, "n_gen": self.n_gen, "depth": self.depth,
                 "tokens_per_second": m, "stddev": sd, "samples_tps": self.samples_tps,
-                "samples_seconds": self.samples_seconds}
+                "samples_seconds": self.samples_seconds,
+                **({"speculative": self.speculative.as_dict()} if self.speculative is not None else {})}
 
 
 @dataclass
@@ -76,6 +78,7 @@ class PromptResult:
     drafted: int | None = None  # speculative decoding, when active
     accepted: int | None = None
     steps: int | None = None
+    speculative: dict[str, Any] | None = None  # local runs: the full draft statistics (SpecStats.as_dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,11 +10,13 @@ from engine.errors import BonsaiError
 from engine.generate import GenerationRequest, stream_generate
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
+from engine.speculative.drafter import Drafter
+from engine.speculative.stats import SpecStats
 from engine.tokenizer import Tokenizer
 
 
 def run_prompt(runner: ModelRunner, tokenizer: Tokenizer, prompt: SuitePrompt,
-               sampling: SamplingParams) -> PromptResult:
+               sampling: SamplingParams, drafter: Drafter | None = None, num_draft_tokens: int = 4) -> PromptResult:
     """Answer one suite prompt through the generation core (no prefix reuse: every run is fresh)."""
     ids = tokenizer.encode(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True))
     request = GenerationRequest(max_tokens=prompt.max_tokens, sampling=sampling, reuse_prefix=False)
@@ -23,7 +25,7 @@ def run_prompt(runner: ModelRunner, tokenizer: Tokenizer, prompt: SuitePrompt,
     token_times: list[float] = []
     finish, stats = "length", None
     start = time.perf_counter()
-    for event in stream_generate(runner, tokenizer, ids, request):
+    for event in stream_generate(runner, tokenizer, ids, request, drafter=drafter, num_draft_tokens=num_draft_tokens):
         if event.token_ids:
             token_times.append(time.perf_counter())
         out_ids.extend(event.token_ids)
@@ -31,6 +33,7 @@ def run_prompt(runner: ModelRunner, tokenizer: Tokenizer, prompt: SuitePrompt,
         stats = event.stats
         finish = event.finish_reason or finish
     total = time.perf_counter() - start
+    spec = stats.speculative
     if not out_ids:
         raise BonsaiError(f"the model generated no tokens for prompt {prompt.id} (it ended its answer at once): "
                           "a zero-length run has no speed to measure; check the chat template or the prompt")
@@ -40,21 +43,34 @@ def run_prompt(runner: ModelRunner, tokenizer: Tokenizer, prompt: SuitePrompt,
         decode_tokens_per_second=stats.decode_tokens_per_second, total_seconds=total,
         finish_reason=finish, cached_tokens=stats.cached_tokens,
         inter_token_seconds=[b - a for a, b in zip(token_times, token_times[1:])],
-        output_token_ids=out_ids, output_text="".join(pieces))
+        output_token_ids=out_ids, output_text="".join(pieces),
+        drafted=spec.drafted if spec else None, accepted=spec.accepted if spec else None,
+        steps=spec.steps if spec else None, speculative=spec.as_dict() if spec else None)
 
 
 def run_suite(runner: ModelRunner, tokenizer: Tokenizer, prompts: list[SuitePrompt], repetitions: int,
               sampling: SamplingParams | None = None,
-              on_result: Callable[[PromptResult], None] = lambda r: None) -> list[PromptResult]:
-    """Warm up on a variant no timed run uses, then every prompt `repetitions` times, fresh each time."""
+              on_result: Callable[[PromptResult], None] = lambda r: None, drafter: Drafter | None = None,
+              num_draft_tokens: int = 4, on_plain_result: Callable[[PromptResult], None] | None = None
+              ) -> list[PromptResult]:
+    """Warm up on a variant no timed run uses, then every prompt `repetitions` times, fresh each time.
+    With a drafter and `on_plain_result`, each prompt also runs plain just before (interleaved, so
+    a drift of the machine's speed hits both alike); those results go to `on_plain_result`."""
     sampling = sampling or SamplingParams()
+    pair = drafter is not None and on_plain_result is not None
     if prompts:
         warm = fresh_variant(prompts[0], 10_000)
-        run_prompt(runner, tokenizer, SuitePrompt(warm.id, warm.category, warm.messages, 4), sampling)
+        warm = SuitePrompt(warm.id, warm.category, warm.messages, 4)
+        if pair:
+            run_prompt(runner, tokenizer, warm, sampling)
+        run_prompt(runner, tokenizer, warm, sampling, drafter, num_draft_tokens)
     results = []
     for rep in range(repetitions):
         for prompt in prompts:
-            result = run_prompt(runner, tokenizer, fresh_variant(prompt, rep), sampling)
+            variant = fresh_variant(prompt, rep)
+            if pair:
+                on_plain_result(run_prompt(runner, tokenizer, variant, sampling))
+            result = run_prompt(runner, tokenizer, variant, sampling, drafter, num_draft_tokens)
             results.append(result)
             on_result(result)
     return results
@@ -77,4 +93,10 @@ def summarize_by_category(results: list[PromptResult]) -> dict[str, dict[str, fl
                      "decode_tokens_per_second": tps_mean, "decode_stddev": tps_std,
                      "ttft_ms_mean": 1000 * mean_std(ttft)[0], "ttft_ms_p90": 1000 * percentile(ttft, 90),
                      "itl_ms_p50": 1000 * percentile(itl, 50), "itl_ms_p90": 1000 * percentile(itl, 90)}
+        spec = [r.speculative for r in rs if r.speculative]
+        if spec:
+            total = SpecStats.from_dict(spec[0])
+            for d in spec[1:]:
+                total.merge(SpecStats.from_dict(d))
+            out[name]["speculative"] = total.as_dict()
     return out

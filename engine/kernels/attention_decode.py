@@ -13,6 +13,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
+from quant.kernels import pdl_options
 
 from engine.kernels import UnsupportedKernelShape, next_power_of_2
 
@@ -30,7 +32,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
                          stride_qm, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
                          stride_om, stride_oh, num_heads, max_seq, split_len, scale_log2,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, PARTIALS: tl.constexpr, PRECISION: tl.constexpr,
+                         DOT_F32: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -56,6 +62,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
         key_ok = keys < end
         k = tl.load(k_base + keys[:, None] * stride_kt + dims[None, :], mask=key_ok[:, None], other=0.0,
                     eviction_policy="evict_first")  # [BLOCK_S, D]
+        v = tl.load(v_base + keys[:, None] * stride_vt + dims[None, :], mask=key_ok[:, None], other=0.0,
+                    eviction_policy="evict_first")  # [BLOCK_S, D], issued with K: one memory round trip
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_S]
@@ -64,15 +72,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [G_PAD, BLOCK_S]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + keys[:, None] * stride_vt + dims[None, :], mask=key_ok[:, None], other=0.0,
-                    eviction_policy="evict_first")  # [BLOCK_S, D]
         if DOT_F32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    if NUM_SPLITS == 1:
+    if not PARTIALS:
         o_ptrs = out_ptr + row * stride_om + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
@@ -85,9 +91,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
 
 
 @triton.jit
-def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_om, stride_oh, num_heads,
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, xq_ptr, sx_ptr, sumx_ptr, stride_om, stride_oh, num_heads,
                            NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                           D: tl.constexpr):
+                           D: tl.constexpr, QUANT: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     head = tl.program_id(1)
     base = (row * num_heads + head) * NUM_SPLITS
@@ -106,7 +115,17 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, stride_om, stride_oh, num
                        other=0.0)  # [CHUNK, D]
         acc += tl.sum(part * tl.exp2(chunk_lse - top)[:, None], 0)
     total = tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * stride_om + head * stride_oh + dims, (acc / total).to(out_ptr.dtype.element_ty))
+    o = (acc / total).to(out_ptr.dtype.element_ty)  # [D] rounded as the unfused path stores it
+    if QUANT:  # int8 with one scale per head (group = head_dim), exactly as quantize_activations
+        y = o.to(tl.float32)
+        sx = tl.max(tl.abs(y), 0) / 127.0
+        inv = tl.where(sx > 0, 1.0 / sx, 0.0)
+        qv = tl.minimum(tl.maximum(tl.floor(y * inv + 0.5), -127.0), 127.0)  # [D]
+        tl.store(xq_ptr + (row * num_heads + head) * D + dims, qv.to(tl.int8))
+        tl.store(sx_ptr + row * num_heads + head, sx)
+        tl.store(sumx_ptr + row * num_heads + head, tl.sum(qv, 0).to(tl.int32))
+    else:
+        tl.store(out_ptr + row * stride_om + head * stride_oh + dims, o)
 
 
 def block_size(head_dim: int) -> int:
@@ -185,13 +204,40 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def decode_attention_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float, num_splits: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`decode_attention` whose output goes straight to int8 activations with one scale per head
+    (group size = head_dim), as `quantize_activations(out.reshape(M, H * D), D)` would make them:
+    (xq [M, H * D] int8, sx [M, H] float32, sumx [M, H] int32). One kernel less per layer."""
+    _check(q, k_cache, v_cache, slot_ids, seq_lens, num_splits)
+    m, h, d = q.shape
+    out = torch.empty(0, dtype=q.dtype, device=q.device)  # only its dtype is used (the rounding step)
+    quant = (torch.empty(m, h * d, dtype=torch.int8, device=q.device),
+             torch.empty(m, h, dtype=torch.float32, device=q.device),
+             torch.empty(m, h, dtype=torch.int32, device=q.device))
+    _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, out,
+            dot_f32=q.device.type == "cpu", block_s=block_size(d), quant=quant)
+    return quant
+
+
+def decode_attention_int8_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                    slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                    num_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from quant.kernels.act_quant import quantize_activations_reference
+    m, h, d = q.shape
+    out = decode_attention_reference(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits)
+    return quantize_activations_reference(out.reshape(m, h * d), d)
+
+
 def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: int, out: torch.Tensor,
-            dot_f32: bool, block_s: int, num_warps: int = 4) -> None:
+            dot_f32: bool, block_s: int, num_warps: int = 4, quant=None) -> None:
     m, h, d = q.shape
     kv, s_max = k_cache.shape[1], k_cache.shape[2]
     group = h // kv
     split_len = triton.cdiv(triton.cdiv(s_max, num_splits), block_s) * block_s  # split_length() for block_s
-    if num_splits > 1:
+    partial_outputs = num_splits > 1 or quant is not None
+    if partial_outputs:
         partials = torch.empty(m, h, num_splits, d, dtype=torch.float32, device=q.device)  # [M, H, NS, D]
         lse = torch.empty(m, h, num_splits, dtype=torch.float32, device=q.device)  # [M, H, NS]
     else:
@@ -199,15 +245,16 @@ def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: i
     _decode_split_kernel[(m, kv, num_splits)](
         q, k_cache, v_cache, slot_ids, seq_lens, partials, lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *(out.stride()[:2] if out.dim() == 3 else (0, 0)),
         h, s_max, split_len, scale * LOG2E,
         GROUP=group, G_PAD=max(16, next_power_of_2(group)), D=d, BLOCK_S=block_s, NUM_SPLITS=num_splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F32=dot_f32, num_warps=num_warps)
-    if num_splits > 1:
+        PARTIALS=partial_outputs, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F32=dot_f32, num_warps=num_warps, **pdl_options(q.device))
+    if partial_outputs:
+        xq, sx, sumx = quant if quant is not None else (out, out, out)
         _combine_splits_kernel[(m, h)](
-            partials, lse, out, out.stride(0), out.stride(1), h,
-            NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
-            CHUNK=min(16, next_power_of_2(num_splits)), D=d, num_warps=4)
+            partials, lse, out, xq, sx, sumx, *(out.stride()[:2] if out.dim() == 3 else (0, 0)), h,
+            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_power_of_2(num_splits)),
+            CHUNK=max(2, min(16, next_power_of_2(num_splits))), D=d, QUANT=quant is not None, num_warps=4, **pdl_options(q.device))
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
+from quant.kernels import pdl_options
 
 from engine.kernels import UnsupportedKernelShape
 
@@ -22,7 +24,10 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
                                k_cache_ptr, v_cache_ptr, q_out_ptr, stride_qkv, stride_qo_m, stride_qo_h,
                                stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt, max_seq, eps,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                               HAS_NORM: tl.constexpr, ZERO_INPUT: tl.constexpr):
+                               HAS_NORM: tl.constexpr, ZERO_INPUT: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     cols = tl.arange(0, HALF)
@@ -136,7 +141,7 @@ def qk_norm_rope_write(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), k_cache.shape[2], eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm,
-        ZERO_INPUT=zero_input, num_warps=1)
+        ZERO_INPUT=zero_input, num_warps=1, **pdl_options(qkv.device))
     return q
 
 

@@ -14,7 +14,7 @@ Factory (what `--spec dflash:PATH` calls):
       than the trained block size → one BonsaiError here, before generation starts (propose raises
       the same error). max_seq_len: rows of its context cache (default: the target's context, at
       most 4096). sampling: as in engine.speculative.mtp.
-`max_draft` on the drafter is its block size. Context rows exist from the first verification on.
+`max_draft_tokens` on the drafter is its block size. Context rows exist from the first verification on.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class DFlashDrafter:
         self.target: Transformer = target_loaded.model
         cfg, tcfg = module.cfg, target_loaded.config
         self.hidden_layers = cfg.target_layers
-        self.max_draft = cfg.block_size
+        self.max_draft_tokens = cfg.block_size
         self.capacity = int(max_seq_len or min(tcfg.max_position_embeddings, 4096))
         device = target_loaded.device
         shape = (cfg.num_layers, 1, cfg.num_kv_heads, self.capacity, cfg.head_dim)
@@ -125,10 +125,14 @@ class DFlashDrafter:
     def observe(self, feedback: Feedback) -> None:
         self.rows.add(feedback)
 
+    def set_sampling(self, params) -> None:
+        """The request's SamplingParams: sampled drafts with their probabilities when not greedy."""
+        self.picker.set_sampling(params)
+
     def check_draft_length(self, k: int) -> None:
-        if k > self.max_draft:
+        if k > self.max_draft_tokens:
             raise BonsaiError(f"draft length {k} is larger than this DFlash drafter's block size "
-                              f"{self.max_draft}: ask for at most {self.max_draft} tokens, or train one "
+                              f"{self.max_draft_tokens}: ask for at most {self.max_draft_tokens} tokens, or train one "
                               f"with --block-size {k}")
 
     def _commit(self, context: list[int]) -> None:
@@ -154,7 +158,7 @@ class DFlashDrafter:
         if k <= 0 or self.last_position != len(context) - 2:
             return Draft([], None, self.name)
         device = self.k.device
-        size = self.max_draft
+        size = self.max_draft_tokens
         first = self.target.embed(torch.tensor([context[-1]], device=device)).to(self.k.dtype)  # [1, H]
         x = self.module.block_inputs(first, size)  # [1, size + 1, H]
         positions = torch.arange(len(context) - 1, len(context) + size, device=device)[None]  # [1, size + 1]

@@ -40,15 +40,26 @@ class Feedback:
     """What happened to the last draft: `accepted` drafted tokens were kept (a prefix of the
     draft), then the target added `bonus` (its own token at the first mismatch, or after a fully
     accepted draft). hidden: layer index → [accepted + 1, hidden] target hidden states of the
-    verified rows that were kept (only the layers the drafter asked for)."""
+    verified rows that were kept (only the layers the drafter asked for). When drafters are mixed,
+    every member observes every step and `draft` may come from another member. verify_seconds:
+    wall time of the target's pass over len(draft.tokens) + 1 rows (0 when not measured)."""
     draft: Draft
     accepted: int
     bonus: int
     hidden: dict[int, torch.Tensor] | None = None
+    verify_seconds: float = 0.0
+
+    @property
+    def produced(self) -> list[int]:
+        """The tokens this step added to the output: the accepted drafts and the bonus."""
+        return self.draft.tokens[:self.accepted] + [self.bonus]
 
 
 @runtime_checkable
 class Drafter(Protocol):
+    """Optional attributes (read with getattr): `draftless` (True: proposing costs no model pass,
+    so a mix may ask it every step) and `max_draft_tokens` (a block size: a larger k is refused
+    when the drafter is built)."""
     name: str
     hidden_layers: tuple[int, ...]  # target layers whose outputs it conditions on ((): none)
 
@@ -59,4 +70,4 @@ class Drafter(Protocol):
         """At most k tokens continuing `context` (prompt + accepted output); may return none."""
 
     def observe(self, feedback: Feedback) -> None:
-        """The outcome of the last proposal: rewind own state past the rejected tokens, learn."""
+        """The outcome of the last verification: rewind own state past the rejected tokens, learn."""

@@ -66,8 +66,17 @@ class TokenPicker:
     temperature lossless), or sampling from the request's distribution with its probabilities."""
 
     def __init__(self, sampling: SamplingParams | None = None, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.set_sampling(sampling)
+
+    def set_sampling(self, sampling: SamplingParams | None) -> None:
+        """A seeded request drafts reproducibly, from a stream apart from the verifier's."""
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
-        self.generator = make_generator(self.sampling, torch.device(device)) if self.sampling else None
+        self.generator = None
+        if self.sampling is not None:
+            self.generator = make_generator(self.sampling, self.device)
+            if self.sampling.seed is not None:
+                self.generator.manual_seed((self.sampling.seed * 1_000_003 + 11) % 2**63)
 
     def pick(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
         """logits [n, V] → n tokens and their distributions [n, V] (None when greedy)."""

@@ -95,7 +95,7 @@ class MTPDrafter:
     """The Drafter protocol over an MTPModule (see the module docstring)."""
 
     hidden_layers = (-1,)
-    max_draft = None  # chained: any k (trained for module.cfg.block_size; deeper drafts are weaker)
+    max_draft_tokens = None  # chained: any k (trained for module.cfg.block_size; deeper drafts are weaker)
 
     def __init__(self, module: MTPModule, target_loaded, max_seq_len: int | None = None, sampling=None,
                  name: str = "mtp"):
@@ -120,6 +120,10 @@ class MTPDrafter:
 
     def observe(self, feedback: Feedback) -> None:
         self.rows.add(feedback)
+
+    def set_sampling(self, params) -> None:
+        """The request's SamplingParams: sampled drafts with their probabilities when not greedy."""
+        self.picker.set_sampling(params)
 
     def _past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n = self.length

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quant.kernels import pdl_options
+from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
 def quantize_activations_reference(x: torch.Tensor, group_size: int, norm_weight: torch.Tensor | None = None,
@@ -36,7 +38,10 @@ def quantize_activations_reference(x: torch.Tensor, group_size: int, norm_weight
 @triton.jit
 def _quantize_kernel(x_ptr, w_ptr, xq_ptr, sx_ptr, sumx_ptr, K, NG, eps,
                      GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, HAS_NORM: tl.constexpr,
-                     NORM_BLOCK: tl.constexpr, GATED: tl.constexpr, ZERO_INPUT: tl.constexpr):
+                     NORM_BLOCK: tl.constexpr, GATED: tl.constexpr, ZERO_INPUT: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     first = tl.program_id(1) * GROUPS_PER_PROG
     rstd = 1.0
@@ -71,7 +76,7 @@ def _quantize_kernel(x_ptr, w_ptr, xq_ptr, sx_ptr, sumx_ptr, K, NG, eps,
 
 def quantize_activations(x: torch.Tensor, group_size: int, norm_weight: torch.Tensor | None = None,
                          eps: float = 1e-6, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                         gated: bool = False, zero_input: bool = False
+                         gated: bool = False, zero_input: bool = False, groups_per_program: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel: same results as `quantize_activations_reference`. x [M, K] ([M, 2K] gated), contiguous."""
     m, k = x.shape
@@ -84,11 +89,13 @@ def quantize_activations(x: torch.Tensor, group_size: int, norm_weight: torch.Te
                torch.empty(m, ng, dtype=torch.float32, device=x.device),
                torch.empty(m, ng, dtype=torch.int32, device=x.device))
     xq, sx, sumx = out
-    per_prog = max(1, min(triton.next_power_of_2(ng), 4096 // group_size))
+    # Four groups per program (measured on an H200, tests/perf/gpu_kernels.py --sections small): a
+    # whole 4096-wide row in one program took 2.5 µs with RMSNorm, 8 programs of 4 groups 1.9 µs.
+    per_prog = groups_per_program or max(1, min(triton.next_power_of_2(ng), 4))
     grid = (m, triton.cdiv(ng, per_prog))
     w = norm_weight if norm_weight is not None else x
     _quantize_kernel[grid](x, w, xq, sx, sumx, k, ng, eps, GROUP=group_size, GROUPS_PER_PROG=per_prog,
                            HAS_NORM=norm_weight is not None,
                            NORM_BLOCK=min(triton.next_power_of_2(k), 4096), GATED=gated,
-                           ZERO_INPUT=zero_input, num_warps=4)
+                           ZERO_INPUT=zero_input, num_warps=4, **pdl_options(x.device))
     return xq, sx, sumx

@@ -12,11 +12,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
 
-from quant.kernels import interpreting
+from quant.kernels import interpreting, pdl_options
 from quant.packed_layout import PackedWeight, layout_kind
 
 _BYTE_MASK = {1: 0x01010101, 2: 0x03030303, 4: 0x0F0F0F0F, 8: -1}
+# M > 1: the M = 1 tiles once per row ("2-D") or broadcast over rows in 3-D. Measured on an H200
+# (tests/perf/gpu_kernels.py --sections rows, Qwen3-8B ternary shapes): 2-D wins at M = 2 (6.6 vs
+# 8.0 µs qkv, 17.0 vs 21.0 gate/up), 3-D from M = 4 (gate/up 29.8 vs 35.2, M = 8: 92 vs 126).
+ROWS_2D_MAX = 2
 
 
 def packed_gemv_reference(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
@@ -56,12 +61,49 @@ def _dot4(a, b, acc, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _group_dot(w, xq_ptr, g, offs_m, m_mask, M, rows, x_words, BITS: tl.constexpr, BYTE_MASK: tl.constexpr,
+               GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+               ROWS_2D: tl.constexpr):
+    """Σ_k u[k, n]·xq[m, k] over group g: int32 [BLOCK_M, BLOCK_N] (w: the group's words [GW, BN])."""
+    STEPS: tl.constexpr = 8 // BITS  # shift steps per word
+    GW: tl.constexpr = GROUP * BITS // 32  # words per group (per column)
+    if BLOCK_M == 1:  # decode: 2-D tiles, no broadcast over rows (and no layout conversion)
+        isum = tl.zeros([GW, BLOCK_N], dtype=tl.int32)
+        for j in tl.static_range(STEPS):
+            codes = (w >> (BITS * j)) & BYTE_MASK  # [GW, BN]: four codes as bytes
+            xw = tl.load(xq_ptr + g * (GROUP // 4) + STEPS * rows + j)  # [GW]: the activations they meet
+            isum = _dot4(codes, tl.broadcast_to(xw[:, None], [GW, BLOCK_N]), isum, USE_ASM)
+        return tl.sum(isum, axis=0)[None, :]  # [1, BN]
+    elif ROWS_2D:  # a few rows: the M = 1 tiles once per row, placed into the [BM, BN] result
+        out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for m in tl.static_range(BLOCK_M):
+            isum = tl.zeros([GW, BLOCK_N], dtype=tl.int32)
+            for j in tl.static_range(STEPS):
+                codes = (w >> (BITS * j)) & BYTE_MASK  # [GW, BN]
+                xw = tl.load(xq_ptr + m * x_words + g * (GROUP // 4) + STEPS * rows + j,
+                             mask=(rows * 0 + m) < M, other=0)  # [GW]
+                isum = _dot4(codes, tl.broadcast_to(xw[:, None], [GW, BLOCK_N]), isum, USE_ASM)
+            out += tl.where(offs_m[:, None] == m, tl.sum(isum, axis=0)[None, :], 0)
+        return out  # [BM, BN]
+    else:
+        isum3 = tl.zeros([BLOCK_M, GW, BLOCK_N], dtype=tl.int32)
+        for j in tl.static_range(STEPS):
+            codes = (w >> (BITS * j)) & BYTE_MASK  # [GW, BN]
+            xw = tl.load(xq_ptr + offs_m[:, None] * x_words + g * (GROUP // 4) + (STEPS * rows + j)[None, :],
+                         mask=m_mask[:, None], other=0)  # [BM, GW]
+            isum3 = _dot4(tl.broadcast_to(codes[None, :, :], [BLOCK_M, GW, BLOCK_N]),
+                          tl.broadcast_to(xw[:, :, None], [BLOCK_M, GW, BLOCK_N]), isum3, USE_ASM)
+        return tl.sum(isum3, axis=1)  # [BM, BN]
+
+
+@triton.jit
 def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, groups_per_split,
                         BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, BYTE_MASK: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr, USE_ASM: tl.constexpr):
-    STEPS: tl.constexpr = 8 // BITS  # shift steps per word
+                        ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr, USE_ASM: tl.constexpr,
+                        ROWS_2D: tl.constexpr, USE_PDL: tl.constexpr):
     GW: tl.constexpr = GROUP * BITS // 32  # words per group (per column)
+    DEEP: tl.constexpr = GW <= 8  # two groups in flight when their words fit in registers (≤ 2-bit)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -72,18 +114,36 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
     x_words = K // 4
     g_start = pid_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, NG)
+    # Software pipeline, two groups deep: the next two groups' words are in flight while one is
+    # computed. The first loads need nothing from the previous kernel, so with PDL they are issued
+    # before the wait (most programs own two groups: their whole slice is then in flight early).
+    w_next = tl.load(w_ptr + (g_start * GW + rows)[:, None] * N + offs_n[None, :],
+                     mask=n_mask[None, :] & ((rows * 0 + g_start) < g_end)[:, None], other=0,
+                     eviction_policy="evict_first")  # [GW, BN]
+    if DEEP:
+        w_after = tl.load(w_ptr + ((g_start + 1) * GW + rows)[:, None] * N + offs_n[None, :],
+                          mask=n_mask[None, :] & ((rows * 0 + g_start + 1) < g_end)[:, None], other=0,
+                          eviction_policy="evict_first")  # [GW, BN]
+    else:
+        w_after = w_next
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g in range(g_start, g_end):
-        w = tl.load(w_ptr + (g * GW + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0,
-                    eviction_policy="evict_first")  # [GW, BN] int32
-        isum = tl.zeros([BLOCK_M, GW, BLOCK_N], dtype=tl.int32)
-        for j in tl.static_range(STEPS):
-            codes = (w >> (BITS * j)) & BYTE_MASK  # [GW, BN]: four codes as bytes
-            xw = tl.load(xq_ptr + offs_m[:, None] * x_words + g * (GROUP // 4) + (STEPS * rows + j)[None, :],
-                         mask=m_mask[:, None], other=0)  # [BM, GW]: the four int8 activations they meet
-            isum = _dot4(tl.broadcast_to(codes[None, :, :], [BLOCK_M, GW, BLOCK_N]),
-                         tl.broadcast_to(xw[:, :, None], [BLOCK_M, GW, BLOCK_N]), isum, USE_ASM)
-        dot = tl.sum(isum, axis=1)  # [BM, BN]
+        w = w_next
+        if DEEP:
+            w_next = w_after
+            w_after = tl.load(w_ptr + ((g + 2) * GW + rows)[:, None] * N + offs_n[None, :],
+                              mask=n_mask[None, :] & ((rows * 0 + g + 2) < g_end)[:, None], other=0,
+                              eviction_policy="evict_first")
+        else:
+            w_next = tl.load(w_ptr + ((g + 1) * GW + rows)[:, None] * N + offs_n[None, :],
+                             mask=n_mask[None, :] & ((rows * 0 + g + 1) < g_end)[:, None], other=0,
+                             eviction_policy="evict_first")
+            w_after = w_next
+        dot = _group_dot(w, xq_ptr, g, offs_m, m_mask, M, rows, x_words, BITS, BYTE_MASK, GROUP, BLOCK_M,
+                         BLOCK_N, USE_ASM, ROWS_2D)  # [BM, BN]
         sumx = tl.load(sumx_ptr + offs_m * NG + g, mask=m_mask, other=0)  # [BM]
         sx = tl.load(sx_ptr + offs_m * NG + g, mask=m_mask, other=0.0)  # [BM]
         sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
@@ -114,7 +174,8 @@ def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -
 
 def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
                 out: torch.Tensor | None = None, accumulate: bool = False,
-                config: tuple[int, int, int] | None = None, num_sms: int = 132) -> torch.Tensor:
+                config: tuple[int, int, int] | None = None, num_sms: int = 132, rows_2d: bool | None = None
+                ) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y."""
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous()
@@ -131,5 +192,7 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
         xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
         BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits],
         GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 1), BLOCK_N=block_n,
-        ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(), num_warps=warps)
+        ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(),
+        ROWS_2D=(1 < m <= ROWS_2D_MAX) if rows_2d is None else rows_2d, num_warps=warps,
+        **pdl_options(xq.device))
     return out

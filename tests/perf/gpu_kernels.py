@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -72,18 +73,18 @@ def section_check(dev) -> None:
         check(f"gemm {kind} 512x4096x4096", err < 2e-2, f"max rel err {err:.2e} (bf16 output)")
 
 
-def section_gemv(dev, copy_bw: float, quick: bool) -> None:
+def section_gemv(dev, copy_bw: float, quick: bool, kinds: list[str]) -> None:
     g = torch.Generator(device=dev).manual_seed(1)
     configs = [(128 * w, s, w) for w in (1, 2, 4) for s in (1, 2, 4, 8, 16, 32)]
     if quick:
         configs = [(128 * w, s, w) for w in (2, 4) for s in (4, 8, 16)]
-    for kind in ("tri", "bin", "int4", "int8"):
+    for kind in kinds:
         for name, (n, k) in SHAPES_8B.items():
             if name == "head" and kind not in ("int4", "tri"):
                 continue
             pw = random_packed(kind, n, k, 128, device=dev, generator=g)
             dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-            for m in ((1, 4) if name != "head" else (1,)):
+            for m in ((1, 4, 8) if name != "head" else (1,)):
                 xq = quantize_activations(torch.randn(m, k, device=dev), 128)
                 out = torch.zeros(m, n, device=dev)
                 best = None
@@ -96,6 +97,13 @@ def section_gemv(dev, copy_bw: float, quick: bool) -> None:
                         continue
                     if best is None or t < best[0]:
                         best = (t, cfg)
+                if m > 1:  # the M > 1 variants at the best launch shape
+                    t2d = bench(lambda: packed_gemv(*xq, pw, out=out, config=best[1], rows_2d=True))
+                    t3d = bench(lambda: packed_gemv(*xq, pw, out=out, config=best[1], rows_2d=False))
+                    print(f"gemv {kind:4} {name:8} M={m:2} rows as 2-D tiles {t2d * 1e6:6.1f} us, 3-D {t3d * 1e6:6.1f} us",
+                          flush=True)
+                    RESULTS.setdefault("gemv_rows", []).append({"kind": kind, "shape": name, "m": m,
+                                                                "rows_2d_us": t2d * 1e6, "rows_3d_us": t3d * 1e6})
                 xb = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 t_bf16 = bench(lambda: torch.nn.functional.linear(xb, dense))
                 t, cfg = best
@@ -107,6 +115,34 @@ def section_gemv(dev, copy_bw: float, quick: bool) -> None:
                 print(f"gemv {kind:4} {name:8} M={m:2} {t * 1e6:7.1f} us {row['gb_per_s']:6.0f} GB/s "
                       f"({row['fraction_of_copy']:.0%} of copy) cfg={cfg} bf16 {t_bf16 * 1e6:7.1f} us "
                       f"x{row['speedup_vs_bf16']:.1f} (default cfg {t_default * 1e6:.1f} us)", flush=True)
+
+
+def section_small(dev) -> None:
+    """The small kernels of a decode step alone: activation quantization by groups per program."""
+    for mode, k in (("norm", 4096), ("plain", 4096), ("gated", 12288)):
+        x = torch.randn(1, 2 * k if mode == "gated" else k, device=dev)
+        w = torch.rand(k, device=dev) + 0.5 if mode == "norm" else None
+        for per in (1, 2, 4, 8, 32):
+            t = bench(lambda: quantize_activations(x, 128, w, gated=mode == "gated", groups_per_program=per))
+            print(f"act_quant {mode:5} K={k:5} groups/program {per:2}: {t * 1e6:6.2f} us", flush=True)
+            RESULTS.setdefault("small", []).append({"kernel": f"act_quant {mode}", "k": k, "per": per, "us": t * 1e6})
+
+
+def section_rows(dev) -> None:
+    """GEMV at M = 2..8 (verify widths, batched slots) with the default launch shape: rows as 3-D
+    broadcast tiles vs the M = 1 tiles once per row."""
+    g = torch.Generator(device=dev).manual_seed(2)
+    for name, (n, k) in SHAPES_8B.items():
+        if name == "head":
+            continue
+        pw = random_packed("tri", n, k, 128, device=dev, generator=g)
+        for m in (2, 4, 8):
+            xq = quantize_activations(torch.randn(m, k, device=dev), 128)
+            out = torch.zeros(m, n, device=dev)
+            t2 = bench(lambda: packed_gemv(*xq, pw, out=out, rows_2d=True))
+            t3 = bench(lambda: packed_gemv(*xq, pw, out=out, rows_2d=False))
+            print(f"rows tri {name:8} M={m}: 2-D tiles {t2 * 1e6:6.1f} us, 3-D {t3 * 1e6:6.1f} us", flush=True)
+            RESULTS.setdefault("rows", []).append({"shape": name, "m": m, "rows_2d_us": t2 * 1e6, "rows_3d_us": t3 * 1e6})
 
 
 def section_dequant(dev) -> None:
@@ -155,6 +191,68 @@ def section_gemm(dev) -> None:
                   f"{flops / t_cublas / 1e12:6.1f} | dequant+cuBLAS {flops / t_deq / 1e12:6.1f}", flush=True)
 
 
+def profile_replays(graph, reps: int = 20) -> None:
+    """GPU time per kernel name inside the graphed step (CUPTI sees kernels of graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / reps, e.count // reps) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"  kernels per step: {sum(r[2] for r in rows)}, summed kernel time {total:.0f} us", flush=True)
+    for key, us, count in rows[:12]:
+        print(f"  {us:8.1f} us  x{count:4d}  {key[:90]}", flush=True)
+    RESULTS.setdefault("profile", []).append([{"kernel": k, "us": u, "count": c} for k, u, c in rows])
+
+
+def section_prefill(dev, models: list[str]) -> None:
+    """Where a 512-token prefill chunk spends its time, per kernel (the plain model path)."""
+    import yaml
+
+    from engine.kv_cache import CacheBatch, KVCache
+    from engine.loader import load_dummy
+    from engine.model_config import ModelConfig
+    from engine.packed_linear import WeightFormat
+    from torch.profiler import ProfilerActivity, profile
+    root = Path(__file__).resolve().parents[2]
+    for spec in models:
+        name, weights, head = spec.split(":")
+        cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs" / "models" / f"{name}.yaml").read_text()))
+        loaded = load_dummy(cfg, name, dev, WeightFormat(weights, 128, head))
+        cache = KVCache(cfg, 600, 1, dtype=torch.bfloat16, device=dev)
+        ids = torch.randint(0, cfg.vocab_size, (1, 512), device=dev)
+
+        def run():
+            with torch.inference_mode():
+                loaded.model(ids, CacheBatch.make([0], [0], 512, dev), cache, 512, 1)
+        run()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+        t = (time.perf_counter() - t0) / 5
+        print(f"prefill {name} {weights}/{head} 512 tokens: {t * 1e3:.1f} ms = {512 / t:.0f} tok/s", flush=True)
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            run()
+            torch.cuda.synchronize()
+        host = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()), key=lambda r: -r[1])
+        print(f"  host time by op (self): {sum(r[1] for r in host) / 1e3:.1f} ms", flush=True)
+        for key, us, count in host[:14]:
+            print(f"  host {us / 1e3:8.2f} ms  x{count:4d}  {key[:80]}", flush=True)
+        rows = sorted(((e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0),
+                      key=lambda r: -r[1])
+        print(f"  summed kernel time {sum(r[1] for r in rows) / 1e3:.1f} ms", flush=True)
+        for key, us, count in rows[:8]:
+            print(f"  {us / 1e3:8.2f} ms  x{count:4d}  {key[:100]}", flush=True)
+        RESULTS.setdefault("prefill", []).append({"model": name, "weights": weights, "ms": t * 1e3,
+                                                  "kernels": [{"kernel": k, "us": u, "count": c} for k, u, c in rows]})
+        del loaded, cache
+        torch.cuda.empty_cache()
+
+
 def section_step(dev, models: list[str]) -> None:
     import yaml
 
@@ -169,10 +267,19 @@ def section_step(dev, models: list[str]) -> None:
         name, weights, head = spec.split(":")
         cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs" / "models" / f"{name}.yaml").read_text()))
         loaded = load_dummy(cfg, name, dev, WeightFormat(weights, 128, head))
-        for ctx in (512, 4096):
+        for ctx, pdl in ((512, "1"), (512, "0"), (4096, "1")):
+            os.environ["BONSAI_PDL"] = pdl  # programmatic dependent launch on / off (read at capture)
             cache = KVCache(cfg, ctx + 64, 1, dtype=torch.bfloat16, device=dev)
             step = DecodeStepRunner(loaded.model, cache, 1, default_num_splits(ctx + 64, cfg.num_kv_heads, head_dim=cfg.head_dim))
-            step.run([1], [ctx], [0])
+            logits = step.run([1], [ctx], [0]).clone()
+            eager = DecodeStepRunner(loaded.model, cache, 1, step.num_splits, use_graph=False)
+            os.environ["BONSAI_PDL"] = "0"
+            want = eager.run([1], [ctx], [0]).clone()
+            again = eager.run([1], [ctx], [0])
+            noise = ((again - want).abs().max() / want.abs().max()).item()  # split-K atomics: sum order varies
+            err = ((logits - want).abs().max() / want.abs().max()).item()
+            check(f"step {name} {weights} ctx={ctx} pdl={pdl} graph vs eager", err < max(1e-3, 4 * noise),
+                  f"max rel err {err:.2e} (eager vs eager {noise:.2e})")
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             reps = 200
@@ -180,16 +287,18 @@ def section_step(dev, models: list[str]) -> None:
                 step.graph.replay()
             torch.cuda.synchronize()
             t = (time.perf_counter() - t0) / reps
+            if ctx == 512:
+                profile_replays(step.graph)
             wbytes = sum(b.numel() * b.element_size() for n_, b in loaded.model.named_buffers() if n_.endswith(("words", "scales")))
             wbytes += sum(p.numel() * p.element_size() for n_, p in loaded.model.named_parameters()
                           if p.dim() == 2 and "embed" not in n_)
             kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * ctx
-            row = {"model": name, "weights": weights, "head": head, "context": ctx, "us_per_token": t * 1e6,
+            row = {"model": name, "weights": weights, "head": head, "context": ctx, "pdl": pdl, "us_per_token": t * 1e6,
                    "tokens_per_second": 1 / t, "bytes_per_token": wbytes + kv, "gb_per_s": (wbytes + kv) / t / 1e9}
             RESULTS["step"].append(row)
-            print(f"step {name} {weights}/{head} ctx={ctx}: {t * 1e6:.0f} us/token = {1 / t:.0f} tok/s, "
+            print(f"step {name} {weights}/{head} ctx={ctx} pdl={pdl}: {t * 1e6:.0f} us/token = {1 / t:.0f} tok/s, "
                   f"{(wbytes + kv) / 1e9:.2f} GB/token, {(wbytes + kv) / t / 1e9:.0f} GB/s", flush=True)
-            del step, cache
+            del step, eager, cache
         del loaded
         torch.cuda.empty_cache()
 
@@ -199,6 +308,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--sections", default="check,gemv,gemm,step")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kinds", default="tri,bin,int4,int8", help="layouts the gemv section sweeps")
     ap.add_argument("--models", default="qwen3-8b:tri:int4,qwen3-8b:bin:int4,qwen3-8b:bf16:bf16,dense-27b:tri:int4")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -206,8 +316,9 @@ def main() -> None:
     copy_bw = measure_copy_bandwidth(dev)
     RESULTS["copy_bytes_per_second"] = copy_bw
     print(f"{RESULTS['device']}: copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
-    sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick),
-                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "step": lambda: section_step(dev, args.models.split(","))}
+    sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick, args.kinds.split(",")),
+                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "small": lambda: section_small(dev), "rows": lambda: section_rows(dev),
+                "prefill": lambda: section_prefill(dev, args.models.split(",")), "step": lambda: section_step(dev, args.models.split(","))}
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: config, scheduler and slots, engine loop, HTTP routes."""

@@ -1,0 +1,104 @@
+"""A smaller (or quantized) model that shares the target's tokenizer drafts k tokens one by one.
+
+It has its own ModelRunner and KV cache. Before each proposal its cache keeps the longest prefix
+it shares with the context (so the drafted tokens the target rejected are rewound) and catches up
+on the accepted tokens it has not seen. At temperature 0 it drafts its argmax; at T > 0 it samples
+from its own distribution under the request's temperature / top-k / top-p / min-p and returns it
+as q, which verification needs to stay lossless (penalties are left to the target: any q works).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.errors import BonsaiError
+from engine.loader import LoadedModel
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, probabilities
+from engine.speculative.drafter import Draft, Feedback
+from engine.tokenizer import Tokenizer
+
+
+def check_same_tokenizer(draft: Tokenizer | None, target: Tokenizer | None, draft_path: str) -> None:
+    """One line if the draft model cannot draft for the target (its token ids mean other text)."""
+    if draft is None or target is None:
+        raise BonsaiError(f"draft model {draft_path}: a draft model and its target both need a tokenizer "
+                          "(generated-weight models have none)")
+    mine, theirs = draft.vocabulary(), target.vocabulary()
+    if mine != theirs:
+        differ = sum(1 for tok, i in theirs.items() if mine.get(tok) != i) + len(set(mine) - set(theirs))
+        raise BonsaiError(f"draft model {draft_path} has another tokenizer than the target ({len(mine)} vs "
+                          f"{len(theirs)} tokens, {differ} differ): use a draft model of the same family")
+
+
+class DraftModelDrafter:
+    name = "draft"
+    hidden_layers: tuple[int, ...] = ()
+    draftless = False
+
+    def __init__(self, loaded: LoadedModel, target_vocab_size: int, max_seq_len: int,
+                 sampling: SamplingParams | None = None):
+        self.loaded = loaded
+        self.runner = ModelRunner(loaded, max_seq_len=max_seq_len)
+        self.vocab_size = target_vocab_size
+        self.sampling = sampling or SamplingParams()
+        self.generator: torch.Generator | None = None
+        self._pending: tuple[int, list[int]] | None = None  # (context length, tokens) of the last draft
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        """The request's sampling parameters; a seeded request drafts reproducibly."""
+        self.sampling = params
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator(device=self.runner.device)
+            if params.seed is None:
+                self.generator.seed()
+            else:  # a stream apart from the verifier's: its uniforms must not follow the draft's
+                self.generator.manual_seed((params.seed * 1_000_003 + 7) % 2**63)
+
+    def begin(self, prompt: list[int]) -> None:
+        self._pending = None
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [V_draft] → [V_target] (padded vocabularies may differ in size)."""
+        v = self.vocab_size
+        if logits.shape[-1] >= v:
+            return logits[:v]
+        pad = torch.full((v - logits.shape[-1],), float("-inf"), device=logits.device, dtype=logits.dtype)
+        return torch.cat([logits, pad])  # [V]
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        slot = self.runner.slot(0)
+        k = min(k, slot.capacity - len(context))
+        if k <= 0 or not context:
+            return Draft([], source=self.name)
+        common = min(slot.common_prefix(context), len(context) - 1)
+        slot.rewind(slot.length - common)
+        logits = self._fit(self.runner.prefill(slot, context[common:]))  # [V]
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        params = self.sampling
+        for i in range(k):
+            if params.greedy:
+                token = int(torch.argmax(logits))
+            else:
+                q = probabilities(logits, params)  # [V]
+                token = int(torch.multinomial(q, 1, generator=self.generator))
+                probs.append(q)
+            tokens.append(token)
+            if i + 1 < k:
+                logits = self._fit(self.runner.forward(slot, [token])[-1])
+        self._pending = (len(context), tokens)
+        return Draft(tokens, torch.stack(probs) if probs else None, self.name)  # probs [k, V]
+
+    def observe(self, feedback: Feedback) -> None:
+        """Rewind the cache past this drafter's rejected tokens (when its draft was the one verified)."""
+        if self._pending is None:
+            return
+        context_len, tokens = self._pending
+        self._pending = None
+        if feedback.draft.tokens[:len(tokens)] != tokens:
+            return  # another member's draft: the next proposal realigns by common prefix
+        slot = self.runner.slot(0)
+        keep = context_len + feedback.accepted
+        if slot.length > keep:
+            slot.rewind(slot.length - keep)

@@ -1,0 +1,238 @@
+"""The engine loop on a tiny random model (real SmolLM2 tokenizer): concurrent requests decoded in
+one batched step give what plain single-request generation gives; prefix reuse; cancellation;
+thinking budget; a failing request leaves the others running."""
+from __future__ import annotations
+
+import queue
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.generate import GenerationRequest, generate_text
+from engine.loader import LoadedModel, TensorSummary
+from engine.model import Transformer
+from engine.model_config import ModelConfig
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.server.engine_loop import EngineLoop
+from engine.server.sequence import Delta, Failed, Finished, ServeRequest, ThinkingRules
+
+
+def tiny_loaded(vocab: int) -> LoadedModel:
+    cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return LoadedModel(model=model.eval(), tokenizer=None, config=cfg, path=Path("tiny"),
+                       summary=TensorSummary("test", 0, 0, 0), device=torch.device("cpu"),
+                       dtype=torch.float32, weight_dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2_tok):
+    return tiny_loaded(smollm2_tok.vocab_size)
+
+
+def make_engine(loaded, tok, slots=4, chunk=8, context=128, rules=None) -> EngineLoop:
+    runner = ModelRunner(loaded, max_seq_len=context, num_slots=slots, prefill_chunk_size=chunk)
+    return EngineLoop(runner, tok, context, max_queue=8, rules=rules).start()
+
+
+def submit(engine, prompt, max_tokens=12, id="r", **kw) -> tuple[ServeRequest, queue.Queue]:
+    q: queue.Queue = queue.Queue()
+    req = ServeRequest(id=id, prompt_ids=list(prompt), max_tokens=max_tokens, emit=q.put, **kw)
+    engine.submit(req)
+    return req, q
+
+
+def collect(q: queue.Queue, timeout=60.0):
+    text, reasoning = "", ""
+    while True:
+        event = q.get(timeout=timeout)
+        if isinstance(event, Delta):
+            text += event.content
+            reasoning += event.reasoning
+        elif isinstance(event, Finished):
+            return text, reasoning, event
+        else:
+            return event
+
+
+def plain(loaded, tok, prompt, max_tokens=12) -> str:
+    runner = ModelRunner(loaded, max_seq_len=128)
+    text, _, _, _ = generate_text(runner, tok, list(prompt), GenerationRequest(max_tokens=max_tokens))
+    return text
+
+
+PROMPTS = [[1, 504, 3259, 28, 2], [1, 1203, 284, 253, 1542, 2930, 30], [1, 77, 88, 99], [1, 504, 3259, 28, 9]]
+
+
+def test_decode_batch_rows_equal_single_forwards(loaded, one_thread):
+    runner = ModelRunner(loaded, max_seq_len=64, num_slots=3)
+    single = ModelRunner(loaded, max_seq_len=64, num_slots=3)
+    for i, p in enumerate(PROMPTS[:3]):
+        runner.prefill(runner.slot(i), p)
+        single.prefill(single.slot(i), p)
+    batched = runner.decode_batch([runner.slot(2), runner.slot(0), runner.slot(1)], [5, 6, 7])  # [3, V]
+    rows = [single.forward(single.slot(i), [t])[-1] for i, t in ((2, 5), (0, 6), (1, 7))]
+    torch.testing.assert_close(batched, torch.stack(rows), atol=1e-4, rtol=1e-4)
+    assert runner.slot(0).tokens == PROMPTS[0] + [6]
+
+
+def test_concurrent_requests_match_plain_generation_and_share_steps(loaded, smollm2_tok, one_thread):
+    engine = make_engine(loaded, smollm2_tok)
+    try:
+        jobs = [submit(engine, p) for p in PROMPTS]
+        results = [collect(q) for _, q in jobs]
+        for p, (text, _, fin) in zip(PROMPTS, results):
+            assert text == plain(loaded, smollm2_tok, p)
+            assert fin.usage["prompt_tokens"] == len(p) and fin.timings["predicted_n"] == fin.usage["completion_tokens"]
+        m = engine.metrics
+        assert m.decode_rows > m.decode_steps  # several requests shared decode steps
+        # the second turn of a conversation reuses the slot holding its prefix
+        again = PROMPTS[1] + [42, 43]
+        text, _, fin = collect(submit(engine, again)[1])
+        assert fin.usage["prompt_tokens_details"]["cached_tokens"] == len(PROMPTS[1]) == fin.timings["cache_n"]
+        assert text == plain(loaded, smollm2_tok, again)
+    finally:
+        engine.stop()
+
+
+def test_cancel_frees_the_slot_and_others_finish(loaded, smollm2_tok, one_thread):
+    engine = make_engine(loaded, smollm2_tok, slots=2)
+    try:
+        a, qa = submit(engine, PROMPTS[0], max_tokens=200)
+        b, qb = submit(engine, PROMPTS[1], max_tokens=6)
+        qa.get(timeout=30)
+        engine.cancel(a)
+        deadline = time.time() + 30
+        while engine.active.get(0) is not None and time.time() < deadline:
+            time.sleep(0.01)
+        assert 0 not in engine.active and engine.metrics.requests["cancelled"] == 1
+        assert isinstance(collect(qb)[2], Finished)
+        c, qc = submit(engine, PROMPTS[2], max_tokens=3)
+        assert isinstance(collect(qc)[2], Finished)
+    finally:
+        engine.stop()
+
+
+def test_failing_request_is_reported_and_the_engine_goes_on(loaded, smollm2_tok, one_thread, monkeypatch):
+    from engine.server import sequence
+    original = sequence.Sequence.on_logits
+
+    def flaky(self, logits, room):
+        if self.request.id == "bad" and self.generated >= 2:
+            raise RuntimeError("planted failure")
+        return original(self, logits, room)
+
+    monkeypatch.setattr(sequence.Sequence, "on_logits", flaky)
+    engine = make_engine(loaded, smollm2_tok, slots=2, context=32)
+    try:
+        _, qbad = submit(engine, PROMPTS[0], max_tokens=20, id="bad")
+        _, qgood = submit(engine, PROMPTS[1], max_tokens=8)
+        failed = collect(qbad)
+        assert isinstance(failed, Failed) and "planted failure" in failed.message
+        assert collect(qgood)[0] == plain(loaded, smollm2_tok, PROMPTS[1], 8)
+        _, q = submit(engine, [1, 2, 3], max_tokens=40)  # runs into the 32-token context
+        text, _, fin = collect(q)
+        # every position holds a token; the last sampled one needs none
+        assert fin.reason == "length" and fin.usage["prompt_tokens"] + fin.usage["completion_tokens"] == 33
+        assert max(s.length for s in engine.runner.cache.slots) == 32 and engine.metrics.requests["error"] == 1
+    finally:
+        engine.stop()
+
+
+def test_thinking_budget_inserts_the_end_tag_and_the_answer_follows(loaded, smollm2_tok, one_thread):
+    rules = ThinkingRules("<think>", "</think>", "Time is up.")
+    engine = make_engine(loaded, smollm2_tok, rules=rules)
+    try:
+        prompt = smollm2_tok.encode("<|im_start|>assistant\n<think>\n")
+        _, q = submit(engine, prompt, max_tokens=20, thinking_budget=4, thinking_at_start=True)
+        text, reasoning, fin = collect(q)
+        assert reasoning.rstrip().endswith("Time is up.") and "</think>" not in text + reasoning
+        assert fin.reason == "length" and text  # the answer went on after the inserted end tag
+    finally:
+        engine.stop()
+
+
+def test_a_model_that_ends_inside_its_thought_is_led_into_the_answer(smollm2_tok, one_thread):
+    from engine.server.sequence import Sequence
+    events: list = []
+    tok = smollm2_tok
+    req = ServeRequest(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append, thinking_at_start=True)
+    seq = Sequence(req, tok, ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
+
+    def choose(token: int) -> torch.Tensor:
+        logits = torch.full((tok.vocab_size,), -1e9)
+        logits[token] = 0.0
+        return logits
+
+    eos = min(tok.eos_ids)
+    for t in tok.encode("hmm"):
+        seq.on_logits(choose(t), room=100)
+    seq.on_logits(choose(eos), room=100)  # ends inside the thought
+    assert not seq.done and tok.decode(seq.pending) == "</think>\n\n"
+    answer = tok.encode("Paris")
+    for t in answer:
+        seq.on_logits(choose(t), room=100)
+    seq.on_logits(choose(eos), room=100)
+    assert seq.done and seq.finish_reason == "stop"
+    reasoning = "".join(e.reasoning for e in events if isinstance(e, Delta))
+    content = "".join(e.content for e in events if isinstance(e, Delta))
+    assert (reasoning, content) == ("hmm", "Paris")
+    inserted = len(tok.encode("</think>\n\n"))
+    assert events[-1].usage["completion_tokens"] == len(tok.encode("hmm")) + inserted + len(answer)
+
+
+def test_a_model_that_stops_right_after_its_thought_is_led_once(smollm2_tok, one_thread):
+    from engine.server.sequence import Sequence
+    events: list = []
+    tok = smollm2_tok
+    req = ServeRequest(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append)
+    seq = Sequence(req, tok, ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
+    logits = torch.full((tok.vocab_size,), -1e9)
+    for t in tok.encode("<think>ok</think>"):
+        seq.on_logits(logits.index_fill(0, torch.tensor([t]), 0.0), room=100)
+    eos = logits.index_fill(0, torch.tensor([min(tok.eos_ids)]), 0.0)
+    seq.on_logits(eos, room=100)
+    assert not seq.done and tok.decode(seq.pending) == "\n\n"  # led into the answer
+    seq.on_logits(eos, room=100)
+    assert seq.done  # only once: an empty answer after that is the model's own
+
+
+@pytest.mark.gpu
+def test_graphed_batched_decode_matches_the_graphed_single_row_step(smollm2_gguf):
+    from engine.loader import load_model
+    loaded = load_model(smollm2_gguf, "cuda")
+    runner = ModelRunner(loaded, max_seq_len=128, num_slots=4)
+    assert runner.decoder is not None and runner.decoder.graph is not None
+    prompts = [loaded.tokenizer.encode(t) for t in ("The capital of France is", "Once upon a time",
+                                                     "1, 2, 3, 4,", "def main():")]
+    single = ModelRunner(loaded, max_seq_len=128, num_slots=4)
+    for i, p in enumerate(prompts):
+        runner.prefill(runner.slot(i), p)
+        single.prefill(single.slot(i), p)
+    order = [3, 0, 2]  # rows from different slots at different positions
+    batched = runner.decode_batch([runner.slot(i) for i in order], [prompts[i][-1] for i in order]).float().cpu()
+    rows = torch.stack([single.forward(single.slot(i), [prompts[i][-1]])[-1].float().cpu() for i in order])
+    assert 3 in runner._row_steps and runner._row_steps[3].graph is not None  # the graphed 3-row step ran
+    assert torch.equal(batched.argmax(-1), rows.argmax(-1))
+    torch.testing.assert_close(batched, rows, atol=0.1, rtol=0.05)
+
+
+def test_ids_beyond_the_tokenizer_are_never_sampled(smollm2_tok, one_thread):
+    from engine.server.sequence import Sequence
+    tok = smollm2_tok
+    events: list = []
+    req = ServeRequest(id="v", prompt_ids=[1, 2], max_tokens=5, emit=events.append)
+    seq = Sequence(req, tok, ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
+    logits = torch.zeros(tok.vocab_size + 64)  # a padded output layer (or a dummy model's larger vocabulary)
+    logits[tok.vocab_size + 3] = 50.0
+    logits[42] = 10.0
+    seq.on_logits(logits, room=100)
+    assert seq.pending == [42]

@@ -1,0 +1,163 @@
+"""Server bookkeeping without a model: slots and queue, context policy, reasoning split, metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from engine.errors import BonsaiError
+from engine.server.context_policy import fit_conversation
+from engine.server.metrics import Metrics
+from engine.server.reasoning import ReasoningSplitter
+from engine.server.scheduler import QueueFull, Scheduler
+
+
+@dataclass
+class Slot:
+    index: int
+    capacity: int = 100
+    tokens: list[int] = field(default_factory=list)
+
+
+def make(n: int = 3, max_queue: int = 2) -> Scheduler:
+    return Scheduler([Slot(i) for i in range(n)], max_queue=max_queue)
+
+
+def test_longest_cached_prefix_wins_and_is_kept():
+    s = make()
+    s.slots[0].tokens[:] = [1, 2, 3]
+    s.slots[1].tokens[:] = [1, 2, 3, 4, 5, 6]
+    s.slots[2].tokens[:] = [9]
+    s.submit("a", [1, 2, 3, 4, 5, 7])
+    (a,) = s.assign()
+    assert (a.request, a.slot.index, a.reused) == ("a", 1, 5)
+    assert s.slots[1].tokens == [1, 2, 3, 4, 5]  # rewound to the shared prefix
+    s.submit("b", [1, 2, 3, 4, 5, 6])
+    (b,) = s.assign()
+    assert (b.slot.index, b.reused) == (0, 3)  # slot 1 is busy: the next best
+
+
+def test_at_least_one_prompt_token_is_left_to_compute():
+    s = make(1)
+    s.slots[0].tokens[:] = [1, 2, 3, 4]
+    s.submit("a", [1, 2, 3])
+    (a,) = s.assign()
+    assert a.reused == 2 and s.slots[0].tokens == [1, 2]
+
+
+def test_ties_go_to_the_slot_idle_longest_and_release_keeps_the_cache():
+    s = make(2)
+    s.submit("a", [5])
+    s.submit("b", [6])
+    a, b = s.assign()
+    a.slot.tokens[:] = [5, 50]
+    b.slot.tokens[:] = [6, 60]
+    s.release(b.slot)
+    s.release(a.slot)  # a's slot was used last
+    s.submit("c", [7, 8])
+    (c,) = s.assign()
+    assert c.slot is b.slot and c.reused == 0
+    assert a.slot.tokens == [5, 50]  # the other cache survives
+    assert s.info(a.slot.index).requests_served == 1 and s.busy == 1
+
+
+def test_bounded_queue_refuses_with_retry_after_and_fifo_order():
+    s = make(n=1, max_queue=2)
+    s.submit("a", [1])
+    assert [x.request for x in s.assign()] == ["a"]
+    s.submit("b", [1])
+    s.submit("c", [1])
+    with pytest.raises(QueueFull) as e:
+        s.submit("d", [1])
+    assert e.value.retry_after >= 1 and "busy" in str(e.value)
+    assert s.assign() == []  # no free slot
+    s.release(s.slots[0])
+    assert [x.request for x in s.assign()] == ["b"]
+    assert s.drop_waiting(lambda r: r == "c") == ["c"] and s.waiting == 0
+
+
+def test_queue_counts_free_slots_as_room():
+    s = make(n=3, max_queue=0)
+    for r in "abc":
+        s.submit(r, [1])  # three free slots take three requests even with no queue
+    with pytest.raises(QueueFull):
+        s.submit("d", [1])
+    assert len(s.assign()) == 3 and s.drain() == []
+
+
+def count_words(messages):
+    return sum(len(m["content"].split()) for m in messages)
+
+
+def conversation(turns: int):
+    msgs = [{"role": "system", "content": "brief " * 5}]  # 5 "tokens" per message
+    for i in range(turns):
+        msgs += [{"role": "user", "content": f"q{i} " * 5}, {"role": "assistant", "content": f"a{i} " * 5}]
+    return msgs + [{"role": "user", "content": "now " * 5}]
+
+
+def test_context_policy_does_nothing_below_the_threshold():
+    msgs = conversation(3)  # 5 + 30 + 5 = 40 words
+    fitted = fit_conversation(msgs, count_words, context=45, compress_at=0.9)
+    assert fitted.messages is msgs and fitted.dropped == 0 and fitted.prompt_tokens == 40
+
+
+def test_context_policy_drops_whole_oldest_turns_and_keeps_system_and_current(caplog):
+    msgs = conversation(3)
+    with caplog.at_level("INFO"):
+        fitted = fit_conversation(msgs, count_words, context=40, compress_at=0.9)  # threshold 36
+    assert fitted.messages[0] == msgs[0] and fitted.messages[-1] == msgs[-1]
+    assert fitted.dropped == 2 and fitted.prompt_tokens == 30
+    assert [m["role"] for m in fitted.messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert "dropped the 2 oldest messages" in caplog.text
+
+
+def test_context_policy_refuses_what_cannot_fit():
+    msgs = [{"role": "system", "content": "x " * 30}, {"role": "user", "content": "y " * 30}]
+    with pytest.raises(BonsaiError, match="context holds 50"):
+        fit_conversation(msgs, count_words, context=50)
+
+
+def split_all(splitter: ReasoningSplitter, pieces: list[str]) -> tuple[str, str]:
+    r, c = "", ""
+    for p in pieces:
+        a, b = splitter.push(p)
+        r, c = r + a, c + b
+    a, b = splitter.flush()
+    return r + a, c + b
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5])
+def test_reasoning_split_on_tags_in_any_piece_sizes(cut):
+    text = "<think>\nlet me see</think>\n\nParis."
+    pieces = [text[i:i + cut] for i in range(0, len(text), cut)]
+    assert split_all(ReasoningSplitter("<think>", "</think>"), pieces) == ("let me see", "Paris.")
+
+
+def test_reasoning_opened_by_the_prompt_and_text_without_thought():
+    s = ReasoningSplitter("<think>", "</think>", thinking=True)
+    assert split_all(s, ["hmm </th", "ink> ok"]) == ("hmm ", "ok")
+    assert split_all(ReasoningSplitter("<think>", "</think>"), ["<th", "e answer"]) == ("", "<the answer")
+    assert split_all(ReasoningSplitter("<think>", "</think>"), ["a <think> b"]) == ("", "a <think> b")
+    off = ReasoningSplitter("<think>", "</think>", enabled=False)
+    assert split_all(off, ["<think>x</think>y"]) == ("", "<think>x</think>y")
+    unfinished = ReasoningSplitter("<think>", "</think>")
+    assert split_all(unfinished, ["<think>still going </thi"]) == ("still going </thi", "")
+    assert unfinished.thinking
+
+
+def test_metrics_prometheus_text_parses():
+    m = Metrics(slots_total=2)
+    m.count_request("stop")
+    m.count_prompt(10, 4)
+    m.count_step(rows=2, tokens=2)
+    m.spec_accepted_per_position[0] += 3
+    samples = {}
+    for line in m.prometheus().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples['bonsai_requests_total{outcome="stop"}'] == 1
+    assert samples["bonsai_prompt_cache_tokens_total"] == 4 and samples["bonsai_prompt_tokens_computed_total"] == 6
+    assert samples["bonsai_decode_rows_total"] == 2 and samples["bonsai_slots_total"] == 2
+    assert samples['bonsai_spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 3

@@ -1,0 +1,210 @@
+"""Speculative decoding through the generation core on tiny random models: greedy output equal to
+plain decoding, the sampled distribution unchanged (exact enumeration vs chi-square), the cache
+after accept/reject equal to one built from the accepted tokens, end rules inside accepted runs."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.generate import GenerationRequest, generate_text
+from engine.loader import LoadedModel, TensorSummary
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, apply_penalties, probabilities
+from engine.speculative.draft_model import DraftModelDrafter
+from engine.speculative.mix import MixDrafter
+from engine.speculative.ngram import NgramDrafter
+from tests.test_kv_cache import TINY, tiny_model
+from tests.test_spec_verify import chi_square_ok
+
+
+class TinyTokenizer:
+    """Token i reads 't{i} '; `eos` ends generation."""
+
+    def __init__(self, eos: int | None = None):
+        self.eos_ids = frozenset() if eos is None else frozenset({eos})
+        self.special_ids = frozenset()
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(f"t{i} " for i in ids)
+
+    def id_to_token(self, i: int) -> str:
+        return f"t{i}"
+
+
+def tiny_loaded(vocab: int = TINY.vocab_size, seed: int = 0, scale: float = 0.3, layers: int = 2) -> LoadedModel:
+    cfg = replace(TINY, vocab_size=vocab, num_layers=layers)
+    model = tiny_model(cfg)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, scale)
+    return LoadedModel(model=model, tokenizer=None, config=cfg, path=Path("tiny"),
+                       summary=TensorSummary("test", 0, 0, 0), device=torch.device("cpu"),
+                       dtype=torch.float32, weight_dtype=torch.float32)
+
+
+def perturbed(target: LoadedModel, noise: float, seed: int = 1) -> LoadedModel:
+    """A draft model: the target's weights plus noise (agrees often, not always)."""
+    out = tiny_loaded(target.config.vocab_size, layers=target.config.num_layers)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mine, theirs in zip(out.model.parameters(), target.model.parameters()):
+            mine.copy_(theirs + noise * torch.randn(theirs.shape, generator=gen))
+    return out
+
+
+PROMPT = [5, 17, 3, 5, 17, 3, 42, 8, 5, 17]
+
+
+def drafters(target: LoadedModel, noise: float = 0.02):
+    vocab = target.config.vocab_size
+    return {"ngram": NgramDrafter(1, 3), "draft": DraftModelDrafter(perturbed(target, noise), vocab, 96),
+            "mix": MixDrafter([NgramDrafter(1, 3), DraftModelDrafter(perturbed(target, noise), vocab, 96)])}
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft", "mix", "draft-self"])
+def test_greedy_output_equals_plain_decoding(one_thread, name):
+    loaded = tiny_loaded()
+    tok = TinyTokenizer()
+    request = GenerationRequest(max_tokens=40, ignore_eos=True)
+    plain_text, plain_ids, _, _ = generate_text(ModelRunner(loaded, 96), tok, PROMPT, request)
+    if name == "draft-self":  # the target drafting for itself: every draft accepted
+        drafter = DraftModelDrafter(loaded, loaded.config.vocab_size, 96)
+    else:
+        drafter = drafters(loaded)[name]
+    runner = ModelRunner(loaded, 96)
+    text, ids, finish, stats = generate_text(runner, tok, PROMPT, request, drafter=drafter, num_draft_tokens=4)
+    assert ids == plain_ids and text == plain_text and finish == "length"
+    spec = stats.speculative
+    assert spec.steps > 0 and spec.drafted > 0 and stats.generated_tokens == 40
+    assert 1 + spec.accepted + spec.steps == 40  # the first token, then accepted + bonus per step
+    if name == "draft-self":
+        assert spec.accepted == spec.drafted
+        assert spec.mean_accepted_length > 3
+    assert runner.slot(0).tokens == PROMPT + ids[:-1]  # as after plain decoding
+
+
+def test_cache_after_accept_and_reject_equals_a_cache_of_the_accepted_tokens(one_thread):
+    loaded = tiny_loaded()
+    runner = ModelRunner(loaded, 96)
+    drafter = drafters(loaded, noise=0.01)["draft"]  # another model: some drafts rejected
+    _, ids, _, stats = generate_text(runner, TinyTokenizer(), PROMPT, GenerationRequest(max_tokens=30, ignore_eos=True),
+                                     drafter=drafter, num_draft_tokens=3)
+    assert 0 < stats.speculative.accepted < stats.speculative.drafted
+    slot = runner.slot(0)
+    assert slot.tokens == PROMPT + ids[:-1]
+    fresh = ModelRunner(loaded, 96)
+    fresh.prefill(fresh.slot(0), slot.tokens)
+    n = slot.length
+    torch.testing.assert_close(runner.cache.k[:, 0, :, :n], fresh.cache.k[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(runner.cache.v[:, 0, :, :n], fresh.cache.v[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+    draft_slot = drafter.runner.slot(0)  # the drafter's own cache holds a prefix of the context
+    assert draft_slot.tokens == (PROMPT + ids)[:draft_slot.length]
+
+
+@pytest.mark.parametrize("end", ["eos", "stop", "max_tokens", "capacity"])
+def test_ends_inside_an_accepted_run_as_plain_decoding_does(one_thread, end):
+    loaded = tiny_loaded()
+    plain_runner = ModelRunner(loaded, 96)
+    _, reference, _, _ = generate_text(plain_runner, TinyTokenizer(), PROMPT, GenerationRequest(max_tokens=30, ignore_eos=True))
+    cut = reference[7]
+    tok = TinyTokenizer(eos=cut if end == "eos" else None)
+    request = GenerationRequest(max_tokens=9 if end == "max_tokens" else 30, ignore_eos=end != "eos",
+                                stop=(f"t{cut} ",) if end == "stop" else ())
+    capacity = len(PROMPT) + 12 if end == "capacity" else 96
+    plain = ModelRunner(loaded, capacity)
+    want = generate_text(plain, tok, PROMPT, request)
+    spec = ModelRunner(loaded, capacity)
+    got = generate_text(spec, tok, PROMPT, request, drafter=DraftModelDrafter(loaded, loaded.config.vocab_size, 96),
+                        num_draft_tokens=5)
+    assert got[:3] == want[:3]
+    assert spec.slot(0).tokens == plain.slot(0).tokens
+
+
+def _exact_distribution(loaded: LoadedModel, prompt: list[int], params: SamplingParams, n: int) -> torch.Tensor:
+    """P(first n tokens) by enumeration with plain decoding's maths: [V] * n → flat [V^n]."""
+    vocab = loaded.config.vocab_size
+    runner = ModelRunner(loaded, 64)
+    out = torch.zeros(vocab ** n, dtype=torch.float64)
+    for seq in itertools.product(range(vocab), repeat=n):
+        prob = 1.0
+        seen = torch.bincount(torch.tensor(prompt), minlength=vocab).float()
+        output = torch.zeros(vocab)
+        slot = runner.slot(0)
+        slot.reset()
+        logits = runner.prefill(slot, prompt)
+        for i, t in enumerate(seq):
+            prob *= probabilities(apply_penalties(logits, seen, output, params), params)[t].item()
+            if prob == 0:
+                break
+            seen[t] += 1
+            output[t] += 1
+            if i + 1 < n:
+                logits = runner.forward(slot, [t])[-1]
+        out[sum(t * vocab ** (n - 1 - i) for i, t in enumerate(seq))] = prob
+    return out
+
+
+def test_sampling_distribution_is_unchanged(one_thread):
+    """Three tokens, vocab 4, with top-k and a presence penalty: the joint distribution of the
+    speculative output equals the enumerated one (the draft model's q differs from p; a one-hot
+    q, as from n-gram drafts, is covered by tests/test_spec_verify.py)."""
+    vocab, n_tokens, runs = 4, 3, 1500
+    target = tiny_loaded(vocab, seed=0, scale=0.6, layers=1)
+    prompt = [1, 2, 3, 1, 2]
+    params = SamplingParams(temperature=0.9, top_k=3, presence_penalty=0.7, seed=11)
+    exact = _exact_distribution(target, prompt, params, n_tokens)
+    drafter = DraftModelDrafter(perturbed(target, 0.3), vocab, 64)
+    runner = ModelRunner(target, 64)
+    request = GenerationRequest(max_tokens=n_tokens, sampling=params, ignore_eos=True, reuse_prefix=False)
+    counts = torch.zeros(vocab ** n_tokens, dtype=torch.float64)
+    accepted = 0
+    for i in range(runs):
+        request = replace(request, sampling=replace(params, seed=i))
+        _, ids, _, stats = generate_text(runner, TinyTokenizer(), prompt, request, drafter=drafter, num_draft_tokens=2)
+        counts[sum(t * vocab ** (n_tokens - 1 - j) for j, t in enumerate(ids))] += 1
+        accepted += stats.speculative.accepted
+    assert accepted > runs // 10  # drafts were in play, not only plain steps
+    stat, critical = chi_square_ok(counts, exact)
+    assert stat < critical, (stat, critical)
+
+
+def test_verify_runs_the_fused_decode_step_and_matches_plain_fused_decoding(one_thread):
+    """Where decoding runs the fused step (a GPU; asked for here on the CPU), verify runs the same
+    step over several rows: the greedy output equals plain fused decoding's, and making a step
+    for a new row count leaves the cache as it was."""
+    from engine.loader import load_dummy
+    from engine.packed_linear import WeightFormat
+    from tests.test_decode_step import CFG
+    loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
+    tok = TinyTokenizer()
+    request = GenerationRequest(max_tokens=24, ignore_eos=True)
+    plain = ModelRunner(loaded, 96, fast_decode=True)
+    _, want, _, _ = generate_text(plain, tok, PROMPT, request)
+    runner = ModelRunner(loaded, 96, fast_decode=True)
+    runner.prefill(runner.slot(0), PROMPT)
+    before = runner.cache.k[:, 0, :, :len(PROMPT)].clone()
+    logits, hidden = runner.verify(runner.slot(0), [want[0], want[1], 7])
+    assert hidden == {} and logits.shape == (3, CFG.vocab_size) and set(runner._row_steps) == {3}
+    torch.testing.assert_close(runner.cache.k[:, 0, :, :len(PROMPT)], before)
+    runner.slot(0).reset()
+    _, got, _, stats = generate_text(runner, tok, PROMPT, request, drafter=NgramDrafter(1, 3), num_draft_tokens=4)
+    assert got == want and stats.speculative.drafted > 0
+
+
+def test_model_bench_decodes_speculatively_with_a_drafter(one_thread):
+    from engine.bench.model_bench import BenchTest, run_model_bench, run_test
+    from engine.speculative.stats import SpecStats
+    loaded = tiny_loaded()
+    [m] = run_model_bench(ModelRunner(loaded, 96), [BenchTest(8, 24)], 2, frozenset(), drafter=NgramDrafter(1, 3))
+    spec = m.summary()["speculative"]
+    assert spec["steps"] + spec["accepted"] == 2 * 24 and spec["drafted"] > 0  # n_gen tokens per repetition
+    runner, stats = ModelRunner(loaded, 96), SpecStats()
+    run_test(runner, BenchTest(8, 24), 1, frozenset(), MixDrafter([NgramDrafter(1, 3)]), 4, stats)
+    plain = ModelRunner(loaded, 96)
+    run_test(plain, BenchTest(8, 24), 1, frozenset())
+    assert runner.slot(0).tokens[:33] == plain.slot(0).tokens  # the same greedy tokens
