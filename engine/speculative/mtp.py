@@ -8,8 +8,10 @@ Factory (what `--spec mtp:PATH` calls):
       path: a drafter file (or the directory holding drafter.safetensors) written by
       `bonsai train-drafter --kind mtp`; refused in one line if trained for another model.
       max_seq_len: rows of its own KV cache (default: the target's context, at most 4096).
-      sampling: the request's SamplingParams; when not greedy, drafts are sampled from it and
-      Draft.probs holds their distributions; otherwise drafts are argmax and probs is None.
+      sampling: the request's SamplingParams (also settable per request: `set_sampling(params)`,
+      which the generation core calls); when not greedy, drafts are sampled from it and
+      Draft.probs holds their distributions; otherwise drafts are argmax and probs is None
+      (verification then counts q = 1, lossless at any temperature).
 The drafter keeps a KV cache for its block: one row per verified target position (its inputs are
 real target hidden states); the chained rows of a proposal are never stored, so a rejection needs
 no rewind beyond dropping them. Rows exist from the first verification on (the prompt's hidden
