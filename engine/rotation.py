@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from engine.checkpoint_file import canonical_name
+from engine.checkpoint_file import canonical_name, hf_name
 from engine.errors import BonsaiError
 from engine.model_config import ModelConfig
 from quant.rotation import (block_hadamard, block_hadamard_factors, fold_norm, has_hadamard, power_of_two_block,
@@ -107,3 +107,20 @@ def rotate_tensor(canon: str | None, w: torch.Tensor, rotation: Rotation, norms:
             w = block_hadamard(w, *block_hadamard_factors(rotation.down_block))  # W·(I ⊗ H_b)
         return rotate_output(w, q)
     return w
+
+
+def load_rotated(path, online: bool = True, seed: int = 0, device: str = "cpu"):
+    """The model at `path` (HF dir, GGUF, checkpoint) in float32, rotated as `bonsai quantize --rotate`
+    would before quantizing (for measurements and tests): a LoadedModel with the source's tokenizer."""
+    from engine.loader import load_model, model_from_tensors, open_model_source
+    ref = load_model(path, device=device, dtype=torch.float32, weight_dtype=torch.float32, keep_codes=False)
+    source = open_model_source(path)
+    cfg = source.model_config()
+    rotation = plan_rotation(cfg, online=online, seed=seed)
+    norms = {n: w for n, w in source.iter_canonical_tensors(cfg) if n in norm_names(cfg)}
+    stream = ((hf_name(n), w) for n, w in source.iter_canonical_tensors(cfg))
+    tensors = ((canonical_name(n), w) for n, w in rotate_tensors(stream, cfg, rotation, norms))
+    config = rotated_config(cfg)
+    model = model_from_tensors(config, tensors, ref.device, torch.float32, torch.float32, path,
+                               down_hadamard=rotation.down_block)
+    return dataclasses.replace(ref, model=model, config=config)

@@ -10,13 +10,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine.checkpoint_file import BonsaiCheckpoint, canonical_name, hf_name
+from engine.checkpoint_file import BonsaiCheckpoint
 from engine.cuda_graphs import DecodeStepRunner
-from engine.loader import LoadedModel, load_dummy, load_model, model_from_tensors, open_model_source
+from engine.loader import LoadedModel, load_dummy, load_model
 from engine.model_config import ModelConfig
 from engine.packed_linear import WeightFormat
-from engine.rotation import norm_names, plan_rotation, rotate_tensors, rotated_config
+from engine.rotation import load_rotated
 from engine.runner import ModelRunner
+from quant.checkpoint import Checkpoint, CheckpointError, SafetensorsFile
 from quant.rotation import (block_hadamard, block_hadamard_factors, block_hadamard_matrix, fold_norm, hadamard_matrix,
                             has_hadamard, power_of_two_block, random_hadamard, rotate_input, rotate_output)
 from tests.gguf_tiny import write_tiny_gguf
@@ -75,17 +76,7 @@ def test_folding_keeps_a_normed_linear_and_a_residual_write(one_thread):
 
 def _rotated(source_path: Path, online: bool, seed: int = 0) -> tuple[LoadedModel, LoadedModel]:
     """(the source loaded in float32, the rotated float32 model built from its tensors)."""
-    ref = load_model(source_path, weight_dtype=torch.float32)
-    source = open_model_source(source_path)
-    cfg = source.model_config()
-    rotation = plan_rotation(cfg, online=online, seed=seed)
-    norms = {n: w for n, w in source.iter_canonical_tensors(cfg) if n in norm_names(cfg)}
-    stream = ((hf_name(n), w) for n, w in source.iter_canonical_tensors(cfg))
-    tensors = ((canonical_name(n), w) for n, w in rotate_tensors(stream, cfg, rotation, norms))
-    model = model_from_tensors(rotated_config(cfg), tensors, ref.device, torch.float32, torch.float32, source_path,
-                               down_hadamard=rotation.down_block)
-    return ref, LoadedModel(model, None, rotated_config(cfg), source_path, ref.summary, ref.device, torch.float32,
-                            torch.float32)
+    return load_model(source_path, weight_dtype=torch.float32), load_rotated(source_path, online, seed)
 
 
 def _logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
@@ -166,6 +157,7 @@ def test_quantize_rotate_end_to_end(tiny, tmp_path, capsys, one_thread):
     assert report["formats"]["int8 g16"]["tensors"] == 2 * 7 + 1  # the untied output layer is int8 too
     meta = BonsaiCheckpoint(out).checkpoint
     assert meta.rotation["down_proj_hadamard"] == 32 and "lm_head.weight" in meta.entries
+    assert SafetensorsFile(out / "model.safetensors").metadata["format_version"] == "2"  # v1 readers refuse it
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     loaded = load_model(out, weight_dtype=torch.float32)
     assert loaded.model.layers[1].feed_forward.down_hadamard == 32
@@ -219,6 +211,7 @@ def test_gguf_export_of_a_rotated_model(tiny, tmp_path, capsys, one_thread):
                             "--quant-type", "int8", "--group-size", "32", "--gguf", str(tmp_path / "o.gguf"), "--json")
     assert code == 0, err
     assert json.loads(stdout)["rotation"]["down_proj_hadamard"] == 0
+    assert SafetensorsFile(tmp_path / "o" / "model.safetensors").metadata["format_version"] == "1"  # a plain model
     ref = load_model(tiny.hf, weight_dtype=torch.float32)
     exported = load_model(tmp_path / "o.gguf", weight_dtype=torch.float32)  # a plain llama GGUF
     want, got = _logits(ref, IDS).log_softmax(-1), _logits(exported, IDS).log_softmax(-1)
@@ -240,3 +233,21 @@ def test_rotate_bad_input(tiny, tmp_path, capsys):
     assert "cannot apply the online Hadamard" in error(str(rotated), str(tmp_path / "o"), "--quant-type", "int8",
                                                         "--group-size", "32", "--gguf", str(tmp_path / "o.gguf"))
     assert_nothing_written(tmp_path, before)
+
+
+def test_corrupt_rotation_metadata_is_refused(tmp_path):
+    from quant.checkpoint import CheckpointWriter
+    from quant.formats import QuantSpec
+    for rotation, ok in [({"residual": "randomized-hadamard", "seed": 0, "down_proj_hadamard": 64}, True),
+                         ({"residual": "randomized-hadamard", "down_proj_hadamard": 48}, False),
+                         ({"down_proj_hadamard": 64}, False)]:
+        out = tmp_path / f"c{len(list(tmp_path.iterdir()))}"
+        with CheckpointWriter(out, rotation=rotation) as writer:
+            writer.add_file("config.json", b"{}")
+            writer.write_quantized("w", QuantSpec("int8", 32), torch.ones(4, 64, dtype=torch.int8), torch.ones(4, 2))
+            writer.commit()
+        if ok:
+            assert Checkpoint(out).rotation == rotation
+        else:
+            with pytest.raises(CheckpointError, match="bonsai.rotation metadata is corrupt"):
+                Checkpoint(out)
