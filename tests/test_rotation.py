@@ -159,6 +159,8 @@ def test_quantize_rotate_end_to_end(tiny, tmp_path, capsys, one_thread):
     assert meta.rotation["down_proj_hadamard"] == 32 and "lm_head.weight" in meta.entries
     assert SafetensorsFile(out / "model.safetensors").metadata["format_version"] == "2"  # v1 readers refuse it
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    code, stdout, _ = cli(capsys, "info", str(out), "--json")
+    assert code == 0 and json.loads(stdout)["rotation"]["down_proj_hadamard"] == 32
     loaded = load_model(out, weight_dtype=torch.float32)
     assert loaded.model.layers[1].feed_forward.down_hadamard == 32
     ref = load_model(tiny.tied, weight_dtype=torch.float32)
