@@ -21,8 +21,9 @@ def info(model: str = typer.Argument(..., help="a .gguf file, a model directory 
     summary = summarize(source)
     arch = {k: v for k, v in vars(config).items() if k != "extra"}
     arch["rope_scaling"] = vars(config.rope_scaling) if config.rope_scaling else None
+    rotation = getattr(source, "rotation", None)  # a checkpoint made with --rotate
     if json_out:
-        print_json({"path": str(path), "format": summary.format, "architecture": arch,
+        print_json({"path": str(path), "format": summary.format, "architecture": arch, "rotation": rotation,
                     "parameters": summary.num_parameters, "bytes": summary.file_bytes,
                     "bits_per_weight": summary.bits_per_weight,
                     "tensor_types": {t: {"tensors": n, "parameters": p, "bytes": b}
@@ -38,6 +39,10 @@ def info(model: str = typer.Argument(..., help="a .gguf file, a model directory 
     head.add_row("parameters", f"{summary.num_parameters:,} ({summary.num_parameters / 1e6:.1f}M)")
     head.add_row("size", f"{summary.file_bytes / 2**20:,.1f} MiB")
     head.add_row("bits per weight", f"{summary.bits_per_weight:.3f}")
+    if rotation:
+        block = rotation.get("down_proj_hadamard")
+        head.add_row("rotation", f"{rotation.get('residual')} (folded)"
+                     + (f", online Hadamard {block} on down_proj's input" if block else ""))
     console.print(head)
     types = Table("tensor type", "tensors", "parameters", "MiB", "bits/weight")
     for t, (n, p, b) in summary.types.items():

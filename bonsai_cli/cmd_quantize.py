@@ -27,6 +27,11 @@ def quantize(
     calib_samples: int = typer.Option(128, "--calib-samples", help="calibration sequences"),
     calib_seq_len: int = typer.Option(512, "--calib-seq-len", help="tokens per calibration sequence"),
     gsq_steps: int = typer.Option(200, "--gsq-steps", help="gsq: learned-rounding steps per layer"),
+    rotate: bool = typer.Option(False, "--rotate", help="fold the norms and a randomized Hadamard rotation of the "
+                                "residual stream into the weights before quantizing (QuaRot-style)"),
+    online_hadamard: bool = typer.Option(True, "--online-hadamard/--no-online-hadamard",
+                                         help="with --rotate: also a Hadamard on down_proj's input, applied at run "
+                                         "time (llama.cpp cannot: --gguf needs --no-online-hadamard)"),
     lora: Optional[Path] = typer.Option(None, "--lora", help="PEFT LoRA adapter directory merged into the weights first"),
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="also write a GGUF llama.cpp reads"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N] (gptq / gsq)"),
@@ -49,7 +54,7 @@ def quantize(
     resolve_device(device)
     opts = QuantizeOptions(recipe=built, method=method, calib=calib, calib_samples=calib_samples,
                            calib_seq_len=calib_seq_len, gsq_steps=gsq_steps, lora=lora, gguf=gguf, device=device,
-                           force=force)
+                           force=force, rotate=rotate, online_hadamard=online_hadamard)
     path = store.resolve_model(src)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed run removes its temporary files too
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -75,8 +80,13 @@ def print_report(report) -> None:  # noqa: ANN001
     from rich.table import Table
 
     console = Console()
+    rotated = ""
+    if report.rotation:
+        block = report.rotation.get("down_proj_hadamard")
+        rotated = f" · rotated{f' (online Hadamard {block} on down_proj)' if block else ''}"
     formats = Table("format", "tensors", "parameters", "MiB", "bits/weight",
-                    title=f"{report.out} · {report.method} · {report.seconds:.1f}s · peak RSS {report.peak_rss_bytes / 2**20:,.0f} MiB")
+                    title=f"{report.out} · {report.method}{rotated} · {report.seconds:.1f}s · "
+                          f"peak RSS {report.peak_rss_bytes / 2**20:,.0f} MiB")
     for name, row in sorted(report.by_format().items(), key=lambda kv: -kv[1]["params"]):
         formats.add_row(name, str(row["tensors"]), f"{row['params']:,}", f"{row['bytes'] / 2**20:,.2f}",
                         f"{row['bits_per_weight']:.3f}")

@@ -2,12 +2,12 @@
 
 The calibration sequences are embedded once; then, block after block, the inputs of the block's four
 linear groups are collected by running the block (q/k/v: the attention_norm output; o: the attention
-output; gate/up: the ffn_norm output; down: the SwiGLU output), their Hessians H = Σ xᵀx accumulated,
-the weights quantized and written back (dequantized) into the model, in that order inside the block,
-so that every later input is computed by the already quantized model ("true sequential" GPTQ). A
-block's tensors are yielded as soon as they are done. The output layer is quantized with GPTQ on the
-final-norm outputs (always GPTQ, also for method gsq: its vocabulary-sized logits would cost GSQ too
-much). The embedding, a gather with no Hessian, is rounded to nearest first, unless it is tied to the
+output; gate/up: the ffn_norm output; down: the SwiGLU output, after a rotated model's online
+Hadamard), their Hessians H = Σ xᵀx accumulated, the weights quantized and written back
+(dequantized) into the model, in that order inside the block, so that every later input is computed
+by the already quantized model ("true sequential" GPTQ). A block's tensors are yielded as soon as
+they are done. The output layer is quantized with GPTQ on the final-norm outputs (always GPTQ, also
+for method gsq: its vocabulary-sized logits would cost GSQ too much). The embedding, a gather with no Hessian, is rounded to nearest first, unless it is tied to the
 output layer: then it is quantized last, as the output layer (on SmolLM2-135M, int4 g64 of the tied
 embedding alone: ppl 14.70 → 17.61 by rtn, → 15.44 by GPTQ; mean KL 0.179 → 0.044).
 
@@ -152,10 +152,9 @@ def _attention_output(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: tor
 
 
 def _swiglu(block: Block, h: torch.Tensor) -> torch.Tensor:
-    """The input of down_proj for the residual stream h [B, T, H]: [B, T, F]."""
-    ffn = block.feed_forward
-    gate, up = ffn.w13(block.ffn_norm(h)).split(ffn.intermediate, dim=-1)
-    return F.silu(gate) * up
+    """The input of down_proj for the residual stream h [B, T, H] (after the online Hadamard of a
+    rotated model): [B, T, F]."""
+    return block.feed_forward.down_input(block.ffn_norm(h))
 
 
 def rotary_tables(model, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,6 +73,7 @@ class BonsaiCheckpoint:
         except ValueError as e:  # a tensor entry whose group does not fit its shape
             raise ModelFileError(f"{self.path} is a corrupt bonsai checkpoint ({e})") from None
         self.hf_config = self.checkpoint.config
+        self.rotation = self.checkpoint.rotation  # {"down_proj_hadamard": b, ...} of a rotated model, or None
         self.metadata = {"format": "bonsai"}
 
     def model_config(self) -> ModelConfig:

@@ -6,6 +6,8 @@ SwiGLU → int8, or plain → int8); the two projections that end a sub-block (o
 themselves into the residual stream in place. Rows may belong to different slots and positions
 (batched decode, or the rows of a speculative verify step: each row's seq_len is position + 1).
 On the CPU (or without Triton) the same step runs through the kernels' plain-torch references.
+A rotated checkpoint's online Hadamard on the down projection's input runs in plain torch between
+the gate/up product and the activation quantization of down_proj (no fused kernel for it yet).
 """
 from __future__ import annotations
 
@@ -118,7 +120,14 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
                               num_splits)  # [M, H, D]
             _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x)
         gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up)  # [M, 2F]
-        _project(ops, gu, ffn.w2, gated=True, residual=x)
+        if ffn.down_hadamard:  # a rotated checkpoint: SwiGLU and the online Hadamard in torch, then w2
+            gate, up = gu.chunk(2, dim=-1)
+            z = ffn.rotate_down_input(F.silu(gate) * up)  # [M, F]
+            if gu is ws.gate_up:
+                gu.zero_()  # the split-K workspace starts the next step at zero
+            _project(ops, z, ffn.w2, residual=x)
+        else:
+            _project(ops, gu, ffn.w2, gated=True, residual=x)
     head = model.lm_head
     return _project(ops, x, head, model.norm.weight, eps,
                     tied_weight=model.embed.weight if head is None else None)  # [M, V]

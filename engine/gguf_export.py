@@ -89,6 +89,9 @@ def _row_permutation(name: str, config: ModelConfig) -> int | None:
 def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, source_gguf: GGUFFile | None,
                 tokenizer_dir: Path) -> GGUFExportReport:
     """Write `out` (through a temporary file renamed at the end) from an opened checkpoint."""
+    if checkpoint.rotation and checkpoint.rotation.get("down_proj_hadamard"):
+        raise BonsaiError("--gguf: llama.cpp cannot apply the online Hadamard on down_proj of this rotated "
+                          "checkpoint: quantize with --rotate --no-online-hadamard to export it")
     out = Path(out)
     report = GGUFExportReport(path=out)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.partial-", dir=out.parent)

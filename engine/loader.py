@@ -5,6 +5,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -140,6 +141,33 @@ def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, wei
     return model
 
 
+def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dev: torch.device,
+                       dtype: torch.dtype, weight_dtype: torch.dtype, path: str | Path, down_hadamard: int = 0
+                       ) -> Transformer:
+    """A model of `config` from (canonical name, float tensor) pairs (every tensor it needs, once);
+    down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs."""
+    model = _empty_model(config, dev, dtype, weight_dtype)
+    expected = expected_tensor_names(config)
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        try:
+            model.load_tensor(name, tensor)
+        except (KeyError, ValueError) as e:
+            raise ModelFileError(f"{path}: tensor {name} does not fit the architecture ({e})") from None
+        seen.add(name)
+    missing = sorted(expected - seen)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelFileError(f"{path} lacks tensors the architecture needs: {', '.join(missing[:3])}{more}")
+    if down_hadamard:
+        if config.intermediate_size % down_hadamard:
+            raise ModelFileError(f"{path}: its online Hadamard block {down_hadamard} does not divide the FFN width "
+                                 f"{config.intermediate_size}; quantize it again")
+        for block in model.layers:
+            block.feed_forward.set_down_hadamard(down_hadamard, dev)
+    return model
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None,
                keep_codes: bool | None = None) -> LoadedModel:
@@ -159,19 +187,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                  else Tokenizer.from_hf_dir(source.path))
     dtype = dtype or default_dtype(dev)
     weight_dtype = weight_dtype or default_weight_dtype(dev, dtype)
-    model = _empty_model(config, dev, dtype, weight_dtype)
-    expected = expected_tensor_names(config)
-    seen: set[str] = set()
-    for name, tensor in source.iter_canonical_tensors(config):
-        try:
-            model.load_tensor(name, tensor)
-        except (KeyError, ValueError) as e:
-            raise ModelFileError(f"{path}: tensor {name} does not fit the architecture ({e})") from None
-        seen.add(name)
-    missing = sorted(expected - seen)
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelFileError(f"{path} lacks tensors the architecture needs: {', '.join(missing[:3])}{more}")
+    rotation = getattr(source, "rotation", None) or {}
+    model = model_from_tensors(config, source.iter_canonical_tensors(config), dev, dtype, weight_dtype, path,
+                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)))
     weight_format = weight_format or WeightFormat()
     if keep_codes if keep_codes is not None else dev.type == "cuda":
         pack_stored_codes(model, source, config)

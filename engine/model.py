@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kv_cache import CacheBatch, KVCache
 from engine.model_config import ModelConfig
+from quant.rotation import block_hadamard, block_hadamard_factors
 
 
 class RMSNorm(nn.Module):
@@ -125,10 +126,28 @@ class FeedForward(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)  # gate; up
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_hadamard = 0  # block of the online Hadamard on w2's input (a rotated checkpoint); 0: none
+        self.register_buffer("hadamard_h1", None, persistent=False)  # [b1, b1], H_block = H_b1 ⊗ H_b2
+        self.register_buffer("hadamard_h2", None, persistent=False)  # [b2, b2]
+
+    def set_down_hadamard(self, block: int, device: torch.device | str) -> None:
+        """Apply I ⊗ H_block to the SwiGLU output before w2 (whose weight then holds W·H_block)."""
+        assert block and self.intermediate % block == 0, f"block {block} does not divide {self.intermediate}"
+        self.down_hadamard = block
+        self.hadamard_h1, self.hadamard_h2 = block_hadamard_factors(block, torch.float32, device)
+
+    def down_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of w2 for x [.., H]: SwiGLU of gate/up, then the online Hadamard if any → [.., F]."""
+        gate, up = self.w13(x).split(self.intermediate, dim=-1)
+        return self.rotate_down_input(F.silu(gate) * up)
+
+    def rotate_down_input(self, z: torch.Tensor) -> torch.Tensor:
+        if not self.down_hadamard:
+            return z
+        return block_hadamard(z, self.hadamard_h1, self.hadamard_h2)  # [.., F]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.intermediate, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.down_input(x))
 
 
 class Block(nn.Module):

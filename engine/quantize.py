@@ -3,6 +3,8 @@
 rtn works tensor by tensor: read one weight, merge the LoRA update, round, write, forget. gptq/gsq
 hand the loaded model, the calibration tokens and the plan to engine.calibration. Tensors that a
 GGUF or checkpoint already holds as codes on a grid the plan allows are kept, not requantized.
+`rotate` folds the norms and a Hadamard rotation into the float weights first (engine.rotation),
+tensor by tensor too, before any method sees them (GPTQ calibrates the rotated model).
 Everything is written to a temporary directory renamed at the end; the report says per type the
 tensors, parameters and bits per weight, and the relative weight error per tensor class.
 """
@@ -26,9 +28,10 @@ from engine.gguf_file import GGUFFile
 from engine.gguf_file import canonical_name as gguf_canonical_name
 from engine.gguf_export import GGUFExportReport, export_gguf
 from engine.hf_files import HFModelDir
-from engine.loader import open_model_source
+from engine.loader import LoadedModel, expected_tensor_names, model_from_tensors, open_model_source, summarize
 from engine.lora import LoraAdapter, load_adapter
 from engine.model_config import ModelConfig
+from engine.rotation import Rotation, norm_names, plan_rotation, rotate_tensors, rotated_config
 from engine.tokenizer import Tokenizer
 from quant import recipe as recipes
 from quant.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, SafetensorsFile
@@ -53,6 +56,8 @@ class QuantizeOptions:
     gguf: Path | None = None
     device: str = "cpu"
     force: bool = False
+    rotate: bool = False  # fold the norms and a randomized Hadamard rotation of the residual stream
+    online_hadamard: bool = True  # with rotate: also an online Hadamard on down_proj's input
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -82,6 +87,7 @@ class QuantizeReport:
     seconds: float = 0.0
     peak_rss_bytes: int = 0
     gguf: GGUFExportReport | None = None
+    rotation: dict | None = None  # the checkpoint's bonsai.rotation metadata
 
     @property
     def params(self) -> int:
@@ -117,7 +123,7 @@ class QuantizeReport:
     def as_dict(self) -> dict[str, Any]:
         return {"out": str(self.out), "method": self.method, "tensors": len(self.tensors), "parameters": self.params,
                 "bytes": self.nbytes, "bits_per_weight": self.bits_per_weight, "seconds": self.seconds,
-                "peak_rss_bytes": self.peak_rss_bytes, "formats": self.by_format(),
+                "peak_rss_bytes": self.peak_rss_bytes, "formats": self.by_format(), "rotation": self.rotation,
                 "relative_error": self.error_by_class(), "kept_from_source": sum(t.kept for t in self.tensors),
                 "gguf": self.gguf.as_dict() if self.gguf else None}
 
@@ -204,7 +210,15 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     _check_paths(src, out, opts.gguf, opts.force)
     source = open_model_source(src)
     config = source.model_config()
+    rotation = _plan_rotation(source, config, opts)
+    out_rotation = rotation.metadata() if rotation else getattr(source, "rotation", None)
+    if opts.gguf is not None and out_rotation and out_rotation.get("down_proj_hadamard"):
+        raise BonsaiError("--gguf: llama.cpp cannot apply the online Hadamard on down_proj of a rotated model: "
+                          "add --no-online-hadamard (residual rotation only) or drop --gguf")
+    out_config = rotated_config(config) if rotation else config
     shapes = _source_shapes(source, config)
+    if rotation is not None and config.tie_word_embeddings:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     try:
         specs = recipes.plan(opts.recipe, shapes, config.num_layers)
     except ValueError as e:
@@ -214,21 +228,26 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
         adapter.check_fits(shapes)
     tokenizer_files = _tokenizer_files(source)
     calib_ids = _calibration_tokens(opts, source) if opts.method != "rtn" else None
-    report = QuantizeReport(out=out, method=opts.method)
-    with CheckpointWriter(out, force=opts.force) as writer:
+    report = QuantizeReport(out=out, method=opts.method, rotation=out_rotation)
+    floats = _float_stream(source, config, adapter, rotation)
+    with CheckpointWriter(out, force=opts.force, rotation=out_rotation) as writer:
         config_json = source.path / "config.json" if not isinstance(source, GGUFFile) else None
-        if config_json is not None:
+        if config_json is not None and out_config == config:
             writer.copy_file("config.json", config_json)
+        elif config_json is not None:  # rotated: the same config, untied
+            untied = {**json.loads(config_json.read_text()), "tie_word_embeddings": False}
+            writer.add_file("config.json", json.dumps(untied, indent=2).encode())
         else:
-            writer.add_file("config.json", json.dumps(hf_config(config), indent=2).encode())
+            writer.add_file("config.json", json.dumps(hf_config(out_config), indent=2).encode())
         for name, content in tokenizer_files.items():
             writer.copy_file(name, content) if isinstance(content, Path) else writer.add_file(name, content)
-        _write_tensors(source, config, shapes, specs, adapter, opts, calib_ids, writer, report, progress)
+        _write_tensors(source, out_config, shapes, specs, (floats, adapter, rotation), opts, calib_ids, writer,
+                       report, progress)
         tmp = writer.finish()
         if opts.gguf is not None:
             progress("writing the GGUF", len(shapes), len(shapes))
             inside = opts.gguf.resolve().parent == out.resolve()
-            report.gguf = export_gguf(Checkpoint(tmp), tmp / opts.gguf.name if inside else opts.gguf, config,
+            report.gguf = export_gguf(Checkpoint(tmp), tmp / opts.gguf.name if inside else opts.gguf, out_config,
                                       source_gguf=source if isinstance(source, GGUFFile) else None,
                                       tokenizer_dir=tmp)
             if inside:
@@ -237,6 +256,32 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     report.seconds = time.perf_counter() - start
     report.peak_rss_bytes = peak_rss_bytes()
     return report
+
+
+def _plan_rotation(source: Any, config: ModelConfig, opts: QuantizeOptions) -> Rotation | None:
+    if not opts.rotate:
+        return None
+    if getattr(source, "rotation", None):
+        raise BonsaiError(f"{source.path} is already rotated (its metadata says bonsai.rotation): quantize it "
+                          "without --rotate")
+    return plan_rotation(config, online=opts.online_hadamard)
+
+
+FloatStream = Callable[[frozenset], Iterator[tuple[str, torch.Tensor]]]
+
+
+def _float_stream(source: Any, config: ModelConfig, adapter: LoraAdapter | None, rotation: Rotation | None
+                  ) -> FloatStream:
+    """skip → (HF name, float tensor) of the model to quantize: the source's, LoRA merged, rotated."""
+    norms = None
+    if rotation is not None:  # the norm weights first (small): every linear that reads a norm folds it
+        others = frozenset(expected_tensor_names(config) - norm_names(config))
+        norms = {canonical_name(n): w for n, w in _iter_float(source, config, others)}
+
+    def stream(skip: frozenset = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        merged = ((n, adapter.merge(n, w) if adapter else w) for n, w in _iter_float(source, config, skip))
+        return merged if rotation is None else rotate_tensors(merged, config, rotation, norms)
+    return stream
 
 
 def peak_rss_bytes() -> int:
@@ -252,16 +297,19 @@ def peak_rss_bytes() -> int:
 
 
 def _write_tensors(source: Any, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
-                   specs: dict[str, QuantSpec], adapter: LoraAdapter | None, opts: QuantizeOptions,
-                   calib_ids: list[list[int]] | None, writer: CheckpointWriter, report: QuantizeReport,
-                   progress: Progress) -> None:
+                   specs: dict[str, QuantSpec], inputs: tuple[FloatStream, LoraAdapter | None, Rotation | None],
+                   opts: QuantizeOptions, calib_ids: list[list[int]] | None, writer: CheckpointWriter,
+                   report: QuantizeReport, progress: Progress) -> None:
+    """config: the architecture written (untied when rotated); inputs: the stream of the float tensors
+    to quantize (LoRA merged, rotated), the adapter and the rotation it applies."""
+    floats, adapter, rotation = inputs
     total, kept = len(shapes), set()
 
     def record(name: str, fmt: str, nbytes: int, err: tuple[float, float] = (0.0, 0.0), was_kept: bool = False):
         report.tensors.append(TensorRecord(name, fmt, int(torch.Size(shapes[name]).numel()), nbytes, *err, was_kept))
         progress(name, len(report.tensors), total)
 
-    if opts.method == "rtn" and hasattr(source, "iter_quantized_tensors"):
+    if opts.method == "rtn" and hasattr(source, "iter_quantized_tensors") and rotation is None:
         for canon, qtype, group, codes, scales in source.iter_quantized_tensors(config):
             name, spec = hf_name(canon), specs.get(hf_name(canon))
             if spec is None or spec.is_float or (adapter and name in adapter.pairs) or not _fits(qtype, spec.quant_type):
@@ -275,10 +323,9 @@ def _write_tensors(source: Any, config: ModelConfig, shapes: dict[str, tuple[int
             record(name, f"{keep.quant_type} g{group}", nbytes, (0.0, float(weight.pow(2).sum())), was_kept=True)
             kept.add(canon)
     pending = set()
-    for name, w in _iter_float(source, config, frozenset(kept)):
+    for name, w in floats(frozenset(kept)):
         if name not in shapes:
             continue
-        w = adapter.merge(name, w) if adapter else w
         spec = specs.get(name)
         if spec is None:
             record(name, "f32", writer.write_float(name, w, "f32"))
@@ -295,18 +342,26 @@ def _write_tensors(source: Any, config: ModelConfig, shapes: dict[str, tuple[int
         else:
             pending.add(name)
     if pending:
-        _write_calibrated(source, config, specs, adapter, opts, calib_ids or [], writer, record, pending,
+        _write_calibrated(source, config, specs, inputs, opts, calib_ids or [], writer, record, pending,
                           lambda message: progress(message, len(report.tensors), total))
 
 
-def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSpec], adapter: LoraAdapter | None,
-                      opts: QuantizeOptions, calib_ids: list[list[int]], writer: CheckpointWriter,
-                      record: Callable, pending: set[str], message: Callable[[str], None]) -> None:
-    """gptq / gsq through engine.calibration (the loaded model, LoRA merged), then the errors."""
-    from engine.loader import load_model
+def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSpec],
+                      inputs: tuple[FloatStream, LoraAdapter | None, Rotation | None], opts: QuantizeOptions,
+                      calib_ids: list[list[int]], writer: CheckpointWriter, record: Callable, pending: set[str],
+                      message: Callable[[str], None]) -> None:
+    """gptq / gsq through engine.calibration (the float model: LoRA merged, rotated), then the errors."""
+    from engine.loader import load_model, resolve_device
     from engine import calibration
-    loaded = load_model(source.path, device=opts.device, dtype=torch.float32, weight_dtype=torch.float32)
-    if adapter is not None:
+    floats, adapter, rotation = inputs
+    if rotation is None:
+        loaded = load_model(source.path, device=opts.device, dtype=torch.float32, weight_dtype=torch.float32)
+    else:
+        dev = resolve_device(opts.device)
+        model = model_from_tensors(config, ((canonical_name(n), w) for n, w in floats(frozenset())), dev,
+                                   torch.float32, torch.float32, source.path, down_hadamard=rotation.down_block)
+        loaded = LoadedModel(model, None, config, source.path, summarize(source), dev, torch.float32, torch.float32)
+    if adapter is not None and rotation is None:  # (a rotated model was built from the merged weights)
         for name, w in _iter_float(source, config, frozenset()):
             if name in adapter.pairs:
                 loaded.model.load_tensor(canonical_name(name), adapter.merge(name, w).float())
@@ -321,9 +376,8 @@ def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSp
     missing = pending - set(results)
     if missing:
         raise BonsaiError(f"calibration returned no codes for {sorted(missing)[0]} ({len(missing)} tensors)")
-    for name, w in _iter_float(source, config, frozenset()):
+    for name, w in floats(frozenset()):
         if name in results:
             spec, codes, scales, nbytes = results.pop(name)
-            w = adapter.merge(name, w) if adapter else w
             record(name, f"{spec.quant_type} g{spec.group_size}", nbytes, relative_error(w, codes, scales, spec.group_size))
 

@@ -2,8 +2,12 @@
 
 Packed tensors are stored as `<hf name>.codes` and `<hf name>.scales` (float16 [N, K/G]); float
 tensors under their own name. Every safetensors file's metadata says `format: bonsai`,
-`format_version: 1` and, in `bonsai.tensors`, a JSON map {hf name: {quant_type, group_size, shape}}
-of the tensors it holds. Readers trust that metadata, never file names.
+`format_version` and, in `bonsai.tensors`, a JSON map {hf name: {quant_type, group_size, shape}}
+of the tensors it holds. A rotated model (`bonsai quantize --rotate`) also has `bonsai.rotation`:
+{"residual": "randomized-hadamard", "seed": s, "down_proj_hadamard": b}; b > 0 means the down
+projections hold W·H_b and the run time must apply I ⊗ H_b to their inputs, so such files say
+format_version 2 (a version-1 reader refuses them instead of computing garbage); everything else
+is version 1. Readers trust that metadata, never file names.
 
 Writing goes tensor by tensor: each tensor's bytes are appended to a data file at once (never the
 whole model in memory); a shard is closed when it passes `shard_bytes`, its header is written and the
@@ -27,7 +31,7 @@ from quant.formats import QuantSpec, decode, encode
 from quant.grids import dequantize
 
 FORMAT_NAME = "bonsai"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this code reads; files without an online rotation are written as 1
 SHARD_BYTES = 2 * 1024 ** 3
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_TYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
@@ -139,6 +143,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path} has no model.safetensors")
         self.entries: dict[str, TensorEntry] = {}
         self._where: dict[str, SafetensorsFile] = {}
+        self.rotation: dict | None = None  # the bonsai.rotation metadata (see the module doc)
         for file in files:
             if not file.is_file():
                 raise CheckpointError(f"{self.path}: shard {file.name} listed in the index is missing")
@@ -158,6 +163,8 @@ class Checkpoint:
                 raise CheckpointError(f"{file.name}: the bonsai.tensors metadata is missing or corrupt ({e})") from None
             for stored in st.entries:
                 self._where[stored] = st
+            if file == files[0]:
+                self.rotation = _parse_rotation(meta.get("bonsai.rotation"), file.name)
         for name, entry in self.entries.items():
             needed = [name] if entry.is_float else [f"{name}.codes", f"{name}.scales"]
             if any(n not in self._where for n in needed):
@@ -197,14 +204,30 @@ class Checkpoint:
         return dequantize(codes, scales, spec.group_size)
 
 
+def _parse_rotation(text: str | None, where: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        rotation = json.loads(text)
+        block = int(rotation["down_proj_hadamard"])
+        ok = isinstance(rotation["residual"], str) and block >= 0 and block & (block - 1) == 0
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{where}: the bonsai.rotation metadata is corrupt ({text[:80]!r})")
+    return rotation
+
+
 class CheckpointWriter:
     """Writes a checkpoint tensor by tensor into a hidden temporary directory; `commit` renames it.
 
     Use as a context manager: leaving the block without `commit` (an error, Ctrl-C) removes it all.
     """
 
-    def __init__(self, out_dir: Path, force: bool = False, shard_bytes: int = SHARD_BYTES):
+    def __init__(self, out_dir: Path, force: bool = False, shard_bytes: int = SHARD_BYTES,
+                 rotation: dict | None = None):
         self.out = Path(out_dir)
+        self.rotation = rotation  # the bonsai.rotation metadata, or None
         if self.out.exists() and not force:
             raise FileExistsError(f"{self.out} exists")
         self.force, self.shard_bytes = force, shard_bytes
@@ -232,6 +255,10 @@ class CheckpointWriter:
         self._header: dict[str, dict] = {}
         self._table: dict[str, dict] = {}
         self._size = 0
+
+    @property
+    def format_version(self) -> int:
+        return 2 if self.rotation and self.rotation.get("down_proj_hadamard") else 1
 
     def add_file(self, name: str, data: bytes) -> None:
         (self.tmp / name).write_bytes(data)
@@ -267,8 +294,10 @@ class CheckpointWriter:
 
     def _close_shard(self) -> None:
         self._data.close()
-        meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION),
+        meta = {"format": FORMAT_NAME, "format_version": str(self.format_version),
                 "bonsai.tensors": json.dumps(self._table, separators=(",", ":"))}
+        if self.rotation is not None:
+            meta["bonsai.rotation"] = json.dumps(self.rotation, separators=(",", ":"))
         header = json.dumps({"__metadata__": meta, **self._header}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)
         shard = self.tmp / f".shard-{len(self._shards)}.safetensors"
@@ -296,7 +325,7 @@ class CheckpointWriter:
             total += shard.stat().st_size
             os.replace(shard, self.tmp / final)
             weight_map.update({name: final for name in names})
-        index = {"metadata": {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "total_size": total},
+        index = {"metadata": {"format": FORMAT_NAME, "format_version": self.format_version, "total_size": total},
                  "weight_map": weight_map}
         (self.tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         return self.tmp

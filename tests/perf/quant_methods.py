@@ -2,6 +2,7 @@
 
 Usage: python tests/perf/quant_methods.py [--rows int4:rtn,int4:gptq,...] [--samples 64] [--seq-len 256]
        [--gsq-steps 200] [--gsq-tokens 16384] [--gsq-batch 0] [--gsq-lr 1e-3] [--act-order]
+       [--rotate] [--no-online-hadamard]
        [--device cpu] [--threads 1] [--model GGUF] [--json OUT]
 
 Calibration text: docstrings of Python standard-library modules (inspect.getdoc of each module and of
@@ -10,7 +11,11 @@ its public classes, functions and methods), never pydoc_data, whose topics are t
 pydoc topics in 512-token windows, the reference being the same GGUF loaded in float32.
 Rows (recipe:method): int4 = int4 g64 everywhere (the tied embedding / output included, by rtn);
 tq = ternary g64 for gate/up/down with q/k/v/o at int4 g64, embedding int4 g64 (rtn);
+tri = ternary g64 everywhere (embedding int4 g64); tqd = tq with down_proj at int4 too;
+bq = 1-bit g64 for gate/up/down with q/k/v/o at int4 g64;
 emb = only the embedding at int4 g64 (what rtn of the tied embedding alone costs).
+--rotate: the model rotated first as `bonsai quantize --rotate` does (engine.rotation.load_rotated): the
+tied embedding is untied, the output layer is then a separate int4 tensor (gptq / gsq: by GPTQ).
 """
 from __future__ import annotations
 
@@ -82,9 +87,9 @@ def plan_for(recipe: str):
             return Spec("int4", 64)
         if recipe == "emb":
             return None
-        if recipe == "int4" or "self_attn" in name:
+        if recipe == "int4" or ("self_attn" in name and recipe != "tri") or (recipe == "tqd" and "down_proj" in name):
             return Spec("int4", 64)
-        return Spec("tri", 64)
+        return Spec("bin" if recipe == "bq" else "tri", 64)
     return plan
 
 
@@ -96,6 +101,9 @@ def quantize_rtn(loaded, plan) -> None:
     with torch.no_grad():
         weights = [("model.embed_tokens.weight", model.embed.weight, 0, model.embed.weight.shape[0], plan(
             "model.embed_tokens.weight"))]
+        if model.lm_head is not None:
+            weights.append(("lm_head.weight", model.lm_head.weight, 0, model.lm_head.weight.shape[0],
+                            plan("lm_head.weight")))
         for i, block in enumerate(model.layers):
             for targets in block_targets(block, i, loaded.config, plan).values():
                 weights += [(t.name, t.param, t.start, t.rows, t.spec) for t in targets]
@@ -118,6 +126,8 @@ def main() -> None:
     ap.add_argument("--gsq-scale-lr", type=float, default=1e-3)
     ap.add_argument("--model", type=Path, help="the GGUF (default: the pulled SmolLM2)")
     ap.add_argument("--act-order", action="store_true")
+    ap.add_argument("--rotate", action="store_true")
+    ap.add_argument("--no-online-hadamard", action="store_true")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path)
@@ -128,6 +138,7 @@ def main() -> None:
     from engine.calibration import CalibrationOptions, calibration_sequences, quantize_with_calibration
     from engine.evaluate import default_eval_text, evaluate
     from engine.loader import load_model
+    from engine.rotation import load_rotated
     from engine.runner import ModelRunner
     from quant.gsq import GSQOptions
 
@@ -146,7 +157,8 @@ def main() -> None:
     results = []
     for row in args.rows.split(","):
         recipe, method = row.split(":")
-        loaded = load_model(path, weight_dtype=torch.float32)
+        loaded = (load_rotated(path, online=not args.no_online_hadamard) if args.rotate
+                  else load_model(path, weight_dtype=torch.float32))
         plan = plan_for(recipe)
         wall, cpu = time.perf_counter(), time.process_time()
         if method == "rtn":
@@ -158,7 +170,8 @@ def main() -> None:
         if args.device != "cpu":
             loaded.model.to("cpu")
         r = evaluate(ModelRunner(loaded, max_seq_len=512), reference, eval_ids, 512)
-        results.append({"recipe": recipe, "method": method, "ppl": r.perplexity, "ref_ppl": r.reference_perplexity,
+        results.append({"recipe": recipe, "method": method, "rotate": args.rotate,
+                        "online_hadamard": args.rotate and not args.no_online_hadamard, "ppl": r.perplexity, "ref_ppl": r.reference_perplexity,
                         "kl_mean": r.kl_mean, "kl_p99": r.kl_p99, "same_top": r.same_top, "tokens": r.tokens,
                         "wall_s": wall, "cpu_s": cpu})
         print(f"{row:12s} ppl {r.perplexity:10.3f} (ref {r.reference_perplexity:.3f})  KL {r.kl_mean:.4f} "
