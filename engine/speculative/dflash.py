@@ -27,7 +27,7 @@ from engine.speculative.draft_layers import (DraftBlock, DrafterConfig, drafter_
                                              init_drafter_weights, rotary, shared_logits, to_target)
 from engine.speculative.drafter import Draft, Feedback
 from engine.speculative.drafter_file import TargetIdentity, read_drafter
-from engine.speculative.hidden_drafter import HiddenStateRows, TokenPicker
+from engine.speculative.hidden_drafter import HiddenStateDrafterBase
 
 
 class DFlashModule(nn.Module):
@@ -96,38 +96,18 @@ def train_forward(module: DFlashModule, target: Transformer, tokens: torch.Tenso
     return out.reshape(b, nb, size + 1, -1)[:, :, 1:]  # [B, nb, size, H]
 
 
-class DFlashDrafter:
+class DFlashDrafter(HiddenStateDrafterBase):
     """The Drafter protocol over a DFlashModule (see the module docstring)."""
 
     def __init__(self, module: DFlashModule, target_loaded, max_seq_len: int | None = None, sampling=None,
                  name: str = "dflash"):
-        self.name = name
-        self.module = module
+        super().__init__(module, target_loaded, module.cfg.target_layers, max_seq_len, sampling, name)
         self.target: Transformer = target_loaded.model
-        cfg, tcfg = module.cfg, target_loaded.config
-        self.hidden_layers = cfg.target_layers
-        self.max_draft_tokens = cfg.block_size
-        self.capacity = int(max_seq_len or min(tcfg.max_position_embeddings, 4096))
-        device = target_loaded.device
-        shape = (cfg.num_layers, 1, cfg.num_kv_heads, self.capacity, cfg.head_dim)
-        dtype = next(module.parameters()).dtype
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, KV, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, KV, S, D]
-        self.length = 0
+        self.max_draft_tokens = module.cfg.block_size
         self.last_position = None  # position of the newest context row
-        self.rows = HiddenStateRows(self.hidden_layers)
-        self.picker = TokenPicker(sampling, device)
 
-    def begin(self, prompt: list[int]) -> None:
-        self.length, self.last_position = 0, None
-        self.rows.clear()
-
-    def observe(self, feedback: Feedback) -> None:
-        self.rows.add(feedback)
-
-    def set_sampling(self, params) -> None:
-        """The request's SamplingParams: sampled drafts with their probabilities when not greedy."""
-        self.picker.set_sampling(params)
+    def _forget_last(self) -> None:
+        self.last_position = None
 
     def check_draft_length(self, k: int) -> None:
         if k > self.max_draft_tokens:

@@ -84,3 +84,44 @@ class TokenPicker:
             return logits.argmax(-1).tolist(), None
         probs = probabilities(logits, self.sampling)  # [n, V]
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0].tolist(), probs
+
+
+class HiddenStateDrafterBase:
+    """What the MTP and DFlash drafters share: the drafter module's own KV cache ([L, 1, KV, S, D],
+    `length` committed rows), the target hidden-state rows still to commit, and the token picker."""
+
+    def __init__(self, module, target_loaded, hidden_layers: tuple[int, ...], max_seq_len: int | None,
+                 sampling, name: str):
+        self.name = name
+        self.module = module
+        self.target = target_loaded.model
+        self.hidden_layers = hidden_layers
+        cfg, tcfg = module.cfg, target_loaded.config
+        self.capacity = int(max_seq_len or min(tcfg.max_position_embeddings, 4096))
+        device = target_loaded.device
+        shape = (cfg.num_layers, 1, cfg.num_kv_heads, self.capacity, cfg.head_dim)
+        dtype = next(module.parameters()).dtype
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, KV, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, KV, S, D]
+        self.length = 0  # committed rows
+        self.rows = HiddenStateRows(hidden_layers)
+        self.picker = TokenPicker(sampling, device)
+
+    def begin(self, prompt: list[int]) -> None:
+        self.length = 0
+        self.rows.clear()
+        self._forget_last()
+
+    def _forget_last(self) -> None:
+        """Drop what the subclass remembers of the newest committed row."""
+
+    def observe(self, feedback) -> None:
+        self.rows.add(feedback)
+
+    def set_sampling(self, params) -> None:
+        """The request's SamplingParams: sampled drafts with their probabilities when not greedy."""
+        self.picker.set_sampling(params)
+
+    def _past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        n = self.length
+        return [(self.k[i, :, :, :n], self.v[i, :, :, :n]) for i in range(self.k.shape[0])]

@@ -27,7 +27,7 @@ from engine.speculative.draft_layers import (DraftBlock, DrafterConfig, drafter_
                                              init_drafter_weights, rotary, shared_logits, to_target)
 from engine.speculative.drafter import Draft, Feedback
 from engine.speculative.drafter_file import TargetIdentity, read_drafter
-from engine.speculative.hidden_drafter import HiddenStateRows, TokenPicker
+from engine.speculative.hidden_drafter import HiddenStateDrafterBase
 
 
 class MTPModule(nn.Module):
@@ -93,43 +93,19 @@ def train_forward(module: MTPModule, target: Transformer, tokens: torch.Tensor, 
     return outs
 
 
-class MTPDrafter:
+class MTPDrafter(HiddenStateDrafterBase):
     """The Drafter protocol over an MTPModule (see the module docstring)."""
 
-    hidden_layers = (-1,)
     max_draft_tokens = None  # chained: any k (trained for module.cfg.block_size; deeper drafts are weaker)
 
     def __init__(self, module: MTPModule, target_loaded, max_seq_len: int | None = None, sampling=None,
                  name: str = "mtp"):
-        self.name = name
-        self.module = module
+        super().__init__(module, target_loaded, (-1,), max_seq_len, sampling, name)
         self.target: Transformer = target_loaded.model
-        cfg, tcfg = module.cfg, target_loaded.config
-        self.capacity = int(max_seq_len or min(tcfg.max_position_embeddings, 4096))
-        device = target_loaded.device
-        shape = (cfg.num_layers, 1, cfg.num_kv_heads, self.capacity, cfg.head_dim)
-        dtype = next(module.parameters()).dtype
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, KV, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, KV, S, D]
-        self.length = 0  # committed rows
         self.last = None  # (output hidden [H], position) of the newest committed row
-        self.rows = HiddenStateRows(self.hidden_layers)
-        self.picker = TokenPicker(sampling, device)
 
-    def begin(self, prompt: list[int]) -> None:
-        self.length, self.last = 0, None
-        self.rows.clear()
-
-    def observe(self, feedback: Feedback) -> None:
-        self.rows.add(feedback)
-
-    def set_sampling(self, params) -> None:
-        """The request's SamplingParams: sampled drafts with their probabilities when not greedy."""
-        self.picker.set_sampling(params)
-
-    def _past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        n = self.length
-        return [(self.k[i, :, :, :n], self.v[i, :, :, :n]) for i in range(self.k.shape[0])]
+    def _forget_last(self) -> None:
+        self.last = None
 
     def _commit(self, context: list[int]) -> None:
         new = self.rows.take(context)
