@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
@@ -61,17 +61,9 @@ def chat(
         session.num_draft_tokens = spec_config.num_draft_tokens
     request = GenerationRequest(max_tokens=max_tokens, sampling=sampling_from_options(
         temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed))
-    interactive = sys.stdin.isatty()
     render_markdown = console.is_terminal and not plain
     console.print(f"[dim]{HELP_TEXT}[/dim]")
-    while True:
-        try:
-            line = console.input("[bold green]you> [/bold green]") if interactive else _read_line(console)
-        except EOFError:
-            break
-        text = line.strip()
-        if not text:
-            continue
+    for text in _user_lines(console):
         if text.startswith("/"):
             if not _command(text, session, console):
                 break
@@ -85,6 +77,18 @@ def chat(
             console.print(f"[red]error: {e}[/red]")
             if "context" in str(e):
                 console.print("[dim]use /reset to start a new conversation[/dim]")
+
+
+def _user_lines(console) -> Iterator[str]:
+    """The user's non-empty lines (prompted on a terminal, read plainly from a pipe) until EOF."""
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = console.input("[bold green]you> [/bold green]") if interactive else _read_line(console)
+        except EOFError:
+            return
+        if line.strip():
+            yield line.strip()
 
 
 def _read_line(console) -> str:
@@ -155,17 +159,9 @@ def _chat_with_config(path: Path, system: Optional[str], max_tokens: int, sampli
     with err_console.status(f"loading {cfg.model.path} on {cfg.runtime.device}"):
         served = load_engine(cfg, architecture=architecture_of(cfg))
     chat = EngineChat(served, system=system)
-    interactive = sys.stdin.isatty()
     console.print(f"[dim]{HELP_TEXT}[/dim]")
     try:
-        while True:
-            try:
-                line = console.input("[bold green]you> [/bold green]") if interactive else _read_line(console)
-            except EOFError:
-                break
-            text = line.strip()
-            if not text:
-                continue
+        for text in _user_lines(console):
             name, _, arg = text.partition(" ")
             if name in ("/exit", "/quit", "/bye"):
                 break
