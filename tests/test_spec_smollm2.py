@@ -79,7 +79,9 @@ def test_ngram_output_equals_plain_decoding(target, prompts, plain):
     outputs, stats = _spec_outputs(target, prompts, MixDrafter([NgramDrafter(1, 4)]), k=4)
     for i, (got, want) in enumerate(zip(outputs, plain)):
         assert got == want, f"prompt {i}: differs from token {_first_difference(got, want)}"
-    assert stats.accepted > 20  # drafts were verified and accepted
+    # how much the adaptive planner drafts depends on measured pass times (machine load): the
+    # acceptance is asserted on the fixed-k run below
+    assert stats.steps > 0
     outputs, stats = _spec_outputs(target, prompts[:2], NgramDrafter(1, 4), k=4)
     assert outputs == plain[:2]
     assert stats.accepted > 20 and stats.drafted > stats.accepted  # drafts were accepted and rejected
@@ -143,5 +145,6 @@ def test_cli_generate_and_bench_report_draft_statistics(smollm2_gguf, tmp_path):
     assert suite["outputs_compared"] == 1 and suite["output_mismatches"] == []
     assert set(suite["speedup"]) == {"code-edit", "overall"}
     overall = suite["by_category"]["overall"]["speculative"]
-    assert overall["steps"] > 0 and "ngram" in overall["by_drafter"]
+    # whether the adaptive planner drafts at all on one short prompt depends on measured pass times
+    assert overall["steps"] > 0 and report["speculative"]["drafters"] == ["ngram"]
     assert "identical to plain decoding" in proc.stdout
