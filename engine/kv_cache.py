@@ -62,14 +62,26 @@ class KVCache:
     def __init__(self, config: ModelConfig, max_seq_len: int, num_slots: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         shape = (config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, kv_heads, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, kv_heads, S, D]
+        # every storage tensor is [L, slots, kv_heads, S, X] (X: elements per row in its format), so
+        # code that moves whole rows (offload, slot copies) can treat them alike
+        self.tensors: dict[str, torch.Tensor] = {
+            "k": torch.zeros(shape, dtype=dtype, device=device),  # [L, slots, kv_heads, S, D]
+            "v": torch.zeros(shape, dtype=dtype, device=device),  # [L, slots, kv_heads, S, D]
+        }
         self.max_seq_len = max_seq_len
         self.slots = [KVSlot(i, max_seq_len) for i in range(num_slots)]
 
     @property
+    def k(self) -> torch.Tensor:
+        return self.tensors["k"]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.tensors["v"]
+
+    @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def write(self, layer: int, batch: CacheBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of new tokens: k, v [B, kv_heads, T, D] at batch.positions [B, T]."""
