@@ -18,10 +18,12 @@ from quant.kernels import interpreting, pdl_options
 from quant.packed_layout import PackedWeight, layout_kind
 
 _BYTE_MASK = {1: 0x01010101, 2: 0x03030303, 4: 0x0F0F0F0F, 8: -1}
-# M > 1: the M = 1 tiles once per row ("2-D") or broadcast over rows in 3-D. Measured on an H200
-# (tests/perf/gpu_kernels.py --sections rows, Qwen3-8B ternary shapes): 2-D wins at M = 2 (6.6 vs
-# 8.0 µs qkv, 17.0 vs 21.0 gate/up), 3-D from M = 4 (gate/up 29.8 vs 35.2, M = 8: 92 vs 126).
+# M > 1: the M = 1 tiles once per row ("2-D"), broadcast over rows in 3-D, or the word-row loop of
+# packed_gemv_rows. Measured on an H200 (tests/perf/gpu_kernels.py --sections rows, Qwen3-8B ternary
+# shapes, µs summed over qkv/o/gate_up/down): M = 2: 2-D 40.4, 3-D 47.4, rows 50.8; M = 3: 3-D 61.3,
+# rows 66.4; M = 4: 3-D 64.6, rows 69.0; M = 8: 3-D 191, rows 97 (the 3-D tiles spill from there).
 ROWS_2D_MAX = 2
+ROW_LOOP_FROM = 5
 
 
 def packed_gemv_reference(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
@@ -174,11 +176,17 @@ def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -
 
 def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
                 out: torch.Tensor | None = None, accumulate: bool = False,
-                config: tuple[int, int, int] | None = None, num_sms: int = 132, rows_2d: bool | None = None
+                config: tuple[int, int, int] | None = None, num_sms: int = 132, variant: str | None = None
                 ) -> torch.Tensor:
-    """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y."""
+    """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y.
+    variant (for M > 1; default by row count): "2d" (the M = 1 tiles once per row), "3d" (broadcast
+    over rows), "rows" (the word-row loop of `packed_gemv_rows`, from ROW_LOOP_FROM rows)."""
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous()
+    variant = variant or ("2d" if m <= ROWS_2D_MAX else "rows" if m >= ROW_LOOP_FROM else "3d")
+    if variant == "rows" and m > 1:
+        from quant.kernels.packed_gemv_rows import packed_gemv_rows
+        return packed_gemv_rows(xq, sx, sumx, pw, out, accumulate, config)
     kind = layout_kind(pw.kind)
     ng = k // pw.group_size
     block_n, split, warps = config or gemv_launch_config(pw.out_features, ng, pw.kind, num_sms)
@@ -193,6 +201,6 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
         BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits],
         GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 1), BLOCK_N=block_n,
         ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(),
-        ROWS_2D=(1 < m <= ROWS_2D_MAX) if rows_2d is None else rows_2d, num_warps=warps,
+        ROWS_2D=m > 1 and variant == "2d", num_warps=warps,
         **pdl_options(xq.device))
     return out

@@ -98,8 +98,8 @@ def section_gemv(dev, copy_bw: float, quick: bool, kinds: list[str]) -> None:
                     if best is None or t < best[0]:
                         best = (t, cfg)
                 if m > 1:  # the M > 1 variants at the best launch shape
-                    t2d = bench(lambda: packed_gemv(*xq, pw, out=out, config=best[1], rows_2d=True))
-                    t3d = bench(lambda: packed_gemv(*xq, pw, out=out, config=best[1], rows_2d=False))
+                    t2d = bench(lambda: packed_gemv(*xq, pw, out=out, config=best[1], variant="2d"))
+                    t3d = bench(lambda: packed_gemv(*xq, pw, out=out, config=best[1], variant="3d"))
                     print(f"gemv {kind:4} {name:8} M={m:2} rows as 2-D tiles {t2d * 1e6:6.1f} us, 3-D {t3d * 1e6:6.1f} us",
                           flush=True)
                     RESULTS.setdefault("gemv_rows", []).append({"kind": kind, "shape": name, "m": m,
@@ -128,21 +128,96 @@ def section_small(dev) -> None:
             RESULTS.setdefault("small", []).append({"kernel": f"act_quant {mode}", "k": k, "per": per, "us": t * 1e6})
 
 
-def section_rows(dev) -> None:
-    """GEMV at M = 2..8 (verify widths, batched slots) with the default launch shape: rows as 3-D
-    broadcast tiles vs the M = 1 tiles once per row."""
+def bench_quick(fn, calls: int = 20, reps: int = 5) -> float:
+    """Seconds per call: one CUDA graph of `calls` calls, replayed `reps` times (median)."""
+    fn()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def section_rows(dev, kinds: list[str]) -> None:
+    """GEMV at M = 2..16 (verify widths, batched slots): the dp4a variants (2-D tiles per row, 3-D
+    broadcast, word-row loop with launch shapes swept) vs M = 1; then
+    the graphed decode step of the 8B ternary model per row count."""
+    from quant.kernels.packed_gemv_rows import packed_gemv_rows
     g = torch.Generator(device=dev).manual_seed(2)
-    for name, (n, k) in SHAPES_8B.items():
-        if name == "head":
-            continue
-        pw = random_packed("tri", n, k, 128, device=dev, generator=g)
-        for m in (2, 4, 8):
-            xq = quantize_activations(torch.randn(m, k, device=dev), 128)
-            out = torch.zeros(m, n, device=dev)
-            t2 = bench(lambda: packed_gemv(*xq, pw, out=out, rows_2d=True))
-            t3 = bench(lambda: packed_gemv(*xq, pw, out=out, rows_2d=False))
-            print(f"rows tri {name:8} M={m}: 2-D tiles {t2 * 1e6:6.1f} us, 3-D {t3 * 1e6:6.1f} us", flush=True)
-            RESULTS.setdefault("rows", []).append({"shape": name, "m": m, "rows_2d_us": t2 * 1e6, "rows_3d_us": t3 * 1e6})
+    for kind in kinds:
+        for name, (n, k) in SHAPES_8B.items():
+            pw = random_packed(kind, n, k, 128, device=dev, generator=g)
+            x1 = quantize_activations(torch.randn(1, k, device=dev), 128)
+            out1 = torch.zeros(1, n, device=dev)
+            t1 = bench_quick(lambda: packed_gemv(*x1, pw, out=out1))
+            for m in (2, 3, 4, 8, 16):
+                xq = quantize_activations(torch.randn(m, k, device=dev), 128)
+                out = torch.zeros(m, n, device=dev)
+                want = packed_gemv_reference(*xq, pw)
+                err = ((packed_gemv_rows(*xq, pw) - want).abs().max() / want.abs().max()).item()
+                check(f"gemv rows {kind} {name} M={m}", err < 1e-5, f"max rel err {err:.1e}")
+                res = {"kind": kind, "shape": name, "m": m, "m1_us": t1 * 1e6}
+                for variant in ("2d", "3d"):
+                    if m <= (4 if variant == "2d" else 8):
+                        res[variant] = bench_quick(lambda: packed_gemv(*xq, pw, out=out, variant=variant)) * 1e6
+                res["rows"] = bench_quick(lambda: packed_gemv_rows(*xq, pw, out=out)) * 1e6
+                if kind == "tri" and name != "head" and m in (4, 8, 16):
+                    best = (float("inf"), None)
+                    for bn, warps in ((64, 1), (128, 1), (128, 2), (256, 2), (256, 4)):
+                        for split in (1, 2, 4, 8, 16, 32):
+                            if split * 2 <= k // 128:
+                                cfg = (bn, split, warps)
+                                best = min(best, (bench_quick(lambda: packed_gemv_rows(*xq, pw, out=out, config=cfg)), cfg))
+                    res["rows_best"], res["rows_best_config"] = best[0] * 1e6, best[1]
+                print("rows " + " ".join(f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}" for a, b in res.items()),
+                      flush=True)
+                RESULTS.setdefault("rows", []).append(res)
+    step_rows_timing(dev)
+
+
+def step_rows_timing(dev) -> None:
+    """The graphed decode step of the dummy 8B ternary model at 1..16 rows (batched slots)."""
+    import yaml
+
+    from engine.cuda_graphs import DecodeStepRunner
+    from engine.kv_cache import KVCache
+    from engine.loader import load_dummy
+    from engine.model_config import ModelConfig
+    from engine.packed_linear import WeightFormat
+    root = Path(__file__).resolve().parents[2]
+    cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs" / "models" / "qwen3-8b.yaml").read_text()))
+    loaded = load_dummy(cfg, "qwen3-8b", dev, WeightFormat("tri", 128, "int4"))
+    cache = KVCache(cfg, 1024, 16, dtype=torch.bfloat16, device=dev)
+    base = None
+    for rows in (1, 2, 3, 4, 6, 8, 12, 16):
+        step = DecodeStepRunner(loaded.model, cache, rows, 4)
+        args = ([1] * rows, [512] * rows, list(range(rows)))
+        step.run(*args)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            step.graph.replay()
+        torch.cuda.synchronize()
+        t = (time.perf_counter() - t0) / 50
+        base = base or t
+        print(f"step qwen3-8b tri rows={rows:2}: {t * 1e6:7.1f} us ({t / base:.2f}x one row, "
+              f"{rows / t:.0f} tok/s aggregate)", flush=True)
+        RESULTS.setdefault("step_rows", []).append({"rows": rows, "us": t * 1e6})
+        del step
+    del loaded, cache
+    torch.cuda.empty_cache()
 
 
 def section_dequant(dev) -> None:
@@ -317,7 +392,7 @@ def main() -> None:
     RESULTS["copy_bytes_per_second"] = copy_bw
     print(f"{RESULTS['device']}: copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick, args.kinds.split(",")),
-                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "small": lambda: section_small(dev), "rows": lambda: section_rows(dev),
+                "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "small": lambda: section_small(dev), "rows": lambda: section_rows(dev, args.kinds.split(",")),
                 "prefill": lambda: section_prefill(dev, args.models.split(",")), "step": lambda: section_step(dev, args.models.split(","))}
     for name in args.sections.split(","):
         t0 = time.perf_counter()
