@@ -215,6 +215,8 @@ def step_rows_timing(dev) -> None:
         print(f"step qwen3-8b tri rows={rows:2}: {t * 1e6:7.1f} us ({t / base:.2f}x one row, "
               f"{rows / t:.0f} tok/s aggregate)", flush=True)
         RESULTS.setdefault("step_rows", []).append({"rows": rows, "us": t * 1e6})
+        if rows in (2, 3, 8):
+            profile_replays(step.graph)
         del step
     del loaded, cache
     torch.cuda.empty_cache()
@@ -393,6 +395,7 @@ def main() -> None:
     print(f"{RESULTS['device']}: copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick, args.kinds.split(",")),
                 "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "small": lambda: section_small(dev), "rows": lambda: section_rows(dev, args.kinds.split(",")),
+                "steprows": lambda: step_rows_timing(dev),
                 "prefill": lambda: section_prefill(dev, args.models.split(",")), "step": lambda: section_step(dev, args.models.split(","))}
     for name in args.sections.split(","):
         t0 = time.perf_counter()
