@@ -24,7 +24,7 @@ def _packed_gemv_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M,
                              BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr,
                              BYTE_MASK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr,
-                             USE_ASM: tl.constexpr, USE_PDL: tl.constexpr, X_T: tl.constexpr):
+                             USE_ASM: tl.constexpr, USE_PDL: tl.constexpr):
     STEPS: tl.constexpr = 8 // BITS  # shift steps per word
     GW: tl.constexpr = GROUP * BITS // 32  # word rows per group
     pid_n = tl.program_id(0)
@@ -56,10 +56,7 @@ def _packed_gemv_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M,
                           eviction_policy="evict_first")  # [BN]
         for j in tl.static_range(STEPS):
             codes = (w >> (BITS * j)) & BYTE_MASK  # [BN]: four codes as bytes
-            if X_T:  # activations word-major [K/4, BM]: the rows' words of one step are contiguous
-                xw = tl.load(xq_ptr + (STEPS * t + j) * BLOCK_M + offs_m)  # [BM]
-            else:
-                xw = tl.load(xq_ptr + offs_m * x_words + STEPS * t + j, mask=m_mask, other=0)  # [BM]
+            xw = tl.load(xq_ptr + offs_m * x_words + STEPS * t + j, mask=m_mask, other=0)  # [BM]
             isum = _dot4(tl.broadcast_to(codes[None, :], [BLOCK_M, BLOCK_N]),
                          tl.broadcast_to(xw[:, None], [BLOCK_M, BLOCK_N]), isum, USE_ASM)
         if t % GW == GW - 1:  # the group is complete: scale it into the float sums
@@ -79,18 +76,6 @@ def _packed_gemv_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M,
         tl.store(out_ptr + out_offs, acc, mask=mask)
 
 
-def rows_block(m: int) -> int:
-    return max(triton.next_power_of_2(m), 2)
-
-
-def word_major(xq: torch.Tensor) -> torch.Tensor:
-    """int8 activations [M, K] → int32 words [K/4, BLOCK_M], rows padded with zeros."""
-    m, k = xq.shape
-    out = torch.zeros(k // 4, rows_block(m), dtype=torch.int32, device=xq.device)
-    out[:, :m] = xq.view(torch.int32).t()
-    return out
-
-
 def gemv_rows_launch_config(n: int, num_groups: int, rows: int) -> tuple[int, int, int]:
     """(BLOCK_N, split_k, num_warps): one warp of 128 columns per program and split-K until the
     grid holds ~4096 programs, as for M = 1 (tests/perf/gpu_kernels.py --sections rows)."""
@@ -105,9 +90,8 @@ def gemv_rows_launch_config(n: int, num_groups: int, rows: int) -> tuple[int, in
 
 def packed_gemv_rows(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
                      out: torch.Tensor | None = None, accumulate: bool = False,
-                     config: tuple[int, int, int] | None = None, xq_t: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N] (into out, or added to it).
-    xq_t: the same activations word-major, int32 [K/4, BLOCK_M] (rows padded with zeros), if at hand."""
+                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N] (into out, or added to it)."""
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous()
     kind = layout_kind(pw.kind)
@@ -120,9 +104,9 @@ def packed_gemv_rows(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw:
     per_split = triton.cdiv(ng, split)
     grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(ng, per_split))
     _packed_gemv_rows_kernel[grid](
-        xq.view(torch.int32) if xq_t is None else xq_t, sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
+        xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
         BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits],
-        GROUP=pw.group_size, BLOCK_M=rows_block(m), BLOCK_N=block_n,
-        ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(), X_T=xq_t is not None, num_warps=warps,
+        GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 2), BLOCK_N=block_n,
+        ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(), num_warps=warps,
         **pdl_options(xq.device))
     return out
