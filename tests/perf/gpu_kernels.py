@@ -173,13 +173,7 @@ def section_rows(dev, kinds: list[str]) -> None:
                     if m <= (4 if variant == "2d" else 8):
                         res[variant] = bench_quick(lambda: packed_gemv(*xq, pw, out=out, variant=variant)) * 1e6
                 res["rows"] = bench_quick(lambda: packed_gemv_rows(*xq, pw, out=out)) * 1e6
-<<<<<<< HEAD
-                xt = word_major(xq[0])
-                res["rows_xt"] = bench_quick(lambda: packed_gemv_rows(*xq, pw, out=out, xq_t=xt)) * 1e6
                 if kind == "tri" and name != "head" and m in (4, 8, 16) and os.environ.get("ROWS_SWEEP"):
-=======
-                if kind == "tri" and name != "head" and m in (4, 8, 16):
->>>>>>> parent of f1baf29 (packed_gemv_rows: word-major activations option (to measure whether the per-row activation loads bound the row loop))
                     best = (float("inf"), None)
                     for bn, warps in ((64, 1), (128, 1), (128, 2), (256, 2), (256, 4)):
                         for split in (1, 2, 4, 8, 16, 32):
