@@ -18,3 +18,6 @@ for i in $(seq 1 120); do curl -s -o /dev/null -w "%{http_code}" http://127.0.0.
 echo "server ready after ${i}s"
 timeout 240 $B bench --url http://127.0.0.1:8080 --suite short --concurrency 1,2,4,8 -r 1 --json "$OUT/serve-8b.json" 2>&1 | tail -30
 kill -INT $PID; wait $PID; tail -5 "$OUT/serve.log"
+echo "== server, Qwen3-8B shape ternary (dummy), 8 slots: plain vs n-gram speculation, repetitive prompts"
+# aggregate tok/s at concurrency 1/2/4/8 with and without speculation (each slot drafts, all verified together)
+BASE="$OUT/serve.yaml" OUT="$OUT/spec-serve" LEVELS=1,2,4,8 REPS=2 timeout 900 bash tests/perf/serve_spec_concurrency.sh
