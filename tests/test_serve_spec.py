@@ -227,3 +227,21 @@ def test_penalties_and_thinking_budget_with_speculation(loaded, smollm2_tok, one
     finally:
         for e in engines:
             e.stop()
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dflash"])
+def test_drafters_reading_hidden_states_verify_per_slot_and_keep_greedy_output(loaded, smollm2_tok, one_thread, kind):
+    from engine.speculative.drafter_train import TrainConfig, make_drafter, new_module
+    cfg = TrainConfig(kind=kind, steps=1, block_size=3, batch=1, seq_len=24).drafter_config(loaded.config)
+    engine = make_engine(loaded, smollm2_tok, slots=2, fused=True,
+                         spec=SpeculativeConfig.from_spec("ngram", num_draft_tokens=3, adaptive=False))
+    try:
+        for s in engine.spec.slots:  # untrained: drafts are mostly rejected, but every path runs
+            s.drafter = make_drafter(new_module(cfg, loaded.config.vocab_size), loaded)
+        jobs = [submit(engine, p, max_tokens=12, id=f"r{i}") for i, p in enumerate(PROMPTS[:2])]
+        for p, (_, q) in zip(PROMPTS[:2], jobs):
+            text, _, fin = collect(q)
+            assert text == plain(loaded, smollm2_tok, p, 12)[0] and fin.timings["draft_n"] > 0
+        kv_matches_tokens(engine, 0)
+    finally:
+        engine.stop()

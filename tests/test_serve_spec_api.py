@@ -132,3 +132,35 @@ def test_second_turn_reuses_the_prefix_and_stop_strings_cut_exactly(server, refe
     stop = full[len(full) // 2:len(full) // 2 + 3]
     body = complete(server, PROMPTS[3], 24, stop=[stop])
     assert body["choices"][0]["text"] == reference(ids, 24, (stop,)) and body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_draft_model_is_loaded_once_for_all_slots(tiny_gguf, reference, one_thread):
+    """draft:PATH in the server's engine (the target drafting for itself: every draft is accepted):
+    one copy of the draft model's weights, a KV cache per slot, greedy output unchanged."""
+    import queue
+
+    from engine.loader import load_model
+    from engine.runner import ModelRunner
+    from engine.server.engine_loop import EngineLoop
+    from engine.server.sequence import Finished, ServeRequest
+    from engine.speculative.config import SpeculativeConfig
+    loaded = load_model(tiny_gguf, "cpu", weight_dtype=torch.float32)
+    spec = SpeculativeConfig.from_spec(f"draft:{tiny_gguf}", num_draft_tokens=3, adaptive=False)
+    engine = EngineLoop(ModelRunner(loaded, max_seq_len=96, num_slots=2), loaded.tokenizer, 96,
+                        speculative=spec).start()
+    try:
+        drafters = [s.drafter for s in engine.spec.slots]
+        assert drafters[0].loaded is drafters[1].loaded and drafters[0].runner is not drafters[1].runner
+        queues = []
+        for prompt in PROMPTS[:2]:
+            q: queue.Queue = queue.Queue()
+            engine.submit(ServeRequest(prompt, loaded.tokenizer.encode(prompt, add_special_tokens=True), 12, q.put))
+            queues.append(q)
+        for prompt, q in zip(PROMPTS[:2], queues):
+            text = ""
+            while not isinstance(event := q.get(timeout=120), Finished):
+                text += event.content
+            assert text == reference(loaded.tokenizer.encode(prompt, add_special_tokens=True), 12)
+            assert event.timings["draft_n_accepted"] == event.timings["draft_n"] > 0
+    finally:
+        engine.stop()

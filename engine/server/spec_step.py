@@ -105,8 +105,9 @@ class SpeculativeStep:
         if config.ngram_pool_size:
             from engine.speculative.ngram import NgramPool
             pool = NgramPool(config.ngram_pool_size)
-        self.slots = [SlotDrafter(build_drafter(config, runner.loaded, runner.max_seq_len, ngram_pool=pool))
-                      for _ in runner.cache.slots]
+        drafts: dict = {}  # a draft model is loaded once; each slot's drafter has its own KV cache
+        self.slots = [SlotDrafter(build_drafter(config, runner.loaded, runner.max_seq_len, ngram_pool=pool,
+                                                loaded_drafts=drafts)) for _ in runner.cache.slots]
         for s in self.slots:
             s.stats.method = config.method
         self._steps = 0
