@@ -35,7 +35,7 @@ from engine.runner import MAX_STEP_ROWS, ModelRunner
 from engine.speculative.config import SpeculativeConfig, build_drafter
 from engine.speculative.drafter import Draft, Drafter, Feedback
 from engine.speculative.stats import SpecStats
-from engine.speculative.verify import penalized_rows, verify_draft
+from engine.speculative.verify import accept_greedy, penalized_rows, verify_draft
 from engine.server.metrics import Metrics
 from engine.server.sequence import Sequence
 
@@ -94,6 +94,7 @@ class _Row:
     logits: torch.Tensor | None = None  # [1 + drafts, V]
     hidden: dict[int, torch.Tensor] | None = None
     seconds: float = 0.0
+    argmax: list[int] | None = None  # greedy rows without penalties: the target's choice per row
 
 
 class SpeculativeStep:
@@ -149,6 +150,7 @@ class SpeculativeStep:
                 fail(r.index, e)
             fused = []
         separate = self._run_separate(separate, fail)
+        self._read_argmax(fused + separate)
         before = sum(r.seq.generated for r in fused + separate)
         for r in fused + separate:
             try:
@@ -198,6 +200,7 @@ class SpeculativeStep:
                 raise AssertionError(f"slot {r.index}: {len(r.tokens)} rows past its capacity")
         begin = time.perf_counter()
         logits = self.runner.step_rows(tokens, positions, slot_ids)  # [M, V]
+        _sync(logits.device)  # the drafters' planners weigh the pass's real time
         seconds = time.perf_counter() - begin
         offset = 0
         for r in rows:
@@ -219,6 +222,7 @@ class SpeculativeStep:
                 begin = time.perf_counter()
                 layers = tuple(self.slots[r.index].drafter.hidden_layers)
                 r.logits, r.hidden = self.runner.verify(self.runner.slot(r.index), r.tokens, layers)  # [T, V]
+                _sync(r.logits.device)
                 r.seconds = time.perf_counter() - begin
                 done.append(r)
             except Exception as e:  # noqa: BLE001
@@ -229,6 +233,7 @@ class SpeculativeStep:
                 begin = time.perf_counter()
                 logits = self.runner.decode_batch([self.runner.slot(r.index) for r in plain],
                                                   [r.tokens[0] for r in plain])  # [B, V]
+                _sync(logits.device)
                 seconds = (time.perf_counter() - begin) / len(plain)
                 for j, r in enumerate(plain):
                     r.logits, r.seconds = logits[j:j + 1], seconds  # [1, V]
@@ -239,6 +244,18 @@ class SpeculativeStep:
                     fail(r.index, e)
         return done
 
+    def _read_argmax(self, rows: list[_Row]) -> None:
+        """Greedy rows without penalties need only the target's argmax: read back in one transfer
+        for all slots (one device sync a step, not one per slot)."""
+        greedy = [r for r in rows if r.seq.request.sampling.greedy and r.seq.seen is None]
+        if not greedy:
+            return
+        choices = torch.cat([r.logits[:, :self.vocab].argmax(dim=-1) for r in greedy]).tolist()  # [rows]
+        offset = 0
+        for r in greedy:
+            r.argmax = choices[offset:offset + r.logits.shape[0]]
+            offset += r.logits.shape[0]
+
     def _accept(self, r: _Row) -> None:
         seq, slot, draft = r.seq, self.runner.slot(r.index), r.draft
         params = seq.request.sampling
@@ -246,7 +263,8 @@ class SpeculativeStep:
         if seq.seen is not None:
             logits = penalized_rows(logits, draft.tokens, seq.seen, seq.output, params)  # row i counts drafts[:i]
         probs = draft.probs[:, :self.vocab] if draft.probs is not None else None  # [k, V]
-        verdict = verify_draft(logits, draft.tokens, probs, params, seq.generator)
+        verdict = (accept_greedy(r.argmax, draft.tokens) if r.argmax is not None
+                   else verify_draft(logits, draft.tokens, probs, params, seq.generator))
         k, a = len(draft.tokens), verdict.accepted
         slot.rewind(k - a)  # the slot holds its rows up to the last accepted draft
         self.slots[r.index].stats.record(draft.sources, a)
@@ -257,3 +275,9 @@ class SpeculativeStep:
         slot.rewind(a - (used - 1))  # as after plain decoding: every token before the last one taken
         kept = {i: h[:a + 1] for i, h in r.hidden.items()} if r.hidden else None
         self.slots[r.index].drafter.observe(Feedback(draft, a, verdict.bonus, kept, r.seconds))
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so a measured time is real."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
