@@ -14,7 +14,7 @@ from engine.generate import GenerationRequest, generate_text
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.server.engine_loop import EngineLoop
-from engine.server.sequence import ThinkingRules
+from engine.server.sequence import Finished, ThinkingRules
 from engine.server.spec_step import split_draft_budget
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.drafter import Draft
@@ -140,6 +140,17 @@ def test_four_slots_share_fused_steps_of_at_most_16_rows(loaded, smollm2_tok, on
         engine.stop()
 
 
+def test_more_slots_than_one_fused_step_takes_decode_without_drafts(loaded, smollm2_tok, one_thread):
+    engine = make_engine(loaded, smollm2_tok, slots=17, context=32, fused=True)
+    try:
+        prompts = [[1, 5 + i, 6, 5 + i] for i in range(17)]
+        jobs = [submit(engine, p, max_tokens=4, id=f"r{i}") for i, p in enumerate(prompts)]
+        for p, (_, q) in zip(prompts, jobs):
+            assert collect(q)[0] == plain(loaded, smollm2_tok, p, 4)[0]
+    finally:
+        engine.stop()
+
+
 def test_second_turn_reuses_the_prefix_with_speculation_and_two_slots(loaded, smollm2_tok, one_thread):
     engine = make_engine(loaded, smollm2_tok, slots=2, fused=True)
     try:
@@ -217,6 +228,16 @@ def test_penalties_and_thinking_budget_with_speculation(loaded, smollm2_tok, one
         spec_engine, plain_engine = engines
         text, _, _ = collect(submit(spec_engine, PROMPTS[0], max_tokens=20, sampling=greedy_penalized)[1])
         assert text == want
+        # logprobs of tokens that arrived as accepted drafts are their rows' (as plain decoding's)
+        events = [[], []]
+        for e, out in zip(engines, events):
+            _, q = submit(e, PROMPTS[1], max_tokens=12, top_logprobs=2)
+            while not isinstance(event := q.get(timeout=60), Finished):
+                out += event.logprobs
+        assert [x["token"] for x in events[0]] == [x["token"] for x in events[1]] and len(events[0]) == 12
+        assert [x["logprob"] for x in events[0]] == pytest.approx([x["logprob"] for x in events[1]], abs=1e-4)
+        assert [t["token"] for x in events[0] for t in x["top_logprobs"]] == \
+            [t["token"] for x in events[1] for t in x["top_logprobs"]]
         results = [collect(submit(e, think, max_tokens=20, thinking_budget=4, thinking_at_start=True)[1])
                    for e in engines]
         assert results[0][:2] == results[1][:2] and results[0][1].rstrip().endswith("Time is up.")

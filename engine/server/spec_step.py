@@ -140,7 +140,9 @@ class SpeculativeStep:
                 log.exception("drafting failed")
                 fail(i, e)
         fused = [r for r in rows if self._fused(r)]
-        separate = [r for r in rows if not self._fused(r)]
+        if sum(len(r.tokens) for r in fused) > MAX_STEP_ROWS:  # more slots than one fused step takes (no
+            fused = []  # drafts then): the batched plain path, as without speculation
+        separate = [r for r in rows if r not in fused]
         try:
             if fused:
                 self._run_fused(fused)
