@@ -266,3 +266,33 @@ def test_drafters_reading_hidden_states_verify_per_slot_and_keep_greedy_output(l
         kv_matches_tokens(engine, 0)
     finally:
         engine.stop()
+
+
+@pytest.mark.gpu
+def test_graphed_speculative_steps_of_several_slots_match_plain_graphed_decoding(smollm2_gguf, monkeypatch):
+    """On a GPU: 4 slots' [token + drafts] rows in one graphed step give plain graphed decoding's
+    greedy tokens, with drafts accepted, and the widest step stays within 16 rows."""
+    from engine.loader import load_model
+    loaded = load_model(smollm2_gguf, "cuda")
+    tok = loaded.tokenizer
+    prompts = [tok.encode(t) for t in ("1, 2, 3, 4, 5, 6,", "def add(a, b):\n    return a + b\n\ndef sub(a, b):",
+                                         "The cat sat on the mat. The cat sat on the", "Once upon a time")]
+    single = ModelRunner(loaded, max_seq_len=256)
+    want = [generate_text(single, tok, p, GenerationRequest(max_tokens=48, ignore_eos=True))[1] for p in prompts]
+    runner = ModelRunner(loaded, max_seq_len=256, num_slots=4)
+    engine = EngineLoop(runner, tok, 256, speculative=NGRAM)
+    runner.prepare_rows(engine.spec.max_rows())
+    widths: list[int] = []
+    step_rows = runner.step_rows
+    monkeypatch.setattr(runner, "step_rows", lambda t, p, s: widths.append(len(t)) or step_rows(t, p, s))
+    engine.start()
+    try:
+        jobs = [submit(engine, p, max_tokens=48, id=f"g{i}") for i, p in enumerate(prompts)]
+        results = [collect(q) for _, q in jobs]
+        for w, (text, _, fin) in zip(want, results):
+            assert text == tok.decode(w) or fin.reason == "stop"  # an EOS ends it early: the text then is a prefix
+            assert tok.decode(w).startswith(text)
+        assert sum(fin.timings["draft_n_accepted"] for _, _, fin in results) > 0
+        assert runner.decoder.graph is not None and 4 < max(widths) <= 16  # slots' drafts shared steps
+    finally:
+        engine.stop()
