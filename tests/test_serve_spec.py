@@ -72,6 +72,27 @@ def idle(engine) -> None:
     assert not engine.active
 
 
+class Recorder:
+    """Wraps a drafter and records what it was begun on and asked to continue."""
+
+    def __init__(self, drafter):
+        self.drafter, self.name, self.hidden_layers = drafter, drafter.name, drafter.hidden_layers
+        self.begun: list[list[int]] = []
+        self.contexts: list[list[int]] = []
+
+    def begin(self, prompt):
+        self.begun.append(list(prompt))
+        self.contexts.clear()
+        self.drafter.begin(prompt)
+
+    def propose(self, context, k):
+        self.contexts.append(list(context))
+        return self.drafter.propose(context, k)
+
+    def observe(self, feedback):
+        self.drafter.observe(feedback)
+
+
 def kv_matches_tokens(engine, index: int) -> None:
     """The slot's cached token list is exactly what its KV holds: a fresh prefill of those tokens
     writes the same keys and values."""
@@ -153,6 +174,8 @@ def test_more_slots_than_one_fused_step_takes_decode_without_drafts(loaded, smol
 
 def test_second_turn_reuses_the_prefix_with_speculation_and_two_slots(loaded, smollm2_tok, one_thread):
     engine = make_engine(loaded, smollm2_tok, slots=2, fused=True)
+    for s in engine.spec.slots:
+        s.drafter = Recorder(s.drafter)
     try:
         jobs = [submit(engine, p, max_tokens=16, id=f"a{i}") for i, p in enumerate(PROMPTS[:2])]
         first = [collect(q) for _, q in jobs]
@@ -167,6 +190,9 @@ def test_second_turn_reuses_the_prefix_with_speculation_and_two_slots(loaded, sm
         assert fin.timings["cache_n"] == len(PROMPTS[1]) + len(out) - 1
         assert text == plain(loaded, smollm2_tok, again, 16)[0]
         assert engine.scheduler.info(index).cache_hits == 1 and engine.scheduler.info(1 - index).cache_hits == 0
+        # the slot's drafter was begun on the whole new prompt and drafts from it, reused prefix included
+        recorder = engine.spec.slots[index].drafter
+        assert recorder.begun[-1] == again and recorder.contexts[0][:len(again)] == again
         for i in range(2):
             kv_matches_tokens(engine, i)
     finally:
