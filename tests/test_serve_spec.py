@@ -73,12 +73,14 @@ def idle(engine) -> None:
 
 
 class Recorder:
-    """Wraps a drafter and records what it was begun on and asked to continue."""
+    """Wraps a drafter and records what it was begun on and asked to continue; every observe must
+    follow a propose (a mix judges its members by the spans of its last proposal)."""
 
     def __init__(self, drafter):
         self.drafter, self.name, self.hidden_layers = drafter, drafter.name, drafter.hidden_layers
         self.begun: list[list[int]] = []
         self.contexts: list[list[int]] = []
+        self.proposed = False
 
     def begin(self, prompt):
         self.begun.append(list(prompt))
@@ -87,9 +89,12 @@ class Recorder:
 
     def propose(self, context, k):
         self.contexts.append(list(context))
+        self.proposed = True
         return self.drafter.propose(context, k)
 
     def observe(self, feedback):
+        assert self.proposed, "observe without a propose"
+        self.proposed = False
         self.drafter.observe(feedback)
 
 

@@ -182,7 +182,9 @@ class SpeculativeStep:
     def _propose(self, index: int, seq: Sequence, k: int) -> _Row:
         slot = self.runner.slot(index)
         context = slot.tokens + seq.pending  # prompt + output: what the slot holds and the pending token
-        draft = self.slots[index].drafter.propose(context, k) if k > 0 else Draft([])
+        # asked even for k = 0: a drafter pairs each observe with a propose (a mix judges its members
+        # by the spans of its last proposal; hidden-state drafters take in their new rows)
+        draft = self.slots[index].drafter.propose(context, k)
         n = next((j for j, t in enumerate(draft.tokens[:k]) if t >= self.vocab), min(len(draft.tokens), k))
         if n < len(draft.tokens):  # at most k, none the tokenizer cannot print (a padded vocabulary)
             draft = Draft(draft.tokens[:n], draft.probs[:n] if draft.probs is not None else None,
