@@ -327,3 +327,61 @@ def test_graphed_speculative_steps_of_several_slots_match_plain_graphed_decoding
         assert runner.decoder.graph is not None and 4 < max(widths) <= 16  # slots' drafts shared steps
     finally:
         engine.stop()
+
+
+class Fixed:
+    """Always drafts one given token (q one-hot): accepted with probability p(token), else the
+    target's token comes from the residual."""
+    name, hidden_layers = "fixed", ()
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, context, k):
+        return Draft([self.token][:k], source=self.name)
+
+    def observe(self, feedback):
+        pass
+
+
+def test_sampling_through_the_speculative_step_keeps_the_distribution(loaded, smollm2_tok, one_thread):
+    """The first two tokens' joint distribution at T > 0 (top-k 3: 9 outcomes) equals plain
+    sampling's when the second comes through verification of a one-hot draft (chi-square)."""
+    from engine.sampling import probabilities
+    params = SamplingParams(temperature=1.5, top_k=3)
+    prompt = PROMPTS[2]
+    runner = ModelRunner(loaded, max_seq_len=32)
+    p1 = probabilities(runner.prefill(runner.slot(0), prompt)[:smollm2_tok.vocab_size], params)  # [V]
+    exact: dict[tuple[int, int], float] = {}
+    for t1 in torch.topk(p1, 3).indices.tolist():
+        runner.slot(0).rewind(runner.slot(0).length - len(prompt))
+        p2 = probabilities(runner.forward(runner.slot(0), [t1])[-1][:smollm2_tok.vocab_size], params)  # [V]
+        for t2 in torch.topk(p2, 3).indices.tolist():
+            exact[(t1, t2)] = float(p1[t1] * p2[t2])
+    likely = max(exact, key=exact.get)
+    engine = make_engine(loaded, smollm2_tok, slots=8, context=32, fused=True)
+    counts = dict.fromkeys(exact, 0)
+    try:
+        for s in engine.spec.slots:
+            s.drafter = Fixed(likely[1])  # the likeliest second token: accepted often, rejected often
+        n, drafted = 240, 0
+        text = {pair: (smollm2_tok.decode([pair[0]]), smollm2_tok.decode([pair[1]])) for pair in exact}
+        assert len(set(text.values())) == len(text)  # the outcomes are told apart by their text
+        by_text = {v: k for k, v in text.items()}
+        for group in range(0, n, 8):  # 8 slots sample together
+            jobs = [submit(engine, prompt, max_tokens=3, top_logprobs=0,
+                           sampling=SamplingParams(temperature=1.5, top_k=3, seed=i))[1] for i in range(group, group + 8)]
+            for q in jobs:
+                tokens: list[str] = []
+                while not isinstance(event := q.get(timeout=60), Finished):
+                    tokens += [x["token"] for x in event.logprobs]
+                counts[by_text[tuple(tokens[:2])]] += 1
+                drafted += event.timings["draft_n"]
+        assert drafted > n // 2
+    finally:
+        engine.stop()
+    stat = sum((counts[k] - n * p) ** 2 / (n * p) for k, p in exact.items())
+    assert stat < 26.12, (stat, counts, exact)  # chi-square, 8 degrees of freedom, p = 0.001
