@@ -7,11 +7,12 @@
 # section (method $SPEC, num_draft_tokens $K). Results: $OUT/serve-{plain,spec}.json and a table.
 # Knobs: LEVELS=1,2,4,8  REPS=2 (each suite prompt runs REPS times per level, fresh each time)
 #        SUITE=tests/perf/repetitive_suite.json  EXTRA="--limit 1" (more bench options)  PORT=8080
+#        READY_S=300 (seconds to wait for a server)  BENCH_S=200 (seconds per bench run)
 set -u
 BASE=${BASE:?set BASE to a serve config}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 LEVELS=${LEVELS:-1,2,4,8}; REPS=${REPS:-2}; PORT=${PORT:-8080}; K=${K:-4}; SPEC=${SPEC:-ngram}
-SUITE=${SUITE:-tests/perf/repetitive_suite.json}; EXTRA=${EXTRA:-}; READY_S=${READY_S:-300}
+SUITE=${SUITE:-tests/perf/repetitive_suite.json}; EXTRA=${EXTRA:-}; READY_S=${READY_S:-300}; BENCH_S=${BENCH_S:-200}
 B="python3 -m bonsai_cli"
 for mode in plain spec; do
     cfg="$OUT/serve-$mode.yaml"
@@ -40,7 +41,7 @@ PY
     done
     if [ $ok != 1 ]; then echo "server ($mode) did not start:"; tail -5 "$OUT/serve-$mode.log"; kill $PID 2>/dev/null; exit 1; fi
     echo "server ready after ${i}s"
-    $B bench --url "http://127.0.0.1:$PORT" --suite "$SUITE" --concurrency "$LEVELS" -r "$REPS" $EXTRA \
+    timeout "$BENCH_S" $B bench --url "http://127.0.0.1:$PORT" --suite "$SUITE" --concurrency "$LEVELS" -r "$REPS" $EXTRA \
         --json "$OUT/serve-$mode.json" 2>&1 | tail -14
     curl -s "http://127.0.0.1:$PORT/metrics" | grep '^bonsai_spec_decode' > "$OUT/metrics-$mode.txt"
     kill -INT $PID; wait $PID
