@@ -176,7 +176,9 @@ def _chat_with_config(path: Path, system: Optional[str], max_tokens: int, sampli
                 console.print("[dim]no answer yet[/dim]" if t is None else
                               f"[dim]prompt {t['prompt_n'] + t['cache_n']} tokens ({t['cache_n']} reused from "
                               f"cache) at {t['prompt_per_second']:.1f} tok/s; {t['predicted_n']} generated at "
-                              f"{t['predicted_per_second']:.1f} tok/s[/dim]")
+                              f"{t['predicted_per_second']:.1f} tok/s" +
+                              (f"; {t['draft_n_accepted']}/{t['draft_n']} drafted tokens accepted"
+                               if t.get("draft_n") else "") + "[/dim]")
                 continue
             console.print("[bold cyan]bonsai>[/bold cyan] ", end="")
             try:

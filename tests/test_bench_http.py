@@ -107,11 +107,12 @@ def test_more_requests_in_flight_give_more_throughput():
 
 
 def test_aggregate_summary_of_known_results():
-    def result(ttft: float, gaps: list[float], tps: float) -> PromptResult:
+    def result(ttft: float, gaps: list[float], tps: float, drafted: int | None = None,
+               accepted: int | None = None) -> PromptResult:
         return PromptResult("p", "qa", prompt_tokens=10, generated_tokens=len(gaps) + 1, ttft_seconds=ttft,
                             decode_tokens_per_second=tps, total_seconds=ttft + sum(gaps), finish_reason="stop",
-                            inter_token_seconds=gaps)
-    results = [result(0.1, [0.01, 0.01, 0.01], 100.0), result(0.3, [0.03, 0.03, 0.03], 50.0)]
+                            inter_token_seconds=gaps, drafted=drafted, accepted=accepted)
+    results = [result(0.1, [0.01, 0.01, 0.01], 100.0, 8, 6), result(0.3, [0.03, 0.03, 0.03], 50.0)]
     s = aggregate_summary(results, wall_seconds=2.0)
     assert (s["requests"], s["generated_tokens"], s["prompt_tokens"]) == (2, 8, 20)
     assert s["aggregate_tokens_per_second"] == pytest.approx(4.0)
@@ -121,6 +122,7 @@ def test_aggregate_summary_of_known_results():
     assert s["tpot_ms_mean"] == pytest.approx(20)
     assert s["decode_tps_mean"] == pytest.approx(75)
     assert s["decode_tps_std"] == pytest.approx(35.355, rel=1e-3)
+    assert (s["draft_tokens"], s["draft_tokens_accepted"], s["draft_acceptance"]) == (8, 6, 0.75)
 
 
 def one_line_error(call) -> str:

@@ -4,33 +4,25 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from tests.serve_process import ROOT, start_server  # noqa: E402
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-0123456789"
 # SmolLM2's ChatML, plus a thought opened in the generation prompt when the last message asks "/think"
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n"
             "{% if '/think' in messages[-1].content %}<think>\n{% endif %}{% endif %}")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,29 +33,9 @@ def server(smollm2_gguf, tmp_path_factory):
         f"model:\n  path: {smollm2_gguf}\n  max_context: 256\n  chat_template: {tmp / 'template.jinja'}\n"
         "runtime:\n  device: cpu\n  max_batch_size: 4\n  prefill_chunk_size: 128\n"
         f"server:\n  api_key: {KEY}\n  max_queue: 4\n  max_body_bytes: 65536\n  default_max_tokens: 8\n")
-    port = free_port()
-    log = open(tmp / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "bonsai_cli", "serve", "--config", str(tmp / "serve.yaml"),
-                             "--port", str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    seen = []
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        assert proc.poll() is None, (tmp / "server.log").read_text()
-        try:
-            r = httpx.get(url + "/health", timeout=5)
-            seen.append((r.status_code, r.json()))
-            if r.status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    else:
-        pytest.fail("the server did not become ready: " + (tmp / "server.log").read_text()[-2000:])
-    yield {"url": url, "health": seen, "log": tmp / "server.log"}
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, (tmp / "server.log").read_text()[-2000:]
+    proc = start_server(tmp / "serve.yaml", tmp / "server.log")
+    yield {"url": proc.url, "health": proc.health, "log": proc.log}
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -281,3 +253,33 @@ def test_chat_command_runs_on_the_serve_config(smollm2_gguf, tmp_path):
     assert proc.stdout.count("bonsai> ") == 2 and "Ada" in proc.stdout.split("What is my name?")[1]
     reused = int(proc.stdout.split("tokens (")[1].split(" reused")[0])
     assert reused > 10  # the second turn reused the first turn's prefix in the engine's slot
+
+
+def test_speculative_server_answers_as_the_plain_one_and_reuses_prefixes(server, smollm2_gguf, tmp_path):
+    """The same SmolLM2 with n-gram speculation and 2 slots: greedy answers equal the plain server's,
+    drafts are accepted, and a second turn reuses its prefix (cache_n) with speculation on."""
+    (tmp_path / "template.jinja").write_text(TEMPLATE)
+    (tmp_path / "serve.yaml").write_text(
+        f"model:\n  path: {smollm2_gguf}\n  max_context: 256\n  chat_template: {tmp_path / 'template.jinja'}\n"
+        "runtime:\n  device: cpu\n  max_batch_size: 2\n  prefill_chunk_size: 128\n"
+        "  decode_algorithm: speculative\n  draft_model: none\n"
+        "speculative:\n  method: ngram\n  adaptive: false\n")
+    spec = start_server(tmp_path / "serve.yaml", tmp_path / "server.log", threads=1)
+    try:
+        turn1 = [{"role": "user", "content": "Repeat this line twice: red fox, blue fox, red fox, blue fox."}]
+
+        def ask(url: str, messages: list, key: str | None) -> dict:
+            r = httpx.post(url + "/v1/chat/completions", timeout=300,
+                           headers={"Authorization": f"Bearer {key}"} if key else {},
+                           json={"messages": messages, "max_tokens": 16, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        a, b = ask(server["url"], turn1, KEY), ask(spec.url, turn1, None)
+        assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+        assert b["timings"]["draft_n_accepted"] > 0 and a["timings"]["draft_n"] == 0
+        turn2 = turn1 + [a["choices"][0]["message"], {"role": "user", "content": "Once more."}]
+        b = ask(spec.url, turn2, None)  # (its exactness after a reuse: tests/test_serve_spec*.py)
+        assert b["timings"]["cache_n"] > 20 and b["timings"]["draft_n"] > 0
+    finally:
+        spec.stop()

@@ -51,10 +51,10 @@ def test_seed_config_is_read_and_each_unavailable_key_is_named(tmp_path):
     step = SEED.replace("kv_cache_quant: true", "kv_cache_quant: false").replace("  kv_cache_bits: 4\n", "")
     assert "memory.max_gpu_memory" in error(step, tmp_path)
     step = step.replace("  max_gpu_memory: 6GB\n", "")
-    message = error(step, tmp_path)
-    assert "runtime.decode_algorithm" in message and "n-gram" in message and "not available yet" in message
-    cfg = load(step.replace("decode_algorithm: speculative", "decode_algorithm: standard")
-               .replace("  draft_model: none\n", ""), tmp_path)
+    cfg = load(step, tmp_path)  # decode_algorithm: speculative with draft_model: none → n-gram drafting
+    assert cfg.spec_config.method == "ngram" and cfg.spec_config.num_draft_tokens == 4
+    assert load(step.replace("decode_algorithm: speculative", "decode_algorithm: standard")
+                .replace("  draft_model: none\n", ""), tmp_path).spec_config is None
     assert cfg.model.quant_type == "tri" and cfg.runtime.device == "cuda:0"
     assert cfg.slot_context == 1536 and cfg.seq_len == 1536 and cfg.runtime.prefill_chunk_size == 512
     assert cfg.server.host == "127.0.0.1" and cfg.context.compress_at == 0.9
@@ -86,6 +86,13 @@ def test_wrong_types_and_values_give_the_key_path(tmp_path):
     assert "model.max_context" in error("model:\n  path: m\n  max_context: 4096\nruntime:\n  max_seq_len: 1024\n",
                                         tmp_path)
     assert "speculative" in error("model:\n  path: m\nspeculative:\n  method: ngram\n", tmp_path)
+    spec = "model:\n  path: m\nruntime:\n  decode_algorithm: speculative\n  draft_model: {}\nspeculative:\n  method: {}\n"
+    assert "speculative.method" in error(spec.format("none", "mix:ngram,draft:./small"), tmp_path)
+    assert "runtime.draft_model" in error(spec.format("./small", "ngram"), tmp_path)
+    cfg = load(spec.format("none", "ngram") + "  num_draft_tokens: 6\n  adaptive: false\n", tmp_path)
+    assert cfg.spec_config.num_draft_tokens == 6 and not cfg.spec_config.adaptive
+    cfg = load("model:\n  path: m\nruntime:\n  decode_algorithm: speculative\n  draft_model: ./small\n", tmp_path)
+    assert cfg.spec_config.method == "draft" and cfg.spec_config.drafters[0].path == "./small"
     assert "speculative.drafter" in error("model:\n  path: m\nspeculative:\n  drafter: ngram\n", tmp_path)
     from engine.server.config import SpeculativeSection
     assert SpeculativeSection("mix:ngram,mtp", num_draft_tokens=6).as_spec_config().num_draft_tokens == 6
@@ -118,11 +125,10 @@ def test_every_example_config_loads_or_is_refused_by_name(tmp_path):
     examples = sorted((Path(__file__).resolve().parents[1] / "configs").glob("serve-*.yaml"))
     assert len(examples) >= 4
     for path in examples:
+        cfg = read_serve_config(path)
+        assert cfg.model.path
         if "speculative" in path.name:
-            with pytest.raises(BonsaiError, match="runtime.decode_algorithm.*not available yet"):
-                read_serve_config(path)
-        else:
-            assert read_serve_config(path).model.path
+            assert cfg.spec_config is not None and cfg.runtime.max_batch_size > 1
 
 
 def test_dummy_models_need_a_tokenizer(tmp_path):

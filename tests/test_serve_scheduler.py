@@ -151,7 +151,9 @@ def test_metrics_prometheus_text_parses():
     m.count_request("stop")
     m.count_prompt(10, 4)
     m.count_step(rows=2, tokens=2)
-    m.spec_accepted_per_position[0] += 3
+    m.count_spec(drafted=3, accepted=2)
+    m.count_spec(drafted=1, accepted=1)
+    m.count_spec(drafted=0, accepted=0)  # a step without drafts counts nothing
     samples = {}
     for line in m.prometheus().splitlines():
         if line and not line.startswith("#"):
@@ -160,4 +162,7 @@ def test_metrics_prometheus_text_parses():
     assert samples['bonsai_requests_total{outcome="stop"}'] == 1
     assert samples["bonsai_prompt_cache_tokens_total"] == 4 and samples["bonsai_prompt_tokens_computed_total"] == 6
     assert samples["bonsai_decode_rows_total"] == 2 and samples["bonsai_slots_total"] == 2
-    assert samples['bonsai_spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 3
+    assert samples["bonsai_spec_decode_num_draft_tokens_total"] == 4
+    assert samples["bonsai_spec_decode_num_accepted_tokens_total"] == 3 and samples["bonsai_spec_decode_num_drafts_total"] == 2
+    assert [samples[f'bonsai_spec_decode_num_draft_tokens_per_pos_total{{position="{p}"}}'] for p in range(3)] == [2, 1, 1]
+    assert [samples[f'bonsai_spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}'] for p in range(3)] == [2, 1, 0]

@@ -339,6 +339,8 @@ def aggregate_summary(results: list[PromptResult], wall_seconds: float) -> dict[
                for r in results if r.generated_tokens > 1]
     decode_mean, decode_std = mean_std([r.decode_tokens_per_second for r in results if r.decode_tokens_per_second > 0])
     generated = sum(r.generated_tokens for r in results)
+    drafted = sum(r.drafted or 0 for r in results)
+    accepted = sum(r.accepted or 0 for r in results)
     return {
         "requests": len(results),
         "prompt_tokens": sum(r.prompt_tokens for r in results),
@@ -356,4 +358,8 @@ def aggregate_summary(results: list[PromptResult], wall_seconds: float) -> dict[
         "tpot_ms_mean": mean_std(tpot_ms)[0],
         "decode_tps_mean": decode_mean,
         "decode_tps_std": decode_std,
+        # speculative decoding on the server (timings.draft_n / draft_n_accepted; 0 without drafting)
+        "draft_tokens": drafted,
+        "draft_tokens_accepted": accepted,
+        "draft_acceptance": accepted / drafted if drafted else 0.0,
     }

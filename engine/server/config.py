@@ -1,8 +1,7 @@
 """The serve config as dataclasses, validated on construction (YAML is read only by bonsai_cli).
 
 Every key that is accepted does what it says. Keys of features that do not exist yet
-(quantized / offloaded KV cache, several GPUs, memory budgets, speculative decoding until it lands)
-are part of the layout users already have, so they parse, but turning them on is refused with one
+(quantized / offloaded KV cache, several GPUs, memory budgets) are part of the layout users already have, so they parse, but turning them on is refused with one
 line naming the key and why. An unknown key is an error naming the nearest valid key; a wrong type
 or an impossible value is an error with the key's path.
 """
@@ -129,11 +128,12 @@ class MemorySection:
 
 @dataclass(frozen=True)
 class SpeculativeSection:
-    """The drafters a slot runs when runtime.decode_algorithm is speculative: the fields of
+    """The drafters every slot runs when runtime.decode_algorithm is speculative: the fields of
     engine.speculative.config.SpeculativeConfig (method is a spec string as in `--spec`: ngram,
-    draft:PATH, mtp, dflash, mix:ngram,draft:PATH). Without this section, runtime.draft_model
-    decides: none → ngram, a path → draft:PATH. Each slot will own its drafter instance (its
-    n-gram tables or draft-model cache), begun on the prompt whose prefix the slot reused."""
+    draft:PATH, mtp:PATH, dflash:PATH, mix:ngram,draft:PATH). Without this section, runtime.draft_model
+    decides: none (or absent) → ngram, a path → draft:PATH. Each slot owns its drafter instance (its
+    n-gram tables or draft-model cache), begun on each request's whole prompt (reused prefix included);
+    an n-gram pool (ngram_pool_size > 0) is shared by all slots."""
     method: str = "ngram"
     num_draft_tokens: int = 4
     ngram_min: int = 1
@@ -220,12 +220,27 @@ class ServeConfig:
         if self.speculative is not None and rt.decode_algorithm != "speculative":
             _fail("speculative", "is set but runtime.decode_algorithm is standard; set decode_algorithm: "
                   "speculative or remove the section")
-        if rt.decode_algorithm == "speculative":
-            what = ("draftless n-gram speculation (runtime.draft_model: none)" if rt.draft_model in (None, "none")
-                    else "speculation with a draft model")
-            raise not_available("runtime.decode_algorithm", f"{what} in the server (the drafters run in "
-                                "bonsai generate/bench --spec; the server's per-slot verify step is not built)",
-                                "set runtime.decode_algorithm: standard")
+        if rt.decode_algorithm == "speculative" and self.speculative is not None:
+            draft_member = any(d.method == "draft" for d in self.speculative.as_spec_config().drafters)
+            if rt.draft_model not in (None, "none"):
+                _fail("runtime.draft_model", "and the speculative section both choose the drafters; put "
+                      f"draft:{rt.draft_model} in speculative.method and remove runtime.draft_model")
+            if rt.draft_model == "none" and draft_member:
+                _fail("speculative.method", f"'{self.speculative.method}' runs a draft model but runtime.draft_model "
+                      "is none (draftless drafters only); remove draft_model: none or the draft: member")
+
+    @property
+    def spec_config(self):
+        """The engine.speculative.config.SpeculativeConfig every slot drafts with (None: plain decoding).
+        decode_algorithm speculative without a speculative section: draft_model none (or absent) →
+        n-gram prompt lookup with the defaults; draft_model PATH → that draft model."""
+        rt = self.runtime
+        if rt.decode_algorithm != "speculative":
+            return None
+        if self.speculative is not None:
+            return self.speculative.as_spec_config()
+        method = "ngram" if rt.draft_model in (None, "none") else f"draft:{rt.draft_model}"
+        return SpeculativeSection(method=method).as_spec_config()
 
     @property
     def slot_context(self) -> int:

@@ -7,14 +7,12 @@ token of every decoding slot together, in one forward. Events go back to each re
 `emit` callback (the API side turns them into an asyncio queue). A step that fails ends the
 requests it served with an error and resets their slots; the loop and the other requests go on.
 
-Speculative decoding plugs in per slot: a slot whose request drafts runs `runner.verify` on its
-last token + the drafter's proposal instead of joining the batched decode row, then rewinds its
-slot past the rejected drafts (`KVSlot.rewind`) — so prefix reuse keeps working, since the slot's
-tokens stay exactly what its KV holds. The drafter is made per slot from config.speculative
-(SpeculativeSection.as_spec_config → engine.speculative.config.build_drafter) and each step is the
-body of engine.speculative.decode.speculative_decode (propose, runner.verify, verify_draft, rewind,
-observe) with the accepted tokens pushed through Sequence like sampled ones. Not built yet: the
-config refuses decode_algorithm: speculative until it is.
+With speculative decoding (a SpeculativeStep, engine/server/spec_step.py) the decode step is a
+verification step instead: each decoding slot's drafter proposes tokens, all slots' rows are
+scored together (one fused step_rows call where it exists), each slot keeps its accepted run plus
+the target's token and rewinds past the rest, so its cached tokens stay exactly what its KV holds
+and prefix reuse keeps working. Each slot's drafter is begun on the whole prompt of the request
+that takes the slot (the reused prefix included).
 """
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ from engine.runner import ModelRunner
 from engine.server.metrics import Metrics
 from engine.server.scheduler import Scheduler
 from engine.server.sequence import Failed, Sequence, ServeRequest, ThinkingRules
+from engine.speculative.config import SpeculativeConfig
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -33,7 +32,9 @@ log = logging.getLogger(__name__)
 
 class EngineLoop:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, slot_context: int, max_queue: int = 16,
-                 rules: ThinkingRules | None = None, metrics: Metrics | None = None):
+                 rules: ThinkingRules | None = None, metrics: Metrics | None = None,
+                 speculative: SpeculativeConfig | None = None):
+        """speculative: the drafters every slot runs (None: plain decoding)."""
         self.runner, self.tokenizer = runner, tokenizer
         self.slot_context = min(slot_context, runner.max_seq_len)
         self.rules = rules or ThinkingRules()
@@ -44,10 +45,15 @@ class EngineLoop:
         self.scheduler: Scheduler[ServeRequest] = Scheduler(runner.cache.slots, max_queue)
         self.metrics.slots_total = len(runner.cache.slots)
         self.active: dict[int, Sequence] = {}  # slot index → its request
+        self.spec = None
+        if speculative is not None:
+            from engine.server.spec_step import SpeculativeStep
+            self.spec = SpeculativeStep(runner, speculative, self.slot_context, self.vocab, self.metrics)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stopping = False
         self._next_prefill = 0
+        self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
         self._thread = threading.Thread(target=self._run, name="bonsai-engine", daemon=True)
 
     def start(self) -> "EngineLoop":
@@ -90,6 +96,7 @@ class EngineLoop:
             out.append({"id": slot.index, "n_ctx": self.slot_context, "is_processing": seq is not None,
                         "n_cached": slot.length, "requests_served": info.requests_served,
                         "cache_hits": info.cache_hits,
+                        "drafter": None if self.spec is None else self.spec.info(slot.index),
                         "task": None if seq is None else {
                             "id": seq.request.id, "n_prompt_tokens": len(seq.request.prompt_ids),
                             "n_cached": seq.cached, "n_decoded": seq.generated}})
@@ -121,6 +128,7 @@ class EngineLoop:
         for a in self.scheduler.assign():
             seq = Sequence(a.request, self.tokenizer, self.rules, self.vocab, self.runner.device, a.reused)
             self.active[a.slot.index] = seq
+            self._to_begin.append(a.slot.index)
             self.metrics.count_prompt(len(a.request.prompt_ids), a.reused)
         self.metrics.queue_waiting = self.scheduler.waiting
         self.metrics.slots_busy = self.scheduler.busy
@@ -129,6 +137,14 @@ class EngineLoop:
         for index, seq in list(self.active.items()):
             if seq.request.cancelled.is_set():
                 self._end(index, "cancelled")
+        for index in self._to_begin:
+            if self.spec is not None and index in self.active:
+                try:
+                    self.spec.begin(index, self.active[index])
+                except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
+                    log.exception("drafter begin failed")
+                    self._fail(index, _message(e))
+        self._to_begin.clear()
         self._prefill_one()
         self._decode_all()
         for index, seq in list(self.active.items()):
@@ -160,6 +176,9 @@ class EngineLoop:
     def _decode_all(self) -> None:
         rows = [i for i, s in sorted(self.active.items()) if len(s.pending) == 1 and not s.done]
         if not rows:
+            return
+        if self.spec is not None:
+            self.spec.step(self.active, rows, lambda i, e: self._fail(i, _message(e)))
             return
         slots = [self.runner.slot(i) for i in rows]
         tokens = [self.active[i].pending[0] for i in rows]

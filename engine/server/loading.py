@@ -85,14 +85,16 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
     progress("allocating the KV cache" + (" and capturing CUDA graphs" if rt.device != "cpu" else ""), 0.85)
     runner = ModelRunner(loaded, max_seq_len=config.seq_len, num_slots=rt.max_batch_size,
                          prefill_chunk_size=rt.prefill_chunk_size)
-    if runner.decoder is not None:  # capture the batched step for every row count now, not mid-request
-        from engine.runner import MAX_STEP_ROWS
-        for rows in range(2, min(rt.max_batch_size, MAX_STEP_ROWS) + 1):
-            runner.step_rows([0] * rows, [0] * rows, [0] * rows)  # writes position 0 of slot 0: still empty
     th = config.thinking
+    spec = config.spec_config
+    if spec is not None:
+        progress(f"building each slot's drafter ({spec.method})", 0.9)
     engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
-                        ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics)
-    log.info("serving %s: %d slots of %d tokens on %s (KV cache %.1f MB)", path.name, rt.max_batch_size,
-             engine.slot_context, rt.device, runner.cache.nbytes / 1e6)
+                        ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, speculative=spec)
+    if runner.decoder is not None:  # capture the fused step for every row count in use now, not mid-request
+        runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None else rt.max_batch_size)
+    log.info("serving %s: %d slots of %d tokens on %s (KV cache %.1f MB)%s", path.name, rt.max_batch_size,
+             engine.slot_context, rt.device, runner.cache.nbytes / 1e6,
+             f", speculative {spec.method} k={spec.num_draft_tokens} per slot" if spec is not None else "")
     progress("ready", 1.0)
     return Served(engine.start(), m.name or path.stem, config)

@@ -21,7 +21,9 @@ class Metrics:
     decode_rows: int = 0  # rows of all batched decode steps (mean batch = rows / steps)
     spec_drafted: int = 0
     spec_accepted: int = 0
+    spec_drafted_per_position: Counter = field(default_factory=Counter)  # position (0 = first draft) → drafts
     spec_accepted_per_position: Counter = field(default_factory=Counter)
+    spec_verify_steps: int = 0  # slot-steps that verified at least one draft
     slots_total: int = 0
     slots_busy: int = 0
     queue_waiting: int = 0
@@ -46,6 +48,18 @@ class Metrics:
             self.generated_tokens += tokens
             self._recent.append((time.monotonic(), tokens))
 
+    def count_spec(self, drafted: int, accepted: int) -> None:
+        """One slot's verification: `drafted` draft tokens scored, the first `accepted` kept."""
+        if not drafted:
+            return
+        with self._lock:
+            self.spec_verify_steps += 1
+            self.spec_drafted += drafted
+            self.spec_accepted += accepted
+            for position in range(drafted):
+                self.spec_drafted_per_position[position] += 1
+                self.spec_accepted_per_position[position] += position < accepted
+
     def tokens_per_second(self, window: float = 10.0) -> float:
         """Generated tokens per second over the last `window` seconds."""
         now = time.monotonic()
@@ -64,6 +78,7 @@ class Metrics:
         with self._lock:
             requests = sorted(self.requests.items())
             per_pos = sorted(self.spec_accepted_per_position.items())
+            drafted_pos = sorted(self.spec_drafted_per_position.items())
             snapshot = dict(vars(self))
         metric("requests_total", "counter", "Requests by outcome (stop, length, cancelled, error).",
                [(f'{{outcome="{k}"}}', v) for k, v in requests] or [('{outcome="stop"}', 0)])
@@ -88,7 +103,11 @@ class Metrics:
                [("", snapshot["spec_drafted"])])
         metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
                [("", snapshot["spec_accepted"])])
-        if per_pos:
+        metric("spec_decode_num_drafts_total", "counter", "Verifications of a slot's draft (slot-steps with drafts).",
+               [("", snapshot["spec_verify_steps"])])
+        if drafted_pos:
+            metric("spec_decode_num_draft_tokens_per_pos_total", "counter", "Draft tokens by position in the draft.",
+                   [(f'{{position="{p}"}}', v) for p, v in drafted_pos])
             metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted drafts by position.",
                    [(f'{{position="{p}"}}', v) for p, v in per_pos])
         return "\n".join(lines) + "\n"

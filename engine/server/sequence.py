@@ -101,7 +101,22 @@ class Sequence:
         logits = logits[:self.vocab]  # [V] the ids the tokenizer knows
         if self.seen is not None:
             logits = apply_penalties(logits, self.seen, self.output, params)
-        token = sample(logits, params, self.generator)
+        self.take(sample(logits, params, self.generator), logits, room)
+
+    def accept(self, tokens: list[int], logits: torch.Tensor, room: int) -> int:
+        """Tokens a speculative step verified (the accepted drafts, then the target's bonus), taken
+        one by one as if sampled; logits [n, V]: their rows (cut to the vocabulary, penalized), for
+        logprobs; room: as for the first of them. Returns how many were used: fewer than n when one
+        ended the output (EOS, stop string, max_tokens, context) or the server inserted tokens after
+        it (thinking budget), so the rest are dropped as plain decoding would never have made them."""
+        for i, token in enumerate(tokens):
+            self.take(token, logits[i], room - i)
+            if self.done or self.pending != [token]:
+                return i + 1
+        return len(tokens)
+
+    def take(self, token: int, logits: torch.Tensor, room: int) -> None:
+        """One chosen token (sampled, or verified) into events; logits [V] (cut, penalized): its row."""
         now = time.perf_counter()
         if self.first_token is None:
             self.first_token = now

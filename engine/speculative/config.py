@@ -120,16 +120,17 @@ def _one(text: str) -> DrafterSpec:
 
 
 def build_drafter(config: SpeculativeConfig, target: LoadedModel, max_seq_len: int,
-                  ngram_pool: Any | None = None) -> Drafter:
+                  ngram_pool: Any | None = None, loaded_drafts: dict[str, LoadedModel] | None = None) -> Drafter:
     """The drafter the config describes, for `target` (whose tokenizer a draft model must share).
     max_seq_len: the target's context (a draft model's cache is sized for it plus k). ngram_pool:
     a pool shared with other requests (a server passes its own); by default one of
-    config.ngram_pool_size entries, or none."""
+    config.ngram_pool_size entries, or none. loaded_drafts: draft models already loaded, by path
+    (filled here): a server's slots share one draft model's weights, each with its own KV cache."""
     from engine.speculative.mix import MixDrafter
     from engine.speculative.ngram import NgramPool
     if ngram_pool is None and config.ngram_pool_size:
         ngram_pool = NgramPool(config.ngram_pool_size)
-    members = [_build_one(spec, config, target, max_seq_len, ngram_pool) for spec in config.drafters]
+    members = [_build_one(spec, config, target, max_seq_len, ngram_pool, loaded_drafts) for spec in config.drafters]
     for spec, member in zip(config.drafters, members):
         limit = getattr(member, "max_draft_tokens", None)
         if limit is not None and config.num_draft_tokens > limit:
@@ -141,12 +142,13 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, max_seq_len: i
 
 
 def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel, max_seq_len: int,
-               ngram_pool: Any | None) -> Drafter:
+               ngram_pool: Any | None, loaded_drafts: dict[str, LoadedModel] | None) -> Drafter:
     if spec.method == "ngram":
         from engine.speculative.ngram import NgramDrafter
         return NgramDrafter(config.ngram_min, config.ngram_max, ngram_pool)
     if spec.method == "draft":
-        return _draft_model(spec.path, target, max_seq_len + config.num_draft_tokens + 1)
+        return _draft_model(spec.path, target, max_seq_len + config.num_draft_tokens + 1,
+                            {} if loaded_drafts is None else loaded_drafts)
     if not spec.path:
         raise BonsaiError(f"the {spec.method} drafter needs its file: {spec.method}:PATH (train one with "
                           f"`bonsai train-drafter MODEL --kind {spec.method} --out DIR`)")
@@ -165,16 +167,19 @@ def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel
     return getattr(module, f"load_{spec.method}_drafter")(spec.path, target, **options)
 
 
-def _draft_model(path: str, target: LoadedModel, max_seq_len: int) -> Drafter:
+def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts: dict[str, LoadedModel]) -> Drafter:
     from engine import store
     from engine.loader import load_model
     from engine.speculative.draft_model import DraftModelDrafter, check_same_tokenizer
-    try:
-        resolved = store.resolve_model(path)
-    except BonsaiError as e:
-        raise BonsaiError(f"draft model: {e}") from None
-    loaded = load_model(resolved, device=target.device, dtype=target.dtype)
-    check_same_tokenizer(loaded.tokenizer, target.tokenizer, path)
+    loaded = loaded_drafts.get(path)
+    if loaded is None:
+        try:
+            resolved = store.resolve_model(path)
+        except BonsaiError as e:
+            raise BonsaiError(f"draft model: {e}") from None
+        loaded = load_model(resolved, device=target.device, dtype=target.dtype)
+        check_same_tokenizer(loaded.tokenizer, target.tokenizer, path)
+        loaded_drafts[path] = loaded
     return DraftModelDrafter(loaded, target.config.vocab_size, max_seq_len)
 
 

@@ -52,7 +52,7 @@ def speculative_decode(runner: ModelRunner, slot: KVSlot, drafter: Drafter, num_
     while True:
         # rows: the pending token + k drafts must fit the context; no draft past max_tokens
         k = min(num_draft_tokens, slot.capacity - slot.length - 1, sink.remaining - 1)
-        draft = drafter.propose(context, k) if k > 0 else Draft([])
+        draft = drafter.propose(context, max(k, 0))  # k = 0 too: every observe follows its propose
         if len(draft.tokens) > k:
             draft = Draft(draft.tokens[:k], draft.probs[:k] if draft.probs is not None else None,
                           draft.source, draft.sources[:k])

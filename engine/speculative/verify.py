@@ -55,7 +55,13 @@ def penalized_rows(logits: torch.Tensor, drafts: list[int], seen_counts: torch.T
 def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> Verdict:
     """logits [k + 1, V] (penalized) → accept while drafts equal the argmax, then the bonus."""
     assert logits.shape[0] == len(drafts) + 1, (logits.shape, len(drafts))
-    target = logits.argmax(dim=-1).tolist()  # [k + 1], one read-back
+    return accept_greedy(logits.argmax(dim=-1).tolist(), drafts)  # [k + 1], one read-back
+
+
+def accept_greedy(target: list[int], drafts: list[int]) -> Verdict:
+    """The target's argmax at each of the k + 1 rows → accept while drafts equal it, then the bonus
+    (a caller verifying several sequences at once reads all argmaxes back together)."""
+    assert len(target) == len(drafts) + 1, (len(target), len(drafts))
     n = 0
     while n < len(drafts) and drafts[n] == target[n]:
         n += 1

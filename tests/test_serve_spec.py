@@ -1,0 +1,387 @@
+"""Speculative decoding inside the server's engine loop, on a tiny random model (real SmolLM2
+tokenizer): greedy output equal to plain decoding with several slots decoding together, through the
+fused multi-slot step and through the plain per-slot path; prefix reuse after speculative steps
+(the slot's tokens are exactly what its KV holds); stop strings and max_tokens landing inside an
+accepted draft; the thinking budget; draft counters in timings, /metrics and /slots."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engine.generate import GenerationRequest, generate_text
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.server.engine_loop import EngineLoop
+from engine.server.sequence import Finished, ThinkingRules
+from engine.server.spec_step import split_draft_budget
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.drafter import Draft
+from tests.test_serve_engine import collect, submit, tiny_loaded
+
+# repetitive prompts: the n-gram drafter finds continuations in them
+PROMPTS = [[1, 504, 3259, 28, 504, 3259, 28, 504], [1, 77, 88, 99, 77, 88, 99, 77], [1, 1203, 284, 253, 1542],
+           [1, 5, 6, 5, 6, 5]]
+NGRAM = SpeculativeConfig.from_spec("ngram", num_draft_tokens=4, adaptive=False)
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2_tok):
+    return tiny_loaded(smollm2_tok.vocab_size)
+
+
+def make_engine(loaded, tok, slots=4, context=96, fused=False, spec=NGRAM, rules=None) -> EngineLoop:
+    runner = ModelRunner(loaded, max_seq_len=context, num_slots=slots, prefill_chunk_size=8, fast_decode=fused)
+    return EngineLoop(runner, tok, context, max_queue=8, rules=rules, speculative=spec).start()
+
+
+def plain(loaded, tok, prompt, max_tokens=24, context=96, **kw) -> tuple[str, list[int], list[int]]:
+    """Plain decoding: text, token ids, and the tokens its slot holds at the end."""
+    runner = ModelRunner(loaded, max_seq_len=context)
+    text, ids, _, _ = generate_text(runner, tok, list(prompt), GenerationRequest(max_tokens=max_tokens, **kw))
+    return text, ids, runner.slot(0).tokens
+
+
+class Oracle:
+    """Drafts the known greedy continuation (every draft is accepted): a stop string or max_tokens
+    then lands wherever the test puts it inside a draft."""
+    name = "oracle"
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, *runs: tuple[list[int], list[int]]):
+        self.sequences = [prompt + output for prompt, output in runs]  # (prompt, greedy output) pairs
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, context, k):
+        n = len(context)
+        [sequence] = [s for s in self.sequences if s[:n] == context]
+        return Draft(sequence[n:n + k], source=self.name)
+
+    def observe(self, feedback):
+        pass
+
+
+def idle(engine) -> None:
+    """Wait until the engine thread released every slot (it emits Finished before tidying the slot)."""
+    deadline = time.time() + 30
+    while engine.active and time.time() < deadline:
+        time.sleep(0.005)
+    assert not engine.active
+
+
+class Recorder:
+    """Wraps a drafter and records what it was begun on and asked to continue; every observe must
+    follow a propose (a mix judges its members by the spans of its last proposal)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.name, self.hidden_layers = drafter, drafter.name, drafter.hidden_layers
+        self.begun: list[list[int]] = []
+        self.contexts: list[list[int]] = []
+        self.proposed = False
+
+    def begin(self, prompt):
+        self.begun.append(list(prompt))
+        self.contexts.clear()
+        self.drafter.begin(prompt)
+
+    def propose(self, context, k):
+        self.contexts.append(list(context))
+        self.proposed = True
+        return self.drafter.propose(context, k)
+
+    def observe(self, feedback):
+        assert self.proposed, "observe without a propose"
+        self.proposed = False
+        self.drafter.observe(feedback)
+
+
+def kv_matches_tokens(engine, index: int) -> None:
+    """The slot's cached token list is exactly what its KV holds: a fresh prefill of those tokens
+    writes the same keys and values."""
+    idle(engine)
+    slot = engine.runner.slot(index)
+    fresh = ModelRunner(engine.runner.loaded, max_seq_len=engine.runner.max_seq_len)
+    fresh.prefill(fresh.slot(0), list(slot.tokens))
+    n = slot.length
+    torch.testing.assert_close(engine.runner.cache.k[:, index, :, :n], fresh.cache.k[:, 0, :, :n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.runner.cache.v[:, index, :, :n], fresh.cache.v[:, 0, :, :n], atol=1e-4, rtol=1e-4)
+
+
+def test_draft_budget_is_split_fairly():
+    assert split_draft_budget([4, 4, 4, 4], 12) == [3, 3, 3, 3]
+    assert split_draft_budget([4, 0, 4, 1], 7) == [3, 0, 3, 1]  # what one does not want goes to the others
+    assert split_draft_budget([4, 4, 4], 7) == [3, 2, 2] and split_draft_budget([4, 4, 4], 7, first=1) == [2, 3, 2]
+    assert split_draft_budget([2, 2], 16) == [2, 2] and split_draft_budget([3, 3], 0) == [0, 0]
+    assert sum(split_draft_budget([4] * 16, 0)) == 0 and sum(split_draft_budget([4] * 10, 6)) == 6
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-slot-verify", "fused-step-rows"])
+def test_concurrent_greedy_streams_equal_plain_decoding(loaded, smollm2_tok, one_thread, fused):
+    engine = make_engine(loaded, smollm2_tok, fused=fused)
+    try:
+        jobs = [submit(engine, p, max_tokens=24, id=f"r{i}") for i, p in enumerate(PROMPTS)]
+        results = [collect(q) for _, q in jobs]
+        for p, (text, _, fin) in zip(PROMPTS, results):
+            assert text == plain(loaded, smollm2_tok, p)[0]
+            assert fin.usage["completion_tokens"] == fin.timings["predicted_n"]
+            assert 0 <= fin.timings["draft_n_accepted"] <= fin.timings["draft_n"]
+        drafted = sum(fin.timings["draft_n"] for _, _, fin in results)
+        accepted = sum(fin.timings["draft_n_accepted"] for _, _, fin in results)
+        m = engine.metrics
+        assert accepted > 0 and (m.spec_drafted, m.spec_accepted) == (drafted, accepted)
+        assert sum(m.spec_drafted_per_position.values()) == drafted
+        assert sum(m.spec_accepted_per_position.values()) == accepted
+        assert m.decode_rows > m.decode_steps  # slots shared steps
+        if fused:
+            assert max(engine.runner._row_steps) > 4  # rows of several slots with drafts in one step
+            assert max(engine.runner._row_steps) <= 16
+        idle(engine)
+        info = engine.slots()
+        assert sum(s["drafter"]["drafted"] for s in info) == drafted and info[0]["drafter"]["method"] == "ngram"
+        for i in range(4):
+            kv_matches_tokens(engine, i)
+    finally:
+        engine.stop()
+
+
+def test_four_slots_share_fused_steps_of_at_most_16_rows(loaded, smollm2_tok, one_thread, monkeypatch):
+    wants = [(p, plain(loaded, smollm2_tok, p, 20)) for p in PROMPTS]
+    engine = make_engine(loaded, smollm2_tok, fused=True)
+    widths: list[int] = []
+    step_rows = engine.runner.step_rows
+    monkeypatch.setattr(engine.runner, "step_rows", lambda t, p, s: widths.append(len(t)) or step_rows(t, p, s))
+    try:
+        for s in engine.spec.slots:
+            s.drafter = Oracle(*[(p, ids) for p, (_, ids, _) in wants])
+        jobs = [submit(engine, p, max_tokens=20, id=f"r{i}") for i, p in enumerate(PROMPTS)]
+        for (_, q), (_, (text, _, _)) in zip(jobs, wants):
+            got, _, fin = collect(q)
+            assert got == text and fin.timings["draft_n"] == fin.timings["draft_n_accepted"] > 0
+        # 4 slots each wanting 1 + 4 rows: 16 rows, the drafts split 3 each
+        assert max(widths) == 16 and 20 not in widths
+    finally:
+        engine.stop()
+
+
+def test_more_slots_than_one_fused_step_takes_decode_without_drafts(loaded, smollm2_tok, one_thread):
+    engine = make_engine(loaded, smollm2_tok, slots=17, context=32, fused=True)
+    try:
+        prompts = [[1, 5 + i, 6, 5 + i] for i in range(17)]
+        jobs = [submit(engine, p, max_tokens=20, id=f"r{i}") for i, p in enumerate(prompts)]
+        for p, (_, q) in zip(prompts, jobs):
+            assert collect(q)[0] == plain(loaded, smollm2_tok, p, 20)[0]
+    finally:
+        engine.stop()
+
+
+def test_second_turn_reuses_the_prefix_with_speculation_and_two_slots(loaded, smollm2_tok, one_thread):
+    engine = make_engine(loaded, smollm2_tok, slots=2, fused=True)
+    for s in engine.spec.slots:
+        s.drafter = Recorder(s.drafter)
+    try:
+        jobs = [submit(engine, p, max_tokens=16, id=f"a{i}") for i, p in enumerate(PROMPTS[:2])]
+        first = [collect(q) for _, q in jobs]
+        assert all(fin.timings["draft_n"] > 0 for _, _, fin in first)
+        idle(engine)
+        index = next(s.index for s in engine.runner.cache.slots if s.tokens[:len(PROMPTS[1])] == PROMPTS[1])
+        # the next turn of conversation 1: its prompt, the answer, and more user tokens
+        _, out, _ = plain(loaded, smollm2_tok, PROMPTS[1], 16)
+        again = PROMPTS[1] + out + [42, 43]
+        text, _, fin = collect(submit(engine, again, max_tokens=16, id="b")[1])
+        # plain decoding's slot holds everything but the last token sampled: all of that is reused
+        assert fin.timings["cache_n"] == len(PROMPTS[1]) + len(out) - 1
+        assert text == plain(loaded, smollm2_tok, again, 16)[0]
+        assert engine.scheduler.info(index).cache_hits == 1 and engine.scheduler.info(1 - index).cache_hits == 0
+        # the slot's drafter was begun on the whole new prompt and drafts from it, reused prefix included
+        recorder = engine.spec.slots[index].drafter
+        assert recorder.begun[-1] == again and recorder.contexts[0][:len(again)] == again
+        for i in range(2):
+            kv_matches_tokens(engine, i)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-slot-verify", "fused-step-rows"])
+def test_stop_string_inside_an_accepted_draft_and_max_tokens(loaded, smollm2_tok, one_thread, fused):
+    prompt = PROMPTS[2]
+    full_text, full, _ = plain(loaded, smollm2_tok, prompt, 30)
+    # the first step verifies full[1:5] (all accepted) and the bonus full[5]: a stop string made of
+    # full[3]'s text ends the output inside the accepted draft
+    stop = smollm2_tok.decode(full[3:4]).strip() or smollm2_tok.decode(full[3:5])
+    want_text, _, want_slot = plain(loaded, smollm2_tok, prompt, 30, stop=(stop,))
+    assert len(want_text) < len(full_text)
+    engine = make_engine(loaded, smollm2_tok, slots=2, fused=fused)
+    try:
+        for s in engine.spec.slots:
+            s.drafter = Oracle((prompt, full))
+        text, _, fin = collect(submit(engine, prompt, max_tokens=30, stop=(stop,))[1])
+        assert (text, fin.reason) == (want_text, "stop") and fin.timings["draft_n_accepted"] > 0
+        idle(engine)
+        assert engine.runner.slot(0).tokens == want_slot  # not the accepted drafts after the stop
+        kv_matches_tokens(engine, 0)
+        # drafts never pass max_tokens: exactly max_tokens tokens, and plain decoding's slot content
+        text, _, fin = collect(submit(engine, prompt, max_tokens=7)[1])
+        assert (text, fin.reason, fin.usage["completion_tokens"]) == (plain(loaded, smollm2_tok, prompt, 7)[0], "length", 7)
+        idle(engine)
+        assert engine.runner.slot(0).tokens == prompt + full[:6]
+        kv_matches_tokens(engine, 0)
+    finally:
+        engine.stop()
+
+
+def test_a_full_context_ends_the_answer_where_plain_decoding_does(loaded, smollm2_tok, one_thread):
+    prompt = [1, 2, 3]
+    _, full, _ = plain(loaded, smollm2_tok, prompt, 40, context=32)
+    engine = make_engine(loaded, smollm2_tok, slots=2, context=32, fused=True)
+    try:
+        for s in engine.spec.slots:
+            s.drafter = Oracle((prompt, full))
+        text, _, fin = collect(submit(engine, prompt, max_tokens=40)[1])
+        # every position holds a token; the last sampled one needs none
+        assert text == plain(loaded, smollm2_tok, prompt, 40, context=32)[0] and fin.reason == "length"
+        assert fin.usage["prompt_tokens"] + fin.usage["completion_tokens"] == 33 and fin.timings["draft_n"] > 0
+        idle(engine)
+        assert engine.runner.slot(0).length == 32
+    finally:
+        engine.stop()
+
+
+def test_penalties_and_thinking_budget_with_speculation(loaded, smollm2_tok, one_thread):
+    greedy_penalized = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3)
+    want = plain(loaded, smollm2_tok, PROMPTS[0], 20, sampling=greedy_penalized)[0]
+    rules = ThinkingRules("<think>", "</think>", "Time is up.")
+    think = smollm2_tok.encode("<|im_start|>assistant\n<think>\n")
+    engines = [make_engine(loaded, smollm2_tok, rules=rules, spec=spec) for spec in (NGRAM, None)]
+    try:
+        spec_engine, plain_engine = engines
+        text, _, _ = collect(submit(spec_engine, PROMPTS[0], max_tokens=20, sampling=greedy_penalized)[1])
+        assert text == want
+        # logprobs of tokens that arrived as accepted drafts are their rows' (as plain decoding's)
+        events = [[], []]
+        for e, out in zip(engines, events):
+            _, q = submit(e, PROMPTS[1], max_tokens=12, top_logprobs=2)
+            while not isinstance(event := q.get(timeout=60), Finished):
+                out += event.logprobs
+        assert [x["token"] for x in events[0]] == [x["token"] for x in events[1]] and len(events[0]) == 12
+        assert [x["logprob"] for x in events[0]] == pytest.approx([x["logprob"] for x in events[1]], abs=1e-4)
+        assert [t["token"] for x in events[0] for t in x["top_logprobs"]] == \
+            [t["token"] for x in events[1] for t in x["top_logprobs"]]
+        results = [collect(submit(e, think, max_tokens=20, thinking_budget=4, thinking_at_start=True)[1])
+                   for e in engines]
+        assert results[0][:2] == results[1][:2] and results[0][1].rstrip().endswith("Time is up.")
+        # sampling at T > 0 runs through the rejection rule, reproducibly with a seed
+        sampled = SamplingParams(temperature=0.8, top_k=40, seed=7)
+        runs = [collect(submit(spec_engine, PROMPTS[1], max_tokens=16, sampling=sampled)[1]) for _ in range(2)]
+        assert runs[0][0] == runs[1][0] and runs[0][2].usage["completion_tokens"] == 16
+    finally:
+        for e in engines:
+            e.stop()
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dflash"])
+def test_drafters_reading_hidden_states_verify_per_slot_and_keep_greedy_output(loaded, smollm2_tok, one_thread, kind):
+    from engine.speculative.drafter_train import TrainConfig, make_drafter, new_module
+    cfg = TrainConfig(kind=kind, steps=1, block_size=3, batch=1, seq_len=24).drafter_config(loaded.config)
+    engine = make_engine(loaded, smollm2_tok, slots=2, fused=True,
+                         spec=SpeculativeConfig.from_spec("ngram", num_draft_tokens=3, adaptive=False))
+    try:
+        for s in engine.spec.slots:  # untrained: drafts are mostly rejected, but every path runs
+            s.drafter = make_drafter(new_module(cfg, loaded.config.vocab_size), loaded)
+        jobs = [submit(engine, p, max_tokens=12, id=f"r{i}") for i, p in enumerate(PROMPTS[:2])]
+        for p, (_, q) in zip(PROMPTS[:2], jobs):
+            text, _, fin = collect(q)
+            assert text == plain(loaded, smollm2_tok, p, 12)[0] and fin.timings["draft_n"] > 0
+        kv_matches_tokens(engine, 0)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.gpu
+def test_graphed_speculative_steps_of_several_slots_match_plain_graphed_decoding(smollm2_gguf, monkeypatch):
+    """On a GPU: 4 slots' [token + drafts] rows in one graphed step give plain graphed decoding's
+    greedy tokens, with drafts accepted, and the widest step stays within 16 rows."""
+    from engine.loader import load_model
+    loaded = load_model(smollm2_gguf, "cuda")
+    tok = loaded.tokenizer
+    prompts = [tok.encode(t) for t in ("1, 2, 3, 4, 5, 6,", "def add(a, b):\n    return a + b\n\ndef sub(a, b):",
+                                         "The cat sat on the mat. The cat sat on the", "Once upon a time")]
+    single = ModelRunner(loaded, max_seq_len=256)
+    want = [generate_text(single, tok, p, GenerationRequest(max_tokens=48, ignore_eos=True))[1] for p in prompts]
+    runner = ModelRunner(loaded, max_seq_len=256, num_slots=4)
+    engine = EngineLoop(runner, tok, 256, speculative=NGRAM)
+    runner.prepare_rows(engine.spec.max_rows())
+    widths: list[int] = []
+    step_rows = runner.step_rows
+    monkeypatch.setattr(runner, "step_rows", lambda t, p, s: widths.append(len(t)) or step_rows(t, p, s))
+    engine.start()
+    try:
+        jobs = [submit(engine, p, max_tokens=48, id=f"g{i}") for i, p in enumerate(prompts)]
+        results = [collect(q) for _, q in jobs]
+        for w, (text, _, fin) in zip(want, results):
+            assert text == tok.decode(w) or fin.reason == "stop"  # an EOS ends it early: the text then is a prefix
+            assert tok.decode(w).startswith(text)
+        assert sum(fin.timings["draft_n_accepted"] for _, _, fin in results) > 0
+        assert runner.decoder.graph is not None and 4 < max(widths) <= 16  # slots' drafts shared steps
+    finally:
+        engine.stop()
+
+
+class Fixed:
+    """Always drafts one given token (q one-hot): accepted with probability p(token), else the
+    target's token comes from the residual."""
+    name, hidden_layers = "fixed", ()
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, context, k):
+        return Draft([self.token][:k], source=self.name)
+
+    def observe(self, feedback):
+        pass
+
+
+def test_sampling_through_the_speculative_step_keeps_the_distribution(loaded, smollm2_tok, one_thread):
+    """The first two tokens' joint distribution at T > 0 (top-k 3: 9 outcomes) equals plain
+    sampling's when the second comes through verification of a one-hot draft (chi-square)."""
+    from engine.sampling import probabilities
+    params = SamplingParams(temperature=1.5, top_k=3)
+    prompt = PROMPTS[2]
+    runner = ModelRunner(loaded, max_seq_len=32)
+    p1 = probabilities(runner.prefill(runner.slot(0), prompt)[:smollm2_tok.vocab_size], params)  # [V]
+    exact: dict[tuple[int, int], float] = {}
+    for t1 in torch.topk(p1, 3).indices.tolist():
+        runner.slot(0).rewind(runner.slot(0).length - len(prompt))
+        p2 = probabilities(runner.forward(runner.slot(0), [t1])[-1][:smollm2_tok.vocab_size], params)  # [V]
+        for t2 in torch.topk(p2, 3).indices.tolist():
+            exact[(t1, t2)] = float(p1[t1] * p2[t2])
+    likely = max(exact, key=exact.get)
+    engine = make_engine(loaded, smollm2_tok, slots=8, context=32, fused=True)
+    counts = dict.fromkeys(exact, 0)
+    try:
+        for s in engine.spec.slots:
+            s.drafter = Fixed(likely[1])  # the likeliest second token: accepted often, rejected often
+        n, drafted = 240, 0
+        text = {pair: (smollm2_tok.decode([pair[0]]), smollm2_tok.decode([pair[1]])) for pair in exact}
+        assert len(set(text.values())) == len(text)  # the outcomes are told apart by their text
+        by_text = {v: k for k, v in text.items()}
+        for group in range(0, n, 8):  # 8 slots sample together
+            jobs = [submit(engine, prompt, max_tokens=3, top_logprobs=0,
+                           sampling=SamplingParams(temperature=1.5, top_k=3, seed=i))[1] for i in range(group, group + 8)]
+            for q in jobs:
+                tokens: list[str] = []
+                while not isinstance(event := q.get(timeout=60), Finished):
+                    tokens += [x["token"] for x in event.logprobs]
+                counts[by_text[tuple(tokens[:2])]] += 1
+                drafted += event.timings["draft_n"]
+        assert drafted > n // 2
+    finally:
+        engine.stop()
+    stat = sum((counts[k] - n * p) ** 2 / (n * p) for k, p in exact.items())
+    assert stat < 26.12, (stat, counts, exact)  # chi-square, 8 degrees of freedom, p = 0.001
