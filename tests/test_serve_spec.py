@@ -18,6 +18,7 @@ from engine.server.sequence import Finished, ThinkingRules
 from engine.server.spec_step import split_draft_budget
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.drafter import Draft
+from engine.speculative.planner import TargetCost
 from tests.test_serve_engine import collect, submit, tiny_loaded
 
 # repetitive prompts: the n-gram drafter finds continuations in them
@@ -31,9 +32,24 @@ def loaded(smollm2_tok):
     return tiny_loaded(smollm2_tok.vocab_size)
 
 
+class FreeRows(TargetCost):
+    """A pass costs the same whatever its rows (as on a GPU at small widths): the joint planner
+    keeps every draft, so tests of the batched step see drafts (on the CPU each row costs a pass,
+    and the planner would rightly drop them)."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def estimate(self, rows: int) -> float:
+        return 1.0
+
+
 def make_engine(loaded, tok, slots=4, context=96, fused=False, spec=NGRAM, rules=None) -> EngineLoop:
     runner = ModelRunner(loaded, max_seq_len=context, num_slots=slots, prefill_chunk_size=8, fast_decode=fused)
-    return EngineLoop(runner, tok, context, max_queue=8, rules=rules, speculative=spec).start()
+    engine = EngineLoop(runner, tok, context, max_queue=8, rules=rules, speculative=spec)
+    if engine.spec is not None:
+        engine.spec.pass_cost = FreeRows()
+    return engine.start()
 
 
 def plain(loaded, tok, prompt, max_tokens=24, context=96, **kw) -> tuple[str, list[int], list[int]]:
@@ -153,6 +169,7 @@ def test_four_slots_share_fused_steps_of_at_most_16_rows(loaded, smollm2_tok, on
     widths: list[int] = []
     step_rows = engine.runner.step_rows
     monkeypatch.setattr(engine.runner, "step_rows", lambda t, p, s: widths.append(len(t)) or step_rows(t, p, s))
+    # rows cost nothing here (FreeRows), so the joint planner keeps every draft the row limit allows
     try:
         for s in engine.spec.slots:
             s.drafter = Oracle(*[(p, ids) for p, (_, ids, _) in wants])
@@ -162,6 +179,29 @@ def test_four_slots_share_fused_steps_of_at_most_16_rows(loaded, smollm2_tok, on
             assert got == text and fin.timings["draft_n"] == fin.timings["draft_n_accepted"] > 0
         # 4 slots each wanting 1 + 4 rows: 16 rows, the drafts split 3 each
         assert max(widths) == 16 and 20 not in widths
+    finally:
+        engine.stop()
+
+
+def test_batched_drafts_are_cut_when_rows_cost_a_whole_pass(loaded, smollm2_tok, one_thread, monkeypatch):
+    """The joint planner weighs the shared pass: when every row costs as much as a one-row pass,
+    no draft pays, the slots decode one row each, and the output is plain decoding's."""
+    wants = [(p, plain(loaded, smollm2_tok, p, 12)) for p in PROMPTS[:3]]
+    engine = make_engine(loaded, smollm2_tok, fused=True)
+    shapes: list[tuple[int, int]] = []  # (rows, slots) of each fused step
+    step_rows = engine.runner.step_rows
+    monkeypatch.setattr(engine.runner, "step_rows", lambda t, p, s: shapes.append((len(t), len(set(s)))) or step_rows(t, p, s))
+    monkeypatch.setattr(engine.spec, "pass_cost", TargetCost({1: 1.0, 2: 2.0}))
+    monkeypatch.setattr(engine.spec.pass_cost, "observe", lambda rows, seconds: None)
+    try:
+        for s in engine.spec.slots:
+            s.drafter = Oracle(*[(p, ids) for p, (_, ids, _) in wants])
+        jobs = [submit(engine, p, max_tokens=12, id=f"r{i}") for i, p in enumerate(PROMPTS[:3])]
+        for (_, q), (_, (text, _, _)) in zip(jobs, wants):
+            got, _, fin = collect(q)
+            assert got == text
+        shared = [(rows, slots) for rows, slots in shapes if slots > 1]
+        assert shared and all(rows == slots for rows, slots in shared)  # one row per slot, no drafts
     finally:
         engine.stop()
 

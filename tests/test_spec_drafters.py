@@ -214,3 +214,16 @@ def test_factory_refuses_missing_drafter_files_and_k_above_a_block_size(tmp_path
     assert seen == {"path": str(drafter_file), "k": 8, "max_seq_len": 64 + 9}
     with pytest.raises(BonsaiError, match="block size"):
         build_drafter(SpeculativeConfig.from_spec(f"dflash:{drafter_file}", num_draft_tokens=12), None, 64)
+
+
+def test_joint_draft_lengths_weigh_the_whole_pass():
+    from engine.speculative.planner import TargetCost, joint_draft_lengths
+    flat = TargetCost({1: 1.0, 16: 1.0})  # rows are free: keep every draft
+    assert joint_draft_lengths([0.9, 0.2], [4, 4], flat) == [4, 4]
+    steep = TargetCost({1: 1.0, 2: 2.0})  # a row costs a whole pass: no draft pays
+    assert joint_draft_lengths([0.99, 0.99], [4, 4], steep) == [0, 0]
+    # 8 slots, a row costs 20% of a one-row pass: only the drafts likely to be kept
+    mid = TargetCost({1: 1.0, 2: 1.2})
+    keep = joint_draft_lengths([0.95] * 4 + [0.1] * 4, [4] * 8, mid)
+    assert keep[4:] == [0] * 4 and all(k > 0 for k in keep[:4])
+    assert joint_draft_lengths([0.5], [0], mid) == [0]

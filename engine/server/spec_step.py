@@ -9,7 +9,9 @@ One step, for the slots that decode (each has one pending token: the last one ac
   1. every slot's drafter proposes from its context (the slot's cached tokens + the pending one),
      at most k tokens, fewer near max_tokens or the end of the slot's context; where the rows run
      through the fused decode step (at most MAX_STEP_ROWS rows a call) the draft budget left after
-     one row per slot is split fairly between the slots (`split_draft_budget`);
+     one row per slot is split fairly between the slots (`split_draft_budget`), and with several
+     slots only the drafts that raise the whole pass's expected tokens per second are kept (each
+     slot's recent acceptance vs the measured cost of the pass by row count: `joint_draft_lengths`);
   2. the target scores all rows: one `runner.step_rows` call over every slot's [pending, drafts]
      where the fused step exists; else `runner.verify` per slot that drafted and one batched
      `decode_batch` for the slots that did not (drafters that read hidden states always verify
@@ -34,6 +36,7 @@ import torch
 from engine.runner import MAX_STEP_ROWS, ModelRunner
 from engine.speculative.config import SpeculativeConfig, build_drafter
 from engine.speculative.drafter import Draft, Drafter, Feedback
+from engine.speculative.planner import Acceptance, TargetCost, joint_draft_lengths
 from engine.speculative.stats import SpecStats
 from engine.speculative.verify import accept_greedy, penalized_rows, verify_draft
 from engine.server.metrics import Metrics
@@ -112,6 +115,10 @@ class SpeculativeStep:
         for s in self.slots:
             s.stats.method = config.method
         self._steps = 0
+        # batched speculation: the measured cost of a whole fused pass by its row count, and each
+        # slot's recent acceptance, decide how many of the proposed drafts are worth their rows
+        self.pass_cost = TargetCost()
+        self.acceptance = [Acceptance() for _ in runner.cache.slots]
 
     def max_rows(self) -> int:
         """The widest fused step this config can ask for (to capture before serving)."""
@@ -140,6 +147,8 @@ class SpeculativeStep:
                 log.exception("drafting failed")
                 fail(i, e)
         fused = [r for r in rows if self._fused(r)]
+        if len(fused) > 1:
+            self._trim(fused)
         if sum(len(r.tokens) for r in fused) > MAX_STEP_ROWS:  # more slots than one fused step takes (no
             fused = []  # drafts then): the batched plain path, as without speculation
         separate = [r for r in rows if r not in fused]
@@ -191,6 +200,17 @@ class SpeculativeStep:
                           draft.source, draft.sources[:n])
         return _Row(index, seq, slot.length, draft, seq.pending[:1] + draft.tokens)
 
+    def _trim(self, rows: list[_Row]) -> None:
+        """Keep the drafts that raise the expected tokens per second of the shared pass (each slot's
+        own planner sized its draft as if it ran alone; in a batch every row costs all slots)."""
+        keep = joint_draft_lengths([self.acceptance[r.index].rate for r in rows],
+                                   [len(r.draft.tokens) for r in rows], self.pass_cost)
+        for r, n in zip(rows, keep):
+            if n < len(r.draft.tokens):
+                d = r.draft
+                r.draft = Draft(d.tokens[:n], d.probs[:n] if d.probs is not None else None, d.source, d.sources[:n])
+                r.tokens = r.tokens[:1 + n]
+
     def _fused(self, row: _Row) -> bool:
         return self.runner.decoder is not None and not self.slots[row.index].drafter.hidden_layers
 
@@ -206,6 +226,7 @@ class SpeculativeStep:
         logits = self.runner.step_rows(tokens, positions, slot_ids)  # [M, V]
         _sync(logits.device)  # the drafters' planners weigh the pass's real time
         seconds = time.perf_counter() - begin
+        self.pass_cost.observe(len(tokens), seconds)
         offset = 0
         for r in rows:
             n = len(r.tokens)
@@ -272,6 +293,8 @@ class SpeculativeStep:
         k, a = len(draft.tokens), verdict.accepted
         slot.rewind(k - a)  # the slot holds its rows up to the last accepted draft
         self.slots[r.index].stats.record(draft.sources, a)
+        if k:
+            self.acceptance[r.index].update(a, a < k)
         self.metrics.count_spec(k, a)
         seq.draft_n += k
         seq.draft_accepted += a

@@ -93,3 +93,21 @@ def shadow_matches(proposal: list[int], produced: list[int]) -> tuple[int, bool]
     while n < len(proposal) and n < len(produced) and proposal[n] == produced[n]:
         n += 1
     return n, n < len(proposal) and n < len(produced)
+
+
+def joint_draft_lengths(rates: list[float], drafted: list[int], cost: TargetCost) -> list[int]:
+    """How many of each slot's drafts to verify when all slots share one pass (batched
+    speculation): the pass has one row per slot plus the kept drafts, and costs cost.estimate(rows).
+    The j-th draft of slot i adds rate_i^(j+1) expected tokens; drafts are taken best first while
+    they raise the expected tokens per second of the whole pass."""
+    gains = sorted(((rates[i] ** (j + 1), i) for i, n in enumerate(drafted) for j in range(n)), reverse=True)
+    keep = [0] * len(drafted)
+    rows = len(drafted)
+    tokens = float(rows)  # each slot's pending row gives one token whatever is accepted
+    for gain, i in gains:
+        if (tokens + gain) / max(cost.estimate(rows + 1), 1e-12) <= tokens / max(cost.estimate(rows), 1e-12):
+            break
+        keep[i] += 1
+        rows += 1
+        tokens += gain
+    return keep
