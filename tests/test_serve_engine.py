@@ -125,10 +125,10 @@ def test_failing_request_is_reported_and_the_engine_goes_on(loaded, smollm2_tok,
     from engine.server import sequence
     original = sequence.Sequence.on_logits
 
-    def flaky(self, logits, room):
+    def flaky(self, logits, room, choice=None):
         if self.request.id == "bad" and self.generated >= 2:
             raise RuntimeError("planted failure")
-        return original(self, logits, room)
+        return original(self, logits, room, choice)
 
     monkeypatch.setattr(sequence.Sequence, "on_logits", flaky)
     engine = make_engine(loaded, smollm2_tok, slots=2, context=32)

@@ -190,10 +190,14 @@ class EngineLoop:
                 self._fail(i, _message(e))
             return
         before = sum(self.active[i].generated for i in rows)
+        # greedy rows without penalties need only the argmax: one kernel and one read-back for all
+        greedy = [row for row, i in enumerate(rows)
+                  if self.active[i].request.sampling.greedy and self.active[i].seen is None]
+        choices = dict(zip(greedy, logits[greedy, :self.vocab].argmax(dim=-1).tolist())) if greedy else {}
         for row, i in enumerate(rows):
             seq = self.active[i]
             try:
-                seq.on_logits(logits[row], self._room(i))
+                seq.on_logits(logits[row], self._room(i), choices.get(row))
             except Exception as e:
                 log.exception("sampling failed")
                 self._fail(i, _message(e))

@@ -95,10 +95,14 @@ class Sequence:
         self.draft_n = self.draft_accepted = 0  # speculative decoding fills these
 
     # -- the engine loop calls these ------------------------------------------------------------
-    def on_logits(self, logits: torch.Tensor, room: int) -> None:
-        """Sample after logits [V]; `room`: positions still free in the slot's context budget."""
+    def on_logits(self, logits: torch.Tensor, room: int, choice: int | None = None) -> None:
+        """Sample after logits [V]; `room`: positions still free in the slot's context budget;
+        `choice`: the token already picked from these logits (greedy, no penalties), if known."""
         params = self.request.sampling
         logits = logits[:self.vocab]  # [V] the ids the tokenizer knows
+        if choice is not None:
+            self.take(choice, logits, room)
+            return
         if self.seen is not None:
             logits = apply_penalties(logits, self.seen, self.output, params)
         self.take(sample(logits, params, self.generator), logits, room)
