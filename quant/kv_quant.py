@@ -87,9 +87,11 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Te
 
 
 def quantize_rows(element: str, x: torch.Tensor, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """x [.., D] → the stored parts of its rows (names as in row_parts)."""
+    """x [.., D] → the stored parts of its rows (names as in row_parts). The rows are first rounded
+    to float_dtype: a quantized cache quantizes the values a float cache would hold."""
+    x = x.to(float_dtype)
     if element == "float":
-        return {"": x.to(float_dtype)}
+        return {"": x}
     if element == "int8":
         codes, scale = quantize_int8(x)
         return {"": codes, "scale": scale}
