@@ -84,7 +84,7 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
                           f"lower it to {limit} or less")
     progress("allocating the KV cache" + (" and capturing CUDA graphs" if rt.device != "cpu" else ""), 0.85)
     runner = ModelRunner(loaded, max_seq_len=config.seq_len, num_slots=rt.max_batch_size,
-                         prefill_chunk_size=rt.prefill_chunk_size)
+                         prefill_chunk_size=rt.prefill_chunk_size, kv_type=m.kv_type_name)
     if runner.decoder is not None:  # capture the batched step for every row count now, not mid-request
         from engine.runner import MAX_STEP_ROWS
         for rows in range(2, min(rt.max_batch_size, MAX_STEP_ROWS) + 1):
@@ -92,7 +92,7 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
     th = config.thinking
     engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
                         ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics)
-    log.info("serving %s: %d slots of %d tokens on %s (KV cache %.1f MB)", path.name, rt.max_batch_size,
-             engine.slot_context, rt.device, runner.cache.nbytes / 1e6)
+    log.info("serving %s: %d slots of %d tokens on %s (KV cache %s, %.1f MB)", path.name, rt.max_batch_size,
+             engine.slot_context, rt.device, runner.cache.kv_type.name, runner.cache.nbytes / 1e6)
     progress("ready", 1.0)
     return Served(engine.start(), m.name or path.stem, config)
