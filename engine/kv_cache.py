@@ -5,6 +5,9 @@ each slot is a handle with its own length and the token ids it holds (for prefix
 With a quantized KV type (quant/kv_format.py) rows are quantized as they are written (k, v hold
 the codes; k_scale, k_min, v_scale, v_min their float16 scales and minima) and dequantized to the
 model's dtype as they are read; the fused decode step's kernels read the codes directly.
+Quantized keys are stored minus a fixed per-(layer, kv head) vector, `key_offset`: every key of a
+query shifts its score by the same q·offset, so attention is unchanged, while the keys' large
+shared component (most of their norm in Llama-family models) no longer takes the quantization range.
 """
 from __future__ import annotations
 
@@ -97,6 +100,10 @@ class KVCache:
                 self.tensors[self._name(name, part)] = torch.zeros(*lead, width, dtype=part_dtype, device=device)
         self.max_seq_len = max_seq_len
         self.slots = [KVSlot(i, max_seq_len) for i in range(num_slots)]
+        # [L, KV, D] float32, subtracted from quantized keys as they are written (reads return keys
+        # minus it: the same attention). A constant of the model (engine/kv_calibration.py), not
+        # state of a sequence: set once before the first write, never moved with the rows.
+        self.key_offset: torch.Tensor | None = None
 
     @staticmethod
     def _name(name: str, part: str) -> str:
@@ -106,6 +113,13 @@ class KVCache:
         """The scale / min tensors of one layer, [slots, kv_heads, S, G] each, by name (k_scale, ...):
         the keyword arguments the KV kernels take next to the code tensors."""
         return {name: t[layer] for name, t in self.tensors.items() if name not in ("k", "v")}
+
+    def layer_write_args(self, layer: int) -> dict[str, torch.Tensor]:
+        """`layer_scales` plus the layer's key offset [KV, D] if any: what the KV-write kernel takes."""
+        args = self.layer_scales(layer)
+        if self.key_offset is not None:
+            args["k_offset"] = self.key_offset[layer]
+        return args
 
     @property
     def k(self) -> torch.Tensor:
@@ -122,7 +136,8 @@ class KVCache:
     def write(self, layer: int, batch: CacheBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of new tokens: k, v [B, kv_heads, T, D] at batch.positions [B, T]."""
         for name, rows in (("k", k), ("v", v)):
-            parts = quantize_rows(self.elements[name], rows, self.dtype)  # each [B, kv_heads, T, X]
+            offset = self.key_offset[layer][:, None] if name == "k" and self.key_offset is not None else None
+            parts = quantize_rows(self.elements[name], rows, self.dtype, offset)  # each [B, kv_heads, T, X]
             for part, values in parts.items():
                 store = self.tensors[self._name(name, part)][layer]  # [slots, kv_heads, S, X]
                 if len(batch.slots) == 1:

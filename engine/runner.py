@@ -32,6 +32,10 @@ class ModelRunner:
         self.prefill_chunk_size = prefill_chunk_size
         self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
                              kv_type=kv_type)
+        if self.cache.kv_type.key != "float":  # quantized keys are stored minus their mean (kv_calibration)
+            from engine.kv_calibration import calibration_ids, key_offsets
+            ids = calibration_ids(loaded.tokenizer, cfg.vocab_size)
+            self.cache.key_offset = key_offsets(self.model, cfg, ids, loaded.dtype, self.device)
         self.decoder = None
         self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)
         if fast_decode if fast_decode is not None else self.device.type == "cuda":

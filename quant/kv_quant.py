@@ -86,12 +86,17 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Te
     return (groups * scale.float()[..., None] + minimum.float()[..., None]).flatten(-2).to(dtype)
 
 
-def quantize_rows(element: str, x: torch.Tensor, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def quantize_rows(element: str, x: torch.Tensor, float_dtype: torch.dtype,
+                  offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """x [.., D] → the stored parts of its rows (names as in row_parts). The rows are first rounded
-    to float_dtype: a quantized cache quantizes the values a float cache would hold."""
+    to float_dtype: a quantized cache quantizes the values a float cache would hold. offset
+    (float32, broadcast to x): subtracted in float32 before quantizing (see KVCache.key_offset)."""
     x = x.to(float_dtype)
     if element == "float":
+        assert offset is None, "a float cache stores its rows as they are"
         return {"": x}
+    if offset is not None:
+        x = x.float() - offset.float()
     if element == "int8":
         codes, scale = quantize_int8(x)
         return {"": codes, "scale": scale}

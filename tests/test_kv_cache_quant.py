@@ -54,6 +54,30 @@ def test_write_quantizes_and_read_dequantizes_on_both_paths(kv_type, one_thread)
     assert torch.equal(keys[0], single.read(1, CacheBatch.make([1], [7], 1, "cpu"), 7)[0][0])
 
 
+def test_key_offset_leaves_attention_unchanged_and_is_calibrated_by_the_runner(one_thread):
+    """Keys stored minus a fixed vector: every score of a query shifts alike, the softmax does not."""
+    model = tiny_model(CFG64)
+    tokens = [3, 14, 15, 92, 65]
+    plain, shifted = KVCache(CFG64, 16, kv_type="int8"), KVCache(CFG64, 16, kv_type="int8")
+    shifted.key_offset = torch.randn(CFG64.num_layers, CFG64.num_kv_heads, 64) * 0.01  # small: same codes mostly
+    a = run(model, plain, plain.slots[0], tokens)
+    b = run(model, shifted, shifted.slots[0], tokens)
+    torch.testing.assert_close(a, b, atol=0.02 * a.abs().max().item(), rtol=0)
+    keys, _ = shifted.read(0, CacheBatch.make([0], [5], 1, "cpu"), 5)
+    keys_plain, _ = plain.read(0, CacheBatch.make([0], [5], 1, "cpu"), 5)
+    torch.testing.assert_close(keys + shifted.key_offset[0][:, None], keys_plain, atol=0.05, rtol=0)
+    from pathlib import Path
+
+    from engine.loader import LoadedModel, TensorSummary
+    from engine.runner import ModelRunner
+    loaded = LoadedModel(model=model, tokenizer=None, config=CFG64, path=Path("tiny"),
+                         summary=TensorSummary("test", 0, 0, 0), device=torch.device("cpu"),
+                         dtype=torch.float32, weight_dtype=torch.float32)
+    assert ModelRunner(loaded, max_seq_len=16).cache.key_offset is None  # float keys: nothing to shift
+    offset = ModelRunner(loaded, max_seq_len=16, kv_type="k8v4").cache.key_offset  # [L, KV, D]
+    assert offset.shape == (CFG64.num_layers, CFG64.num_kv_heads, 64) and offset.abs().sum() > 0
+
+
 @pytest.mark.parametrize("kv_type", ["int8", "k8v4"])
 def test_tiny_model_with_a_quantized_cache(kv_type, one_thread):
     """Close to the float cache (not equal), and rewinding then continuing equals a fresh cache

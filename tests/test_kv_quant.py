@@ -76,3 +76,12 @@ def test_parts_cost_what_the_format_says(element, head_dim):
     assert {name: (t.shape[-1], t.dtype) for name, t in quantized.items()} == parts
     with pytest.raises(ValueError):
         row_parts("int4", 48, torch.bfloat16)
+
+
+def test_offset_is_subtracted_in_float32_before_quantizing():
+    x = torch.randn(3, 64).bfloat16()
+    offset = torch.randn(64) * 5
+    for element in ("int8", "int4"):
+        got = quantize_rows(element, x, torch.bfloat16, offset)
+        want = quantize_rows(element, x.float() - offset, torch.float32)
+        assert all(torch.equal(got[n], want[n]) for n in want)

@@ -55,10 +55,15 @@ def test_rope_write_quantizes_like_the_reference(kv_type, dtype):
     inv_freq = (1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)).float().to(DEVICE)
     positions, slots = torch.tensor([0, 5, 8], device=DEVICE), ints([1, 0, 1])  # 8: past the cache, dropped
     got, want = (KVCache(CFG, 8, num_slots=2, dtype=dtype, device=DEVICE, kv_type=kv_type) for _ in range(2))
+    got.key_offset = want.key_offset = torch.randn(1, kv, d, generator=g).to(DEVICE)  # [L, KV, D]
     q = qk_norm_rope_write(qkv, positions, slots, inv_freq, got.k[0], got.v[0], h, kv, d, *weights,
-                           out_dtype=dtype, **got.layer_scales(0))
+                           out_dtype=dtype, **got.layer_write_args(0))
     q_ref = qk_norm_rope_write_reference(qkv, positions, slots, inv_freq, want.k[0], want.v[0], h, kv, d, *weights,
-                                         out_dtype=dtype, **want.layer_scales(0))
+                                         out_dtype=dtype, **want.layer_write_args(0))
+    no_offset = KVCache(CFG, 8, num_slots=2, dtype=dtype, device=DEVICE, kv_type=kv_type)
+    qk_norm_rope_write_reference(qkv, positions, slots, inv_freq, no_offset.k[0], no_offset.v[0], h, kv, d, *weights,
+                                 out_dtype=dtype, **no_offset.layer_write_args(0))
+    assert not torch.equal(no_offset.k, want.k)  # the offset is subtracted before quantizing
     torch.testing.assert_close(q, q_ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
     for name, t in got.tensors.items():
         ref = want.tensors[name]

@@ -5,7 +5,8 @@ to the returned q; a k head is normed, rotated and written to the k cache at [sl
 a v head is copied to the v cache. The maths and roundings are those of engine/model.py: the norm in
 float32 rounded to the activation dtype, then the half-split (NeoX / HF) rotary in float32 rounded again.
 A quantized cache (int8 or int4 codes with float16 scales, engine/kernels/kv_codes.py) gets the row
-rounded to the model's dtype (q's output dtype) and quantized in the same program, as quant/kv_quant.py does.
+rounded to the model's dtype (q's output dtype) and quantized in the same program, as quant/kv_quant.py does;
+quantized keys have the layer's key offset (KVCache.key_offset) subtracted first, in float32.
 """
 from __future__ import annotations
 
@@ -66,12 +67,13 @@ def _store_int4_half(dst, scale_dst, min_dst, a, pos, max_seq, OFFSET: tl.conste
 @triton.jit
 def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr,
                                k_cache_ptr, v_cache_ptr, q_out_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
+                               k_offset_ptr,
                                stride_qkv, stride_qo_m, stride_qo_h,
                                stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
                                stride_kss, stride_ksh, stride_kst, stride_vss, stride_vsh, stride_vst, max_seq, eps,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_NORM: tl.constexpr, ZERO_INPUT: tl.constexpr, K_FMT: tl.constexpr,
-                               V_FMT: tl.constexpr, USE_PDL: tl.constexpr):
+                               V_FMT: tl.constexpr, HAS_K_OFFSET: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
         gdc_launch_dependents()
         gdc_wait()
@@ -126,8 +128,13 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
             if K_FMT == 0:
                 _store_row(k_dst, k_scale_ptr, k_min_ptr, r1, r2, cols, pos, max_seq, K_FMT, HALF)
             else:
-                _store_row(k_dst, k_scale_ptr + k_scale, k_min_ptr + k_scale, r1.to(model_dtype).to(tl.float32),
-                           r2.to(model_dtype).to(tl.float32), cols, pos, max_seq, K_FMT, HALF)
+                k1 = r1.to(model_dtype).to(tl.float32)
+                k2 = r2.to(model_dtype).to(tl.float32)
+                if HAS_K_OFFSET:
+                    offset = k_offset_ptr + (head - NUM_HEADS) * (2 * HALF)
+                    k1 -= tl.load(offset + cols)
+                    k2 -= tl.load(offset + HALF + cols)
+                _store_row(k_dst, k_scale_ptr + k_scale, k_min_ptr + k_scale, k1, k2, cols, pos, max_seq, K_FMT, HALF)
 
 
 def _check(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
@@ -183,11 +190,13 @@ def qk_norm_rope_write(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: tor
                        k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                        out_dtype: torch.dtype | None = None, zero_input: bool = False,
                        k_scale: torch.Tensor | None = None, k_min: torch.Tensor | None = None,
-                       v_scale: torch.Tensor | None = None, v_min: torch.Tensor | None = None) -> torch.Tensor:
+                       v_scale: torch.Tensor | None = None, v_min: torch.Tensor | None = None,
+                       k_offset: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [M, (H + 2*KV) * D] (rows = tokens; q heads, then k heads, then v heads), positions [M] int
     (absolute), slot_ids [M] int, inv_freq [D/2] float32, k_cache/v_cache [slots, KV, S, D] (or the
     codes of a quantized cache with their k_scale / k_min / v_scale / v_min, engine/kernels/kv_codes.py:
-    rows are rounded to out_dtype and quantized as they are written).
+    rows are rounded to out_dtype and quantized as they are written; k_offset [KV, D] float32 is
+    subtracted from quantized keys first).
     Applies the optional per-head RMSNorm (Qwen3 q_norm/k_norm, in float32) to q and k, the half-split
     rotary with angle = float(position) * inv_freq, writes k and v to the caches at [slot, :, position, :]
     (a position >= S is not written) and returns q [M, H, D] in qkv's dtype (or out_dtype). zero_input:
@@ -197,6 +206,12 @@ def qk_norm_rope_write(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: tor
               if t is not None}
     k_fmt, v_fmt = _check(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                           q_norm_weight, k_norm_weight, scales)
+    if k_offset is not None and (k_fmt == FLOAT or tuple(k_offset.shape) != (num_kv_heads, head_dim)
+                                 or k_offset.dtype != torch.float32 or not k_offset.is_contiguous()
+                                 or k_offset.device != qkv.device):
+        raise UnsupportedKernelShape(f"qk_norm_rope_write needs k_offset float32 [{num_kv_heads}, {head_dim}] "
+                                     f"(contiguous, on qkv's device) with quantized keys; got "
+                                     f"{tuple(k_offset.shape)} {k_offset.dtype} for {k_cache.dtype} keys")
     m = qkv.shape[0]
     q = torch.empty(m, num_heads, head_dim, dtype=out_dtype or qkv.dtype, device=qkv.device)  # [M, H, D]
     if m == 0:
@@ -207,11 +222,12 @@ def qk_norm_rope_write(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: tor
         k_norm_weight if has_norm else inv_freq, k_cache, v_cache, q,
         k_scale if k_scale is not None else k_cache, k_min if k_min is not None else k_cache,
         v_scale if v_scale is not None else v_cache, v_min if v_min is not None else v_cache,
-        qkv.stride(0), q.stride(0), q.stride(1),
+        k_offset if k_offset is not None else inv_freq, qkv.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), *scale_strides(k_fmt, k_scale), *scale_strides(v_fmt, v_scale), k_cache.shape[2], eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm,
-        ZERO_INPUT=zero_input, K_FMT=k_fmt, V_FMT=v_fmt, num_warps=1, **pdl_options(qkv.device))
+        ZERO_INPUT=zero_input, K_FMT=k_fmt, V_FMT=v_fmt, HAS_K_OFFSET=k_offset is not None, num_warps=1,
+        **pdl_options(qkv.device))
     return q
 
 
@@ -222,7 +238,8 @@ def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slo
                                  eps: float = 1e-6, out_dtype: torch.dtype | None = None,
                                  zero_input: bool = False, k_scale: torch.Tensor | None = None,
                                  k_min: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                                 v_min: torch.Tensor | None = None) -> torch.Tensor:
+                                 v_min: torch.Tensor | None = None, k_offset: torch.Tensor | None = None
+                                 ) -> torch.Tensor:
     """Plain torch, the maths of engine/model.py (RMSNorm, apply_rotary, KVCache.write)."""
     m = qkv.shape[0]
     heads = qkv.view(m, num_heads + 2 * num_kv_heads, head_dim)  # [M, H + 2KV, D]
@@ -241,7 +258,8 @@ def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slo
     keep = positions < k_cache.shape[2]  # [M]
     rows = (slot_ids[keep, None], torch.arange(num_kv_heads, device=qkv.device)[None, :], positions[keep, None])
     model_dtype = out_dtype or qkv.dtype
-    write_rows(k_cache, k_scale, k_min, rows, k[keep], model_dtype if k_scale is not None else k_cache.dtype)
+    write_rows(k_cache, k_scale, k_min, rows, k[keep], model_dtype if k_scale is not None else k_cache.dtype,
+               k_offset)
     write_rows(v_cache, v_scale, v_min, rows, v[keep], model_dtype if v_scale is not None else v_cache.dtype)
     q = q.to(out_dtype or qkv.dtype).contiguous()
     if zero_input:
