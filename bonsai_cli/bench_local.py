@@ -9,7 +9,8 @@ from bonsai_cli.common import err_console, load_for_cli
 
 
 def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, load: dict[str, Any],
-                    max_seq_len: int, kv_type: str, suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
+                    max_seq_len: int, kv_type: str,
+                    suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
                     save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False) -> None:
     from engine.bench import model_bench

@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 
 from bonsai_cli import bench_report
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, LOAD_FORMAT_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, WEIGHTS_HELP,
-                               err_console, speculative_config)
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, LOAD_FORMAT_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP,
+                               WEIGHTS_HELP, err_console, speculative_config)
 
 
 def _int_list(text: str, option: str) -> list[int]:

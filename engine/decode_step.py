@@ -111,7 +111,8 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            att.q_norm.weight if att.q_norm is not None else None,
                            att.k_norm.weight if att.k_norm is not None else None, eps,
-                           out_dtype=cache.dtype, zero_input=qkv is ws.qkv, **cache.layer_write_args(i))  # [M, H, D]
+                           out_dtype=cache.dtype, zero_input=qkv is ws.qkv,
+                           **cache.layer_write_args(i))  # [M, H, D]
         if isinstance(att.wo, PackedLinear) and att.wo.group_size == cfg.head_dim:
             aq = ops.attention_int8(q, cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
                                     num_splits, **scales)  # int8 [M, H * D], scales and sums [M, H]

@@ -94,7 +94,8 @@ class KVCache:
             try:
                 parts = row_parts(element, config.head_dim, dtype)
             except ValueError as e:
-                raise BonsaiError(f"KV type {self.kv_type.name} does not fit this model: {e}; use bf16 or int8") from None
+                raise BonsaiError(f"KV type {self.kv_type.name} does not fit this model: {e}; "
+                                  "use bf16 or int8") from None
             self.parts[name] = tuple(parts)
             for part, (width, part_dtype) in parts.items():
                 self.tensors[self._name(name, part)] = torch.zeros(*lead, width, dtype=part_dtype, device=device)
