@@ -190,6 +190,8 @@ def default_num_splits(max_seq_len: int, num_kv_heads: int = 8, batch: int = 1, 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
            seq_lens: torch.Tensor, num_splits: int, scales: dict[str, torch.Tensor | None]) -> tuple[int, int]:
     """The caches' element formats (FLOAT / INT8 / INT4), after checking every input."""
+    unknown = set(scales) - {"k_scale", "k_min", "v_scale", "v_min"}
+    assert not unknown, f"decode_attention takes k_scale, k_min, v_scale, v_min; got {sorted(unknown)}"
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         raise UnsupportedKernelShape(
             f"decode_attention needs q [M, H, D] and caches [slots, KV, S, X] of one shape; got q "
