@@ -9,7 +9,8 @@ from bonsai_cli.common import err_console, load_for_cli
 
 
 def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, load: dict[str, Any],
-                    max_seq_len: int, suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
+                    max_seq_len: int, kv_type: str,
+                    suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
                     save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False) -> None:
     from engine.bench import model_bench
@@ -25,7 +26,7 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         tests = model_bench.plan_tests(n_prompt, n_gen, depth, combined)
     loaded = load_for_cli(model, device, **load)
     needed = max((t.depth + t.n_prompt + t.n_gen + 2 for t in tests), default=2048)
-    runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed)
+    runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type)
     report["environment"] = describe_environment(loaded.device)
     report["model"] = {
         "name": loaded.path.name, "path": str(loaded.path), "architecture": loaded.config.architecture,
@@ -34,7 +35,8 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         "weight_dtype": str(loaded.weight_dtype).replace("torch.", ""),
         "weights": loaded.weight_format.quant_type, "head_weights": loaded.weight_format.head_type,
         "group_size": loaded.weight_format.group_size, "load_format": loaded.summary.format,
-        "kv_dtype": str(runner.cache.k.dtype).replace("torch.", ""), "max_seq_len": runner.max_seq_len}
+        "kv_dtype": str(runner.cache.dtype).replace("torch.", ""), "kv_type": runner.cache.kv_type.name,
+        "kv_bytes": runner.cache.nbytes, "max_seq_len": runner.max_seq_len}
     report["settings"] = {"repetitions": repetitions, "device": str(loaded.device), "temperature": 0.0,
                           "fused_decode": runner.decoder is not None,
                           "cuda_graph": getattr(runner.decoder, "graph", None) is not None}

@@ -31,10 +31,15 @@ def _weights(m: dict[str, Any]) -> str:
     return f"{packed} g{m.get('group_size')} (head {m.get('head_weights')})"
 
 
+def _kv(m: dict[str, Any]) -> str:
+    kv_type = m.get("kv_type", "bf16")
+    return m["kv_dtype"] if kv_type == "bf16" else kv_type
+
+
 def model_table(report: dict[str, Any]) -> Table:
     m = report["model"]
     table = Table(title=f"{m['name']} · {m['architecture']} · {m['parameters'] / 1e6:.0f}M params · "
-                        f"{m['bits_per_weight']:.2f} bpw · weights {_weights(m)} · KV {m['kv_dtype']} · "
+                        f"{m['bits_per_weight']:.2f} bpw · weights {_weights(m)} · KV {_kv(m)} · "
                         f"{report['environment']['device']}")
     spec = any("speculative" in t for t in report["tests"])
     for col in ("test", "tok/s", "± std", "runs", "bytes/token", "GB/s", "of copy BW") + (("accepted", "tok/pass") if spec else ()):

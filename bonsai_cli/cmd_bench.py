@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 
 from bonsai_cli import bench_report
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, LOAD_FORMAT_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, WEIGHTS_HELP,
-                               err_console, speculative_config)
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, LOAD_FORMAT_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP,
+                               WEIGHTS_HELP, err_console, speculative_config)
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -50,6 +50,7 @@ def bench(
     head_weights: str = typer.Option("bf16", "--head-weights", help="run-time format of the output layer"),
     load_format: str = typer.Option("auto", "--load-format", help=LOAD_FORMAT_HELP),
     max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
+    kv_type: str = typer.Option("bf16", "--kv-type", help=KV_TYPE_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     vs_plain: bool = typer.Option(False, "--vs-plain", help="with --spec: also run each prompt plain, just before "
@@ -83,6 +84,10 @@ def bench(
     if repetitions < 1:
         raise BonsaiError("-r (repetitions) must be >= 1")
     spec_config = speculative_config(spec, draft_tokens)
+    from engine.kv_cache import kv_type_of
+    kv_type_of(kv_type)  # an unknown name fails before loading
+    if kv_type != "bf16" and url:
+        raise BonsaiError("--kv-type sets a local MODEL's cache; a server sets its own in its config (model.kv_type)")
     if spec_config is not None and url:
         raise BonsaiError("--spec measures a local MODEL; a server sets its own speculation in its config")
     if vs_plain and (spec_config is None or not suite):
@@ -102,7 +107,7 @@ def bench(
             from bonsai_cli.bench_local import run_local_bench
             load = dict(weight_dtype=weight_dtype, weights=weights, group_size=group_size,
                         head_weights=head_weights, load_format=load_format)
-            run_local_bench(report, model, device, load, max_seq_len, suite, categories, limit,
+            run_local_bench(report, model, device, load, max_seq_len, kv_type, suite, categories, limit,
                             _int_list(n_prompt, "-p"), _int_list(n_gen, "-n"), _int_list(depth, "-d"),
                             repetitions, combined, save, spec_config, vs_plain)
         report["complete"] = True

@@ -7,7 +7,7 @@ from typing import Iterator, Optional
 
 import typer
 
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
                                spec_summary, speculative_config)
 from bonsai_cli.cmd_generate import sampling_from_options
 
@@ -28,6 +28,7 @@ def chat(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
     weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
+    kv_type: Optional[str] = typer.Option(None, "--kv-type", help=KV_TYPE_HELP + " (default bf16)"),
     plain: bool = typer.Option(False, "--plain", help="print raw text instead of rendered markdown"),
     config: Optional[Path] = typer.Option(None, "--config", help="serve.yaml: chat through the server's engine "
                                           "(its model, slots, thinking budget and context policy)"),
@@ -40,6 +41,7 @@ def chat(
     from engine.chat_session import ChatSession
     from engine.errors import BonsaiError
     from engine.generate import GenerationRequest
+    from engine.kv_cache import kv_type_of
     from engine.runner import ModelRunner
     from engine.speculative.config import build_drafter
 
@@ -50,11 +52,14 @@ def chat(
         if spec is not None:
             raise BonsaiError("--spec does not combine with --config: set speculation in the config's "
                               "`speculative:` section")
+        if kv_type is not None:
+            raise BonsaiError("--kv-type does not combine with --config: set model.kv_type in the config")
         sampling = sampling_from_options(temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed)
         return _chat_with_config(config, system, max_tokens, sampling, console)
     spec_config = speculative_config(spec, draft_tokens)
+    kv_type_of(kv_type or "bf16")  # an unknown name fails before loading
     loaded = load_for_cli(model, device, weight_dtype=weight_dtype)
-    runner = ModelRunner(loaded, max_seq_len=max_seq_len)
+    runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type or "bf16")
     session = ChatSession(runner, loaded.tokenizer, system=system)
     if spec_config is not None:
         session.drafter = build_drafter(spec_config, loaded, max_seq_len)

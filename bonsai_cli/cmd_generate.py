@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
                                print_json, spec_summary, speculative_config)
 
 
@@ -37,6 +37,7 @@ def generate(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
     weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
+    kv_type: str = typer.Option("bf16", "--kv-type", help=KV_TYPE_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
@@ -44,6 +45,7 @@ def generate(
     """Generate a continuation (or a chat answer with --chat), streamed to stdout."""
     from engine.errors import BonsaiError
     from engine.generate import GenerationRequest, stream_generate
+    from engine.kv_cache import kv_type_of
     from engine.runner import ModelRunner
     from engine.speculative.config import build_drafter
 
@@ -54,6 +56,7 @@ def generate(
     request = GenerationRequest(max_tokens=max_tokens, stop=tuple(stop), sampling=sampling_from_options(
         temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed))
     spec_config = speculative_config(spec, draft_tokens)
+    kv_type_of(kv_type)  # an unknown name fails before loading
     loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
     tok = loaded.tokenizer
     if chat:
@@ -61,7 +64,7 @@ def generate(
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
-    runner = ModelRunner(loaded, max_seq_len=max_seq_len)
+    runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type)
     drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
     pieces, token_ids, finish, stats = [], [], "length", None
     for event in stream_generate(runner, tok, ids, request, drafter=drafter,

@@ -37,17 +37,17 @@ class DecodeStepRunner:
     @torch.inference_mode()
     def _capture(self) -> None:
         # Warm up on a side stream (Triton compiles, cuBLAS picks algorithms), then capture. The
-        # warm-up writes K/V at position 0 of slot 0: saved and put back, so a capture in the middle
-        # of a generation (a new verify width) leaves the cache as it was.
-        saved = self.cache.k[:, 0, :, 0].clone(), self.cache.v[:, 0, :, 0].clone()  # [L, KV, D] each
+        # warm-up writes K/V (and a quantized cache's scales) at position 0 of slot 0: saved and put
+        # back, so a capture in the middle of a generation (a new verify width) leaves the cache as it was.
+        saved = {name: t[:, 0, :, 0].clone() for name, t in self.cache.tensors.items()}  # [L, KV, X] each
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self._eager()
         torch.cuda.current_stream().wait_stream(stream)
-        self.cache.k[:, 0, :, 0].copy_(saved[0])
-        self.cache.v[:, 0, :, 0].copy_(saved[1])
+        for name, rows in saved.items():
+            self.cache.tensors[name][:, 0, :, 0].copy_(rows)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._eager()

@@ -105,19 +105,21 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
     scale = cfg.head_dim ** -0.5
     for i, block in enumerate(model.layers):
         att, ffn = block.attention, block.feed_forward
+        scales = cache.layer_scales(i)  # a quantized cache's scale / min tensors (none for bf16)
         qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv)  # [M, Q + 2KV]
         q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, cache.k[i], cache.v[i],
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            att.q_norm.weight if att.q_norm is not None else None,
                            att.k_norm.weight if att.k_norm is not None else None, eps,
-                           out_dtype=cache.k.dtype, zero_input=qkv is ws.qkv)  # [M, H, D]
+                           out_dtype=cache.dtype, zero_input=qkv is ws.qkv,
+                           **cache.layer_write_args(i))  # [M, H, D]
         if isinstance(att.wo, PackedLinear) and att.wo.group_size == cfg.head_dim:
             aq = ops.attention_int8(q, cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
-                                    num_splits)  # int8 [M, H * D], scales and sums [M, H]
+                                    num_splits, **scales)  # int8 [M, H * D], scales and sums [M, H]
             _project(ops, aq, att.wo, residual=x)
         else:
             a = ops.attention(q, cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
-                              num_splits)  # [M, H, D]
+                              num_splits, **scales)  # [M, H, D]
             _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x)
         gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up)  # [M, 2F]
         if ffn.down_hadamard:  # a rotated checkpoint: SwiGLU and the online Hadamard in torch, then w2

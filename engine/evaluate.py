@@ -6,7 +6,7 @@ but the first of a window is scored. KL is KL(reference ‖ model) of the next-t
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -58,32 +58,56 @@ def check_same_tokenizer(model: ModelRunner, reference: ModelRunner, sample: str
 
 
 @torch.inference_mode()
+def window_logprobs(runner: ModelRunner, window: list[int]) -> torch.Tensor:
+    """Teacher-forced next-token log-probabilities of a fresh sequence: [len(window) - 1, V] float32."""
+    runner.slot().reset()
+    logits = runner.forward(runner.slot(), window, num_logits=None)[:-1]  # [L-1, V]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@dataclass
+class Tally:
+    """Per-position scores of a model against a reference, accumulated window by window."""
+    nll: list[torch.Tensor] = field(default_factory=list)
+    ref_nll: list[torch.Tensor] = field(default_factory=list)
+    kls: list[torch.Tensor] = field(default_factory=list)
+    same: int = 0
+
+    def add(self, logp: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor) -> None:
+        """logp, ref_logp [L-1, V] on one device; targets [L-1] the tokens that followed."""
+        self.nll.append(-logp.gather(-1, targets[:, None]).squeeze(-1).cpu())
+        self.ref_nll.append(-ref_logp.gather(-1, targets[:, None]).squeeze(-1).cpu())
+        self.kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0).cpu())
+        self.same += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+
+    def result(self) -> EvalResult:
+        nll_all, ref_all, kl_all = torch.cat(self.nll), torch.cat(self.ref_nll), torch.cat(self.kls)
+        return EvalResult(tokens=int(nll_all.numel()), perplexity=math.exp(float(nll_all.mean())),
+                          reference_perplexity=math.exp(float(ref_all.mean())), kl_mean=float(kl_all.mean()),
+                          kl_p99=float(torch.quantile(kl_all.double(), 0.99)), kl_max=float(kl_all.max()),
+                          same_top=self.same / nll_all.numel())
+
+
+def windows_of(token_ids: list[int], context: int) -> list[list[int]]:
+    """Non-overlapping windows of `context` tokens (the last may be shorter; none shorter than 2)."""
+    windows = [token_ids[i:i + context] for i in range(0, len(token_ids) - 1, context)]
+    return [w for w in windows if len(w) >= 2]
+
+
+@torch.inference_mode()
 def evaluate(model: ModelRunner, reference: ModelRunner, token_ids: list[int], context: int,
              on_window: Callable[[int, int], None] = lambda done, total: None) -> EvalResult:
     if context < 2:
         raise BonsaiError("--context must be at least 2 tokens")
     if context > min(model.max_seq_len, reference.max_seq_len):
         raise BonsaiError(f"--context {context} is longer than the allocated context")
-    windows = [token_ids[i:i + context] for i in range(0, len(token_ids) - 1, context)]
-    windows = [w for w in windows if len(w) >= 2]
+    windows = windows_of(token_ids, context)
     if not windows:
         raise BonsaiError("the evaluation text is too short: it needs at least 2 tokens")
-    nll, ref_nll, kls, same = [], [], [], 0
+    tally = Tally()
     for i, window in enumerate(windows):
         targets = torch.tensor(window[1:], device=model.device)  # [L-1]
-        scores = []
-        for runner in (model, reference):
-            runner.slot().reset()
-            logits = runner.forward(runner.slot(), window, num_logits=None)[:-1]  # [L-1, V]
-            scores.append(torch.log_softmax(logits.float(), dim=-1).to(model.device))
-        logp, ref_logp = scores
-        nll.append(-logp.gather(-1, targets[:, None]).squeeze(-1))
-        ref_nll.append(-ref_logp.gather(-1, targets[:, None]).squeeze(-1))
-        kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0))
-        same += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+        logp = window_logprobs(model, window)
+        tally.add(logp, window_logprobs(reference, window).to(model.device), targets)
         on_window(i + 1, len(windows))
-    nll_all, ref_all, kl_all = torch.cat(nll), torch.cat(ref_nll), torch.cat(kls)
-    return EvalResult(tokens=int(nll_all.numel()), perplexity=math.exp(float(nll_all.mean())),
-                      reference_perplexity=math.exp(float(ref_all.mean())), kl_mean=float(kl_all.mean()),
-                      kl_p99=float(torch.quantile(kl_all.double(), 0.99)), kl_max=float(kl_all.max()),
-                      same_top=same / nll_all.numel())
+    return tally.result()

@@ -1,7 +1,13 @@
 """A static, preallocated KV cache shared by sequence slots, each of which can be rewound.
 
-Tensors are allocated once ([layers, slots, kv_heads, max_seq, head_dim]) so shapes never change;
+Tensors are allocated once ([layers, slots, kv_heads, max_seq, X]) so shapes never change;
 each slot is a handle with its own length and the token ids it holds (for prefix reuse).
+With a quantized KV type (quant/kv_format.py) rows are quantized as they are written (k, v hold
+the codes; k_scale, k_min, v_scale, v_min their float16 scales and minima) and dequantized to the
+model's dtype as they are read; the fused decode step's kernels read the codes directly.
+Quantized keys are stored minus a fixed per-(layer, kv head) vector, `key_offset`: every key of a
+query shifts its score by the same q·offset, so attention is unchanged, while the keys' large
+shared component (most of their norm in Llama-family models) no longer takes the quantization range.
 """
 from __future__ import annotations
 
@@ -9,7 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import BonsaiError
 from engine.model_config import ModelConfig
+from quant.kv_format import KV_TYPES, KVType
+from quant.kv_quant import dequantize_rows, quantize_rows, row_parts
 
 
 @dataclass
@@ -58,18 +67,60 @@ class CacheBatch:
         return CacheBatch(tuple(slots), tuple(starts), positions, torch.tensor(slots, device=device))
 
 
+def kv_type_of(name: str | KVType) -> KVType:
+    """A KV type by name (bf16 | int8 | int4 | k8v4); an unknown name is a one-line error."""
+    if isinstance(name, KVType):
+        return name
+    if name not in KV_TYPES:
+        raise BonsaiError(f"unknown KV type '{name}': use one of {', '.join(KV_TYPES)}")
+    return KV_TYPES[name]
+
+
 class KVCache:
     def __init__(self, config: ModelConfig, max_seq_len: int, num_slots: int = 1,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        shape = (config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim)
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kv_type: str | KVType = "bf16"):
+        """dtype: the model's dtype (what reads return, and the storage of a float KV type);
+        kv_type: bf16 (rows in dtype) | int8 | int4 | k8v4 (quant/kv_format.py)."""
+        self.kv_type = kv_type_of(kv_type)
+        self.dtype = dtype
+        self.elements = {"k": self.kv_type.key, "v": self.kv_type.value}
+        lead = (config.num_layers, num_slots, config.num_kv_heads, max_seq_len)
         # every storage tensor is [L, slots, kv_heads, S, X] (X: elements per row in its format), so
         # code that moves whole rows (offload, slot copies) can treat them alike
-        self.tensors: dict[str, torch.Tensor] = {
-            "k": torch.zeros(shape, dtype=dtype, device=device),  # [L, slots, kv_heads, S, D]
-            "v": torch.zeros(shape, dtype=dtype, device=device),  # [L, slots, kv_heads, S, D]
-        }
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.parts: dict[str, tuple[str, ...]] = {}  # "k" / "v" → the parts of its rows ("" = codes or values)
+        for name, element in self.elements.items():
+            try:
+                parts = row_parts(element, config.head_dim, dtype)
+            except ValueError as e:
+                raise BonsaiError(f"KV type {self.kv_type.name} does not fit this model: {e}; "
+                                  "use bf16 or int8") from None
+            self.parts[name] = tuple(parts)
+            for part, (width, part_dtype) in parts.items():
+                self.tensors[self._name(name, part)] = torch.zeros(*lead, width, dtype=part_dtype, device=device)
         self.max_seq_len = max_seq_len
         self.slots = [KVSlot(i, max_seq_len) for i in range(num_slots)]
+        # [L, KV, D] float32, subtracted from quantized keys as they are written (reads return keys
+        # minus it: the same attention). A constant of the model (engine/kv_calibration.py), not
+        # state of a sequence: set once before the first write, never moved with the rows.
+        self.key_offset: torch.Tensor | None = None
+
+    @staticmethod
+    def _name(name: str, part: str) -> str:
+        return f"{name}_{part}" if part else name
+
+    def layer_scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """The scale / min tensors of one layer, [slots, kv_heads, S, G] each, by name (k_scale, ...):
+        the keyword arguments the KV kernels take next to the code tensors."""
+        return {name: t[layer] for name, t in self.tensors.items() if name not in ("k", "v")}
+
+    def layer_write_args(self, layer: int) -> dict[str, torch.Tensor]:
+        """`layer_scales` plus the layer's key offset [KV, D] if any: what the KV-write kernel takes."""
+        args = self.layer_scales(layer)
+        if self.key_offset is not None:
+            args["k_offset"] = self.key_offset[layer]
+        return args
 
     @property
     def k(self) -> torch.Tensor:
@@ -85,23 +136,30 @@ class KVCache:
 
     def write(self, layer: int, batch: CacheBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of new tokens: k, v [B, kv_heads, T, D] at batch.positions [B, T]."""
-        if len(batch.slots) == 1:
-            slot, start, t = batch.slots[0], batch.starts[0], k.shape[2]
-            self.k[layer, slot, :, start:start + t] = k[0]
-            self.v[layer, slot, :, start:start + t] = v[0]
-            return
-        heads = torch.arange(k.shape[1], device=k.device)
-        index = (batch.slot_ids[:, None, None], heads[None, :, None], batch.positions[:, None, :])  # → [B, H, T]
-        self.k[layer].index_put_(index, k)
-        self.v[layer].index_put_(index, v)
+        for name, rows in (("k", k), ("v", v)):
+            offset = self.key_offset[layer][:, None] if name == "k" and self.key_offset is not None else None
+            parts = quantize_rows(self.elements[name], rows, self.dtype, offset)  # each [B, kv_heads, T, X]
+            for part, values in parts.items():
+                store = self.tensors[self._name(name, part)][layer]  # [slots, kv_heads, S, X]
+                if len(batch.slots) == 1:
+                    slot, start, t = batch.slots[0], batch.starts[0], rows.shape[2]
+                    store[slot, :, start:start + t] = values[0]
+                else:
+                    heads = torch.arange(rows.shape[1], device=rows.device)
+                    index = (batch.slot_ids[:, None, None], heads[None, :, None], batch.positions[:, None, :])
+                    store.index_put_(index, values)  # index → [B, H, T]
 
     def read(self, layer: int, batch: CacheBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of the first `length` positions: two [B, kv_heads, length, D]."""
+        """Keys/values of the first `length` positions, in the model's dtype: two [B, kv_heads, length, D]."""
         if len(batch.slots) == 1:
-            slot = batch.slots[0]
-            return self.k[layer, slot, :, :length].unsqueeze(0), self.v[layer, slot, :, :length].unsqueeze(0)
-        first = batch.slots[0]
-        if batch.slots == tuple(range(first, first + len(batch.slots))):  # consecutive slots: a view, no copy
-            rows = slice(first, first + len(batch.slots))
-            return self.k[layer, rows, :, :length], self.v[layer, rows, :, :length]
-        return self.k[layer, batch.slot_ids, :, :length], self.v[layer, batch.slot_ids, :, :length]
+            rows = slice(batch.slots[0], batch.slots[0] + 1)
+        else:
+            first = batch.slots[0]
+            consecutive = batch.slots == tuple(range(first, first + len(batch.slots)))
+            rows = slice(first, first + len(batch.slots)) if consecutive else batch.slot_ids  # a view where it can
+        out = []
+        for name in ("k", "v"):
+            parts = {part: self.tensors[self._name(name, part)][layer, rows, :, :length] for part in self.parts[name]}
+            out.append(parts[""] if self.elements[name] == "float" else
+                       dequantize_rows(self.elements[name], parts, self.dtype))  # [B, kv_heads, length, D]
+        return out[0], out[1]

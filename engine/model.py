@@ -116,7 +116,7 @@ class Attention(nn.Module):
                                self.fused_prologue, cache.k[self.layer], cache.v[self.layer], cfg.num_heads,
                                cfg.num_kv_heads, cfg.head_dim, self.q_norm.weight if self.q_norm else None,
                                self.k_norm.weight if self.k_norm else None, cfg.rms_norm_eps,
-                               out_dtype=x.dtype)  # [B*T, H, D]
+                               out_dtype=x.dtype, **cache.layer_write_args(self.layer))  # [B*T, H, D]
         return q.view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
 
 

@@ -16,9 +16,10 @@ MAX_STEP_ROWS = 16  # rows one fused decode step takes (the packed GEMV's limit)
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, num_slots: int = 1,
-                 prefill_chunk_size: int = 512, fast_decode: bool | None = None):
+                 prefill_chunk_size: int = 512, fast_decode: bool | None = None, kv_type: str = "bf16"):
         """fast_decode: one-token steps through the fused decode step (CUDA-graphed on a GPU);
-        default on for CUDA devices."""
+        default on for CUDA devices. kv_type: the KV cache's element type (bf16 = the model's
+        dtype, int8, int4, k8v4: quant/kv_format.py)."""
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -29,7 +30,12 @@ class ModelRunner:
         if prefill_chunk_size < 1:
             raise BonsaiError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.prefill_chunk_size = prefill_chunk_size
-        self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device)
+        self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
+                             kv_type=kv_type)
+        if self.cache.kv_type.key != "float":  # quantized keys are stored minus their mean (kv_calibration)
+            from engine.kv_calibration import calibration_ids, key_offsets
+            ids = calibration_ids(loaded.tokenizer, cfg.vocab_size)
+            self.cache.key_offset = key_offsets(self.model, cfg, ids, loaded.dtype, self.device)
         self.decoder = None
         self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)
         if fast_decode if fast_decode is not None else self.device.type == "cuda":

@@ -22,10 +22,14 @@ def test_dummy_ternary_model_benches_on_cpu(tmp_path):
     arch.write_text(TINY)
     out = tmp_path / "r.json"
     proc = bonsai("bench", str(arch), "--load-format", "dummy", "--weights", "tri", "--head-weights", "int4",
-                  "--group-size", "64", "-p", "16", "-n", "4", "-r", "1", "--no-pg", "--json", str(out))
+                  "--group-size", "64", "-p", "16", "-n", "4", "-r", "1", "--no-pg", "--json", str(out),
+                  "--kv-type", "k8v4")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["model"]["load_format"] == "dummy" and report["model"]["weights"] == "tri"
+    # k8v4: (64 + 2) + (32 + 2 * 2 * 2) bytes per key + value row, 2 layers x 2 kv heads per position
+    m = report["model"]
+    assert m["kv_type"] == "k8v4" and m["kv_bytes"] == (66 + 40) * 2 * 2 * m["max_seq_len"]
     assert report["model"]["head_weights"] == "int4" and report["complete"]
     tg = next(t for t in report["tests"] if t["name"] == "tg4")
     # ternary codes + int4 head + the float32 embedding row read per token: far fewer bytes than float
@@ -45,6 +49,10 @@ def test_bad_weight_type_and_group_size(tmp_path):
     assert_one_line_error(bonsai("bench", str(arch), "--load-format", "dummy", "--weights", "tri",
                                  "--group-size", "48"), "group size 48 is not supported")
     assert_one_line_error(bonsai("bench", str(arch), "--load-format", "magic"), "unknown --load-format")
+    assert_one_line_error(bonsai("bench", str(arch), "--load-format", "dummy", "--kv-type", "fp8"),
+                          "unknown KV type 'fp8'")
+    assert_one_line_error(bonsai("generate", str(arch), "--prompt", "hi", "--kv-type", "int3"),
+                          "unknown KV type 'int3'")
 
 
 def test_dummy_model_refuses_text(tmp_path):

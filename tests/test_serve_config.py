@@ -47,15 +47,14 @@ def error(text: str, tmp_path, **overrides) -> str:
 
 def test_seed_config_is_read_and_each_unavailable_key_is_named(tmp_path):
     # The layout parses (no unknown key); what is not built yet is refused one key at a time.
-    assert "model.kv_cache_quant" in error(SEED, tmp_path) and "not available yet" in error(SEED, tmp_path)
-    step = SEED.replace("kv_cache_quant: true", "kv_cache_quant: false").replace("  kv_cache_bits: 4\n", "")
+    step = SEED
     assert "memory.max_gpu_memory" in error(step, tmp_path)
     step = step.replace("  max_gpu_memory: 6GB\n", "")
     cfg = load(step, tmp_path)  # decode_algorithm: speculative with draft_model: none → n-gram drafting
     assert cfg.spec_config.method == "ngram" and cfg.spec_config.num_draft_tokens == 4
     assert load(step.replace("decode_algorithm: speculative", "decode_algorithm: standard")
                 .replace("  draft_model: none\n", ""), tmp_path).spec_config is None
-    assert cfg.model.quant_type == "tri" and cfg.runtime.device == "cuda:0"
+    assert cfg.model.quant_type == "tri" and cfg.runtime.device == "cuda:0" and cfg.model.kv_type_name == "int4"
     assert cfg.slot_context == 1536 and cfg.seq_len == 1536 and cfg.runtime.prefill_chunk_size == 512
     assert cfg.server.host == "127.0.0.1" and cfg.context.compress_at == 0.9
 
@@ -63,11 +62,39 @@ def test_seed_config_is_read_and_each_unavailable_key_is_named(tmp_path):
 def test_users_variants_are_refused_by_name(tmp_path):
     base = "model:\n  path: m\n"
     assert "model.kv_cache_async_dequant" in error(base + "  kv_cache_async_dequant: true\n", tmp_path)
+    assert "in registers" in error(base + "  kv_cache_async_dequant: true\n", tmp_path)
     two = base + "runtime:\n  device: cuda:0,cuda:1\nmemory:\n  pipeline_parallel: true\n"
     assert "runtime.device" in error(two, tmp_path) and "2 devices" in error(two, tmp_path)
     assert "memory.pipeline_parallel" in error(base + "memory:\n  pipeline_parallel: true\n", tmp_path)
     assert "memory.kv_offload" in error(base + "memory:\n  kv_offload: true\n", tmp_path)
     assert "kv_cache_bits" in error(base + "  kv_cache_bits: 4\n", tmp_path)
+
+
+def test_kv_cache_keys(tmp_path):
+    """The seed keys (kv_cache_quant + kv_cache_bits) and model.kv_type pick the KV type; contradictions
+    are one line naming the keys."""
+    base = "model:\n  path: m\n"
+    assert load(base, tmp_path).model.kv_type_name == "bf16"
+    assert load(base + "  kv_cache_quant: true\n  kv_cache_bits: 8\n", tmp_path).model.kv_type_name == "int8"
+    assert load(base + "  kv_cache_quant: true\n  kv_cache_bits: 4\n", tmp_path).model.kv_type_name == "int4"
+    assert load(base + "  kv_cache_quant: false\n", tmp_path).model.kv_type_name == "bf16"
+    for kv_type in ("bf16", "int8", "int4", "k8v4"):
+        assert load(base + f"  kv_type: {kv_type}\n", tmp_path).model.kv_type_name == kv_type
+    assert load(base + "  kv_type: k8v4\n  kv_cache_quant: true\n", tmp_path).model.kv_type_name == "k8v4"
+    assert load(base + "  kv_type: int4\n  kv_cache_quant: true\n  kv_cache_bits: 4\n", tmp_path
+                ).model.kv_type_name == "int4"
+    message = error(base + "  kv_type: int8\n  kv_cache_quant: true\n  kv_cache_bits: 4\n", tmp_path)
+    assert "model.kv_cache_bits" in message and "model.kv_type" in message and "contradicts" in message
+    message = error(base + "  kv_type: int8\n  kv_cache_quant: false\n", tmp_path)
+    assert "model.kv_cache_quant" in message and "model.kv_type" in message
+    assert "model.kv_cache_quant" in error(base + "  kv_type: bf16\n  kv_cache_quant: true\n", tmp_path)
+    assert "model.kv_cache_bits" in error(base + "  kv_type: k8v4\n  kv_cache_quant: true\n  kv_cache_bits: 8\n",
+                                          tmp_path)
+    assert "model.kv_cache_bits" in error(base + "  kv_cache_quant: true\n", tmp_path)  # which bits?
+    assert "8 or 4" in error(base + "  kv_cache_quant: true\n  kv_cache_bits: 2\n", tmp_path)
+    message = error(base + "  kv_type: fp8\n", tmp_path)
+    assert "model.kv_type" in message and "k8v4" in message
+    assert "'kv_type'" in error(base + "  kv_typ: int8\n", tmp_path)  # the nearest key
 
 
 def test_unknown_keys_name_the_nearest_valid_key(tmp_path):

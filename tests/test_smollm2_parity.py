@@ -96,3 +96,14 @@ def test_greedy_continuations_identical(ours, reference):
         assert got == expected, prompt
         assert finish == ("length" if len(expected) == 32 else "stop")
         assert text == ours.tokenizer.decode(got)
+
+
+def test_int8_kv_cache_generates_the_same_first_tokens(ours):
+    """An int8 KV cache (quantized on write, keys minus their calibrated mean) starts every greedy
+    continuation as the float cache does (its measured quality is in docs/quality.md)."""
+    plain, int8 = (ModelRunner(ours, max_seq_len=64, kv_type=kv_type) for kv_type in ("bf16", "int8"))
+    for prompt in GREEDY_PROMPTS[:3]:
+        ids = ours.tokenizer.encode(prompt)
+        want = generate_text(plain, ours.tokenizer, ids, GenerationRequest(max_tokens=12))[1]
+        got = generate_text(int8, ours.tokenizer, ids, GenerationRequest(max_tokens=12))[1]
+        assert got == want, prompt

@@ -152,8 +152,8 @@ def decode_bytes_per_token(runner: ModelRunner, context: int) -> int:
     if model.lm_head is None:
         weights += emb.numel() * emb.element_size()  # tied: the embedding is the output matrix
     weights += emb.shape[1] * emb.element_size()
-    cache = runner.cache
-    per_position = 2 * cache.k.shape[0] * cache.k.shape[2] * cache.k.shape[4] * cache.k.element_size()
+    cache = runner.cache  # every storage tensor is [L, slots, kv_heads, S, X]: one position of one slot
+    per_position = sum(t[:, 0, :, 0].numel() * t.element_size() for t in cache.tensors.values())
     return weights + context * per_position
 
 

@@ -5,6 +5,9 @@ Each program handles one (row, kv head, split): the query heads that share the k
 an online softmax in float32. The grid (M, KV, num_splits) never depends on the values of seq_lens, so
 a CUDA graph captures it once and replays it at any length: a split past a row's length only records
 an empty partial. A second kernel combines the splits' partials by log-sum-exp.
+A quantized cache (int8 codes with a float16 scale per row, or int4 codes two per byte with a float16
+scale and min per group of 32: engine/kernels/kv_codes.py) is read as codes and dequantized in
+registers, tile by tile, to q's dtype (what KVCache.read would return) before the dots.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
 from quant.kernels import pdl_options
 
 from engine.kernels import UnsupportedKernelShape, next_power_of_2
+from engine.kernels.kv_codes import FLOAT, cache_format, dequantize_layer, scale_strides
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -28,12 +32,42 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_tile(base, scale_base, min_base, keys, key_ok, stride_t, stride_st, dtype,
+               FMT: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Rows `keys` [BLOCK_S] of one (slot, kv head) of a cache as [BLOCK_S, D] values in dtype:
+    loaded as they are (FMT 0), or as int8 codes × the row's scale (1), or int4 codes unpacked from
+    their bytes (low nibble first) × the group's scale + its min (2). Masked rows read as zeros."""
+    if FMT == 0:
+        dims = tl.arange(0, D)
+        return tl.load(base + keys[:, None] * stride_t + dims[None, :], mask=key_ok[:, None], other=0.0,
+                       eviction_policy="evict_first")
+    elif FMT == 1:
+        dims = tl.arange(0, D)
+        codes = tl.load(base + keys[:, None] * stride_t + dims[None, :], mask=key_ok[:, None], other=0,
+                        eviction_policy="evict_first")  # [BLOCK_S, D] int8
+        scale = tl.load(scale_base + keys * stride_st, mask=key_ok, other=0.0)  # [BLOCK_S] float16
+        return (codes.to(tl.float32) * scale.to(tl.float32)[:, None]).to(dtype)
+    else:
+        pairs = tl.arange(0, D // 2)
+        packed = tl.load(base + keys[:, None] * stride_t + pairs[None, :], mask=key_ok[:, None], other=0,
+                         eviction_policy="evict_first")  # [BLOCK_S, D/2] uint8
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_S, D // 32, 32]).to(tl.float32)
+        groups = tl.arange(0, D // 32)
+        offsets = keys[:, None] * stride_st + groups[None, :]  # [BLOCK_S, G]
+        scale = tl.load(scale_base + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
+        low = tl.load(min_base + offsets, mask=key_ok[:, None], other=0.0).to(tl.float32)
+        return tl.reshape(codes * scale[:, :, None] + low[:, :, None], [BLOCK_S, D]).to(dtype)
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_ptr, out_ptr,
+                         k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
                          stride_qm, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
+                         stride_kss, stride_ksh, stride_kst, stride_vss, stride_vsh, stride_vst,
                          stride_om, stride_oh, num_heads, max_seq, split_len, scale_log2,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, PARTIALS: tl.constexpr, PRECISION: tl.constexpr,
-                         DOT_F32: tl.constexpr, USE_PDL: tl.constexpr):
+                         DOT_F32: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
         gdc_launch_dependents()
         gdc_wait()
@@ -52,6 +86,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
         q = q.to(tl.float32)
     k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
     v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
+    k_scales = slot * stride_kss + kv_head * stride_ksh  # offset of this (slot, head) in k_scale and k_min
+    v_scales = slot * stride_vss + kv_head * stride_vsh
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -60,10 +96,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
     for s0 in range(start, end, BLOCK_S):
         keys = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
         key_ok = keys < end
-        k = tl.load(k_base + keys[:, None] * stride_kt + dims[None, :], mask=key_ok[:, None], other=0.0,
-                    eviction_policy="evict_first")  # [BLOCK_S, D]
-        v = tl.load(v_base + keys[:, None] * stride_vt + dims[None, :], mask=key_ok[:, None], other=0.0,
-                    eviction_policy="evict_first")  # [BLOCK_S, D], issued with K: one memory round trip
+        k = _load_tile(k_base, k_scale_ptr + k_scales, k_min_ptr + k_scales, keys, key_ok, stride_kt, stride_kst,
+                       q_ptr.dtype.element_ty, K_FMT, D, BLOCK_S)  # [BLOCK_S, D]
+        v = _load_tile(v_base, v_scale_ptr + v_scales, v_min_ptr + v_scales, keys, key_ok, stride_vt, stride_vst,
+                       q_ptr.dtype.element_ty, V_FMT, D, BLOCK_S)  # [BLOCK_S, D], issued with K: one round trip
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_S]
@@ -152,22 +188,30 @@ def default_num_splits(max_seq_len: int, num_kv_heads: int = 8, batch: int = 1, 
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-           seq_lens: torch.Tensor, num_splits: int) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+           seq_lens: torch.Tensor, num_splits: int, scales: dict[str, torch.Tensor | None]) -> tuple[int, int]:
+    """The caches' element formats (FLOAT / INT8 / INT4), after checking every input."""
+    unknown = set(scales) - {"k_scale", "k_min", "v_scale", "v_min"}
+    assert not unknown, f"decode_attention takes k_scale, k_min, v_scale, v_min; got {sorted(unknown)}"
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         raise UnsupportedKernelShape(
-            f"decode_attention needs q [M, H, D] and caches [slots, KV, S, D] of one shape; got q "
+            f"decode_attention needs q [M, H, D] and caches [slots, KV, S, X] of one shape; got q "
             f"{tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
     m, h, d = q.shape
     kv = k_cache.shape[1]
-    if k_cache.shape[3] != d or d not in SUPPORTED_HEAD_DIMS:
-        raise UnsupportedKernelShape(f"decode_attention supports head_dim {SUPPORTED_HEAD_DIMS}; got q {d}, "
-                                     f"cache {k_cache.shape[3]}")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise UnsupportedKernelShape(f"decode_attention supports head_dim {SUPPORTED_HEAD_DIMS}; got q {d}")
+    k_fmt = cache_format("k", k_cache, scales.get("k_scale"), scales.get("k_min"), d)
+    v_fmt = cache_format("v", v_cache, scales.get("v_scale"), scales.get("v_min"), d)
+    for name, cache, fmt in (("k", k_cache, k_fmt), ("v", v_cache, v_fmt)):
+        if fmt == FLOAT and (cache.shape[3] != d or cache.dtype != q.dtype):
+            raise UnsupportedKernelShape(f"decode_attention needs a float {name} cache of q's head_dim and dtype; "
+                                         f"got q {d} {q.dtype}, {name} {cache.shape[3]} {cache.dtype}")
     if h % kv or h // kv > MAX_GROUP:
         raise UnsupportedKernelShape(f"decode_attention needs num_heads ({h}) a multiple of num_kv_heads ({kv}) "
                                      f"with at most {MAX_GROUP} query heads per kv head")
-    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise UnsupportedKernelShape(f"decode_attention needs q and caches of one dtype among float32/float16/"
-                                     f"bfloat16; got q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedKernelShape(f"decode_attention needs q of one dtype among float32/float16/bfloat16; "
+                                     f"got q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise UnsupportedKernelShape("decode_attention needs the head_dim of q and the caches contiguous")
     if slot_ids.shape != (m,) or seq_lens.shape != (m,) or slot_ids.dtype.is_floating_point \
@@ -177,20 +221,23 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_i
                                      f"{seq_lens.dtype}")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise UnsupportedKernelShape(f"decode_attention needs 1 <= num_splits <= {MAX_SPLITS}; got {num_splits}")
-    devices = {t.device for t in (q, k_cache, v_cache, slot_ids, seq_lens)}
+    tensors = [q, k_cache, v_cache, slot_ids, seq_lens, *(t for t in scales.values() if t is not None)]
+    devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise UnsupportedKernelShape(f"decode_attention needs all tensors on one device; "
                                      f"got {sorted(map(str, devices))}")
+    return k_fmt, v_fmt
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [M, H, D]; caches [slots, KV, S, D]; slot_ids [M] int32; seq_lens [M] int32 = number of valid
-    keys of each row (keys 0..seq_len-1 of its slot; a causal verify row passes position + 1; values
-    above S are clamped to S). Query head h reads kv head h // (H // KV). Returns out [M, H, D] in q's
-    dtype. Raises UnsupportedKernelShape (a ValueError) for shapes it cannot handle."""
-    _check(q, k_cache, v_cache, slot_ids, seq_lens, num_splits)
+                     out: torch.Tensor | None = None, **scales: torch.Tensor) -> torch.Tensor:
+    """q [M, H, D]; caches [slots, KV, S, D] (or the codes of a quantized cache, with its k_scale /
+    k_min / v_scale / v_min: engine/kernels/kv_codes.py); slot_ids [M] int32; seq_lens [M] int32 = number
+    of valid keys of each row (keys 0..seq_len-1 of its slot; a causal verify row passes position + 1;
+    values above S are clamped to S). Query head h reads kv head h // (H // KV). Returns out [M, H, D] in
+    q's dtype. Raises UnsupportedKernelShape (a ValueError) for shapes it cannot handle."""
+    formats = _check(q, k_cache, v_cache, slot_ids, seq_lens, num_splits, scales)
     m, h, d = q.shape
     if out is None:
         out = torch.empty(m, h, d, dtype=q.dtype, device=q.device)  # [M, H, D]
@@ -200,38 +247,39 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # The interpreter multiplies bfloat16 tiles as raw uint16 integers: on the CPU the dots widen their
     # inputs to float32 first (on a GPU, tf32 holds bf16/fp16 values exactly, so the maths is the same).
     _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, out,
-            dot_f32=q.device.type == "cpu", block_s=block_size(d))
+            dot_f32=q.device.type == "cpu", block_s=block_size(d), scales=scales, formats=formats)
     return out
 
 
 def decode_attention_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                          seq_lens: torch.Tensor, scale: float, num_splits: int
+                          seq_lens: torch.Tensor, scale: float, num_splits: int, **scales: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`decode_attention` whose output goes straight to int8 activations with one scale per head
     (group size = head_dim), as `quantize_activations(out.reshape(M, H * D), D)` would make them:
     (xq [M, H * D] int8, sx [M, H] float32, sumx [M, H] int32). One kernel less per layer."""
-    _check(q, k_cache, v_cache, slot_ids, seq_lens, num_splits)
+    formats = _check(q, k_cache, v_cache, slot_ids, seq_lens, num_splits, scales)
     m, h, d = q.shape
     out = torch.empty(0, dtype=q.dtype, device=q.device)  # only its dtype is used (the rounding step)
     quant = (torch.empty(m, h * d, dtype=torch.int8, device=q.device),
              torch.empty(m, h, dtype=torch.float32, device=q.device),
              torch.empty(m, h, dtype=torch.int32, device=q.device))
     _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, out,
-            dot_f32=q.device.type == "cpu", block_s=block_size(d), quant=quant)
+            dot_f32=q.device.type == "cpu", block_s=block_size(d), quant=quant, scales=scales, formats=formats)
     return quant
 
 
 def decode_attention_int8_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                     slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                    num_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                    num_splits: int = 1, **scales: torch.Tensor
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from quant.kernels.act_quant import quantize_activations_reference
     m, h, d = q.shape
-    out = decode_attention_reference(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits)
+    out = decode_attention_reference(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, **scales)
     return quantize_activations_reference(out.reshape(m, h * d), d)
 
 
 def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: int, out: torch.Tensor,
-            dot_f32: bool, block_s: int, num_warps: int = 4, quant=None) -> None:
+            dot_f32: bool, block_s: int, num_warps: int = 4, quant=None, scales=None, formats=(FLOAT, FLOAT)) -> None:
     m, h, d = q.shape
     kv, s_max = k_cache.shape[1], k_cache.shape[2]
     group = h // kv
@@ -242,13 +290,19 @@ def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: i
         lse = torch.empty(m, h, num_splits, dtype=torch.float32, device=q.device)  # [M, H, NS]
     else:
         partials = lse = out  # unused: the split kernel writes out directly
+    scales = scales or {}
+    k_scale, k_min, v_scale, v_min = (scales.get(n) for n in ("k_scale", "k_min", "v_scale", "v_min"))
     _decode_split_kernel[(m, kv, num_splits)](
         q, k_cache, v_cache, slot_ids, seq_lens, partials, lse, out,
+        k_scale if k_scale is not None else k_cache, k_min if k_min is not None else k_cache,
+        v_scale if v_scale is not None else v_cache, v_min if v_min is not None else v_cache,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *(out.stride()[:2] if out.dim() == 3 else (0, 0)),
-        h, s_max, split_len, scale * LOG2E,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_strides(formats[0], k_scale), *scale_strides(formats[1], v_scale),
+        *(out.stride()[:2] if out.dim() == 3 else (0, 0)), h, s_max, split_len, scale * LOG2E,
         GROUP=group, G_PAD=max(16, next_power_of_2(group)), D=d, BLOCK_S=block_s, NUM_SPLITS=num_splits,
-        PARTIALS=partial_outputs, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F32=dot_f32, num_warps=num_warps, **pdl_options(q.device))
+        PARTIALS=partial_outputs, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F32=dot_f32,
+        K_FMT=formats[0], V_FMT=formats[1], num_warps=num_warps, **pdl_options(q.device))
     if partial_outputs:
         xq, sx, sumx = quant if quant is not None else (out, out, out)
         _combine_splits_kernel[(m, h)](
@@ -259,16 +313,20 @@ def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: i
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, **scales: torch.Tensor) -> torch.Tensor:
     """Plain torch, row by row in float32: softmax(q kᵀ * scale) v over the first seq_len keys of the
-    row's slot. num_splits is accepted for a matching signature and does not change the maths."""
+    row's slot (a quantized cache dequantized to q's dtype first, as KVCache.read does). num_splits is
+    accepted for a matching signature and does not change the maths."""
     m, h, d = q.shape
     group = h // k_cache.shape[1]
     result = torch.empty(m, h, d, dtype=q.dtype, device=q.device)  # [M, H, D]
     for row, (slot, length) in enumerate(zip(slot_ids.tolist(), seq_lens.tolist())):
         length = min(length, k_cache.shape[2])
-        keys = k_cache[slot, :, :length].float().repeat_interleave(group, dim=0)  # [H, L, D]
-        values = v_cache[slot, :, :length].float().repeat_interleave(group, dim=0)  # [H, L, D]
+        rows = {n: t[slot, :, :length] for n, t in scales.items() if t is not None}
+        keys = dequantize_layer(k_cache[slot, :, :length], rows.get("k_scale"), rows.get("k_min"), q.dtype)
+        values = dequantize_layer(v_cache[slot, :, :length], rows.get("v_scale"), rows.get("v_min"), q.dtype)
+        keys = keys.float().repeat_interleave(group, dim=0)  # [H, L, D]
+        values = values.float().repeat_interleave(group, dim=0)  # [H, L, D]
         scores = torch.einsum("hd,hld->hl", q[row].float(), keys) * scale  # [H, L]
         probs = torch.softmax(scores, dim=-1) if length else scores  # [H, L]
         result[row] = torch.einsum("hl,hld->hd", probs, values).to(q.dtype)

@@ -1,8 +1,8 @@
 """The serve config as dataclasses, validated on construction (YAML is read only by bonsai_cli).
 
 Every key that is accepted does what it says. Keys of features that do not exist yet
-(quantized / offloaded KV cache, several GPUs, memory budgets) are part of the layout users already have, so they parse, but turning them on is refused with one
-line naming the key and why. An unknown key is an error naming the nearest valid key; a wrong type
+(offloaded KV cache, several GPUs, memory budgets) are part of the layout users already have, so
+they parse, but turning them on is refused with one line naming the key and why. An unknown key is an error naming the nearest valid key; a wrong type
 or an impossible value is an error with the key's path.
 """
 from __future__ import annotations
@@ -35,8 +35,9 @@ class ModelSection:
     quant_type: str = "bf16"  # run-time format of the block matrices (a bonsai checkpoint's own codes are kept)
     group_size: int = 128
     max_context: int | None = None  # tokens one conversation may use (≤ runtime.max_seq_len)
-    kv_cache_quant: bool = False
+    kv_cache_quant: bool | None = None  # the users' seed keys: true + kv_cache_bits 8 | 4 → int8 | int4
     kv_cache_bits: int | None = None
+    kv_type: str | None = None  # bf16 | int8 | int4 | k8v4 (quant/kv_format.py); default bf16
     kv_cache_async_dequant: bool = False
     chat_template: str | None = None  # a .jinja file replacing the model's own template
     name: str | None = None  # the model id /v1/models lists (default: the file or directory name)
@@ -59,14 +60,35 @@ class ModelSection:
                   "give a model such as smollm2-135m")
         if self.load_format != "dummy" and self.tokenizer:
             _fail("model.tokenizer", "only applies with load_format: dummy; remove it")
-        if self.kv_cache_quant:
-            raise not_available("model.kv_cache_quant", "a quantized KV cache (issue 8)",
-                                "set it to false")
-        if self.kv_cache_bits is not None:
-            _fail("model.kv_cache_bits", "only applies with model.kv_cache_quant: true; remove it")
+        self.kv_type_name  # noqa: B018 — validates the KV keys together
         if self.kv_cache_async_dequant:
-            raise not_available("model.kv_cache_async_dequant", "asynchronous KV dequantization (issue 8)",
-                                "set it to false")
+            _fail("model.kv_cache_async_dequant", "has nothing to overlap: decode attention reads the quantized KV "
+                  "cache directly (dequantized in registers, tile by tile); set it to false")
+
+    @property
+    def kv_type_name(self) -> str:
+        """The KV cache's element type from model.kv_type and/or the seed keys kv_cache_quant + kv_cache_bits."""
+        from quant.kv_format import KV_TYPES
+        if self.kv_type is not None and self.kv_type not in KV_TYPES:
+            _fail("model.kv_type", f"'{self.kv_type}' is not one of {', '.join(KV_TYPES)}")
+        if self.kv_cache_bits is not None and not self.kv_cache_quant:
+            _fail("model.kv_cache_bits", "only applies with model.kv_cache_quant: true; remove it")
+        if self.kv_cache_bits is not None and self.kv_cache_bits not in (8, 4):
+            _fail("model.kv_cache_bits", f"must be 8 or 4, got {self.kv_cache_bits}")
+        by_bits = {8: "int8", 4: "int4"}.get(self.kv_cache_bits)
+        if self.kv_type is None:
+            if self.kv_cache_quant and by_bits is None:
+                _fail("model.kv_cache_bits", "is required with model.kv_cache_quant: true (8 or 4), "
+                      "or give model.kv_type")
+            return by_bits or "bf16"
+        quantized = KV_TYPES[self.kv_type].quantized
+        if self.kv_cache_quant is not None and self.kv_cache_quant != quantized:
+            _fail("model.kv_cache_quant", f"{str(self.kv_cache_quant).lower()} contradicts model.kv_type: "
+                  f"{self.kv_type}; remove one of them")
+        if by_bits is not None and by_bits != self.kv_type:
+            _fail("model.kv_cache_bits", f"{self.kv_cache_bits} contradicts model.kv_type: {self.kv_type}; "
+                  "remove one of them")
+        return self.kv_type
 
 
 @dataclass(frozen=True)

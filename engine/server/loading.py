@@ -84,7 +84,7 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
                           f"lower it to {limit} or less")
     progress("allocating the KV cache" + (" and capturing CUDA graphs" if rt.device != "cpu" else ""), 0.85)
     runner = ModelRunner(loaded, max_seq_len=config.seq_len, num_slots=rt.max_batch_size,
-                         prefill_chunk_size=rt.prefill_chunk_size)
+                         prefill_chunk_size=rt.prefill_chunk_size, kv_type=m.kv_type_name)
     th = config.thinking
     spec = config.spec_config
     if spec is not None:
@@ -93,8 +93,8 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
                         ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, speculative=spec)
     if runner.decoder is not None:  # capture the fused step for every row count in use now, not mid-request
         runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None else rt.max_batch_size)
-    log.info("serving %s: %d slots of %d tokens on %s (KV cache %.1f MB)%s", path.name, rt.max_batch_size,
-             engine.slot_context, rt.device, runner.cache.nbytes / 1e6,
+    log.info("serving %s: %d slots of %d tokens on %s (KV cache %s, %.1f MB)%s", path.name, rt.max_batch_size,
+             engine.slot_context, rt.device, runner.cache.kv_type.name, runner.cache.nbytes / 1e6,
              f", speculative {spec.method} k={spec.num_draft_tokens} per slot" if spec is not None else "")
     progress("ready", 1.0)
     return Served(engine.start(), m.name or path.stem, config)

@@ -4,7 +4,9 @@ Usage: python tests/perf/attention_kernels_gpu.py [--reps 200]   (--smoke: tiny 
 Each call is captured in a CUDA graph and replayed (as the decode step will run it); the time is the mean
 of `reps` replays measured with CUDA events. Bandwidth counts the K and V bytes the rows must read
 (2 * KV * seq_len * D * element size per row); torch's SDPA (flash / efficient kernels) on the same
-keys is the in-run baseline.
+keys is the in-run baseline. The quantized KV types (int8, int4, k8v4) are timed at the same shapes: the
+bytes are those of their codes and scales (quant/kv_format.py), the error is against the reference
+attention over the dequantized rows.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":  # a script: the interpreter is the only way these kernels run on a CPU (--smoke)
     os.environ["TRITON_INTERPRET"] = "1"
 
-from engine.kernels.attention_decode import (_launch, block_size, decode_attention_reference,  # noqa: E402
-                                             default_num_splits)
+from engine.kernels.attention_decode import (_launch, block_size, decode_attention,  # noqa: E402
+                                             decode_attention_reference, default_num_splits)
 from engine.kernels.rope_cache import qk_norm_rope_write, qk_norm_rope_write_reference  # noqa: E402
 
 
@@ -82,6 +84,30 @@ def attention_case(h, kv, d, cache_len, lens, splits_list, reps, dtype=torch.bfl
         print(f"{label} torch SDPA: {us:8.2f} us  {nbytes / us / 1e3:7.0f} GB/s")
 
 
+def quantized_case(h, kv, d, cache_len, n, reps, kv_type):
+    """Decode attention of one row over n keys of a (quantized) cache, dequantized in the kernel."""
+    from engine.kv_cache import CacheBatch, KVCache, kv_type_of
+    from engine.model_config import ModelConfig
+    from quant.kv_format import kv_bytes_per_token
+    cfg = ModelConfig("qwen3", vocab_size=8, hidden_size=h * d, intermediate_size=8, num_layers=1, num_heads=h,
+                      num_kv_heads=kv, head_dim=d)
+    cache = KVCache(cfg, cache_len, 1, dtype=torch.bfloat16, device=DEVICE, kv_type=kv_type)
+    rows = torch.randn(1, kv, cache_len, d, device=DEVICE, dtype=torch.bfloat16)  # [1, KV, S, D]
+    cache.write(0, CacheBatch.make([0], [0], cache_len, DEVICE), rows, torch.randn_like(rows))
+    q = torch.randn(1, h, d, device=DEVICE, dtype=torch.bfloat16)  # [1, H, D]
+    slot_ids, lens = (torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in ([0], [n]))
+    scales = cache.layer_scales(0)
+    splits = default_num_splits(cache_len, num_kv_heads=kv, head_dim=d)
+    want = decode_attention_reference(q, cache.k[0], cache.v[0], slot_ids, lens, d ** -0.5, **scales)
+    got = decode_attention(q, cache.k[0], cache.v[0], slot_ids, lens, d ** -0.5, splits, **scales)
+    err = (got.float() - want.float()).abs().max().item()
+    us = graph_time_us(lambda: decode_attention(q, cache.k[0], cache.v[0], slot_ids, lens, d ** -0.5, splits,
+                                                **scales), reps)
+    nbytes = n * kv_bytes_per_token(kv_type_of(kv_type), 1, kv, d)
+    print(f"KV {kv_type:5} H={h} KV={kv} D={d} cache={cache_len} len={n} splits={splits}: {us:8.2f} us  "
+          f"{nbytes / us / 1e3:7.0f} GB/s  max|err| {err:.1e}")
+
+
 def rope_case(h, kv, d, m, reps, max_seq=32768):
     qkv = torch.randn(m, (h + 2 * kv) * d, device=DEVICE, dtype=torch.bfloat16)  # [M, (H + 2KV) * D]
     qw = torch.randn(d, device=DEVICE, dtype=torch.bfloat16)
@@ -114,6 +140,8 @@ def main() -> None:
               "so bf16 results differ by one ulp here; tests/test_kernels_attention.py corrects for it")
         attention_case(4, 2, 64, 300, [300], [1, 3], 1)
         attention_case(4, 2, 64, 300, [5, 299], [2], 1)
+        for kv_type in ("int8", "int4", "k8v4"):
+            quantized_case(4, 2, 64, 300, 299, 1, kv_type)
         rope_case(4, 2, 64, 3, 1, max_seq=64)
         return
     print(torch.cuda.get_device_name(), "SMs:", torch.cuda.get_device_properties(0).multi_processor_count)
@@ -122,6 +150,9 @@ def main() -> None:
     attention_case(40, 8, 128, 4096, [4096], [8, 16, 32], args.reps)
     attention_case(9, 3, 64, 4096, [4096], [4, 8, 16, 32], args.reps)
     attention_case(32, 8, 128, 4096, [4000, 4001, 4002, 4003], [4, 8, 16], args.reps)
+    for cache, n in ((4096, 4096), (32768, 32768)):
+        for kv_type in ("bf16", "int8", "int4", "k8v4"):
+            quantized_case(32, 8, 128, cache, n, args.reps, kv_type)
     for m in (1, 16):
         rope_case(32, 8, 128, m, args.reps)
 

@@ -1,0 +1,125 @@
+"""The KV kernels on a quantized cache (int8, int4, k8v4) against their torch references: the rope /
+KV-write kernel quantizes what the reference quantizes, decode attention reads the codes as the
+reference reads the dequantized rows. Under Triton's interpreter on a CPU: tiny shapes, few cases."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from engine.kernels import UnsupportedKernelShape  # noqa: E402
+from engine.kernels.attention_decode import (decode_attention, decode_attention_int8,  # noqa: E402
+                                             decode_attention_reference)
+from engine.kernels.rope_cache import qk_norm_rope_write, qk_norm_rope_write_reference  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from quant.kv_quant import quantize_rows  # noqa: E402
+from tests.test_kernels_attention import interpreter_like_gpu  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CFG = ModelConfig(architecture="qwen3", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
+                  num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_like_gpu():
+    with interpreter_like_gpu() if DEVICE == "cpu" else contextlib.nullcontext():
+        yield
+
+
+def ints(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def quantized(kv_type: str, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
+    """Codes of k and v [slots, KV, S, D] in the kv type's formats, and the scale tensors by name."""
+    elements = {"int8": ("int8", "int8"), "int4": ("int4", "int4"), "k8v4": ("int8", "int4")}[kv_type]
+    kp, vp = (quantize_rows(e, x, dtype) for e, x in zip(elements, (k, v)))
+    scales = {f"k_{n}": t for n, t in kp.items() if n} | {f"v_{n}": t for n, t in vp.items() if n}
+    return kp[""], vp[""], scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_type", ["int8", "int4", "k8v4"])
+def test_rope_write_quantizes_like_the_reference(kv_type, dtype):
+    h, kv, d = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
+    g = torch.Generator().manual_seed(1)
+    qkv = (3 * torch.randn(3, (h + 2 * kv) * d, generator=g)).to(DEVICE)  # [M, (H + 2KV) * D] float32 workspace
+    weights = [(1 + 0.5 * torch.randn(d, generator=g)).to(DEVICE, dtype) for _ in range(2)]
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)).float().to(DEVICE)
+    positions, slots = torch.tensor([0, 5, 8], device=DEVICE), ints([1, 0, 1])  # 8: past the cache, dropped
+    got, want = (KVCache(CFG, 8, num_slots=2, dtype=dtype, device=DEVICE, kv_type=kv_type) for _ in range(2))
+    got.key_offset = want.key_offset = torch.randn(1, kv, d, generator=g).to(DEVICE)  # [L, KV, D]
+    q = qk_norm_rope_write(qkv, positions, slots, inv_freq, got.k[0], got.v[0], h, kv, d, *weights,
+                           out_dtype=dtype, **got.layer_write_args(0))
+    q_ref = qk_norm_rope_write_reference(qkv, positions, slots, inv_freq, want.k[0], want.v[0], h, kv, d, *weights,
+                                         out_dtype=dtype, **want.layer_write_args(0))
+    no_offset = KVCache(CFG, 8, num_slots=2, dtype=dtype, device=DEVICE, kv_type=kv_type)
+    qk_norm_rope_write_reference(qkv, positions, slots, inv_freq, no_offset.k[0], no_offset.v[0], h, kv, d, *weights,
+                                 out_dtype=dtype, **no_offset.layer_write_args(0))
+    assert not torch.equal(no_offset.k, want.k)  # the offset is subtracted before quantizing
+    torch.testing.assert_close(q, q_ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    for name, t in got.tensors.items():
+        ref = want.tensors[name]
+        if t.dtype == torch.float16:  # scales and minima: equal, or one float16 step apart
+            torch.testing.assert_close(t, ref, rtol=2e-3, atol=0)
+        elif t.dtype == torch.uint8:  # int4 codes two per byte: each nibble within one step
+            assert ((t & 15).int() - (ref & 15).int()).abs().max() <= 1
+            assert ((t >> 4).int() - (ref >> 4).int()).abs().max() <= 1
+        else:
+            assert (t.int() - ref.int()).abs().max() <= 1
+        differ = (t != ref).float().mean().item()
+        assert differ <= (0 if dtype == torch.float32 else 0.05), (name, differ)  # float32: bit-exact
+        written = t[0, :, :, 5].abs().sum() + t[0, 1, :, 0].abs().sum()
+        assert written > 0 and (t[0, 0, :, :5] == 0).all()  # only rows (slot 0, pos 5), (slot 1, pos 0)
+
+
+@pytest.mark.parametrize("kv_type", ["int8", "int4", "k8v4"])
+def test_decode_attention_reads_the_codes(kv_type):
+    h, kv, d, s = 4, 2, 64, 150
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, 2, kv, s, d, generator=g).to(DEVICE)  # [slots, KV, S, D] each
+    q = (2 * torch.randn(3, h, d, generator=g)).to(DEVICE)  # [M, H, D]
+    k_codes, v_codes, scales = quantized(kv_type, k, v, torch.float32)
+    slot_ids, lens = ints([1, 0, 1]), ints([150, 37, 65])
+    for name, t in scales.items():  # poison every scale past each row's length: never read
+        t[1, :, 150:] = float("nan")
+        t[0, :, 37:] = float("nan")
+    for splits in (1, 2):
+        got = decode_attention(q, k_codes, v_codes, slot_ids, lens, d ** -0.5, splits, **scales)
+        want = decode_attention_reference(q, k_codes, v_codes, slot_ids, lens, d ** -0.5, **scales)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    exact = decode_attention_reference(q, k, v, slot_ids, lens, d ** -0.5)  # the float cache: close, not equal
+    error = (got - exact).abs().max().item()
+    assert 0 < error < (0.05 if kv_type == "int8" else 0.5), error
+    xq, sx, _ = decode_attention_int8(q, k_codes, v_codes, slot_ids, lens, d ** -0.5, 2, **scales)
+    torch.testing.assert_close(xq.float() * sx.repeat_interleave(d, dim=1), got.reshape(3, h * d),
+                               atol=0.6 * sx.max().item(), rtol=0)
+
+
+def test_bfloat16_queries_on_an_int8_cache():
+    h, kv, d, s = 4, 1, 128, 70
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 1, kv, s, d, generator=g).to(DEVICE)
+    q = torch.randn(2, h, d, generator=g).to(DEVICE, torch.bfloat16)
+    k_codes, v_codes, scales = quantized("int8", k, v, torch.bfloat16)
+    got = decode_attention(q, k_codes, v_codes, ints([0, 0]), ints([70, 3]), d ** -0.5, 1, **scales)
+    want = decode_attention_reference(q, k_codes, v_codes, ints([0, 0]), ints([70, 3]), d ** -0.5, **scales)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_quantized_cache_shapes_are_checked():
+    k, v = torch.randn(2, 1, 2, 16, 64).to(DEVICE)
+    k_codes, v_codes, scales = quantized("int4", k, v, torch.float32)
+    q, one = torch.randn(1, 4, 64, device=DEVICE), ints([1])
+    with pytest.raises(UnsupportedKernelShape, match="v_min"):
+        decode_attention(q, k_codes, v_codes, one, one, 1.0, 1, k_scale=scales["k_scale"], k_min=scales["k_min"],
+                         v_scale=scales["v_scale"])
+    with pytest.raises(UnsupportedKernelShape, match="float k cache takes no scale"):
+        decode_attention(q, k, v_codes, one, one, 1.0, 1, **scales)
