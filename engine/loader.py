@@ -15,7 +15,7 @@ from engine.gguf_file import GGUFFile
 from engine.hf_files import HFModelDir
 from engine.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.model_config import ModelConfig
-from engine.packed_linear import WeightFormat, pack_linears
+from engine.packed_linear import WeightFormat, pack_linears, packed_targets
 from engine.packed_load import pack_stored_codes
 from engine.tokenizer import Tokenizer
 from quant.checkpoint import is_checkpoint
@@ -129,14 +129,21 @@ def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtyp
     return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
 
 
-def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype) -> Transformer:
+def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype,
+                 meta_weights: frozenset[str] = frozenset()) -> Transformer:
+    """The model with uninitialized tensors on `dev`; the weights of the Linear layers named in
+    meta_weights stay on the meta device (they are replaced before use: never allocated)."""
     with torch.device("meta"):
         model = Transformer(config)
         model.to(dtype)
         for module in model.modules():
             if isinstance(module, Linear) and module is not model.lm_head:
                 module.weight.data = module.weight.data.to(weight_dtype)
-    model = model.to_empty(device=dev)
+    for name, module in model.named_modules():
+        if name not in meta_weights:
+            module.to_empty(device=dev, recurse=False)
+        elif module.bias is not None:
+            module.bias = torch.nn.Parameter(torch.empty_like(module.bias, device=dev), requires_grad=False)
     model.inv_freq = rotary_inverse_frequencies(config).to(dev)
     return model
 
@@ -211,14 +218,20 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
     dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
     weight_format = weight_format or WeightFormat()
-    model = _empty_model(config, dev, dtype, dtype)
+    # layers generated packed are never allocated as floats (a 27B model's float copy would not fit
+    # the GPU memory its packed form is meant for)
+    packed = frozenset(name for name, kind in packed_targets(config, weight_format) if name != "lm_head" or
+                       not config.tie_word_embeddings)
+    model = _empty_model(config, dev, dtype, dtype, meta_weights=packed)
     generator = torch.Generator(device=dev).manual_seed(seed)
     for p in model.parameters():
+        if p.is_meta:
+            continue
         if p.dim() == 1:
             p.fill_(1.0)  # norms (and biases: harmless)
         elif weight_format.quant_type == "bf16" or p is model.embed.weight or p is getattr(model.lm_head, "weight", None):
             p.normal_(0.0, 0.02, generator=generator)
-    pack_linears(model, weight_format, dummy=True, seed=seed)
+    pack_linears(model, weight_format, dummy=True, seed=seed, device=model.embed.weight.device)
     model.eval()
     nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     summary = TensorSummary(format="dummy", num_tensors=len(list(model.parameters())) + len(list(model.buffers())),

@@ -127,10 +127,19 @@ def quantize_weight(w: torch.Tensor, kind: str, group_size: int) -> PackedWeight
     return pack(kind, codes, scales, group_size)
 
 
-def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed: int = 0) -> None:
+def packed_targets(config, fmt: WeightFormat) -> list[tuple[str, str]]:
+    """(module name, packed kind) of the Linear layers `pack_linears` packs in a model of `config`."""
+    names = [f"layers.{i}.{part}" for i in range(config.num_layers)
+             for part in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")]
+    out = [(name, fmt.quant_type) for name in names if fmt.quant_type != "bf16"]
+    return out + ([("lm_head", fmt.head_type)] if fmt.head_type != "bf16" else [])
+
+
+def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed: int = 0,
+                 device: torch.device | None = None) -> None:
     """Swap the model's block Linear layers (and the output layer if fmt.head_type says so) for
     PackedLinear: rounded from the loaded float weights, or random packed codes (dummy) made
-    directly on the weights' device."""
+    directly on `device` (default: the weights' device; dummy layers may have meta weights)."""
     from engine.model import Linear
     generator = None
     targets = []
@@ -146,12 +155,12 @@ def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed:
         model.lm_head.weight = emb
         targets.append(("lm_head", model.lm_head, fmt.head_type))
     for name, module, kind in targets:
-        device = module.weight.device
         if dummy:
-            if generator is None or generator.device != device:
-                generator = torch.Generator(device=device).manual_seed(seed)
+            where = device if device is not None else module.weight.device
+            if generator is None or generator.device != where:
+                generator = torch.Generator(device=where).manual_seed(seed)
             n, k = module.weight.shape
-            pw = random_packed(kind, n, k, fmt.group_size, device=device, generator=generator)
+            pw = random_packed(kind, n, k, fmt.group_size, device=where, generator=generator)
         else:
             pw = quantize_weight(module.weight.data, kind, fmt.group_size)
         bias = module.bias.data if module.bias is not None else None
