@@ -149,12 +149,15 @@ def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, wei
 
 
 def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dev: torch.device,
-                       dtype: torch.dtype, weight_dtype: torch.dtype, path: str | Path, down_hadamard: int = 0
-                       ) -> Transformer:
+                       dtype: torch.dtype, weight_dtype: torch.dtype, path: str | Path, down_hadamard: int = 0,
+                       meta_weights: dict[str, list[str]] | None = None) -> Transformer:
     """A model of `config` from (canonical name, float tensor) pairs (every tensor it needs, once);
-    down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs."""
-    model = _empty_model(config, dev, dtype, weight_dtype)
-    expected = expected_tensor_names(config)
+    down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs.
+    meta_weights: {Linear module name: the canonical tensors it stacks} of layers left unallocated
+    (packed later from stored codes): `tensors` does not hold those."""
+    meta_weights = meta_weights or {}
+    model = _empty_model(config, dev, dtype, weight_dtype, meta_weights=frozenset(meta_weights))
+    expected = expected_tensor_names(config) - {n for names in meta_weights.values() for n in names}
     seen: set[str] = set()
     for name, tensor in tensors:
         try:
@@ -195,17 +198,37 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     dtype = dtype or default_dtype(dev)
     weight_dtype = weight_dtype or default_weight_dtype(dev, dtype)
     rotation = getattr(source, "rotation", None) or {}
-    model = model_from_tensors(config, source.iter_canonical_tensors(config), dev, dtype, weight_dtype, path,
-                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)))
+    keep = keep_codes if keep_codes is not None else dev.type == "cuda"
+    # layers packed from stored codes are never materialized as floats (a 27B model's float copy
+    # would not fit the GPU its packed form is meant for)
+    stored = stored_packed_layers(source, config) if keep else {}
+    skip = frozenset(n for names in stored.values() for n in names)
+    tensors = source.iter_canonical_tensors(config, skip=skip) if skip else source.iter_canonical_tensors(config)
+    model = model_from_tensors(config, tensors, dev, dtype, weight_dtype, path,
+                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)), meta_weights=stored)
     weight_format = weight_format or WeightFormat()
-    if keep_codes if keep_codes is not None else dev.type == "cuda":
-        pack_stored_codes(model, source, config)
+    if keep:
+        packed = pack_stored_codes(model, source, config, device=dev)
+        assert set(stored) <= packed, f"planned packed layers were not packed: {sorted(set(stored) - packed)[:3]}"
     if weight_format.packed:
         pack_linears(model, weight_format)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
                        summary=summarize(source), device=dev, dtype=dtype, weight_dtype=weight_dtype,
                        load_seconds=time.perf_counter() - start, weight_format=weight_format)
+
+
+def stored_packed_layers(source, config: ModelConfig) -> dict[str, list[str]]:
+    """{Linear module name: its canonical tensors} of the layers `pack_stored_codes` will pack from
+    the source's stored codes, known from metadata alone (GGUF Q2_0 layers, whose layout depends on
+    their codes, are left out: they load as floats first)."""
+    from engine.memory_budget import stored_formats
+    from engine.memory_plan import linear_formats, linear_modules
+    found = stored_formats(source, exact=True)
+    if not found:
+        return {}
+    formats = linear_formats(config, stored=found, keep_codes=True)
+    return {path: parts for path, _, _, parts in linear_modules(config) if formats[path].packed}
 
 
 @torch.no_grad()

@@ -39,9 +39,10 @@ class ModelWeights:
     name: str = ""
 
 
-def stored_formats(source) -> dict[str, tuple[str, int]]:
+def stored_formats(source, exact: bool = False) -> dict[str, tuple[str, int]]:
     """canonical tensor name → (packed layout kind, group) of the tensors a source stores quantized
-    in a form the loader keeps packed (engine.packed_load), read from metadata only."""
+    in a form the loader keeps packed (engine.packed_load), read from metadata only. exact: leave
+    out GGUF Q2_0 tensors, whose layout (tri or int4) depends on their codes."""
     from engine.checkpoint_file import BonsaiCheckpoint, canonical_name
     from engine.gguf_file import GGUFFile
     from engine.gguf_file import canonical_name as gguf_canonical
@@ -60,7 +61,8 @@ def stored_formats(source) -> dict[str, tuple[str, int]]:
         for name, type_name, shape, _ in source.tensor_info():
             canon = gguf_canonical(name)
             if canon is not None and type_name in importable and len(shape) == 2:
-                out[canon] = importable[type_name]
+                if not (exact and type_name == gguf_types.type_name(gguf_codec.Q2_0_ID)):
+                    out[canon] = importable[type_name]
     return out
 
 

@@ -151,6 +151,22 @@ def test_checkpoint_load_allocates_what_the_plan_says(tiny_checkpoint, one_threa
         assert plan.category("kv") == runner.cache.nbytes
 
 
+def test_stored_codes_are_never_read_as_floats(tiny_checkpoint, monkeypatch, one_thread):
+    """Layers packed from stored codes skip the float load (no float copy of a packed model)."""
+    from engine.loader import load_model
+    from quant.checkpoint import Checkpoint
+    read = []
+    real = Checkpoint.read_dequantized
+    monkeypatch.setattr(Checkpoint, "read_dequantized", lambda self, name: read.append(name) or real(self, name))
+    load_model(tiny_checkpoint, "cpu", keep_codes=True)
+    quantized_read = {n.split(".")[-2] for n in read if "proj" in n}
+    assert quantized_read == {"gate_proj", "up_proj"}  # mixed tri + bin: the fused gate/up stays float
+    read.clear()
+    load_model(tiny_checkpoint, "cpu", keep_codes=False)
+    assert {n.split(".")[-2] for n in read if "proj" in n} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"}
+
+
 def test_decode_static_buffers_match_the_step_runner(one_thread):
     from engine.cuda_graphs import DecodeStepRunner
     from engine.kv_cache import KVCache
