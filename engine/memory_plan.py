@@ -12,10 +12,10 @@ mirrors an allocation of the code:
   engine.cuda_graphs.DecodeStepRunner plus its CUDA graph's private pool (the live intermediates of
   engine.decode_step at their peak, in the caching allocator's segments);
 - prefill: the peak of live activations of one `Transformer.forward` chunk on a GPU (a packed layer
-  of more than GEMV_MAX_ROWS rows is unpacked to a float Wᵀ for cuBLAS: the largest such Wᵀ is the
-  biggest term; chunks after the first attend through a mask, which PyTorch runs in its float32
-  math backend for grouped-query attention);
-- logits: the logits copies and the sampling temporaries of one step;
+  of more than GEMV_MAX_ROWS rows is unpacked to a float Wᵀ for cuBLAS, in column slices of at most
+  engine.packed_linear.UNPACK_SLICE_BYTES; chunks after the first attend through a mask, which
+  PyTorch runs in its float32 math backend for grouped-query attention: [H, T, S] scores);
+- logits: the logits copies, the sampling temporaries of one step and each sequence's penalty counts;
 - runtime: the cuBLAS / cuBLASLt workspaces (CUDA only; an estimate, not a shape).
 Offloaded weights or KV (memory.weight_offload / kv_offload) leave the device except a staging
 ring of two layers; their host bytes are listed apart (`host_lines`).
@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 from engine.errors import BonsaiError
 from engine.model_config import ModelConfig
+from engine.packed_linear import GEMV_MAX_ROWS, unpack_columns
 from quant.kv_format import KV_TYPES, kv_bytes_per_token
 from quant.packed_layout import check_packable, layout_kind
 
 MIB = 1 << 20
-GEMV_MAX_ROWS = 4  # engine.packed_linear.GEMV_MAX_ROWS: more rows unpack the layer for cuBLAS
 CUBLAS_WORKSPACES = 2 * 32 * MIB  # cuBLAS + cuBLASLt workspaces torch allocates on a Hopper GPU
 SAMPLING_BYTES_PER_LOGIT = 44  # temperature, softmax, sort (values + int64 order), cumsum, masks, scatter
+PENALTY_BYTES_PER_LOGIT = 8  # float32 prompt and output token counts of a sequence (repetition penalties)
 STAGING_LAYERS = 2  # offloaded weights / KV keep a ring of this many layers on the device
 
 
@@ -301,9 +302,15 @@ def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
     layer0 = {path.split(".")[-1]: fmt for path, fmt in formats.items() if path.startswith("layers.0.")}
     shapes = {path.split(".")[-1]: (n, k) for path, n, k, _ in linear_modules(config) if path.startswith("layers.0.")}
 
-    def unpacked(name: str) -> int:  # the float Wᵀ cuBLAS multiplies by (packed layers, > GEMV_MAX_ROWS rows)
-        n, k = shapes[name]
-        return n * k * d if layer0[name].packed and t > GEMV_MAX_ROWS else 0
+    def unpacked(name: str) -> int:  # packed layers of > GEMV_MAX_ROWS rows: a float Wᵀ slice for cuBLAS,
+        n, k = shapes[name]          # its words and scales copied out, and the slice's product
+        fmt = layer0[name]
+        if not fmt.packed or t <= GEMV_MAX_ROWS:
+            return 0
+        cols = unpack_columns(n, k, d)
+        if cols >= n:
+            return n * k * d
+        return k * cols * d + packed_bytes(fmt, cols, k) + t * cols * d
 
     base = 2 * t * h * d + 3 * t * dim // 2 * 4 + 2 * t * 8  # residual + its norm; rotary angles; positions
     masked = sl > t  # a later chunk of a longer context attends through a [T, S] mask
@@ -334,8 +341,9 @@ def _prefill_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: Run
 
 def _logits_lines(config: ModelConfig, s: RunSettings) -> list[PlanLine]:
     rows = max(s.slots, s.graph_rows)
-    return [PlanLine("logits", f"logits copies + sampling, {rows} row{'s' if rows > 1 else ''}",
-                     rows * config.vocab_size * (4 + SAMPLING_BYTES_PER_LOGIT))]
+    per_logit = 4 + SAMPLING_BYTES_PER_LOGIT + PENALTY_BYTES_PER_LOGIT  # the float32 copy the runner returns
+    return [PlanLine("logits", f"logits, sampling and penalty counts, {rows} row{'s' if rows > 1 else ''}",
+                     rows * config.vocab_size * per_logit)]
 
 
 def make_plan(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings,

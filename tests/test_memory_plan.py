@@ -32,7 +32,7 @@ def test_tiny_config_by_hand():
     assert plan.category("weights") == embed + lm_head + blocks + norms == 74_912
     assert plan.category("kv") == 2 * 2 * 2 * (16 * 4) * 64 * 2  # k+v, layers, kv heads, row, positions, slots
     assert plan.category("decode") == 0  # no fused step on the CPU
-    assert plan.category("logits") == 2 * 97 * 48
+    assert plan.category("logits") == 2 * 97 * (4 + 44 + 8)  # float32 copy, sampling, penalty counts
     packed = make_plan(TINY, linear_formats(TINY, "tri", 32), RunSettings(max_seq_len=64, **CPU))
     # tri: 16 codes per int32 word + a float16 scale per 32 inputs
     tri_blocks = 2 * sum(k // 16 * n * 4 + k // 32 * n * 2 for n, k in ((128, 32), (32, 64), (128, 32), (32, 64)))
@@ -56,8 +56,8 @@ def test_qwen3_8b_by_hand():
     assert static == 8 + 12 + 6144 * 4 + 24576 * 4
     assert plan.category("decode") == static + pool_segment_bytes(live)
     assert 151936 * 4 in live  # the graph's float32 logits
-    # prefill: the 512-row chunk unpacks w13 to a bf16 [4096, 24576] for cuBLAS, the largest term
-    assert plan.category("prefill") > 4096 * 24576 * 2
+    # prefill: the 512-row chunk unpacks w13 for cuBLAS in bf16 slices of 64 MiB (8192 of its 24576 columns)
+    assert plan.category("prefill") > 4096 * 8192 * 2
     assert packed_bytes(plan_formats["layers.0.feed_forward.w13"], 24576, 4096) == 26_738_688
 
 
@@ -181,3 +181,19 @@ def test_decode_static_buffers_match_the_step_runner(one_thread):
     assert static == sum(t.numel() * t.element_size() for t in tensors)
     logits = step.run([1, 2, 3], [0, 0, 0], [0, 0, 0])
     assert logits.numel() * logits.element_size() in live
+
+
+def test_prefill_unpacks_in_column_slices(monkeypatch, one_thread):
+    """A packed product of many rows unpacks W in column slices: same result as unpacking it whole."""
+    from engine import packed_linear
+    from quant.packed_layout import random_packed
+    pw = random_packed("int4", 384, 256, 64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(9, 256)
+    whole = packed_linear.packed_matmul(x, pw)  # [9, 384]
+    monkeypatch.setattr(packed_linear, "UNPACK_SLICE_BYTES", 256 * 4 * 128)  # 128 columns at a time
+    assert packed_linear.unpack_columns(384, 256, 4) == 128
+    calls = []
+    real = packed_linear.column_slice
+    monkeypatch.setattr(packed_linear, "column_slice", lambda *a: calls.append(a[1:]) or real(*a))
+    torch.testing.assert_close(packed_linear.packed_matmul(x, pw), whole, rtol=1e-6, atol=1e-6)
+    assert calls == [(0, 128), (128, 256), (256, 384)]

@@ -6,15 +6,18 @@
 
 Each case runs in its own process (the allocator's peaks and its memory fraction are per process):
 plan (engine.memory_plan) → load (dummy weights) → runner (KV cache, CUDA-graph capture) →
-prefill of --prompt random tokens (several chunks: the masked attention of later chunks) → a
---decode-token greedy decode. Printed per stage: torch.cuda.max_memory_allocated /
+prefill of --prompt random tokens (several 512-token chunks: the masked attention of later chunks) → a
+--decode-token greedy decode (prompt + decode fill the context: the last prefill chunk attends over
+almost all of it, the plan's worst case). Printed per stage: torch.cuda.max_memory_allocated /
 max_memory_reserved (peaks since the previous stage), and the plan's total and categories. A plan
-over the limit prints its one-line refusal instead ("refused").
+over the limit prints its one-line refusal instead ("refused"); under a limit, the case then runs
+again at the largest context the refusal says would fit (the limit enforced on a real run).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -95,7 +98,8 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny config on the CPU, to check the script runs")
     ap.add_argument("--head-weights", default="int4", help="the output layer's format (a 27B needs it packed in 6 GB)")
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--prompt", type=int, default=1024, help="prefill tokens (two 512 chunks by default)")
+    ap.add_argument("--prompt", type=int, default=0, help="prefill tokens (default: the context less the decode, "
+                    "so the last chunk attends over almost all of it: the prefill's worst case)")
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--case", nargs=4, metavar=("ARCH", "WEIGHTS", "DEVICE", "LIMIT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -107,21 +111,34 @@ def main() -> None:
     if args.cpu_smoke:
         tmp = Path(tempfile.mkdtemp()) / "tiny.yaml"
         tmp.write_text(TINY)
-        cases = [(str(tmp), w, "cpu", lim) for w in ("bin", "tri") for lim in ("-", "12MB")]
+        cases = [(str(tmp), w, "cpu", lim) for w in ("bin", "tri") for lim in ("-", "8.3MB")]
         extra = ["--context", "256", "--prompt", "80", "--decode", "4"]
     else:
         models = ROOT / "configs" / "models"
         cases = [(str(models / f"{m}.yaml"), w, "cuda:0", "-") for m in ("qwen3-8b", "dense-27b") for w in ("bin", "tri")]
         cases += [(str(models / "dense-27b.yaml"), w, "cuda:0", "6GB") for w in ("bin", "tri")]
-        extra = ["--context", str(args.context), "--prompt", str(args.prompt), "--decode", str(args.decode)]
+        prompt = args.prompt or args.context - args.decode - 8
+        extra = ["--context", str(args.context), "--prompt", str(prompt), "--decode", str(args.decode)]
     for case in cases:
-        proc = subprocess.run([sys.executable, __file__, "--case", *case, "--head-weights", args.head_weights, *extra],
-                              capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode or not lines:
-            print(json.dumps({"case": case, "failed": proc.stderr.strip().splitlines()[-3:]}), flush=True)
-        else:
-            print(lines[-1], flush=True)
+        result = _run(case, args.head_weights, extra)
+        fit = re.search(r"--max-seq-len <= (\d+)", result.get("refused", ""))
+        if fit and case[3] != "-":  # refused under the limit: run it at the largest context the plan accepts
+            ctx = int(fit.group(1))
+            decode = min(args.decode, ctx // 4)
+            _run(case, args.head_weights, ["--context", str(ctx), "--prompt", str(ctx - decode - 8),
+                                           "--decode", str(decode)])
+
+
+def _run(case, head_weights: str, extra: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--case", *case, "--head-weights", head_weights, *extra],
+                          capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        result = {"case": case, "failed": proc.stderr.strip().splitlines()[-3:]}
+    else:
+        result = json.loads(lines[-1])
+    print(json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":
