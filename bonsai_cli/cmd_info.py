@@ -94,7 +94,7 @@ def _info_plan(model: Optional[str], plan_file: Path, json_out: bool) -> None:
                     **plan_dict(planned.plan, planned.settings, planned.limit, refusal)})
         return
     print_plan(Console(), planned.plan, planned.settings, planned.limit, refusal,
-               f"GPU memory plan: {cfg.model.path} with {plan_file.name}")
+               f"memory plan on {cfg.runtime.device}: {cfg.model.path} with {plan_file.name}")
 
 
 def _info_dummy(model: str, weights: str, group_size: int, head_weights: str, json_out: bool) -> None:

@@ -75,6 +75,13 @@ class RunSettings:
     kv_offload: bool = False
     rotation_block: int = 0  # online Hadamard block of a rotated checkpoint (0: none)
 
+    @property
+    def kv_label(self) -> str:
+        """The KV element type as stored: a quantized type's name, else the compute dtype's."""
+        if KV_TYPES[self.kv_type].quantized:
+            return self.kv_type
+        return {2: "bf16", 4: "f32"}.get(self.dtype_bytes, "float")
+
     def __post_init__(self) -> None:
         if self.kv_type not in KV_TYPES:
             raise BonsaiError(f"unknown KV type '{self.kv_type}': use one of {', '.join(KV_TYPES)}")
@@ -233,8 +240,7 @@ def _kv_lines(config: ModelConfig, s: RunSettings) -> tuple[list[PlanLine], list
     kv = KV_TYPES[s.kv_type]
     per_token = kv_bytes_per_token(kv, config.num_layers, config.num_kv_heads, config.head_dim, s.dtype_bytes)
     total = per_token * s.max_seq_len * s.slots
-    label = s.kv_type if kv.quantized else {2: "bf16", 4: "f32"}.get(s.dtype_bytes, "float")
-    name = f"KV cache {label} ({s.slots} × {s.max_seq_len} positions)"
+    name = f"KV cache {s.kv_label} ({s.slots} × {s.max_seq_len} positions)"
     if not s.kv_offload:
         return [PlanLine("kv", name, total)], []
     ring = STAGING_LAYERS * total // config.num_layers
