@@ -26,8 +26,9 @@ def print_plan(console: Console, plan, settings, limit: int | None, refusal: str
             host.add_row(line.category, line.name, f"{line.bytes / 2**20:,.1f}", line.note)
         console.print(host)
     s = settings
-    console.print(f"[dim]{'cuda' if s.cuda else 'cpu'}: {s.slots} slot(s) × {s.max_seq_len} positions, KV {s.kv_label}, "
-                  f"prefill chunk {s.prefill_chunk_size}, fused step graphed for {s.graph_rows} row count(s)[/dim]")
+    console.print(f"[dim]{'cuda' if s.cuda else 'cpu'}: {s.slots} slot(s) × {s.max_seq_len} positions, "
+                  f"KV {s.kv_label}, prefill chunk {s.prefill_chunk_size}, "
+                  f"fused step graphed for {s.graph_rows} row count(s)[/dim]")
     if limit is not None:
         if refusal:
             console.print(f"[red]over max_gpu_memory {format_bytes(limit)}: {refusal}[/red]")

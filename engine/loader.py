@@ -252,7 +252,8 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
             continue
         if p.dim() == 1:
             p.fill_(1.0)  # norms (and biases: harmless)
-        elif weight_format.quant_type == "bf16" or p is model.embed.weight or p is getattr(model.lm_head, "weight", None):
+        elif (weight_format.quant_type == "bf16" or p is model.embed.weight
+              or p is getattr(model.lm_head, "weight", None)):
             p.normal_(0.0, 0.02, generator=generator)
     pack_linears(model, weight_format, dummy=True, seed=seed, device=model.embed.weight.device)
     model.eval()

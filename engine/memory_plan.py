@@ -304,7 +304,8 @@ def _decode_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
 def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings) -> dict[str, int]:
     """Peak live activations of one prefill chunk (T = prefill_chunk_size rows) on a GPU, by phase."""
     t, sl, d = min(s.prefill_chunk_size, s.max_seq_len), s.max_seq_len, s.dtype_bytes
-    h, f, hq, kvh, dim = config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim
+    h, f, hq, kvh = config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads
+    dim = config.head_dim
     layer0 = {path.split(".")[-1]: fmt for path, fmt in formats.items() if path.startswith("layers.0.")}
     shapes = {path.split(".")[-1]: (n, k) for path, n, k, _ in linear_modules(config) if path.startswith("layers.0.")}
 

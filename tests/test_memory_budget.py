@@ -75,8 +75,8 @@ def test_seed_config_loads_as_written_but_for_two_keys_built_elsewhere(tmp_path)
     text = SEED
     fixes = {"model.kv_cache_quant": lambda t: t.replace("kv_cache_quant: true", "kv_cache_quant: false")
              .replace("  kv_cache_bits: 4\n", ""),
-             "runtime.decode_algorithm": lambda t: t.replace("decode_algorithm: speculative", "decode_algorithm: standard")
-             .replace("  draft_model: none\n", "")}
+             "runtime.decode_algorithm": lambda t: t.replace("decode_algorithm: speculative",
+                                                             "decode_algorithm: standard").replace("  draft_model: none\n", "")}
     for _ in range(len(fixes) + 1):
         try:
             cfg = load(text, tmp_path)
@@ -161,3 +161,20 @@ def test_bench_reports_plan_and_limit(tmp_path, one_thread):
     memory = json.loads(out.read_text())["memory"]
     assert memory["max_gpu_memory"] == 20_000_000 and 0 < memory["planned_bytes"] < 20_000_000
     assert memory["peak_allocated_bytes"] is None  # the CPU has no allocator statistics
+
+
+def test_info_describes_a_dummy_model(tmp_path, capsys):
+    from bonsai_cli.main import main
+    from engine.memory_plan import weight_tensors
+    from engine.model_config import ModelConfig
+    arch = tmp_path / "tiny.yaml"
+    arch.write_text(TINY_ARCH)
+    main(["info", str(arch), "--load-format", "dummy", "--weights", "bin", "--group-size", "32", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    config = ModelConfig.from_hf_config({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
+                                         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                         "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True})
+    formats = dummy_formats(config, "bin", 32).formats
+    assert out["format"] == "dummy" and out["parameters"] == config.num_parameters()
+    assert out["bytes"] == sum(b for _, _, b in weight_tensors(config, formats, run_settings(config, "cuda", 2)))
+    assert out["bytes"] - 49152 * 64 * 2 < 64 * 64 * 8  # past the bf16 embedding: 1-bit blocks, small

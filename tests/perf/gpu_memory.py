@@ -115,7 +115,8 @@ def main() -> None:
         extra = ["--context", "256", "--prompt", "80", "--decode", "4"]
     else:
         models = ROOT / "configs" / "models"
-        cases = [(str(models / f"{m}.yaml"), w, "cuda:0", "-") for m in ("qwen3-8b", "dense-27b") for w in ("bin", "tri")]
+        cases = [(str(models / f"{m}.yaml"), w, "cuda:0", "-")
+                 for m in ("qwen3-8b", "dense-27b") for w in ("bin", "tri")]
         cases += [(str(models / "dense-27b.yaml"), w, "cuda:0", "6GB") for w in ("bin", "tri")]
         prompt = args.prompt or args.context - args.decode - 8
         extra = ["--context", str(args.context), "--prompt", str(prompt), "--decode", str(args.decode)]
