@@ -12,10 +12,13 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
                     max_seq_len: int, kv_type: str,
                     suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
-                    save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False) -> None:
+                    save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False,
+                    max_gpu_memory: Optional[str] = None) -> None:
+    from bonsai_cli.gpu_budget import memory_report, plan_cli_run
     from engine.bench import model_bench
     from engine.bench.environment import describe_environment
     from engine.bench.suites import load_suite
+    from engine.memory_limit import check_usage, within_limit
     from engine.runner import ModelRunner
 
     prompts = None
@@ -24,9 +27,15 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         tests = []
     else:
         tests = model_bench.plan_tests(n_prompt, n_gen, depth, combined)
-    loaded = load_for_cli(model, device, **load)
     needed = max((t.depth + t.n_prompt + t.n_gen + 2 for t in tests), default=2048)
-    runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type)
+    budget = plan_cli_run(model, device, max_seq_len or needed, max_gpu_memory, spec_config=spec_config,
+                          auto_pull=model is None, kv_type=kv_type, **load)
+    with within_limit(budget.limit, "loading the model"):
+        loaded = load_for_cli(model, device, **load)
+    with within_limit(budget.limit, "allocating the KV cache and capturing the decode step"):
+        runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type)
+    check_usage(budget.limit, loaded.device, "loading", budget.plan.total)
+    report["memory"] = memory_report(budget, loaded.device)
     report["environment"] = describe_environment(loaded.device)
     report["model"] = {
         "name": loaded.path.name, "path": str(loaded.path), "architecture": loaded.config.architecture,
@@ -41,6 +50,16 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
                           "fused_decode": runner.decoder is not None,
                           "cuda_graph": getattr(runner.decoder, "graph", None) is not None}
     save()
+    try:
+        with within_limit(budget.limit, "benchmarking"):
+            _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain)
+    finally:  # the allocator's peak over the whole run, next to the plan
+        report["memory"] = memory_report(budget, loaded.device)
+        save()
+
+
+def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain) -> None:
+    from engine.bench import model_bench
     drafter = None
     if spec_config is not None:
         from engine.speculative.config import build_drafter

@@ -137,6 +137,15 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                 console.print(f"[red]mismatch: {line}[/red]")
     if report.get("concurrency"):
         console.print(concurrency_table(report["concurrency"]))
+    memory = report.get("memory")
+    if memory:
+        peak = memory.get("peak_allocated_bytes")
+        limit = memory.get("max_gpu_memory")
+        console.print(f"memory: plan {memory['planned_bytes'] / 1e9:.2f} GB"
+                      + (f", allocator peak {peak / 1e9:.2f} GB allocated, "
+                         f"{memory['peak_reserved_bytes'] / 1e9:.2f} GB reserved" if peak is not None else
+                         " (no allocator statistics on the CPU)")
+                      + (f", limit {limit / 1e9:.2f} GB" if limit else ""))
     if not report.get("complete", True):
         console.print("[yellow]the run was interrupted: these are partial results[/yellow]")
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from bonsai_cli import bench_report
 from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, LOAD_FORMAT_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP,
                                WEIGHTS_HELP, err_console, speculative_config)
+from bonsai_cli.gpu_budget import MAX_GPU_MEMORY_HELP
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -51,6 +52,7 @@ def bench(
     load_format: str = typer.Option("auto", "--load-format", help=LOAD_FORMAT_HELP),
     max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
     kv_type: str = typer.Option("bf16", "--kv-type", help=KV_TYPE_HELP),
+    max_gpu_memory: Optional[str] = typer.Option(None, "--max-gpu-memory", help=MAX_GPU_MEMORY_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     vs_plain: bool = typer.Option(False, "--vs-plain", help="with --spec: also run each prompt plain, just before "
@@ -88,6 +90,8 @@ def bench(
     kv_type_of(kv_type)  # an unknown name fails before loading
     if kv_type != "bf16" and url:
         raise BonsaiError("--kv-type sets a local MODEL's cache; a server sets its own in its config (model.kv_type)")
+    if url and max_gpu_memory:
+        raise BonsaiError("--max-gpu-memory limits a local MODEL; a server takes memory.max_gpu_memory in its config")
     if spec_config is not None and url:
         raise BonsaiError("--spec measures a local MODEL; a server sets its own speculation in its config")
     if vs_plain and (spec_config is None or not suite):
@@ -109,7 +113,7 @@ def bench(
                         head_weights=head_weights, load_format=load_format)
             run_local_bench(report, model, device, load, max_seq_len, kv_type, suite, categories, limit,
                             _int_list(n_prompt, "-p"), _int_list(n_gen, "-n"), _int_list(depth, "-d"),
-                            repetitions, combined, save, spec_config, vs_plain)
+                            repetitions, combined, save, spec_config, vs_plain, max_gpu_memory)
         report["complete"] = True
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted: keeping the results measured so far[/yellow]")

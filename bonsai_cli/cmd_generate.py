@@ -8,6 +8,7 @@ import typer
 
 from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
                                print_json, spec_summary, speculative_config)
+from bonsai_cli.gpu_budget import MAX_GPU_MEMORY_HELP, plan_cli_run
 
 
 def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
@@ -40,12 +41,14 @@ def generate(
     kv_type: str = typer.Option("bf16", "--kv-type", help=KV_TYPE_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
+    max_gpu_memory: Optional[str] = typer.Option(None, "--max-gpu-memory", help=MAX_GPU_MEMORY_HELP),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
 ) -> None:
     """Generate a continuation (or a chat answer with --chat), streamed to stdout."""
     from engine.errors import BonsaiError
     from engine.generate import GenerationRequest, stream_generate
     from engine.kv_cache import kv_type_of
+    from engine.memory_limit import check_usage, within_limit
     from engine.runner import ModelRunner
     from engine.speculative.config import build_drafter
 
@@ -57,25 +60,32 @@ def generate(
         temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed))
     spec_config = speculative_config(spec, draft_tokens)
     kv_type_of(kv_type)  # an unknown name fails before loading
-    loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
+    budget = plan_cli_run(model, device, max_seq_len, max_gpu_memory, weight_dtype=weight_dtype,
+                          spec_config=spec_config, kv_type=kv_type) if max_gpu_memory else None
+    limit = budget.limit if budget else None
+    with within_limit(limit, "loading the model"):
+        loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
     tok = loaded.tokenizer
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
-    runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type)
-    drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
+    with within_limit(limit, "allocating the KV cache and the drafter"):
+        runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type)
+        drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
+    check_usage(limit, loaded.device, "loading", budget.plan.total if budget else None)
     pieces, token_ids, finish, stats = [], [], "length", None
-    for event in stream_generate(runner, tok, ids, request, drafter=drafter,
-                                 num_draft_tokens=spec_config.num_draft_tokens if spec_config else 0):
-        pieces.append(event.text)
-        token_ids.extend(event.token_ids)
-        stats = event.stats
-        finish = event.finish_reason or finish
-        if not json_out:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+    with within_limit(limit, "generating"):
+        for event in stream_generate(runner, tok, ids, request, drafter=drafter,
+                                     num_draft_tokens=spec_config.num_draft_tokens if spec_config else 0):
+            pieces.append(event.text)
+            token_ids.extend(event.token_ids)
+            stats = event.stats
+            finish = event.finish_reason or finish
+            if not json_out:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
     if json_out:
         print_json({"text": "".join(pieces), "token_ids": token_ids, "prompt_tokens": len(ids),
                     "finish_reason": finish, "timings": stats.as_dict()})

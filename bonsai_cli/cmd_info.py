@@ -1,20 +1,43 @@
-"""`bonsai info MODEL`."""
+"""`bonsai info MODEL [--plan serve.yaml]`."""
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
 
 import typer
 
-from bonsai_cli.common import print_json
+from bonsai_cli.common import LOAD_FORMAT_HELP, WEIGHTS_HELP, print_json
 
 
-def info(model: str = typer.Argument(..., help="a .gguf file, a model directory or a pulled name"),
+def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model directory or a pulled name "
+                                               "(with --plan: default the config's model.path)"),
+         plan: Optional[Path] = typer.Option(None, "--plan", help="serve.yaml: print the GPU memory plan of "
+                                             "serving MODEL with it (weights, KV cache, buffers) and check "
+                                             "memory.max_gpu_memory"),
+         load_format: str = typer.Option("auto", "--load-format", help=LOAD_FORMAT_HELP),
+         weights: str = typer.Option("bf16", "--weights", help="with --load-format dummy: " + WEIGHTS_HELP),
+         group_size: int = typer.Option(128, "--group-size", help="with --load-format dummy"),
+         head_weights: str = typer.Option("bf16", "--head-weights", help="with --load-format dummy"),
          json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout")) -> None:
-    """Architecture, parameter count, tensor types, bytes and bits per weight (reads no weights)."""
+    """Architecture, parameter count, tensor types, bytes and bits per weight (reads no weights);
+    with --plan, every byte serving it would put on the GPU."""
     from rich.console import Console
     from rich.table import Table
 
     from engine import store
+    from engine.errors import BonsaiError
     from engine.loader import open_model_source, summarize
 
+    if plan is not None:
+        _info_plan(model, plan, json_out)
+        return
+    if model is None:
+        raise BonsaiError("bonsai info needs MODEL (or --plan serve.yaml)")
+    if load_format == "dummy":
+        _info_dummy(model, weights, group_size, head_weights, json_out)
+        return
+    if load_format != "auto":
+        raise BonsaiError(f"unknown --load-format '{load_format}': use auto or dummy")
     path = store.resolve_model(model)
     source = open_model_source(path)
     config = source.model_config()
@@ -48,3 +71,57 @@ def info(model: str = typer.Argument(..., help="a .gguf file, a model directory 
     for t, (n, p, b) in summary.types.items():
         types.add_row(t, str(n), f"{p:,}", f"{b / 2**20:,.1f}", f"{8 * b / max(p, 1):.3f}")
     console.print(types)
+
+
+def _info_plan(model: Optional[str], plan_file: Path, json_out: bool) -> None:
+    from rich.console import Console
+
+    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
+    from bonsai_cli.plan_table import plan_dict, print_plan
+    from engine.errors import BonsaiError
+    from engine.memory_budget import SERVE_KEYS, check_budget
+    from engine.server.memory import serve_plan
+
+    cfg = read_serve_config(plan_file, {"model.path": model})
+    planned = serve_plan(cfg, architecture_of(cfg))
+    refusal = None
+    try:
+        check_budget(planned.plan, planned.limit, planned.weights, planned.settings, SERVE_KEYS)
+    except BonsaiError as e:
+        refusal = str(e)
+    if json_out:
+        print_json({"model": cfg.model.path, "config": str(plan_file),
+                    **plan_dict(planned.plan, planned.settings, planned.limit, refusal)})
+        return
+    print_plan(Console(), planned.plan, planned.settings, planned.limit, refusal,
+               f"memory plan on {cfg.runtime.device}: {cfg.model.path} with {plan_file.name}")
+
+
+def _info_dummy(model: str, weights: str, group_size: int, head_weights: str, json_out: bool) -> None:
+    """A generated (dummy) model: its architecture and the bytes of its weights in the given formats."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from bonsai_cli.common import _dummy_config
+    from engine.memory_budget import dummy_formats, run_settings
+    from engine.memory_plan import weight_tensors
+
+    config, path = _dummy_config(model)
+    formats = dummy_formats(config, weights, group_size, head_weights).formats
+    nbytes = sum(size for _, _, size in weight_tensors(config, formats, run_settings(config, "cuda", 2)))
+    params = config.num_parameters()
+    arch = {k: v for k, v in vars(config).items() if k not in ("extra", "rope_scaling")}
+    if json_out:
+        print_json({"path": str(path), "format": "dummy", "architecture": arch, "parameters": params,
+                    "bytes": nbytes, "bits_per_weight": 8 * nbytes / params,
+                    "weights": weights, "head_weights": head_weights, "group_size": group_size})
+        return
+    console = Console()
+    console.print(f"[bold]{path}[/bold]  (dummy: generated {weights} weights, output layer {head_weights})")
+    head = Table(show_header=False, box=None)
+    for key, value in arch.items():
+        head.add_row(key, str(value))
+    head.add_row("parameters", f"{params:,} ({params / 1e9:.2f}B)")
+    head.add_row("size on a GPU", f"{nbytes / 2**20:,.1f} MiB (bfloat16 embedding)")
+    head.add_row("bits per weight", f"{8 * nbytes / params:.3f}")
+    console.print(head)

@@ -15,7 +15,7 @@ from engine.gguf_file import GGUFFile
 from engine.hf_files import HFModelDir
 from engine.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.model_config import ModelConfig
-from engine.packed_linear import WeightFormat, pack_linears
+from engine.packed_linear import WeightFormat, pack_linears, packed_targets
 from engine.packed_load import pack_stored_codes
 from engine.tokenizer import Tokenizer
 from quant.checkpoint import is_checkpoint
@@ -129,25 +129,35 @@ def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtyp
     return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
 
 
-def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype) -> Transformer:
+def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype,
+                 meta_weights: frozenset[str] = frozenset()) -> Transformer:
+    """The model with uninitialized tensors on `dev`; the weights of the Linear layers named in
+    meta_weights stay on the meta device (they are replaced before use: never allocated)."""
     with torch.device("meta"):
         model = Transformer(config)
         model.to(dtype)
         for module in model.modules():
             if isinstance(module, Linear) and module is not model.lm_head:
                 module.weight.data = module.weight.data.to(weight_dtype)
-    model = model.to_empty(device=dev)
+    for name, module in model.named_modules():
+        if name not in meta_weights:
+            module.to_empty(device=dev, recurse=False)
+        elif module.bias is not None:
+            module.bias = torch.nn.Parameter(torch.empty_like(module.bias, device=dev), requires_grad=False)
     model.inv_freq = rotary_inverse_frequencies(config).to(dev)
     return model
 
 
 def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dev: torch.device,
-                       dtype: torch.dtype, weight_dtype: torch.dtype, path: str | Path, down_hadamard: int = 0
-                       ) -> Transformer:
+                       dtype: torch.dtype, weight_dtype: torch.dtype, path: str | Path, down_hadamard: int = 0,
+                       meta_weights: dict[str, list[str]] | None = None) -> Transformer:
     """A model of `config` from (canonical name, float tensor) pairs (every tensor it needs, once);
-    down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs."""
-    model = _empty_model(config, dev, dtype, weight_dtype)
-    expected = expected_tensor_names(config)
+    down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs.
+    meta_weights: {Linear module name: the canonical tensors it stacks} of layers left unallocated
+    (packed later from stored codes): `tensors` does not hold those."""
+    meta_weights = meta_weights or {}
+    model = _empty_model(config, dev, dtype, weight_dtype, meta_weights=frozenset(meta_weights))
+    expected = expected_tensor_names(config) - {n for names in meta_weights.values() for n in names}
     seen: set[str] = set()
     for name, tensor in tensors:
         try:
@@ -188,17 +198,37 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     dtype = dtype or default_dtype(dev)
     weight_dtype = weight_dtype or default_weight_dtype(dev, dtype)
     rotation = getattr(source, "rotation", None) or {}
-    model = model_from_tensors(config, source.iter_canonical_tensors(config), dev, dtype, weight_dtype, path,
-                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)))
+    keep = keep_codes if keep_codes is not None else dev.type == "cuda"
+    # layers packed from stored codes are never materialized as floats (a 27B model's float copy
+    # would not fit the GPU its packed form is meant for)
+    stored = stored_packed_layers(source, config) if keep else {}
+    skip = frozenset(n for names in stored.values() for n in names)
+    tensors = source.iter_canonical_tensors(config, skip=skip) if skip else source.iter_canonical_tensors(config)
+    model = model_from_tensors(config, tensors, dev, dtype, weight_dtype, path,
+                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)), meta_weights=stored)
     weight_format = weight_format or WeightFormat()
-    if keep_codes if keep_codes is not None else dev.type == "cuda":
-        pack_stored_codes(model, source, config)
+    if keep:
+        packed = pack_stored_codes(model, source, config, device=dev)
+        assert set(stored) <= packed, f"planned packed layers were not packed: {sorted(set(stored) - packed)[:3]}"
     if weight_format.packed:
         pack_linears(model, weight_format)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
                        summary=summarize(source), device=dev, dtype=dtype, weight_dtype=weight_dtype,
                        load_seconds=time.perf_counter() - start, weight_format=weight_format)
+
+
+def stored_packed_layers(source, config: ModelConfig) -> dict[str, list[str]]:
+    """{Linear module name: its canonical tensors} of the layers `pack_stored_codes` will pack from
+    the source's stored codes, known from metadata alone (GGUF Q2_0 layers, whose layout depends on
+    their codes, are left out: they load as floats first)."""
+    from engine.memory_budget import stored_formats
+    from engine.memory_plan import linear_formats, linear_modules
+    found = stored_formats(source, exact=True)
+    if not found:
+        return {}
+    formats = linear_formats(config, stored=found, keep_codes=True)
+    return {path: parts for path, _, _, parts in linear_modules(config) if formats[path].packed}
 
 
 @torch.no_grad()
@@ -211,14 +241,21 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
     dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
     weight_format = weight_format or WeightFormat()
-    model = _empty_model(config, dev, dtype, dtype)
+    # layers generated packed are never allocated as floats (a 27B model's float copy would not fit
+    # the GPU memory its packed form is meant for)
+    packed = frozenset(name for name, kind in packed_targets(config, weight_format) if name != "lm_head" or
+                       not config.tie_word_embeddings)
+    model = _empty_model(config, dev, dtype, dtype, meta_weights=packed)
     generator = torch.Generator(device=dev).manual_seed(seed)
     for p in model.parameters():
+        if p.is_meta:
+            continue
         if p.dim() == 1:
             p.fill_(1.0)  # norms (and biases: harmless)
-        elif weight_format.quant_type == "bf16" or p is model.embed.weight or p is getattr(model.lm_head, "weight", None):
+        elif (weight_format.quant_type == "bf16" or p is model.embed.weight
+              or p is getattr(model.lm_head, "weight", None)):
             p.normal_(0.0, 0.02, generator=generator)
-    pack_linears(model, weight_format, dummy=True, seed=seed)
+    pack_linears(model, weight_format, dummy=True, seed=seed, device=model.embed.weight.device)
     model.eval()
     nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     summary = TensorSummary(format="dummy", num_tensors=len(list(model.parameters())) + len(list(model.buffers())),

@@ -92,9 +92,27 @@ class PackedLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
+# Prefill unpacks a packed matrix for cuBLAS in column slices of at most this many bytes: the whole
+# unpacked Wᵀ of a 27B model's gate/up layer (440 MB in bf16) would not fit a small GPU's budget.
+UNPACK_SLICE_BYTES = 64 << 20
+
+
+def unpack_columns(n: int, k: int, element_bytes: int) -> int:
+    """Output columns unpacked at once for an [N, K] matrix (a multiple of 128, or all N)."""
+    cols = max(128, UNPACK_SLICE_BYTES // (k * element_bytes) // 128 * 128)
+    return min(cols, n)
+
+
+def column_slice(pw: PackedWeight, n0: int, n1: int) -> PackedWeight:
+    """Output columns n0..n1 of a packed matrix (its words and scales copied contiguous)."""
+    return PackedWeight(pw.kind, pw.words[:, n0:n1].contiguous(), pw.scales[:, n0:n1].contiguous(), n1 - n0,
+                        pw.in_features, pw.group_size)
+
+
 def packed_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     """x [M, K] @ Wᵀ: the kernels on CUDA (dp4a GEMV for few rows; for more, the codes unpacked to
-    a bf16 Wᵀ and cuBLAS's tensor-core GEMM), the references elsewhere (same maths)."""
+    a bf16 Wᵀ — in column slices of UNPACK_SLICE_BYTES — and cuBLAS's tensor-core GEMM), the
+    references elsewhere (same maths)."""
     small = x.shape[0] <= GEMV_MAX_ROWS
     if kernels_usable(x.device):
         if small:
@@ -102,13 +120,27 @@ def packed_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
             from quant.kernels.packed_gemv import packed_gemv
             return packed_gemv(*quantize_activations(x.contiguous(), pw.group_size), pw)
         from quant.kernels.packed_dequant import dequantize_t
-        return torch.matmul(x, dequantize_t(pw, x.dtype))
+        return _sliced_matmul(x, pw, lambda part: dequantize_t(part, x.dtype))
     from quant.packed_layout import dequantize
     if small:
         from quant.kernels.act_quant import quantize_activations_reference
         from quant.kernels.packed_gemv import packed_gemv_reference
         return packed_gemv_reference(*quantize_activations_reference(x, pw.group_size), pw)
-    return x.float() @ dequantize(pw).t()
+    x = x.float()
+    return _sliced_matmul(x, pw, lambda part: dequantize(part).t())
+
+
+def _sliced_matmul(x: torch.Tensor, pw: PackedWeight, unpack_t) -> torch.Tensor:
+    """x [M, K] @ unpack_t(W)ᵀ, unpacking at most UNPACK_SLICE_BYTES of W at a time."""
+    n = pw.out_features
+    cols = unpack_columns(n, pw.in_features, x.element_size())
+    if cols >= n:
+        return torch.matmul(x, unpack_t(pw))  # [M, N]
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)  # [M, N]
+    for n0 in range(0, n, cols):
+        n1 = min(n0 + cols, n)
+        out[:, n0:n1] = torch.matmul(x, unpack_t(column_slice(pw, n0, n1)))  # [M, n1 - n0]
+    return out
 
 
 def quantize_weight(w: torch.Tensor, kind: str, group_size: int) -> PackedWeight:
@@ -127,10 +159,19 @@ def quantize_weight(w: torch.Tensor, kind: str, group_size: int) -> PackedWeight
     return pack(kind, codes, scales, group_size)
 
 
-def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed: int = 0) -> None:
+def packed_targets(config, fmt: WeightFormat) -> list[tuple[str, str]]:
+    """(module name, packed kind) of the Linear layers `pack_linears` packs in a model of `config`."""
+    names = [f"layers.{i}.{part}" for i in range(config.num_layers)
+             for part in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")]
+    out = [(name, fmt.quant_type) for name in names if fmt.quant_type != "bf16"]
+    return out + ([("lm_head", fmt.head_type)] if fmt.head_type != "bf16" else [])
+
+
+def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed: int = 0,
+                 device: torch.device | None = None) -> None:
     """Swap the model's block Linear layers (and the output layer if fmt.head_type says so) for
     PackedLinear: rounded from the loaded float weights, or random packed codes (dummy) made
-    directly on the weights' device."""
+    directly on `device` (default: the weights' device; dummy layers may have meta weights)."""
     from engine.model import Linear
     generator = None
     targets = []
@@ -146,12 +187,12 @@ def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed:
         model.lm_head.weight = emb
         targets.append(("lm_head", model.lm_head, fmt.head_type))
     for name, module, kind in targets:
-        device = module.weight.device
         if dummy:
-            if generator is None or generator.device != device:
-                generator = torch.Generator(device=device).manual_seed(seed)
+            where = device if device is not None else module.weight.device
+            if generator is None or generator.device != where:
+                generator = torch.Generator(device=where).manual_seed(seed)
             n, k = module.weight.shape
-            pw = random_packed(kind, n, k, fmt.group_size, device=device, generator=generator)
+            pw = random_packed(kind, n, k, fmt.group_size, device=where, generator=generator)
         else:
             pw = quantize_weight(module.weight.data, kind, fmt.group_size)
         bias = module.bias.data if module.bias is not None else None

@@ -33,15 +33,16 @@ def _targets(model: Transformer) -> list[tuple[str, list[str]]]:
     return out
 
 
-def pack_stored_codes(model: Transformer, source, config) -> int:
+def pack_stored_codes(model: Transformer, source, config, device: torch.device | None = None) -> set[str]:
     """Swap every Linear whose source tensors are stored quantized for a PackedLinear holding those
-    codes. Returns how many layers were packed."""
+    codes, on `device` (default: the layer's; a layer may have an unallocated meta weight). Returns
+    the names of the layers packed."""
     if not hasattr(source, "iter_quantized_tensors"):
-        return 0
+        return set()
     stored = {name: (qt, g, codes, scales) for name, qt, g, codes, scales in source.iter_quantized_tensors(config)}
     if not stored:
-        return 0
-    packed = 0
+        return set()
+    packed: set[str] = set()
     for path, names in _targets(model):
         parts = [stored.get(n) for n in names]
         if any(p is None for p in parts):
@@ -61,8 +62,8 @@ def pack_stored_codes(model: Transformer, source, config) -> int:
             continue
         module: Linear = model.get_submodule(path)
         bias = module.bias.data if module.bias is not None else None
-        pw = pack(kind, codes, scales, group).to(module.weight.device)
+        pw = pack(kind, codes, scales, group).to(device if device is not None else module.weight.device)
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(pw, bias))
-        packed += 1
+        packed.add(path)
     return packed

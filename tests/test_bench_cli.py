@@ -10,15 +10,18 @@ import time
 import pytest
 
 from tests.stub_openai_server import closed_port_url, running_stub
-from tests.test_cli_errors import assert_one_line_error, bonsai
+from tests.test_cli_errors import assert_one_line_error, bonsai_in_process
 
+TINY_ARCH = ("architectures: [Qwen3ForCausalLM]\nvocab_size: 512\nhidden_size: 64\nintermediate_size: 128\n"
+             "num_hidden_layers: 2\nnum_attention_heads: 4\nnum_key_value_heads: 2\nhead_dim: 16\n")
 ENV_KEYS = {"python", "torch", "triton", "device", "cpu", "git_commit", "torch_threads"}
 
 
 @pytest.mark.slow
-def test_model_run_json_schema_and_plot(smollm2_gguf, tmp_path):
+def test_model_run_json_schema_and_plot(smollm2_gguf, tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    proc = bonsai("bench", str(smollm2_gguf), "-p", "16", "-n", "8", "-r", "2", "--json", str(out), "--plot", str(png))
+    proc = bonsai_in_process(capsys, "bench", str(smollm2_gguf), "-p", "16", "-n", "8", "-r", "2", "--json", str(out),
+                             "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["bonsai_bench"] == 1 and report["complete"] is True
@@ -33,15 +36,15 @@ def test_model_run_json_schema_and_plot(smollm2_gguf, tmp_path):
     bw = report["tests"][1]["decode_bandwidth"]
     assert bw["bytes_per_token"] > 100e6 and 0 < bw["fraction_of_copy"] < 5
     assert png.read_bytes()[:4] == b"\x89PNG"
-    compare = bonsai("bench", "--compare", str(out), "--compare", str(out))
+    compare = bonsai_in_process(capsys, "bench", "--compare", str(out), "--compare", str(out))
     assert compare.returncode == 0 and "1.00x" in compare.stdout
 
 
 @pytest.mark.slow
-def test_suite_run_reports_by_category(smollm2_gguf, tmp_path):
+def test_suite_run_reports_by_category(smollm2_gguf, tmp_path, capsys):
     out = tmp_path / "s.json"
-    proc = bonsai("bench", str(smollm2_gguf), "--suite", "short", "--categories", "code,math", "-r", "1",
-                  "--json", str(out))
+    proc = bonsai_in_process(capsys, "bench", str(smollm2_gguf), "--suite", "short", "--categories", "code,math",
+                             "-r", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     suite = json.loads(out.read_text())["suite"]
     assert set(suite["by_category"]) == {"code", "math", "overall"}
@@ -49,11 +52,11 @@ def test_suite_run_reports_by_category(smollm2_gguf, tmp_path):
     assert all(r["cached_tokens"] == 0 for r in suite["results"])  # fresh prompts, no prefix reuse
 
 
-def test_url_run_against_stub_server(tmp_path):
+def test_url_run_against_stub_server(tmp_path, capsys):
     out = tmp_path / "u.json"
     with running_stub(tokens=12, token_delay=0.002, timings={"cache_n": 0, "draft_n": 6, "draft_n_accepted": 4}) as url:
-        proc = bonsai("bench", "--url", url, "--suite", "short", "--limit", "1", "--categories", "qa,code",
-                      "--concurrency", "1,2", "-r", "1", "--json", str(out))
+        proc = bonsai_in_process(capsys, "bench", "--url", url, "--suite", "short", "--limit", "1", "--categories",
+                                 "qa,code", "--concurrency", "1,2", "-r", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in report["concurrency"]] == [1, 2]
@@ -61,29 +64,40 @@ def test_url_run_against_stub_server(tmp_path):
     assert report["suite"]["results"][0]["drafted"] == 6 and report["suite"]["results"][0]["accepted"] == 4
 
 
-def test_interrupted_run_keeps_partial_results(smollm2_gguf, tmp_path):
-    out = tmp_path / "p.json"
-    proc = subprocess.Popen([sys.executable, "-m", "bonsai_cli", "bench", str(smollm2_gguf), "-p", "8", "-n", "64",
-                             "-r", "20", "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and not (out.exists() and json.loads(out.read_text()).get("tests")):
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+def test_interrupted_run_keeps_partial_results(tmp_path):
+    """A real SIGINT in the middle of a run (a fresh process, a small generated model): the tests
+    measured so far stay in the JSON, marked incomplete, exit code 130."""
+    arch, out = tmp_path / "tiny.yaml", tmp_path / "p.json"
+    arch.write_text(TINY_ARCH)
+    proc = subprocess.Popen([sys.executable, "-m", "bonsai_cli", "bench", str(arch), "--load-format", "dummy",
+                             "-p", "8", "-n", "2048", "-r", "3", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not (out.exists() and json.loads(out.read_text()).get("tests")):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # never leave a benchmark running behind a failed test
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130, err
     report = json.loads(out.read_text())
-    assert report["complete"] is False and report["tests"]
+    assert report["complete"] is False and report["tests"][0]["name"] == "pp8"
 
 
-def test_bad_input_is_one_line():
-    assert_one_line_error(bonsai("bench", "--url", closed_port_url(), "--suite", "short"), "cannot reach the server")
-    assert_one_line_error(bonsai("bench", "--suite", "no-such-suite", "--url", "http://127.0.0.1:9"), "unknown suite")
+def test_bad_input_is_one_line(capsys):
+    def run(*args: str):
+        return bonsai_in_process(capsys, *args)
+    assert_one_line_error(run("bench", "--url", closed_port_url(), "--suite", "short"), "cannot reach the server")
+    assert_one_line_error(run("bench", "--suite", "no-such-suite", "--url", "http://127.0.0.1:9"), "unknown suite")
     with running_stub(mode="html_models") as url:
-        assert_one_line_error(bonsai("bench", "--url", url), "not an OpenAI-compatible server")
+        assert_one_line_error(run("bench", "--url", url), "not an OpenAI-compatible server")
     with running_stub(mode="zero_tokens") as url:
-        assert_one_line_error(bonsai("bench", "--url", url, "--limit", "1", "--categories", "qa"), "generated no tokens")
-    assert_one_line_error(bonsai("bench", "--compare", "a.json"), "exactly two JSON files")
-    assert_one_line_error(bonsai("bench", "-p", "x"), "comma-separated integers")
+        assert_one_line_error(run("bench", "--url", url, "--limit", "1", "--categories", "qa"), "generated no tokens")
+    assert_one_line_error(run("bench", "--compare", "a.json"), "exactly two JSON files")
+    assert_one_line_error(run("bench", "-p", "x"), "comma-separated integers")
 
 
 def _suite_report(outputs: dict[str, list[int]], temperature: float = 0.0) -> dict:
@@ -95,7 +109,7 @@ def _suite_report(outputs: dict[str, list[int]], temperature: float = 0.0) -> di
                       "by_category": {"overall": {"decode_tokens_per_second": 10.0}}}}
 
 
-def test_identical_output_check_catches_a_planted_mismatch(tmp_path):
+def test_identical_output_check_catches_a_planted_mismatch(tmp_path, capsys):
     from bonsai_cli.bench_report import output_mismatches, write_json
 
     base = _suite_report({"a": [1, 2, 3], "b": [4, 5, 6]})
@@ -107,7 +121,9 @@ def test_identical_output_check_catches_a_planted_mismatch(tmp_path):
     assert output_mismatches(base, _suite_report({"a": [7]}, temperature=0.7)) == (0, [])  # sampled: not comparable
     for name, rep in (("base", base), ("same", same), ("planted", planted)):
         write_json(rep, tmp_path / f"{name}.json")
-    ok = bonsai("bench", "--compare", str(tmp_path / "base.json"), "--compare", str(tmp_path / "same.json"))
+    ok = bonsai_in_process(capsys, "bench", "--compare", str(tmp_path / "base.json"), "--compare",
+                           str(tmp_path / "same.json"))
     assert ok.returncode == 0 and "identical" in ok.stderr
-    bad = bonsai("bench", "--compare", str(tmp_path / "base.json"), "--compare", str(tmp_path / "planted.json"))
+    bad = bonsai_in_process(capsys, "bench", "--compare", str(tmp_path / "base.json"), "--compare",
+                            str(tmp_path / "planted.json"))
     assert bad.returncode == 1 and "1 of 2 greedy outputs differ" in bad.stderr and "mismatch: b" in bad.stderr

@@ -5,15 +5,14 @@ import pytest
 
 from engine.chat_session import ChatSession
 from engine.generate import GenerationRequest, generate_text
-from engine.loader import load_model
 from engine.runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def loaded(smollm2_gguf):
-    return load_model(smollm2_gguf)
+def loaded(smollm2_loaded):
+    return smollm2_loaded
 
 
 def answer(session: ChatSession, text: str) -> str:

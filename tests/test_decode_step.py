@@ -37,7 +37,10 @@ def test_fused_step_matches_the_model(weights, head, kernels):
     slot = runner.slot(0)
     runner.prefill(slot, TOKENS[:10])
     step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=kernels)
-    for i, (token, ref) in enumerate(zip(TOKENS[10:], want)):
+    # Triton interpreted on a CPU is slow: two steps run every kernel, the second reading the K/V the
+    # first wrote (the later positions fall in the same split and add nothing)
+    steps = 2 if kernels and device == "cpu" else len(want)
+    for i, (token, ref) in enumerate(zip(TOKENS[10:10 + steps], want)):
         got = step.run([token], [10 + i], [0])[0]
         # int8 activations: a last-bit difference of the float32 residual can move one activation to
         # the next int8 step, so the tolerance is a step's effect (~1e-3 of the logits' scale)

@@ -154,9 +154,8 @@ def test_cli_trains_resumes_and_reports_acceptance(tmp_path, smollm2_gguf, capsy
 
 
 @pytest.fixture(scope="module")
-def smollm2_float32(smollm2_gguf):
-    from engine.loader import load_model
-    return load_model(smollm2_gguf, "cpu", weight_dtype=torch.float32)  # verification runs several rows
+def smollm2_float32(smollm2_loaded_f32):
+    return smollm2_loaded_f32  # verification runs several rows
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.test_cli_errors import assert_one_line_error, bonsai
+from tests.test_cli_errors import assert_one_line_error, bonsai_in_process
 
 TINY = """architectures: [Qwen3ForCausalLM]
 vocab_size: 1024
@@ -17,13 +17,13 @@ head_dim: 64
 """
 
 
-def test_dummy_ternary_model_benches_on_cpu(tmp_path):
+def test_dummy_ternary_model_benches_on_cpu(tmp_path, capsys):
     arch = tmp_path / "tiny.yaml"
     arch.write_text(TINY)
     out = tmp_path / "r.json"
-    proc = bonsai("bench", str(arch), "--load-format", "dummy", "--weights", "tri", "--head-weights", "int4",
-                  "--group-size", "64", "-p", "16", "-n", "4", "-r", "1", "--no-pg", "--json", str(out),
-                  "--kv-type", "k8v4")
+    proc = bonsai_in_process(capsys, "bench", str(arch), "--load-format", "dummy", "--weights", "tri", "--head-weights",
+                             "int4", "--group-size", "64", "-p", "16", "-n", "4", "-r", "1", "--no-pg", "--json", str(out),
+                             "--kv-type", "k8v4")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["model"]["load_format"] == "dummy" and report["model"]["weights"] == "tri"
@@ -36,33 +36,34 @@ def test_dummy_ternary_model_benches_on_cpu(tmp_path):
     assert 0 < tg["decode_bandwidth"]["bytes_per_token"] < 1_000_000
 
 
-def test_builtin_architecture_names_resolve(tmp_path):
-    proc = bonsai("bench", "no-such-arch", "--load-format", "dummy", "-p", "8", "-n", "2", "-r", "1")
+def test_builtin_architecture_names_resolve(tmp_path, capsys):
+    proc = bonsai_in_process(capsys, "bench", "no-such-arch", "--load-format", "dummy", "-p", "8", "-n", "2", "-r", "1")
     assert_one_line_error(proc, "qwen3-8b")  # the message lists the known architecture files
 
 
-def test_bad_weight_type_and_group_size(tmp_path):
+def test_bad_weight_type_and_group_size(tmp_path, capsys):
     arch = tmp_path / "tiny.yaml"
     arch.write_text(TINY)
-    assert_one_line_error(bonsai("bench", str(arch), "--load-format", "dummy", "--weights", "tri3"),
+    assert_one_line_error(bonsai_in_process(capsys, "bench", str(arch), "--load-format", "dummy", "--weights", "tri3"),
                           "unknown weight type 'tri3'")
-    assert_one_line_error(bonsai("bench", str(arch), "--load-format", "dummy", "--weights", "tri",
-                                 "--group-size", "48"), "group size 48 is not supported")
-    assert_one_line_error(bonsai("bench", str(arch), "--load-format", "magic"), "unknown --load-format")
-    assert_one_line_error(bonsai("bench", str(arch), "--load-format", "dummy", "--kv-type", "fp8"),
+    assert_one_line_error(bonsai_in_process(capsys, "bench", str(arch), "--load-format", "dummy", "--weights", "tri",
+                                            "--group-size", "48"), "group size 48 is not supported")
+    assert_one_line_error(bonsai_in_process(capsys, "bench", str(arch), "--load-format", "magic"),
+                          "unknown --load-format")
+    assert_one_line_error(bonsai_in_process(capsys, "bench", str(arch), "--load-format", "dummy", "--kv-type", "fp8"),
                           "unknown KV type 'fp8'")
-    assert_one_line_error(bonsai("generate", str(arch), "--prompt", "hi", "--kv-type", "int3"),
+    assert_one_line_error(bonsai_in_process(capsys, "generate", str(arch), "--prompt", "hi", "--kv-type", "int3"),
                           "unknown KV type 'int3'")
 
 
-def test_dummy_model_refuses_text(tmp_path):
+def test_dummy_model_refuses_text(tmp_path, capsys):
     arch = tmp_path / "tiny.yaml"
     arch.write_text(TINY)
-    assert_one_line_error(bonsai("bench", str(arch), "--load-format", "dummy", "--suite", "short"),
+    assert_one_line_error(bonsai_in_process(capsys, "bench", str(arch), "--load-format", "dummy", "--suite", "short"),
                           "no tokenizer")
 
 
-def test_group_size_not_dividing_is_one_line(smollm2_gguf):
+def test_group_size_not_dividing_is_one_line(smollm2_gguf, capsys):
     # SmolLM2's hidden size 576 is not a multiple of 128
-    proc = bonsai("bench", str(smollm2_gguf), "--weights", "int8", "-p", "8", "-n", "2", "-r", "1")
+    proc = bonsai_in_process(capsys, "bench", str(smollm2_gguf), "--weights", "int8", "-p", "8", "-n", "2", "-r", "1")
     assert_one_line_error(proc, "choose another --group-size")

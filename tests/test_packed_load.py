@@ -21,15 +21,21 @@ def ternary_checkpoint(smollm2_gguf, tmp_path_factory):
     return out
 
 
-def test_checkpoint_codes_are_packed_as_stored(ternary_checkpoint):
+@pytest.fixture(scope="module")
+def packed_and_float(ternary_checkpoint):
+    """The checkpoint loaded packed as stored, and as floats (float32 matrices), once for the module."""
+    return (load_model(ternary_checkpoint, "cpu", weight_dtype=torch.float32, keep_codes=True),
+            load_model(ternary_checkpoint, "cpu", weight_dtype=torch.float32))
+
+
+def test_checkpoint_codes_are_packed_as_stored(ternary_checkpoint, packed_and_float):
     from engine.checkpoint_file import BonsaiCheckpoint
     from engine.loader import open_model_source
     source = open_model_source(ternary_checkpoint)
     assert isinstance(source, BonsaiCheckpoint)
     config = source.model_config()
     stored = {n: (qt, g, c, s) for n, qt, g, c, s in source.iter_quantized_tensors(config)}
-    packed = load_model(ternary_checkpoint, "cpu", weight_dtype=torch.float32, keep_codes=True).model
-    float_model = load_model(ternary_checkpoint, "cpu", weight_dtype=torch.float32).model
+    packed, float_model = packed_and_float[0].model, packed_and_float[1].model
     layer = packed.layers[3]
     assert isinstance(layer.feed_forward.w13, PackedLinear) and layer.feed_forward.w13.kind == "tri"
     assert isinstance(layer.attention.wqkv, PackedLinear) and layer.attention.wqkv.kind == "int4"
@@ -40,9 +46,8 @@ def test_checkpoint_codes_are_packed_as_stored(ternary_checkpoint):
     assert qt == "tri" and g == 64 and codes.shape == (1536, 576)
 
 
-def test_packed_checkpoint_decodes_like_its_float_load(ternary_checkpoint):
-    packed = load_model(ternary_checkpoint, "cpu", weight_dtype=torch.float32, keep_codes=True)
-    plain = load_model(ternary_checkpoint, "cpu", weight_dtype=torch.float32)
+def test_packed_checkpoint_decodes_like_its_float_load(packed_and_float):
+    packed, plain = packed_and_float
     ids = packed.tokenizer.encode("The capital of France is")
     logits = []
     for loaded in (packed, plain):

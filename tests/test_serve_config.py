@@ -47,16 +47,15 @@ def error(text: str, tmp_path, **overrides) -> str:
 
 def test_seed_config_is_read_and_each_unavailable_key_is_named(tmp_path):
     # The layout parses (no unknown key); what is not built yet is refused one key at a time.
-    step = SEED
-    assert "memory.max_gpu_memory" in error(step, tmp_path)
-    step = step.replace("  max_gpu_memory: 6GB\n", "")
-    cfg = load(step, tmp_path)  # decode_algorithm: speculative with draft_model: none → n-gram drafting
+    cfg = load(SEED, tmp_path)  # accepted as written
+    # decode_algorithm: speculative with draft_model: none → n-gram drafting; kv_cache_bits 4 → int4
     assert cfg.spec_config.method == "ngram" and cfg.spec_config.num_draft_tokens == 4
-    assert load(step.replace("decode_algorithm: speculative", "decode_algorithm: standard")
+    assert load(SEED.replace("decode_algorithm: speculative", "decode_algorithm: standard")
                 .replace("  draft_model: none\n", ""), tmp_path).spec_config is None
     assert cfg.model.quant_type == "tri" and cfg.runtime.device == "cuda:0" and cfg.model.kv_type_name == "int4"
     assert cfg.slot_context == 1536 and cfg.seq_len == 1536 and cfg.runtime.prefill_chunk_size == 512
     assert cfg.server.host == "127.0.0.1" and cfg.context.compress_at == 0.9
+    assert cfg.memory.max_gpu_memory_bytes == 6_000_000_000
 
 
 def test_users_variants_are_refused_by_name(tmp_path):

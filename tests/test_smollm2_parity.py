@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from engine.generate import GenerationRequest, generate_text
-from engine.loader import load_model
 from engine.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
@@ -39,13 +38,13 @@ GREEDY_PROMPTS = ["The capital of France is", "Once upon a time, in a small vill
 
 
 @pytest.fixture(scope="module")
-def ours(smollm2_gguf):
-    return load_model(smollm2_gguf)  # the default CPU path: float16 matrices, float32 activations
+def ours(smollm2_loaded):
+    return smollm2_loaded  # the default CPU path: float16 matrices, float32 activations
 
 
 @pytest.fixture(scope="module")
-def ours_fp32(smollm2_gguf):
-    return load_model(smollm2_gguf, weight_dtype=torch.float32)
+def ours_fp32(smollm2_loaded_f32):
+    return smollm2_loaded_f32
 
 
 @pytest.fixture(scope="module")

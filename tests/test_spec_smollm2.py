@@ -14,7 +14,7 @@ from engine.speculative.config import SpeculativeConfig, build_drafter
 from engine.speculative.draft_model import DraftModelDrafter
 from engine.speculative.mix import MixDrafter
 from engine.speculative.ngram import NgramDrafter
-from tests.test_cli_errors import assert_one_line_error, bonsai
+from tests.test_cli_errors import assert_one_line_error, bonsai_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,8 @@ SEQ = 512
 
 
 @pytest.fixture(scope="module")
-def target(smollm2_gguf):
-    return load_model(smollm2_gguf)
+def target(smollm2_loaded):
+    return smollm2_loaded
 
 
 @pytest.fixture(scope="module")
@@ -113,31 +113,32 @@ def test_the_factory_builds_a_draft_model_and_refuses_another_tokenizer(smollm2_
         build_drafter(SpeculativeConfig.from_spec(f"draft:{other}"), target, SEQ)
 
 
-def test_cli_bad_spec_input_is_one_line(smollm2_gguf, tmp_path):
+def test_cli_bad_spec_input_is_one_line(smollm2_gguf, tmp_path, capsys):
     from tests.gguf_tiny import write_tiny_gguf
     other = tmp_path / "other.gguf"
     write_tiny_gguf(other, smollm2_gguf)
-    env = {"HF_HUB_OFFLINE": "1"}
     base = ("generate", str(smollm2_gguf), "-p", "hi", "-n", "2")
-    assert_one_line_error(bonsai(*base, "--spec", f"draft:{other}", env=env), "another tokenizer")
-    assert_one_line_error(bonsai(*base, "--spec", f"draft:{tmp_path / 'missing.gguf'}", env=env), "not found")
-    assert_one_line_error(bonsai(*base, "--spec", "ngarm", env=env), "did you mean ngram")
-    assert_one_line_error(bonsai(*base, "--spec", "ngram", "--draft-tokens", "0", env=env), "1..64")
+
+    def run(*args: str):
+        return bonsai_in_process(capsys, *base, *args)
+    assert_one_line_error(run("--spec", f"draft:{other}"), "another tokenizer")
+    assert_one_line_error(run("--spec", f"draft:{tmp_path / 'missing.gguf'}"), "not found")
+    assert_one_line_error(run("--spec", "ngarm"), "did you mean ngram")
+    assert_one_line_error(run("--spec", "ngram", "--draft-tokens", "0"), "1..64")
 
 
-def test_cli_generate_and_bench_report_draft_statistics(smollm2_gguf, tmp_path):
+def test_cli_generate_and_bench_report_draft_statistics(smollm2_gguf, tmp_path, capsys):
     import json
-    env = {"HF_HUB_OFFLINE": "1"}
-    proc = bonsai("generate", str(smollm2_gguf), "--chat", "-p", PROMPTS[1], "-n", "24", "--spec", "ngram", "--json",
-                  env=env)
+    proc = bonsai_in_process(capsys, "generate", str(smollm2_gguf), "--chat", "-p", PROMPTS[1], "-n", "24", "--spec",
+                             "ngram", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     spec = out["timings"]["speculative"]
     assert spec["method"] == "ngram" and spec["steps"] >= 1 and spec["accepted"] <= spec["drafted"]
     assert spec["steps"] + spec["accepted"] >= len(out["token_ids"]) - 1  # each pass gives accepted + 1
     out = tmp_path / "b.json"
-    proc = bonsai("bench", str(smollm2_gguf), "--suite", "short", "--categories", "code-edit", "-r", "1",
-                  "--spec", "mix:ngram", "--draft-tokens", "3", "--vs-plain", "--json", str(out), env=env, timeout=300)
+    proc = bonsai_in_process(capsys, "bench", str(smollm2_gguf), "--suite", "short", "--categories", "code-edit", "-r",
+                             "1", "--spec", "mix:ngram", "--draft-tokens", "3", "--vs-plain", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["speculative"]["active"] and report["speculative"]["num_draft_tokens"] == 3

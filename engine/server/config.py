@@ -1,8 +1,9 @@
 """The serve config as dataclasses, validated on construction (YAML is read only by bonsai_cli).
 
 Every key that is accepted does what it says. Keys of features that do not exist yet
-(offloaded KV cache, several GPUs, memory budgets) are part of the layout users already have, so
-they parse, but turning them on is refused with one line naming the key and why. An unknown key is an error naming the nearest valid key; a wrong type
+(offloaded KV cache, several GPUs) are part of the layout users already have, so they parse, but
+turning them on is refused with one line naming the key and why. An unknown key is an error naming
+the nearest valid key; a wrong type
 or an impossible value is an error with the key's path.
 """
 from __future__ import annotations
@@ -130,6 +131,12 @@ class MemorySection:
     pipeline_parallel: bool = False
     kv_offload: bool = False
 
+    @property
+    def max_gpu_memory_bytes(self) -> int | None:
+        """The hard limit on the device's allocator: planned before loading (engine.server.memory),
+        enforced while running (engine.memory_limit)."""
+        return None if self.max_gpu_memory is None else parse_bytes(self.max_gpu_memory, "memory.max_gpu_memory")
+
     def __post_init__(self) -> None:
         if self.weight_offload:
             raise not_available("memory.weight_offload", "offloading weights to host memory", "set it to false")
@@ -138,8 +145,6 @@ class MemorySection:
                   "set it to false")
         if self.max_gpu_memory is not None:
             parse_bytes(self.max_gpu_memory, "memory.max_gpu_memory")
-            raise not_available("memory.max_gpu_memory", "a planned and enforced GPU memory budget (issue 8)",
-                                "remove it")
         if self.pipeline_parallel:
             raise not_available("memory.pipeline_parallel", "pipeline parallelism over several GPUs",
                                 "set it to false")

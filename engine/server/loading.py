@@ -50,11 +50,57 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
                 progress: Callable[[str, float], None] = lambda stage, fraction: None,
                 architecture=None) -> Served:
     """architecture: with model.load_format dummy, the ModelConfig read from model.path (the
-    command reads that YAML); the weights are generated and model.tokenizer gives the tokenizer."""
+    command reads that YAML); the weights are generated and model.tokenizer gives the tokenizer.
+    The memory plan is checked against memory.max_gpu_memory before anything loads; on a GPU the
+    allocator is then capped at the limit (engine.memory_limit)."""
+    from engine.memory_limit import check_usage, limit_device_memory, within_limit
+    from engine.runner import ModelRunner
+    from engine.server.memory import check_serve_budget
+
+    m, rt = config.model, config.runtime
+    progress("planning GPU memory", 0.01)
+    planned = check_serve_budget(config, architecture)  # refused here, before loading, when over the limit
+    budget = planned.limit
+    if budget is not None:
+        limit_device_memory(budget, rt.device)
+    with within_limit(budget, "loading the model"):
+        loaded, tokenizer, path = _load_model(config, progress, architecture)
+    check_usage(budget, loaded.device, "loading the model", planned.plan.category("weights"))
+    if m.chat_template:
+        template = Path(m.chat_template).expanduser()
+        if not template.is_file():
+            raise BonsaiError(f"config model.chat_template: no file {template}; give a .jinja file")
+        tokenizer.chat_template = template.read_text(encoding="utf-8")
+    limit = loaded.config.max_position_embeddings
+    if config.seq_len > limit:
+        raise BonsaiError(f"config runtime.max_seq_len {config.seq_len} exceeds the model's {limit} positions; "
+                          f"lower it to {limit} or less")
+    stage = "allocating the KV cache" + (" and capturing CUDA graphs" if rt.device != "cpu" else "")
+    progress(stage, 0.85)
+    with within_limit(budget, stage):
+        runner = ModelRunner(loaded, max_seq_len=config.seq_len, num_slots=rt.max_batch_size,
+                             prefill_chunk_size=rt.prefill_chunk_size, kv_type=m.kv_type_name)
+        th = config.thinking
+        spec = config.spec_config
+        if spec is not None:
+            progress(f"building each slot's drafter ({spec.method})", 0.9)
+        engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
+                            ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, speculative=spec)
+        if runner.decoder is not None:  # capture the fused step for every row count in use now, not mid-request
+            runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None else rt.max_batch_size)
+    check_usage(budget, loaded.device, stage, planned.plan.total)
+    log.info("serving %s: %d slots of %d tokens on %s (KV cache %s, %.1f MB)%s", path.name, rt.max_batch_size,
+             engine.slot_context, rt.device, runner.cache.kv_type.name, runner.cache.nbytes / 1e6,
+             f", speculative {spec.method} k={spec.num_draft_tokens} per slot" if spec is not None else "")
+    progress("ready", 1.0)
+    return Served(engine.start(), m.name or path.stem, config)
+
+
+def _load_model(config: ServeConfig, progress: Callable[[str, float], None], architecture):
+    """(LoadedModel, tokenizer, path) of the config's model: generated (dummy) or read."""
     from engine import store
     from engine.loader import load_dummy, load_model
     from engine.packed_linear import WeightFormat
-    from engine.runner import ModelRunner
 
     m, rt = config.model, config.runtime
     fmt = WeightFormat(quant_type=m.quant_type, group_size=m.group_size)
@@ -67,34 +113,9 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
         if tokenizer.vocab_size > architecture.vocab_size:
             raise BonsaiError(f"config model.tokenizer: its {tokenizer.vocab_size} tokens do not fit the "
                               f"{architecture.vocab_size}-token vocabulary of {path.name}; use a smaller tokenizer")
-    else:
-        progress("finding the model", 0.02)
-        path = store.resolve_model(m.path)
-        progress(f"loading {path.name} on {rt.device}", 0.05)
-        loaded = load_model(path, device=rt.device, weight_dtype=weight_dtype_for(config), weight_format=fmt)
-        tokenizer = loaded.require_tokenizer()
-    if m.chat_template:
-        template = Path(m.chat_template).expanduser()
-        if not template.is_file():
-            raise BonsaiError(f"config model.chat_template: no file {template}; give a .jinja file")
-        tokenizer.chat_template = template.read_text(encoding="utf-8")
-    limit = loaded.config.max_position_embeddings
-    if config.seq_len > limit:
-        raise BonsaiError(f"config runtime.max_seq_len {config.seq_len} exceeds the model's {limit} positions; "
-                          f"lower it to {limit} or less")
-    progress("allocating the KV cache" + (" and capturing CUDA graphs" if rt.device != "cpu" else ""), 0.85)
-    runner = ModelRunner(loaded, max_seq_len=config.seq_len, num_slots=rt.max_batch_size,
-                         prefill_chunk_size=rt.prefill_chunk_size, kv_type=m.kv_type_name)
-    th = config.thinking
-    spec = config.spec_config
-    if spec is not None:
-        progress(f"building each slot's drafter ({spec.method})", 0.9)
-    engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
-                        ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, speculative=spec)
-    if runner.decoder is not None:  # capture the fused step for every row count in use now, not mid-request
-        runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None else rt.max_batch_size)
-    log.info("serving %s: %d slots of %d tokens on %s (KV cache %s, %.1f MB)%s", path.name, rt.max_batch_size,
-             engine.slot_context, rt.device, runner.cache.kv_type.name, runner.cache.nbytes / 1e6,
-             f", speculative {spec.method} k={spec.num_draft_tokens} per slot" if spec is not None else "")
-    progress("ready", 1.0)
-    return Served(engine.start(), m.name or path.stem, config)
+        return loaded, tokenizer, path
+    progress("finding the model", 0.02)
+    path = store.resolve_model(m.path)
+    progress(f"loading {path.name} on {rt.device}", 0.05)
+    loaded = load_model(path, device=rt.device, weight_dtype=weight_dtype_for(config), weight_format=fmt)
+    return loaded, loaded.require_tokenizer(), path

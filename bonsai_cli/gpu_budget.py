@@ -1,0 +1,71 @@
+"""--max-gpu-memory for `bonsai generate` and `bonsai bench`: plan before loading, cap the allocator."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+MAX_GPU_MEMORY_HELP = ("hard GPU memory limit, e.g. 6GB or 5.5GiB: the memory plan is checked before loading "
+                       "(refused with what would fit) and the CUDA allocator is capped at it (no cap on the CPU)")
+
+
+@dataclass
+class Budget:
+    limit: int | None  # bytes, None: no limit
+    plan: Any  # engine.memory_plan.MemoryPlan
+    settings: Any  # engine.memory_plan.RunSettings
+
+
+def plan_cli_run(model: Optional[str], device: str, max_seq_len: int, limit_text: Optional[str],
+                 load_format: str = "auto", weights: str = "bf16", group_size: int = 128, head_weights: str = "bf16",
+                 weight_dtype: str = "auto", spec_config: Any = None, auto_pull: bool = False,
+                 kv_type: str = "bf16") -> Budget:
+    """The memory plan of a one-slot run of MODEL; with a limit, refuse a plan over it (one line with
+    what would fit) and cap the CUDA allocator at it. Reads metadata only."""
+    from bonsai_cli.common import _dummy_config, parse_weight_dtype, weight_format_from_options
+    from engine import store
+    from engine.memory_budget import CLI_KEYS, check_budget, drafter_plan, dummy_formats, model_formats, run_settings
+    from engine.memory_limit import limit_device_memory
+    from engine.memory_plan import make_plan
+    from engine.server.config import parse_bytes
+
+    from engine.errors import BonsaiError
+    weight_format_from_options(weights, group_size, head_weights)  # the options' own one-line errors first
+    if load_format not in ("auto", "dummy"):
+        raise BonsaiError(f"unknown --load-format '{load_format}': use auto or dummy")
+    limit = parse_bytes(limit_text, "--max-gpu-memory") if limit_text else None
+    cuda = device.startswith("cuda")
+    if load_format == "dummy":
+        config, path = _dummy_config(model)
+        mw = dummy_formats(config, weights, group_size, head_weights, name=path.stem)
+        wbytes = None
+    else:
+        from engine.loader import open_model_source
+        source = open_model_source(store.resolve_model(model or store.DEFAULT_MODEL, auto_pull=auto_pull))
+        mw = model_formats(source, source.model_config(), weights, group_size, head_weights, keep_codes=cuda)
+        wdtype = parse_weight_dtype(weight_dtype)
+        wbytes = None if wdtype is None else wdtype.itemsize
+    rows = 1
+    if spec_config is not None:  # the verify widths are captured before the first draft
+        rows = min(spec_config.num_draft_tokens + 1, 16)
+    settings = run_settings(mw.config, device, max_seq_len, kv_type=kv_type, graph_rows=rows if cuda else 0,
+                            weight_dtype_bytes=wbytes,
+                            rotation_block=mw.rotation_block, dummy=load_format == "dummy")
+    drafter = drafter_plan(spec_config, settings) if spec_config is not None else None
+    plan = make_plan(mw.config, mw.formats, settings, drafter)
+    check_budget(plan, limit, mw, settings, CLI_KEYS, option="--max-gpu-memory", drafter=drafter)
+    if limit is not None:
+        limit_device_memory(limit, device)
+    return Budget(limit, plan, settings)
+
+
+def memory_report(budget: Budget, device) -> dict[str, Any]:
+    """Planned bytes against the allocator's peaks (the bench report's 'memory' entry)."""
+    import torch
+
+    from engine.memory_limit import usage
+    cuda = torch.device(device).type == "cuda"
+    used = usage(device)
+    return {"planned_bytes": budget.plan.total, "planned_by_category": budget.plan.categories(),
+            "max_gpu_memory": budget.limit,
+            "peak_allocated_bytes": used["peak_allocated"] if cuda else None,  # no allocator statistics on the CPU
+            "peak_reserved_bytes": used["peak_reserved"] if cuda else None}

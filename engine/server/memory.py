@@ -1,0 +1,56 @@
+"""The memory plan of a ServeConfig, checked against memory.max_gpu_memory before anything loads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.memory_budget import (SERVE_KEYS, ModelWeights, check_budget, dummy_formats, model_formats,
+                                  run_settings)
+from engine.memory_plan import MemoryPlan, RunSettings, make_plan
+from engine.model_config import ModelConfig
+from engine.server.config import ServeConfig
+
+
+@dataclass
+class ServePlan:
+    weights: ModelWeights
+    settings: RunSettings
+    plan: MemoryPlan
+    limit: int | None  # memory.max_gpu_memory in bytes
+
+
+def kv_type_of(config: ServeConfig) -> str:
+    """The KV cache's element type (model.kv_type, or what kv_cache_quant / kv_cache_bits choose)."""
+    return config.model.kv_type_name
+
+
+def serve_plan(config: ServeConfig, architecture: ModelConfig | None = None) -> ServePlan:
+    """The plan of what `engine.server.loading.load_engine` will allocate (reads metadata only).
+    architecture: the ModelConfig of a load_format: dummy model (the command reads its YAML)."""
+    from engine import store
+    from engine.loader import open_model_source
+    from engine.server.loading import weight_dtype_for
+    m, rt = config.model, config.runtime
+    cuda = rt.device.startswith("cuda")
+    if m.load_format == "dummy":
+        assert architecture is not None, "the command passes the architecture of a dummy model"
+        weights = dummy_formats(architecture, m.quant_type, m.group_size, name=m.path)
+        wbytes = None
+    else:
+        source = open_model_source(store.resolve_model(m.path))
+        weights = model_formats(source, source.model_config(), m.quant_type, m.group_size, keep_codes=cuda)
+        dtype = weight_dtype_for(config)
+        wbytes = None if dtype is None else dtype.itemsize
+    settings = run_settings(weights.config, rt.device, config.seq_len, slots=rt.max_batch_size,
+                            prefill_chunk_size=rt.prefill_chunk_size, kv_type=kv_type_of(config),
+                            weight_dtype_bytes=wbytes, weight_offload=config.memory.weight_offload,
+                            kv_offload=config.memory.kv_offload, rotation_block=weights.rotation_block,
+                            dummy=m.load_format == "dummy")
+    return ServePlan(weights, settings, make_plan(weights.config, weights.formats, settings),
+                     config.memory.max_gpu_memory_bytes)
+
+
+def check_serve_budget(config: ServeConfig, architecture: ModelConfig | None = None) -> ServePlan:
+    """The plan, refused (BonsaiError, one line with what would fit) when over memory.max_gpu_memory."""
+    planned = serve_plan(config, architecture)
+    check_budget(planned.plan, planned.limit, planned.weights, planned.settings, SERVE_KEYS)
+    return planned
