@@ -6,6 +6,7 @@ each slot is a handle with its own length and the token ids it holds (for prefix
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -59,6 +60,8 @@ class CacheBatch:
 
 
 class KVCache:
+    streamed = False  # True where the storage lives elsewhere and layers are streamed in (engine.kv_offload)
+
     def __init__(self, config: ModelConfig, max_seq_len: int, num_slots: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         shape = (config.num_layers, num_slots, config.num_kv_heads, max_seq_len, config.head_dim)
@@ -70,6 +73,10 @@ class KVCache:
         }
         self.max_seq_len = max_seq_len
         self.slots = [KVSlot(i, max_seq_len) for i in range(num_slots)]
+        self.device = torch.device(device)  # where attention reads the cache
+        # per layer, views of every storage tensor: {name: [slots, kv_heads, S, X]} (made once: no
+        # per-step view creation on the decode path)
+        self._layers = [{name: t[i] for name, t in self.tensors.items()} for i in range(config.num_layers)]
 
     @property
     def k(self) -> torch.Tensor:
@@ -83,25 +90,38 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """Where layer i's rows are read and written during a forward pass: {name: [slots, kv_heads, S, X]}
+        on self.device. Layers are visited in order within a pass (an offloaded cache streams them in)."""
+        return self._layers[i]
+
+    def begin_pass(self, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> None:
+        """A forward pass is about to write positions [starts[r], ends[r]) of slot slots[r] for each row r
+        and read the positions before them. The resident cache has nothing to do (only `streamed` caches
+        are told, so the resident decode path makes no extra call)."""
+
     def write(self, layer: int, batch: CacheBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of new tokens: k, v [B, kv_heads, T, D] at batch.positions [B, T]."""
+        kv = self.layer(layer)
         if len(batch.slots) == 1:
             slot, start, t = batch.slots[0], batch.starts[0], k.shape[2]
-            self.k[layer, slot, :, start:start + t] = k[0]
-            self.v[layer, slot, :, start:start + t] = v[0]
+            kv["k"][slot, :, start:start + t] = k[0]
+            kv["v"][slot, :, start:start + t] = v[0]
             return
         heads = torch.arange(k.shape[1], device=k.device)
         index = (batch.slot_ids[:, None, None], heads[None, :, None], batch.positions[:, None, :])  # → [B, H, T]
-        self.k[layer].index_put_(index, k)
-        self.v[layer].index_put_(index, v)
+        kv["k"].index_put_(index, k)
+        kv["v"].index_put_(index, v)
 
     def read(self, layer: int, batch: CacheBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of the first `length` positions: two [B, kv_heads, length, D]."""
+        kv = self.layer(layer)
+        k, v = kv["k"], kv["v"]  # [slots, kv_heads, S, D]
         if len(batch.slots) == 1:
             slot = batch.slots[0]
-            return self.k[layer, slot, :, :length].unsqueeze(0), self.v[layer, slot, :, :length].unsqueeze(0)
+            return k[slot, :, :length].unsqueeze(0), v[slot, :, :length].unsqueeze(0)
         first = batch.slots[0]
         if batch.slots == tuple(range(first, first + len(batch.slots))):  # consecutive slots: a view, no copy
             rows = slice(first, first + len(batch.slots))
-            return self.k[layer, rows, :, :length], self.v[layer, rows, :, :length]
-        return self.k[layer, batch.slot_ids, :, :length], self.v[layer, batch.slot_ids, :, :length]
+            return k[rows, :, :length], v[rows, :, :length]
+        return k[batch.slot_ids, :, :length], v[batch.slot_ids, :, :length]
