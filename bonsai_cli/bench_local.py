@@ -11,7 +11,8 @@ from bonsai_cli.common import err_console, load_for_cli
 def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, load: dict[str, Any],
                     max_seq_len: int, suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
-                    save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False) -> None:
+                    save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False,
+                    offload: dict[str, Any] | None = None) -> None:
     from engine.bench import model_bench
     from engine.bench.environment import describe_environment
     from engine.bench.suites import load_suite
@@ -25,7 +26,7 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         tests = model_bench.plan_tests(n_prompt, n_gen, depth, combined)
     loaded = load_for_cli(model, device, **load)
     needed = max((t.depth + t.n_prompt + t.n_gen + 2 for t in tests), default=2048)
-    runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed)
+    runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, **(offload or {}))
     report["environment"] = describe_environment(loaded.device)
     report["model"] = {
         "name": loaded.path.name, "path": str(loaded.path), "architecture": loaded.config.architecture,
@@ -37,7 +38,8 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         "kv_dtype": str(runner.cache.k.dtype).replace("torch.", ""), "max_seq_len": runner.max_seq_len}
     report["settings"] = {"repetitions": repetitions, "device": str(loaded.device), "temperature": 0.0,
                           "fused_decode": runner.decoder is not None,
-                          "cuda_graph": getattr(runner.decoder, "graph", None) is not None}
+                          "cuda_graph": getattr(runner.decoder, "graph", None) is not None,
+                          "kv_offload": runner.cache.streamed}
     save()
     drafter = None
     if spec_config is not None:
@@ -72,6 +74,9 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
                 entry["decode_bandwidth"] = {"bytes_per_token": bytes_per_token, "achieved_gb_per_s": achieved / 1e9,
                                              "fraction_of_copy": achieved / copy_bw,
                                              "ceiling_tokens_per_second": copy_bw / bytes_per_token}
+            if test.n_gen and not test.n_prompt and runner.cache.streamed:  # the KV rows cross PCIe every step
+                entry["kv_offload"] = {"host_to_device_bytes_per_token":
+                                       runner.cache.transfer_bytes(test.depth + test.n_gen // 2)}
             report["tests"].append(entry)
             save()
 

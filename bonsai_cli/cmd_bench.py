@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 
 from bonsai_cli import bench_report
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, LOAD_FORMAT_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, WEIGHTS_HELP,
-                               err_console, speculative_config)
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, LOAD_FORMAT_HELP, SPEC_HELP,
+                               WEIGHT_DTYPE_HELP, WEIGHTS_HELP, err_console, kv_offload_options, speculative_config)
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -50,6 +50,8 @@ def bench(
     head_weights: str = typer.Option("bf16", "--head-weights", help="run-time format of the output layer"),
     load_format: str = typer.Option("auto", "--load-format", help=LOAD_FORMAT_HELP),
     max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
+    kv_offload: bool = typer.Option(False, "--kv-offload", help=KV_OFFLOAD_HELP),
+    host_kv_mib: Optional[int] = typer.Option(None, "--host-kv-mib", help=HOST_KV_MIB_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     vs_plain: bool = typer.Option(False, "--vs-plain", help="with --spec: also run each prompt plain, just before "
@@ -83,6 +85,9 @@ def bench(
     if repetitions < 1:
         raise BonsaiError("-r (repetitions) must be >= 1")
     spec_config = speculative_config(spec, draft_tokens)
+    offload = kv_offload_options(kv_offload, host_kv_mib)
+    if kv_offload and url:
+        raise BonsaiError("--kv-offload measures a local MODEL; a server sets memory.kv_offload in its config")
     if spec_config is not None and url:
         raise BonsaiError("--spec measures a local MODEL; a server sets its own speculation in its config")
     if vs_plain and (spec_config is None or not suite):
@@ -104,7 +109,7 @@ def bench(
                         head_weights=head_weights, load_format=load_format)
             run_local_bench(report, model, device, load, max_seq_len, suite, categories, limit,
                             _int_list(n_prompt, "-p"), _int_list(n_gen, "-n"), _int_list(depth, "-d"),
-                            repetitions, combined, save, spec_config, vs_plain)
+                            repetitions, combined, save, spec_config, vs_plain, offload)
         report["complete"] = True
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted: keeping the results measured so far[/yellow]")

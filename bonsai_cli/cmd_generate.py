@@ -6,8 +6,9 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
-                               print_json, spec_summary, speculative_config)
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP,
+                               err_console, kv_offload_options, load_for_cli, print_json, spec_summary,
+                               speculative_config)
 
 
 def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
@@ -37,6 +38,8 @@ def generate(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
     weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
+    kv_offload: bool = typer.Option(False, "--kv-offload", help=KV_OFFLOAD_HELP),
+    host_kv_mib: Optional[int] = typer.Option(None, "--host-kv-mib", help=HOST_KV_MIB_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
@@ -54,6 +57,7 @@ def generate(
     request = GenerationRequest(max_tokens=max_tokens, stop=tuple(stop), sampling=sampling_from_options(
         temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed))
     spec_config = speculative_config(spec, draft_tokens)
+    offload = kv_offload_options(kv_offload, host_kv_mib)
     loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
     tok = loaded.tokenizer
     if chat:
@@ -61,7 +65,7 @@ def generate(
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
-    runner = ModelRunner(loaded, max_seq_len=max_seq_len)
+    runner = ModelRunner(loaded, max_seq_len=max_seq_len, **offload)
     drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
     pieces, token_ids, finish, stats = [], [], "length", None
     for event in stream_generate(runner, tok, ids, request, drafter=drafter,

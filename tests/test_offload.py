@@ -156,3 +156,20 @@ def test_bytes_per_layer_by_hand():
         from engine.model import Transformer
         meta = Transformer(TINY)
     assert bytes_per_layer(meta) == bytes_per_layer(model)
+
+
+def test_triton_kernels_read_and_write_the_streamed_buffers(one_thread):
+    """The fused step's Triton kernels (interpreted on the CPU) take the ring buffers' strides."""
+    from engine.cuda_graphs import DecodeStepRunner
+    got = []
+    for kv_offload in (False, True):
+        runner = make_runner(kv_offload=kv_offload, deferred=True)
+        slot = runner.slot(0)
+        runner.prefill(slot, list(PROMPTS[0]))
+        step = DecodeStepRunner(runner.model, runner.cache, rows=2, num_splits=2, kernels=True)
+        rows = []
+        for token in (5, 9):  # two rows per step: a verify pass of two tokens, one of them kept
+            rows.append(step.run([token, 7], [slot.length, slot.length + 1], [0, 0]).clone())
+            slot.tokens.append(token)
+        got.append(torch.stack(rows))
+    torch.testing.assert_close(got[1], got[0], atol=1e-4, rtol=1e-4)

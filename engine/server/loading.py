@@ -37,6 +37,12 @@ def weight_dtype_for(config: ServeConfig):
     return getattr(torch, name)
 
 
+def offloaded_layers(config: ServeConfig, num_layers: int) -> frozenset[int] | None:
+    """The blocks whose weights stay in host memory: with memory.weight_offload, every block (a memory
+    plan that places some on the GPU narrows this); None: weight offload is off."""
+    return frozenset(range(num_layers)) if config.memory.weight_offload else None
+
+
 def tokenizer_of(spec: str):
     """The tokenizer of a model (path or pulled name) without loading its weights."""
     from engine import store
@@ -83,8 +89,11 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
         raise BonsaiError(f"config runtime.max_seq_len {config.seq_len} exceeds the model's {limit} positions; "
                           f"lower it to {limit} or less")
     progress("allocating the KV cache" + (" and capturing CUDA graphs" if rt.device != "cpu" else ""), 0.85)
+    mem = config.memory
     runner = ModelRunner(loaded, max_seq_len=config.seq_len, num_slots=rt.max_batch_size,
-                         prefill_chunk_size=rt.prefill_chunk_size)
+                         prefill_chunk_size=rt.prefill_chunk_size, kv_offload=mem.kv_offload,
+                         host_kv_bytes=mem.host_kv_mib * 2**20 if mem.host_kv_mib else None,
+                         offload_layers=offloaded_layers(config, loaded.config.num_layers))
     if runner.decoder is not None:  # capture the batched step for every row count now, not mid-request
         from engine.runner import MAX_STEP_ROWS
         for rows in range(2, min(rt.max_batch_size, MAX_STEP_ROWS) + 1):
@@ -92,7 +101,8 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
     th = config.thinking
     engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
                         ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics)
-    log.info("serving %s: %d slots of %d tokens on %s (KV cache %.1f MB)", path.name, rt.max_batch_size,
-             engine.slot_context, rt.device, runner.cache.nbytes / 1e6)
+    log.info("serving %s: %d slots of %d tokens on %s (KV cache %.1f MB%s)%s", path.name, rt.max_batch_size,
+             engine.slot_context, rt.device, runner.cache.nbytes / 1e6, " in host memory" if mem.kv_offload else "",
+             " with block weights streamed from host memory" if runner.weight_stream is not None else "")
     progress("ready", 1.0)
     return Served(engine.start(), m.name or path.stem, config)
