@@ -173,3 +173,24 @@ def test_triton_kernels_read_and_write_the_streamed_buffers(one_thread):
             slot.tokens.append(token)
         got.append(torch.stack(rows))
     torch.testing.assert_close(got[1], got[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_with_offload(smollm2_gguf):
+    """The real model: KV offload, then KV + weight offload of every block, give plain decoding's tokens."""
+    from engine.loader import load_model
+    loaded = load_model(smollm2_gguf)
+    prompt = loaded.tokenizer.encode("The three primary colors are", add_special_tokens=True)
+
+    def greedy(**offload) -> list[int]:
+        runner = ModelRunner(loaded, max_seq_len=48, prefill_chunk_size=4, **offload)
+        slot = runner.slot(0)
+        tokens = [int(runner.prefill(slot, prompt).argmax())]
+        for _ in range(7):
+            tokens.append(int(runner.forward(slot, tokens[-1:])[-1].argmax()))
+        return tokens
+
+    want = greedy()
+    assert greedy(kv_offload=True) == want
+    layers = range(loaded.config.num_layers)  # last: weight offload rebinds the model's blocks
+    assert greedy(kv_offload=True, offload_layers=layers) == want
