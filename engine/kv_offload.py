@@ -26,7 +26,7 @@ import torch
 
 from engine.errors import BonsaiError
 from engine.host_copies import CopyStream, HostAllocator
-from engine.kv_cache import KVCache, KVSlot
+from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
 
 RING = 2  # GPU layer buffers
@@ -54,22 +54,23 @@ class OffloadedKVCache(KVCache):
         """host_bytes: the host memory granted to the pool (memory.host_kv_mib); None: what it needs.
         overlap: prefetch the next layer while one computes (False: copy each layer just before its
         use, to measure what the overlap gains). deferred_copies: tests on the CPU (engine.host_copies)."""
-        template = KVCache(config, max_seq_len, num_slots, dtype=dtype, device="meta", **cache_options)
-        need = template.nbytes
+        # the resident cache's constructor on the meta device: its storage tensors (names, shapes,
+        # dtypes) and bookkeeping, without memory; then the storage moves to the host
+        super().__init__(config, max_seq_len, num_slots, dtype=dtype, device="meta", **cache_options)
+        template, self._layers = dict(self.tensors), None
+        need = self.nbytes
         if host_bytes is not None and need > host_bytes:
             raise BonsaiError(f"the offloaded KV cache needs {math.ceil(need / 2**20)} MiB of host memory "
                               f"({max_seq_len} positions x {num_slots} slots) but memory.host_kv_mib grants "
                               f"{host_bytes // 2**20}: raise host_kv_mib or lower max_seq_len / max_batch_size")
         self.device = torch.device(device)
-        self.max_seq_len = max_seq_len
         self.num_layers = config.num_layers
-        self.slots = [KVSlot(i, max_seq_len) for i in range(num_slots)]
         self.allocator = HostAllocator(pin=self.device.type == "cuda", what="offloaded KV cache")
         self._host_storage: dict[str, torch.Tensor] = {}  # [L, slots, S, KV, X]
         self.tensors: dict[str, torch.Tensor] = {}  # [L, slots, KV, S, X] views: the host pool
         self._work_storage: list[dict[str, torch.Tensor]] = [{} for _ in range(RING)]  # [slots, S, KV, X]
         self._work: list[dict[str, torch.Tensor]] = [{} for _ in range(RING)]  # [slots, KV, S, X] views
-        for name, t in template.tensors.items():
+        for name, t in template.items():
             self._host_storage[name], self.tensors[name] = _position_major(
                 tuple(t.shape), lambda shape: self.allocator.empty(shape, t.dtype))
             for b in range(RING):
