@@ -28,7 +28,8 @@ class DecodeStepRunner:
         self.workspace = Workspace.make(model, rows, device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        if use_graph and device.type == "cuda" and not cache.streamed:  # KV offload runs eagerly
+        streamed = cache.streamed or model.weight_stream is not None  # offloaded KV or weights: eager
+        if use_graph and device.type == "cuda" and not streamed:
             self._capture()
 
     def _eager(self) -> torch.Tensor:
