@@ -194,3 +194,15 @@ def test_smollm2_greedy_tokens_with_offload(smollm2_gguf):
     assert greedy(kv_offload=True) == want
     layers = range(loaded.config.num_layers)  # last: weight offload rebinds the model's blocks
     assert greedy(kv_offload=True, offload_layers=layers) == want
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_serial_copies_match_resident(one_thread, deferred):
+    """overlap off (each layer copied just before its use: what tests/perf/gpu_offload.py compares with)."""
+    want_tokens, want = scenario(make_runner(False, 2), True)
+    runner = make_runner(False, 2, kv_offload=True, offload_layers={0, 2}, deferred=deferred)
+    runner.cache.overlap = runner.weight_stream.overlap = False
+    got_tokens, got = scenario(runner, True)
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
