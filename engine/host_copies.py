@@ -10,6 +10,7 @@ data and a test sees it.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from typing import Callable
 
@@ -19,37 +20,56 @@ log = logging.getLogger(__name__)
 
 
 class HostAllocator:
-    """Host tensors for the pools: pinned on a CUDA machine (page-locked with cudaHostRegister, the exact
-    size: torch's pinned allocator rounds a request up to a power of two, 8 GB for a 4.8 GB pool).
-    When pinning fails (common on desktops with a low locked-memory limit), the tensor stays pageable
-    and one warning says the copies will be slower; never an error."""
+    """Host tensors for the pools: pinned on a CUDA machine. First page-locked in place with
+    cudaHostRegister on a page-aligned region of the exact size (torch's pinned allocator rounds a
+    request up to a power of two: 8 GB for a 4.8 GB pool), else from torch's pinned allocator. When
+    pinning fails (common on desktops with a low locked-memory limit), the tensor stays pageable and
+    one warning says the copies will be slower; never an error."""
+
+    PAGE = 4096
 
     def __init__(self, pin: bool, what: str, register: Callable[[int, int], int] | None = None):
         self.pin = pin
         self.what = what
-        self.pinned_all = pin
+        self.pinned_all = pin  # every tensor made so far is pinned
         self._register = register or _cuda_host_register
         self._warned = False
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.zeros(shape, dtype=dtype)  # zeros: touches the pages now, as pinning would
-        if not self.pin or tensor.numel() == 0:
-            return tensor
-        nbytes = tensor.numel() * tensor.element_size()
+        """A zeroed host tensor of `shape` (zeroing touches the pages now, as pinning would)."""
+        if not self.pin:
+            return torch.zeros(shape, dtype=dtype)
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.zeros(shape, dtype=dtype)
+        length = -(-nbytes // self.PAGE) * self.PAGE
+        raw = torch.zeros(length + self.PAGE, dtype=torch.uint8)
+        offset = -raw.data_ptr() % self.PAGE
+        region = raw[offset:offset + length]  # page-aligned start and size
         try:
-            error = self._register(tensor.data_ptr(), nbytes)
+            error = self._register(region.data_ptr(), length)
         except (RuntimeError, OSError, AttributeError) as e:  # no CUDA runtime, a driver refusing
             error = str(e)
-        if error:
-            self.pinned_all = False
-            if not self._warned:
-                self._warned = True
-                log.warning("could not pin %.0f MiB of host memory for the %s (%s): using pageable memory, "
-                            "host-to-GPU copies will be slower (raise the locked-memory limit, ulimit -l)",
-                            nbytes / 2**20, self.what, error)
+        if not error:
+            tensor = region[:nbytes].view(dtype).view(shape)
+            weakref.finalize(tensor, _cuda_host_unregister, region.data_ptr())  # before the memory is freed
             return tensor
-        weakref.finalize(tensor, _cuda_host_unregister, tensor.data_ptr())  # before the memory is freed
-        return tensor
+        del raw, region
+        try:
+            return self._torch_pinned(shape, dtype)
+        except RuntimeError as e:
+            error = f"{error}; {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        self.pinned_all = False
+        if not self._warned:
+            self._warned = True
+            log.warning("could not pin %.0f MiB of host memory for the %s (%s): using pageable memory, "
+                        "host-to-GPU copies will be slower (raise the locked-memory limit, ulimit -l)",
+                        nbytes / 2**20, self.what, error)
+        return torch.zeros(shape, dtype=dtype)
+
+    @staticmethod
+    def _torch_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
 
 
 def _cuda_host_register(ptr: int, nbytes: int) -> int:

@@ -115,8 +115,22 @@ def test_host_kv_budget_too_small_is_one_line():
     assert OffloadedKVCache(TINY, SEQ, 2, host_bytes=need).nbytes == need
 
 
+def test_pinned_regions_are_page_aligned_and_exact():
+    registered = []
+    alloc = HostAllocator(pin=True, what="test pool", register=lambda ptr, n: registered.append((ptr, n)) or 0)
+    t = alloc.empty((3, 5, 7), torch.float16)
+    assert t.shape == (3, 5, 7) and t.dtype == torch.float16 and t.is_contiguous() and not t.any()
+    (ptr, n), = registered
+    assert ptr == t.data_ptr() and ptr % alloc.PAGE == 0 and n == alloc.PAGE  # 210 bytes: one page
+
+
 def test_pinning_failure_falls_back_to_pageable_with_one_warning(caplog):
     alloc = HostAllocator(pin=True, what="test pool", register=lambda ptr, n: 2)  # cudaErrorMemoryAllocation
+
+    def no_pinned_memory(shape, dtype):
+        raise RuntimeError("out of pinned memory")
+
+    alloc._torch_pinned = no_pinned_memory
     with caplog.at_level(logging.WARNING, logger="engine.host_copies"):
         tensors = [alloc.empty((4, 8), torch.float16) for _ in range(3)]
     assert all(t.shape == (4, 8) and not t.any() for t in tensors) and not alloc.pinned_all
