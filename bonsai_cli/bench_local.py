@@ -13,7 +13,7 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
                     suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
                     save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False,
-                    max_gpu_memory: Optional[str] = None) -> None:
+                    max_gpu_memory: Optional[str] = None, offload: dict[str, Any] | None = None) -> None:
     from bonsai_cli.gpu_budget import memory_report, plan_cli_run
     from engine.bench import model_bench
     from engine.bench.environment import describe_environment
@@ -29,11 +29,12 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         tests = model_bench.plan_tests(n_prompt, n_gen, depth, combined)
     needed = max((t.depth + t.n_prompt + t.n_gen + 2 for t in tests), default=2048)
     budget = plan_cli_run(model, device, max_seq_len or needed, max_gpu_memory, spec_config=spec_config,
-                          auto_pull=model is None, kv_type=kv_type, **load)
+                          auto_pull=model is None, kv_type=kv_type,
+                          kv_offload=bool(offload and offload.get("kv_offload")), **load)
     with within_limit(budget.limit, "loading the model"):
         loaded = load_for_cli(model, device, **load)
     with within_limit(budget.limit, "allocating the KV cache and capturing the decode step"):
-        runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type)
+        runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type, **(offload or {}))
     check_usage(budget.limit, loaded.device, "loading", budget.plan.total)
     report["memory"] = memory_report(budget, loaded.device)
     report["environment"] = describe_environment(loaded.device)
@@ -48,7 +49,8 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         "kv_bytes": runner.cache.nbytes, "max_seq_len": runner.max_seq_len}
     report["settings"] = {"repetitions": repetitions, "device": str(loaded.device), "temperature": 0.0,
                           "fused_decode": runner.decoder is not None,
-                          "cuda_graph": getattr(runner.decoder, "graph", None) is not None}
+                          "cuda_graph": getattr(runner.decoder, "graph", None) is not None,
+                          "kv_offload": runner.cache.streamed}
     save()
     try:
         with within_limit(budget.limit, "benchmarking"):
@@ -93,6 +95,9 @@ def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save,
                 entry["decode_bandwidth"] = {"bytes_per_token": bytes_per_token, "achieved_gb_per_s": achieved / 1e9,
                                              "fraction_of_copy": achieved / copy_bw,
                                              "ceiling_tokens_per_second": copy_bw / bytes_per_token}
+            if test.n_gen and not test.n_prompt and runner.cache.streamed:  # the KV rows cross PCIe every step
+                entry["kv_offload"] = {"host_to_device_bytes_per_token":
+                                       runner.cache.transfer_bytes(test.depth + test.n_gen // 2)}
             report["tests"].append(entry)
             save()
 

@@ -9,8 +9,9 @@ import typer
 from rich.console import Console
 
 from bonsai_cli import bench_report
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, LOAD_FORMAT_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP,
-                               WEIGHTS_HELP, err_console, speculative_config)
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, KV_TYPE_HELP, LOAD_FORMAT_HELP,
+                               SPEC_HELP, WEIGHT_DTYPE_HELP, WEIGHTS_HELP, err_console, kv_offload_options,
+                               speculative_config)
 from bonsai_cli.gpu_budget import MAX_GPU_MEMORY_HELP
 
 
@@ -53,6 +54,8 @@ def bench(
     max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
     kv_type: str = typer.Option("bf16", "--kv-type", help=KV_TYPE_HELP),
     max_gpu_memory: Optional[str] = typer.Option(None, "--max-gpu-memory", help=MAX_GPU_MEMORY_HELP),
+    kv_offload: bool = typer.Option(False, "--kv-offload", help=KV_OFFLOAD_HELP),
+    host_kv_mib: Optional[int] = typer.Option(None, "--host-kv-mib", help=HOST_KV_MIB_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     vs_plain: bool = typer.Option(False, "--vs-plain", help="with --spec: also run each prompt plain, just before "
@@ -92,6 +95,9 @@ def bench(
         raise BonsaiError("--kv-type sets a local MODEL's cache; a server sets its own in its config (model.kv_type)")
     if url and max_gpu_memory:
         raise BonsaiError("--max-gpu-memory limits a local MODEL; a server takes memory.max_gpu_memory in its config")
+    offload = kv_offload_options(kv_offload, host_kv_mib)
+    if kv_offload and url:
+        raise BonsaiError("--kv-offload measures a local MODEL; a server sets memory.kv_offload in its config")
     if spec_config is not None and url:
         raise BonsaiError("--spec measures a local MODEL; a server sets its own speculation in its config")
     if vs_plain and (spec_config is None or not suite):
@@ -113,7 +119,7 @@ def bench(
                         head_weights=head_weights, load_format=load_format)
             run_local_bench(report, model, device, load, max_seq_len, kv_type, suite, categories, limit,
                             _int_list(n_prompt, "-p"), _int_list(n_gen, "-n"), _int_list(depth, "-d"),
-                            repetitions, combined, save, spec_config, vs_plain, max_gpu_memory)
+                            repetitions, combined, save, spec_config, vs_plain, max_gpu_memory, offload)
         report["complete"] = True
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted: keeping the results measured so far[/yellow]")

@@ -6,8 +6,9 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
-                               print_json, spec_summary, speculative_config)
+from bonsai_cli.common import (DRAFT_TOKENS_HELP, HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, KV_TYPE_HELP, SPEC_HELP,
+                               WEIGHT_DTYPE_HELP, err_console, kv_offload_options, load_for_cli, print_json,
+                               spec_summary, speculative_config)
 from bonsai_cli.gpu_budget import MAX_GPU_MEMORY_HELP, plan_cli_run
 
 
@@ -39,6 +40,8 @@ def generate(
     weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
     kv_type: str = typer.Option("bf16", "--kv-type", help=KV_TYPE_HELP),
+    kv_offload: bool = typer.Option(False, "--kv-offload", help=KV_OFFLOAD_HELP),
+    host_kv_mib: Optional[int] = typer.Option(None, "--host-kv-mib", help=HOST_KV_MIB_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     max_gpu_memory: Optional[str] = typer.Option(None, "--max-gpu-memory", help=MAX_GPU_MEMORY_HELP),
@@ -60,8 +63,10 @@ def generate(
         temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed))
     spec_config = speculative_config(spec, draft_tokens)
     kv_type_of(kv_type)  # an unknown name fails before loading
+    offload = kv_offload_options(kv_offload, host_kv_mib)
     budget = plan_cli_run(model, device, max_seq_len, max_gpu_memory, weight_dtype=weight_dtype,
-                          spec_config=spec_config, kv_type=kv_type) if max_gpu_memory else None
+                          spec_config=spec_config, kv_type=kv_type,
+                          kv_offload=kv_offload) if max_gpu_memory else None
     limit = budget.limit if budget else None
     with within_limit(limit, "loading the model"):
         loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
@@ -72,7 +77,7 @@ def generate(
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
     with within_limit(limit, "allocating the KV cache and the drafter"):
-        runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type)
+        runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, **offload)
         drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
     check_usage(limit, loaded.device, "loading", budget.plan.total if budget else None)
     pieces, token_ids, finish, stats = [], [], "length", None

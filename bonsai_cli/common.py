@@ -55,6 +55,21 @@ def spec_summary(spec) -> str:
             + (f" [{per}]" if len(spec.by_drafter) > 1 else ""))
 
 
+KV_OFFLOAD_HELP = ("keep the KV cache in (pinned) host memory and stream each layer's rows to the GPU ahead of use "
+                   "(long contexts on small GPUs; decoding then runs at PCIe speed, without CUDA graphs)")
+HOST_KV_MIB_HELP = "with --kv-offload: host memory granted to the KV cache in MiB (default: what it needs)"
+
+
+def kv_offload_options(kv_offload: bool, host_kv_mib: int | None) -> dict[str, Any]:
+    """--kv-offload / --host-kv-mib as ModelRunner arguments; checked before loading."""
+    from engine.errors import BonsaiError
+    if host_kv_mib is not None and not kv_offload:
+        raise BonsaiError("--host-kv-mib only applies with --kv-offload")
+    if host_kv_mib is not None and host_kv_mib < 1:
+        raise BonsaiError(f"--host-kv-mib must be >= 1, got {host_kv_mib}")
+    return {"kv_offload": kv_offload, "host_kv_bytes": host_kv_mib * 2**20 if host_kv_mib else None}
+
+
 LOAD_FORMAT_HELP = ("auto (read the model's weights) or dummy: MODEL is an architecture YAML (configs/models/NAME.yaml "
                     "or a path) built at full size with random weights, for speed measurements")
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"

@@ -18,7 +18,7 @@ class Budget:
 def plan_cli_run(model: Optional[str], device: str, max_seq_len: int, limit_text: Optional[str],
                  load_format: str = "auto", weights: str = "bf16", group_size: int = 128, head_weights: str = "bf16",
                  weight_dtype: str = "auto", spec_config: Any = None, auto_pull: bool = False,
-                 kv_type: str = "bf16") -> Budget:
+                 kv_type: str = "bf16", kv_offload: bool = False) -> Budget:
     """The memory plan of a one-slot run of MODEL; with a limit, refuse a plan over it (one line with
     what would fit) and cap the CUDA allocator at it. Reads metadata only."""
     from bonsai_cli.common import _dummy_config, parse_weight_dtype, weight_format_from_options
@@ -47,7 +47,8 @@ def plan_cli_run(model: Optional[str], device: str, max_seq_len: int, limit_text
     rows = 1
     if spec_config is not None:  # the verify widths are captured before the first draft
         rows = min(spec_config.num_draft_tokens + 1, 16)
-    settings = run_settings(mw.config, device, max_seq_len, kv_type=kv_type, graph_rows=rows if cuda else 0,
+    settings = run_settings(mw.config, device, max_seq_len, kv_type=kv_type, kv_offload=kv_offload,
+                            graph_rows=0 if kv_offload or not cuda else rows,
                             weight_dtype_bytes=wbytes,
                             rotation_block=mw.rotation_block, dummy=load_format == "dummy")
     drafter = drafter_plan(spec_config, settings) if spec_config is not None else None

@@ -18,7 +18,7 @@ class DecodeStepRunner:
 
     def __init__(self, model: Transformer, cache: KVCache, rows: int, num_splits: int, use_graph: bool = True,
                  kernels: bool | None = None):
-        device = cache.k.device
+        device = cache.device
         self.model, self.cache, self.rows, self.num_splits = model, cache, rows, num_splits
         self.ops = make_ops(device, kernels)
         self.inputs = StepInputs(tokens=torch.zeros(rows, dtype=torch.long, device=device),
@@ -28,7 +28,8 @@ class DecodeStepRunner:
         self.workspace = Workspace.make(model, rows, device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        if use_graph and device.type == "cuda":
+        streamed = cache.streamed or model.weight_stream is not None  # offloaded KV or weights: eager
+        if use_graph and device.type == "cuda" and not streamed:
             self._capture()
 
     def _eager(self) -> torch.Tensor:
@@ -61,6 +62,8 @@ class DecodeStepRunner:
         self.inputs.positions.copy_(pos, non_blocking=True)
         self.inputs.seq_lens.copy_(pos + 1, non_blocking=True)
         self.inputs.slot_ids.copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
+        if self.cache.streamed:  # KV offload (eager, never graphed): each row writes its own position
+            self.cache.begin_pass(slots, positions, [p + 1 for p in positions])
         if self.graph is None:
             return self._eager()
         self.graph.replay()

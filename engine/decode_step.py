@@ -101,24 +101,30 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
     """Logits float32 [M, V] for one token per row; K/V of the rows are written to the cache."""
     cfg = model.config
     eps = cfg.rms_norm_eps
+    stream = model.weight_stream  # weight offload (never CUDA-graphed): blocks' weights streamed in
+    if stream is not None:
+        stream.begin_pass()
     x = model.embed(inputs.tokens).float()  # [M, H] residual stream
     scale = cfg.head_dim ** -0.5
     for i, block in enumerate(model.layers):
+        if stream is not None:
+            stream.enter(i)
         att, ffn = block.attention, block.feed_forward
         scales = cache.layer_scales(i)  # a quantized cache's scale / min tensors (none for bf16)
         qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv)  # [M, Q + 2KV]
-        q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, cache.k[i], cache.v[i],
+        kv = cache.layer(i)  # {name: [slots, KV, S, D]} (KV offload: the layer's streamed-in rows)
+        q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, kv["k"], kv["v"],
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            att.q_norm.weight if att.q_norm is not None else None,
                            att.k_norm.weight if att.k_norm is not None else None, eps,
                            out_dtype=cache.dtype, zero_input=qkv is ws.qkv,
                            **cache.layer_write_args(i))  # [M, H, D]
         if isinstance(att.wo, PackedLinear) and att.wo.group_size == cfg.head_dim:
-            aq = ops.attention_int8(q, cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
+            aq = ops.attention_int8(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, scale,
                                     num_splits, **scales)  # int8 [M, H * D], scales and sums [M, H]
             _project(ops, aq, att.wo, residual=x)
         else:
-            a = ops.attention(q, cache.k[i], cache.v[i], inputs.slot_ids, inputs.seq_lens, scale,
+            a = ops.attention(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, scale,
                               num_splits, **scales)  # [M, H, D]
             _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x)
         gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up)  # [M, 2F]

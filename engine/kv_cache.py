@@ -12,6 +12,7 @@ shared component (most of their norm in Llama-family models) no longer takes the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -77,6 +78,8 @@ def kv_type_of(name: str | KVType) -> KVType:
 
 
 class KVCache:
+    streamed = False  # True where the storage lives elsewhere and layers are streamed in (engine.kv_offload)
+
     def __init__(self, config: ModelConfig, max_seq_len: int, num_slots: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  kv_type: str | KVType = "bf16"):
@@ -105,6 +108,10 @@ class KVCache:
         # minus it: the same attention). A constant of the model (engine/kv_calibration.py), not
         # state of a sequence: set once before the first write, never moved with the rows.
         self.key_offset: torch.Tensor | None = None
+        self.device = torch.device(device)  # where attention reads the cache
+        # per layer, views of every storage tensor: {name: [slots, kv_heads, S, X]} (made once: no
+        # per-step view creation on the decode path)
+        self._layers = [{name: t[i] for name, t in self.tensors.items()} for i in range(config.num_layers)]
 
     @staticmethod
     def _name(name: str, part: str) -> str:
@@ -113,7 +120,7 @@ class KVCache:
     def layer_scales(self, layer: int) -> dict[str, torch.Tensor]:
         """The scale / min tensors of one layer, [slots, kv_heads, S, G] each, by name (k_scale, ...):
         the keyword arguments the KV kernels take next to the code tensors."""
-        return {name: t[layer] for name, t in self.tensors.items() if name not in ("k", "v")}
+        return {name: t for name, t in self.layer(layer).items() if name not in ("k", "v")}
 
     def layer_write_args(self, layer: int) -> dict[str, torch.Tensor]:
         """`layer_scales` plus the layer's key offset [KV, D] if any: what the KV-write kernel takes."""
@@ -134,13 +141,23 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """Where layer i's rows are read and written during a forward pass: {name: [slots, kv_heads, S, X]}
+        on self.device. Layers are visited in order within a pass (an offloaded cache streams them in)."""
+        return self._layers[i]
+
+    def begin_pass(self, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> None:
+        """A forward pass is about to write positions [starts[r], ends[r]) of slot slots[r] for each row r
+        and read the positions before them. The resident cache has nothing to do (only `streamed` caches
+        are told, so the resident decode path makes no extra call)."""
+
     def write(self, layer: int, batch: CacheBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of new tokens: k, v [B, kv_heads, T, D] at batch.positions [B, T]."""
         for name, rows in (("k", k), ("v", v)):
             offset = self.key_offset[layer][:, None] if name == "k" and self.key_offset is not None else None
             parts = quantize_rows(self.elements[name], rows, self.dtype, offset)  # each [B, kv_heads, T, X]
             for part, values in parts.items():
-                store = self.tensors[self._name(name, part)][layer]  # [slots, kv_heads, S, X]
+                store = self.layer(layer)[self._name(name, part)]  # [slots, kv_heads, S, X]
                 if len(batch.slots) == 1:
                     slot, start, t = batch.slots[0], batch.starts[0], rows.shape[2]
                     store[slot, :, start:start + t] = values[0]
@@ -157,9 +174,9 @@ class KVCache:
             first = batch.slots[0]
             consecutive = batch.slots == tuple(range(first, first + len(batch.slots)))
             rows = slice(first, first + len(batch.slots)) if consecutive else batch.slot_ids  # a view where it can
-        out = []
+        out, kv = [], self.layer(layer)
         for name in ("k", "v"):
-            parts = {part: self.tensors[self._name(name, part)][layer, rows, :, :length] for part in self.parts[name]}
+            parts = {part: kv[self._name(name, part)][rows, :, :length] for part in self.parts[name]}
             out.append(parts[""] if self.elements[name] == "float" else
                        dequantize_rows(self.elements[name], parts, self.dtype))  # [B, kv_heads, length, D]
         return out[0], out[1]

@@ -112,8 +112,9 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         qkv = self.wqkv(x).reshape(b * t, -1)  # [B*T, Q + 2KV]
+        kv = cache.layer(self.layer)  # {name: [slots, KV, S, D]}
         q = qk_norm_rope_write(qkv, batch.positions.reshape(-1), batch.slot_ids.repeat_interleave(t),
-                               self.fused_prologue, cache.k[self.layer], cache.v[self.layer], cfg.num_heads,
+                               self.fused_prologue, kv["k"], kv["v"], cfg.num_heads,
                                cfg.num_kv_heads, cfg.head_dim, self.q_norm.weight if self.q_norm else None,
                                self.k_norm.weight if self.k_norm else None, cfg.rms_norm_eps,
                                out_dtype=x.dtype, **cache.layer_write_args(self.layer))  # [B*T, H, D]
@@ -215,6 +216,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.register_buffer("inv_freq", rotary_inverse_frequencies(cfg), persistent=False)
+        # weight offload (engine.weight_offload): streams offloaded blocks' weights in before each block
+        self.weight_stream = None
 
     def use_fused_prologue(self, on: bool) -> None:
         """Run each layer's q/k-norm + rotary + KV write as one kernel (engine.kernels.rope_cache)."""
@@ -247,8 +250,15 @@ class Transformer(nn.Module):
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
         wanted = {i % len(self.layers): i for i in hidden_layers}
         hidden: dict[int, torch.Tensor] = {}
+        if cache.streamed:  # KV offload: the positions this pass reads and writes, per slot
+            cache.begin_pass(batch.slots, batch.starts, [start + t for start in batch.starts])
+        stream = self.weight_stream
+        if stream is not None:
+            stream.begin_pass()
         x = self.embed(tokens).to(self.norm.weight.dtype)  # [B, T, H]
         for i, block in enumerate(self.layers):
+            if stream is not None:
+                stream.enter(i)
             x = block(x, cos, sin, cache, batch, kv_len, mask)
             if i in wanted:
                 hidden[wanted[i]] = x

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Iterable
 
 import torch
 
@@ -16,10 +17,15 @@ MAX_STEP_ROWS = 16  # rows one fused decode step takes (the packed GEMV's limit)
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, num_slots: int = 1,
-                 prefill_chunk_size: int = 512, fast_decode: bool | None = None, kv_type: str = "bf16"):
+                 prefill_chunk_size: int = 512, fast_decode: bool | None = None, kv_type: str = "bf16",
+                 kv_offload: bool = False, host_kv_bytes: int | None = None,
+                 offload_layers: Iterable[int] | None = None):
         """fast_decode: one-token steps through the fused decode step (CUDA-graphed on a GPU);
         default on for CUDA devices. kv_type: the KV cache's element type (bf16 = the model's
-        dtype, int8, int4, k8v4: quant/kv_format.py)."""
+        dtype, int8, int4, k8v4: quant/kv_format.py). kv_offload: the KV pool lives in host memory
+        (engine.kv_offload; host_kv_bytes: the memory granted to it, None: what it needs).
+        offload_layers: weight offload (engine.weight_offload) of these blocks, and the embedding
+        table on the host; None: off. With either offload, steps run eagerly (no CUDA graph)."""
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -30,12 +36,22 @@ class ModelRunner:
         if prefill_chunk_size < 1:
             raise BonsaiError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.prefill_chunk_size = prefill_chunk_size
-        self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
-                             kv_type=kv_type)
+        if kv_offload:
+            from engine.kv_offload import OffloadedKVCache
+            self.cache = OffloadedKVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
+                                          host_bytes=host_kv_bytes, kv_type=kv_type)
+        else:
+            self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
+                                 kv_type=kv_type)
         if self.cache.kv_type.key != "float":  # quantized keys are stored minus their mean (kv_calibration)
             from engine.kv_calibration import calibration_ids, key_offsets
             ids = calibration_ids(loaded.tokenizer, cfg.vocab_size)
             self.cache.key_offset = key_offsets(self.model, cfg, ids, loaded.dtype, self.device)
+        self.weight_stream = None
+        if offload_layers is not None:
+            from engine.weight_offload import WeightStreamer
+            self.weight_stream = WeightStreamer(self.model, offload_layers, self.device)
+        self.use_graph = not kv_offload and offload_layers is None
         self.decoder = None
         self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)
         if fast_decode if fast_decode is not None else self.device.type == "cuda":
@@ -49,7 +65,7 @@ class ModelRunner:
         try:
             cfg = self.loaded.config
             splits = default_num_splits(self.max_seq_len, cfg.num_kv_heads, head_dim=cfg.head_dim)
-            return DecodeStepRunner(self.model, self.cache, rows=1, num_splits=splits)
+            return DecodeStepRunner(self.model, self.cache, rows=1, num_splits=splits, use_graph=self.use_graph)
         except ValueError as e:  # a shape the kernels do not handle: the plain path still works
             log.warning("fused decode step unavailable (%s); decoding through the plain model path", e)
             return None

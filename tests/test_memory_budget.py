@@ -67,31 +67,16 @@ def test_weights_over_the_limit_suggest_weight_offload_or_nothing():
     assert "no single change" in refusal(500_000_000, s, weights)
 
 
-def test_seed_config_loads_as_written_but_for_two_keys_built_elsewhere(tmp_path):
-    """With its path changed, the users' seed config is refused only by model.kv_cache_quant (the
-    quantized KV cache) and runtime.decode_algorithm: speculative (the server's verify step), both
-    built on other branches; memory.max_gpu_memory and activation_checkpoint: false are accepted."""
-    refused = []
-    text = SEED
-    fixes = {"model.kv_cache_quant": lambda t: t.replace("kv_cache_quant: true", "kv_cache_quant: false")
-             .replace("  kv_cache_bits: 4\n", ""),
-             "runtime.decode_algorithm": lambda t: t.replace("decode_algorithm: speculative",
-                                                             "decode_algorithm: standard").replace("  draft_model: none\n", "")}
-    for _ in range(len(fixes) + 1):
-        try:
-            cfg = load(text, tmp_path)
-            break
-        except BonsaiError as e:
-            key = str(e).split(":")[0].removeprefix("config ")
-            assert key in fixes, f"the seed config is refused by {key}: {e}"
-            refused.append(key)
-            text = fixes[key](text)
-    assert refused == ["model.kv_cache_quant", "runtime.decode_algorithm"]
+def test_seed_config_loads_as_written(tmp_path):
+    """With its path changed, the users' seed config loads: max_gpu_memory is a hard limit,
+    activation_checkpoint: false is accepted, true is refused as a training option."""
+    cfg = load(SEED, tmp_path)
     assert cfg.memory.max_gpu_memory_bytes == 6_000_000_000 and cfg.memory.activation_checkpoint is False
-    assert load(text.replace("6GB", "5.5GiB"), tmp_path).memory.max_gpu_memory_bytes == int(5.5 * 2**30)
-    message = error(text.replace("activation_checkpoint: false", "activation_checkpoint: true"), tmp_path)
+    assert cfg.model.kv_type_name == "int4" and cfg.spec_config is not None
+    assert load(SEED.replace("6GB", "5.5GiB"), tmp_path).memory.max_gpu_memory_bytes == int(5.5 * 2**30)
+    message = error(SEED.replace("activation_checkpoint: false", "activation_checkpoint: true"), tmp_path)
     assert "memory.activation_checkpoint" in message and "training option" in message
-    assert "memory.max_gpu_memory" in error(text.replace("6GB", "six gigabytes"), tmp_path)
+    assert "memory.max_gpu_memory" in error(SEED.replace("6GB", "six gigabytes"), tmp_path)
 
 
 def _write_dummy_config(tmp_path, smollm2_gguf, limit: str, slots: int = 2) -> object:

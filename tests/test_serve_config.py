@@ -65,7 +65,6 @@ def test_users_variants_are_refused_by_name(tmp_path):
     two = base + "runtime:\n  device: cuda:0,cuda:1\nmemory:\n  pipeline_parallel: true\n"
     assert "runtime.device" in error(two, tmp_path) and "2 devices" in error(two, tmp_path)
     assert "memory.pipeline_parallel" in error(base + "memory:\n  pipeline_parallel: true\n", tmp_path)
-    assert "memory.kv_offload" in error(base + "memory:\n  kv_offload: true\n", tmp_path)
     assert "kv_cache_bits" in error(base + "  kv_cache_bits: 4\n", tmp_path)
 
 
@@ -164,3 +163,14 @@ def test_dummy_models_need_a_tokenizer(tmp_path):
                tmp_path)
     from bonsai_cli.cmd_serve import architecture_of
     assert architecture_of(cfg).hidden_size == 4096
+
+
+def test_offload_keys(tmp_path):
+    base = "model:\n  path: m\nmemory:\n"
+    cfg = load(base + "  kv_offload: true\n  host_kv_mib: 8192\n  weight_offload: true\n", tmp_path)
+    assert cfg.memory.kv_offload and cfg.memory.host_kv_mib == 8192 and cfg.memory.weight_offload
+    assert "memory.host_kv_mib" in error(base + "  host_kv_mib: 512\n", tmp_path)  # without kv_offload
+    assert "memory.host_kv_mib" in error(base + "  kv_offload: true\n  host_kv_mib: 0\n", tmp_path)
+    assert "host_kv_mib" in error(base + "  host_kv_mb: 512\n", tmp_path)  # the nearest key
+    from engine.server.loading import offloaded_layers
+    assert offloaded_layers(cfg, 3) == {0, 1, 2} and offloaded_layers(load("model:\n  path: m\n", tmp_path), 3) is None

@@ -1,7 +1,7 @@
 """The serve config as dataclasses, validated on construction (YAML is read only by bonsai_cli).
 
 Every key that is accepted does what it says. Keys of features that do not exist yet
-(offloaded KV cache, several GPUs) are part of the layout users already have, so they parse, but
+(several GPUs) are part of the layout users already have, so they parse, but
 turning them on is refused with one line naming the key and why. An unknown key is an error naming
 the nearest valid key; a wrong type
 or an impossible value is an error with the key's path.
@@ -125,11 +125,12 @@ class RuntimeSection:
 
 @dataclass(frozen=True)
 class MemorySection:
-    weight_offload: bool = False
+    weight_offload: bool = False  # blocks' weights in pinned host RAM, streamed in per layer; embedding on the host
     activation_checkpoint: bool = False
     max_gpu_memory: str | None = None
     pipeline_parallel: bool = False
-    kv_offload: bool = False
+    kv_offload: bool = False  # the KV pool in pinned host RAM, each layer's rows streamed in ahead of use
+    host_kv_mib: int | None = None  # host memory granted to the offloaded KV pool (default: what it needs)
 
     @property
     def max_gpu_memory_bytes(self) -> int | None:
@@ -138,8 +139,11 @@ class MemorySection:
         return None if self.max_gpu_memory is None else parse_bytes(self.max_gpu_memory, "memory.max_gpu_memory")
 
     def __post_init__(self) -> None:
-        if self.weight_offload:
-            raise not_available("memory.weight_offload", "offloading weights to host memory", "set it to false")
+        if self.host_kv_mib is not None:
+            if not self.kv_offload:
+                _fail("memory.host_kv_mib", "only applies with memory.kv_offload: true; remove it")
+            if self.host_kv_mib < 1:
+                _fail("memory.host_kv_mib", f"must be >= 1, got {self.host_kv_mib}")
         if self.activation_checkpoint:
             _fail("memory.activation_checkpoint", "is a training option (inference keeps no activations); "
                   "set it to false")
@@ -147,9 +151,6 @@ class MemorySection:
             parse_bytes(self.max_gpu_memory, "memory.max_gpu_memory")
         if self.pipeline_parallel:
             raise not_available("memory.pipeline_parallel", "pipeline parallelism over several GPUs",
-                                "set it to false")
-        if self.kv_offload:
-            raise not_available("memory.kv_offload", "offloading the KV cache to host memory (issue 8)",
                                 "set it to false")
 
 

@@ -37,6 +37,12 @@ def weight_dtype_for(config: ServeConfig):
     return getattr(torch, name)
 
 
+def offloaded_layers(config: ServeConfig, num_layers: int) -> frozenset[int] | None:
+    """The blocks whose weights stay in host memory: with memory.weight_offload, every block (a memory
+    plan that places some on the GPU narrows this); None: weight offload is off."""
+    return frozenset(range(num_layers)) if config.memory.weight_offload else None
+
+
 def tokenizer_of(spec: str):
     """The tokenizer of a model (path or pulled name) without loading its weights."""
     from engine import store
@@ -78,8 +84,12 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
     stage = "allocating the KV cache" + (" and capturing CUDA graphs" if rt.device != "cpu" else "")
     progress(stage, 0.85)
     with within_limit(budget, stage):
+        mem = config.memory
         runner = ModelRunner(loaded, max_seq_len=config.seq_len, num_slots=rt.max_batch_size,
-                             prefill_chunk_size=rt.prefill_chunk_size, kv_type=m.kv_type_name)
+                             prefill_chunk_size=rt.prefill_chunk_size, kv_type=m.kv_type_name,
+                             kv_offload=mem.kv_offload,
+                             host_kv_bytes=mem.host_kv_mib * 2**20 if mem.host_kv_mib else None,
+                             offload_layers=offloaded_layers(config, loaded.config.num_layers))
         th = config.thinking
         spec = config.spec_config
         if spec is not None:
@@ -89,8 +99,10 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
         if runner.decoder is not None:  # capture the fused step for every row count in use now, not mid-request
             runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None else rt.max_batch_size)
     check_usage(budget, loaded.device, stage, planned.plan.total)
-    log.info("serving %s: %d slots of %d tokens on %s (KV cache %s, %.1f MB)%s", path.name, rt.max_batch_size,
+    log.info("serving %s: %d slots of %d tokens on %s (KV cache %s, %.1f MB%s)%s%s", path.name, rt.max_batch_size,
              engine.slot_context, rt.device, runner.cache.kv_type.name, runner.cache.nbytes / 1e6,
+             " in host memory" if mem.kv_offload else "",
+             " with block weights streamed from host memory" if runner.weight_stream is not None else "",
              f", speculative {spec.method} k={spec.num_draft_tokens} per slot" if spec is not None else "")
     progress("ready", 1.0)
     return Served(engine.start(), m.name or path.stem, config)
