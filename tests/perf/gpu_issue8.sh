@@ -8,7 +8,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 B="python3 -m bonsai_cli"
 echo "== GPU tests of the merged paths (offload, quantized KV, batched speculation, kernels)"
 timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_offload.py tests/test_kv_quant_kernels.py \
-    tests/test_kv_quant_decode.py tests/test_kv_cache_quant.py tests/test_serve_spec.py 2>&1 | tail -6
+    tests/test_kv_quant_decode.py tests/test_kv_cache_quant.py tests/test_packed_kernels.py 2>&1 | tail -6
 echo "== memory plan vs allocator: 27B-class under max_gpu_memory 6GB (bin, tri), 4K context"
 for w in bin tri; do
     timeout 90 python3 tests/perf/gpu_memory.py --case configs/models/dense-27b.yaml $w cuda:0 6GB 2>&1 | grep '^{' | tee -a "$OUT/memory.jsonl" | cut -c1-600
