@@ -33,7 +33,9 @@ def limit_device_memory(limit: int, device: torch.device | str) -> float | None:
         raise BonsaiError(f"max_gpu_memory {format_bytes(limit)} is more than {device} has "
                           f"({format_bytes(total)}); lower it or remove it")
     fraction = limit / total
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    # "cuda" names the current device; the allocator's limit is set per device index
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     return fraction
 
 
