@@ -66,11 +66,12 @@ def test_url_run_against_stub_server(tmp_path, capsys):
 
 def test_interrupted_run_keeps_partial_results(tmp_path):
     """A real SIGINT in the middle of a run (a fresh process, a small generated model): the tests
-    measured so far stay in the JSON, marked incomplete, exit code 130."""
+    measured so far stay in the JSON, marked incomplete, exit code 130. The decode tests after pp8
+    run long (tens of seconds) so the signal always lands inside the run."""
     arch, out = tmp_path / "tiny.yaml", tmp_path / "p.json"
     arch.write_text(TINY_ARCH)
     proc = subprocess.Popen([sys.executable, "-m", "bonsai_cli", "bench", str(arch), "--load-format", "dummy",
-                             "-p", "8", "-n", "2048", "-r", "3", "--json", str(out)],
+                             "-p", "8", "-n", "2048,2049,2050,2051", "-r", "5", "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
