@@ -148,13 +148,12 @@ def test_gemv_rows_as_2d_tiles_match_reference(kind):
 @pytest.mark.parametrize("kind,rows,split", [("tri", 2, 1), ("int8", 16, 2), ("bin", 5, 2), ("int4", 3, 1)])
 def test_row_loop_gemv_matches_reference(kind, rows, split):
     """The word-row-at-a-time kernel for 2..16 rows: same sums as the reference, plain and added in."""
-    from quant.kernels.packed_gemv_rows import packed_gemv_rows
     _, _, _, pw = _packed(kind)
     pw = pw.to(DEVICE)
     xq = quantize_activations(torch.randn(rows, 256, device=DEVICE), 64)
-    got = packed_gemv_rows(*xq, pw, config=(32, split, 1))
+    got = packed_gemv(*xq, pw, config=(32, split, 1), variant="rows")
     torch.testing.assert_close(got, packed_gemv_reference(*xq, pw), rtol=1e-5, atol=1e-4)
     residual = torch.randn(rows, 48, device=DEVICE)
     out = residual.clone()
-    packed_gemv_rows(*xq, pw, out=out, accumulate=True, config=(32, split, 1))
+    packed_gemv(*xq, pw, out=out, accumulate=True, config=(32, split, 1), variant="rows")
     torch.testing.assert_close(out, residual + packed_gemv_reference(*xq, pw), rtol=1e-5, atol=1e-4)

@@ -19,7 +19,7 @@ from quant.packed_layout import PackedWeight, layout_kind
 
 _BYTE_MASK = {1: 0x01010101, 2: 0x03030303, 4: 0x0F0F0F0F, 8: -1}
 # M > 1: the M = 1 tiles once per row ("2-D"), broadcast over rows in 3-D, or the word-row loop of
-# packed_gemv_rows. Measured on an H200 (tests/perf/gpu_kernels.py --sections rows, Qwen3-8B ternary
+# the row loop. Measured on an H200 (tests/perf/gpu_kernels.py --sections rows, Qwen3-8B ternary
 # shapes, µs summed over qkv/o/gate_up/down): M = 2: 2-D 40.4, 3-D 47.4, rows 50.8; M = 3: 3-D 61.3,
 # rows 66.4; M = 4: 3-D 64.6, rows 69.0; M = 8: 3-D 191, rows 97 (the 3-D tiles spill from there).
 ROWS_2D_MAX = 2
@@ -161,6 +161,68 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
         tl.store(out_ptr + out_offs, acc, mask=mask)
 
 
+# The row loop (M = 5..16: batched decode, speculative verification): a thread owns a few output
+# columns and keeps every row's running sum for them in registers; the program walks the weight one
+# word row ([BLOCK_N] words) at a time, so each word is shifted and masked once and then meets the
+# activation word of every row: an extra row costs only its dp4a. (The M = 1 kernel's [words,
+# columns] tiles would need a [rows, words, columns] broadcast here, which spills.)
+@triton.jit
+def _packed_gemv_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, groups_per_split,
+                             BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr,
+                             BYTE_MASK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr,
+                             USE_ASM: tl.constexpr, USE_PDL: tl.constexpr):
+    STEPS: tl.constexpr = 8 // BITS  # shift steps per word
+    GW: tl.constexpr = GROUP * BITS // 32  # word rows per group
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)  # [BM]
+    m_mask = offs_m < M
+    x_words = K // 4
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, NG)
+    t_end = g_end * GW
+    # word rows t = g·GW + r, two in flight ahead of the one being used; the first loads need
+    # nothing from the previous kernel, so with PDL they go out before the wait
+    t = g_start * GW
+    w_next = tl.load(w_ptr + t * N + offs_n, mask=n_mask & (offs_n * 0 + t < t_end), other=0,
+                     eviction_policy="evict_first")  # [BN]
+    w_after = tl.load(w_ptr + (t + 1) * N + offs_n, mask=n_mask & (offs_n * 0 + t + 1 < t_end), other=0,
+                      eviction_policy="evict_first")  # [BN]
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    isum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for t in range(g_start * GW, t_end):
+        w = w_next
+        w_next = w_after
+        w_after = tl.load(w_ptr + (t + 2) * N + offs_n, mask=n_mask & (offs_n * 0 + t + 2 < t_end), other=0,
+                          eviction_policy="evict_first")  # [BN]
+        for j in tl.static_range(STEPS):
+            codes = (w >> (BITS * j)) & BYTE_MASK  # [BN]: four codes as bytes
+            xw = tl.load(xq_ptr + offs_m * x_words + STEPS * t + j, mask=m_mask, other=0)  # [BM]
+            isum = _dot4(tl.broadcast_to(codes[None, :], [BLOCK_M, BLOCK_N]),
+                         tl.broadcast_to(xw[:, None], [BLOCK_M, BLOCK_N]), isum, USE_ASM)
+        if t % GW == GW - 1:  # the group is complete: scale it into the float sums
+            g = t // GW
+            sumx = tl.load(sumx_ptr + offs_m * NG + g, mask=m_mask, other=0)  # [BM]
+            sx = tl.load(sx_ptr + offs_m * NG + g, mask=m_mask, other=0.0)  # [BM]
+            sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
+            acc += (isum * MULT - OFFSET * sumx[:, None]).to(tl.float32) * sx[:, None] * sw[None, :]
+            isum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptr + out_offs, acc, mask=mask)
+    else:
+        if ACCUMULATE:
+            acc += tl.load(out_ptr + out_offs, mask=mask, other=0.0)
+        tl.store(out_ptr + out_offs, acc, mask=mask)
+
+
 def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -> tuple[int, int, int]:
     """(BLOCK_N, split_k, num_warps). Measured on an H200 (tests/perf/gpu_kernels.py sweep): one warp
     of 128 columns per program (each thread owns four neighbouring columns and every word of a group,
@@ -180,13 +242,11 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
                 ) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y.
     variant (for M > 1; default by row count): "2d" (the M = 1 tiles once per row), "3d" (broadcast
-    over rows), "rows" (the word-row loop of `packed_gemv_rows`, from ROW_LOOP_FROM rows)."""
+    over rows), "rows" (the word-row loop, from ROW_LOOP_FROM rows)."""
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous()
     variant = variant or ("2d" if m <= ROWS_2D_MAX else "rows" if m >= ROW_LOOP_FROM else "3d")
-    if variant == "rows" and m > 1:
-        from quant.kernels.packed_gemv_rows import packed_gemv_rows
-        return packed_gemv_rows(xq, sx, sumx, pw, out, accumulate, config)
+    row_loop = variant == "rows" and m > 1
     kind = layout_kind(pw.kind)
     ng = k // pw.group_size
     block_n, split, warps = config or gemv_launch_config(pw.out_features, ng, pw.kind, num_sms)
@@ -196,11 +256,12 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
         out.zero_()
     per_split = triton.cdiv(ng, split)
     grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(ng, per_split))
-    _packed_gemv_kernel[grid](
+    kernel, extra = ((_packed_gemv_rows_kernel, {}) if row_loop
+                     else (_packed_gemv_kernel, {"ROWS_2D": m > 1 and variant == "2d"}))
+    kernel[grid](
         xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
         BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits],
-        GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 1), BLOCK_N=block_n,
-        ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(),
-        ROWS_2D=m > 1 and variant == "2d", num_warps=warps,
-        **pdl_options(xq.device))
+        GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 2 if row_loop else 1), BLOCK_N=block_n,
+        ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(), num_warps=warps,
+        **extra, **pdl_options(xq.device))
     return out

@@ -154,7 +154,6 @@ def section_rows(dev, kinds: list[str]) -> None:
     """GEMV at M = 2..16 (verify widths, batched slots): the dp4a variants (2-D tiles per row, 3-D
     broadcast, word-row loop with launch shapes swept) vs M = 1; then
     the graphed decode step of the 8B ternary model per row count."""
-    from quant.kernels.packed_gemv_rows import packed_gemv_rows
     g = torch.Generator(device=dev).manual_seed(2)
     for kind in kinds:
         for name, (n, k) in SHAPES_8B.items():
@@ -166,20 +165,20 @@ def section_rows(dev, kinds: list[str]) -> None:
                 xq = quantize_activations(torch.randn(m, k, device=dev), 128)
                 out = torch.zeros(m, n, device=dev)
                 want = packed_gemv_reference(*xq, pw)
-                err = ((packed_gemv_rows(*xq, pw) - want).abs().max() / want.abs().max()).item()
+                err = ((packed_gemv(*xq, pw, variant="rows") - want).abs().max() / want.abs().max()).item()
                 check(f"gemv rows {kind} {name} M={m}", err < 1e-5, f"max rel err {err:.1e}")
                 res = {"kind": kind, "shape": name, "m": m, "m1_us": t1 * 1e6}
                 for variant in ("2d", "3d"):
                     if m <= (4 if variant == "2d" else 8):
                         res[variant] = bench_quick(lambda: packed_gemv(*xq, pw, out=out, variant=variant)) * 1e6
-                res["rows"] = bench_quick(lambda: packed_gemv_rows(*xq, pw, out=out)) * 1e6
+                res["rows"] = bench_quick(lambda: packed_gemv(*xq, pw, out=out, variant="rows")) * 1e6
                 if kind == "tri" and name != "head" and m in (4, 8, 16) and os.environ.get("ROWS_SWEEP"):
                     best = (float("inf"), None)
                     for bn, warps in ((64, 1), (128, 1), (128, 2), (256, 2), (256, 4)):
                         for split in (1, 2, 4, 8, 16, 32):
                             if split * 2 <= k // 128:
                                 cfg = (bn, split, warps)
-                                best = min(best, (bench_quick(lambda: packed_gemv_rows(*xq, pw, out=out, config=cfg)), cfg))
+                                best = min(best, (bench_quick(lambda: packed_gemv(*xq, pw, out=out, config=cfg, variant="rows")), cfg))
                     res["rows_best"], res["rows_best_config"] = best[0] * 1e6, best[1]
                 print("rows " + " ".join(f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}" for a, b in res.items()),
                       flush=True)
