@@ -72,7 +72,10 @@ def test_interrupted_run_keeps_partial_results(tmp_path):
     arch.write_text(TINY_ARCH)
     proc = subprocess.Popen([sys.executable, "-m", "bonsai_cli", "bench", str(arch), "--load-format", "dummy",
                              "-p", "8", "-n", "2048,2049,2050,2051", "-r", "5", "--json", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # an ignored SIGINT is inherited (and Python then installs no handler): the
+                            # child starts with the default disposition whatever earlier tests left behind
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 300
         while time.time() < deadline and not (out.exists() and json.loads(out.read_text()).get("tests")):
