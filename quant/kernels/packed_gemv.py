@@ -99,6 +99,19 @@ def _group_dot(w, xq_ptr, g, offs_m, m_mask, M, rows, x_words, BITS: tl.constexp
 
 
 @triton.jit
+def _write_out(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, N, ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """The program's [BM, BN] sums into out: added with atomics (split-K), added in place, or stored."""
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptr + out_offs, acc, mask=mask)
+    else:
+        if ACCUMULATE:
+            acc += tl.load(out_ptr + out_offs, mask=mask, other=0.0)
+        tl.store(out_ptr + out_offs, acc, mask=mask)
+
+
+@triton.jit
 def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, groups_per_split,
                         BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, BYTE_MASK: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -151,14 +164,7 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
         sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
         corrected = (dot * MULT - OFFSET * sumx[:, None]).to(tl.float32)
         acc += corrected * sx[:, None] * sw[None, :]
-    out_offs = offs_m[:, None] * N + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptr + out_offs, acc, mask=mask)
-    else:
-        if ACCUMULATE:
-            acc += tl.load(out_ptr + out_offs, mask=mask, other=0.0)
-        tl.store(out_ptr + out_offs, acc, mask=mask)
+    _write_out(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)
 
 
 # The row loop (M = 5..16: batched decode, speculative verification): a thread owns a few output
@@ -213,14 +219,7 @@ def _packed_gemv_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M,
             sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
             acc += (isum * MULT - OFFSET * sumx[:, None]).to(tl.float32) * sx[:, None] * sw[None, :]
             isum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    out_offs = offs_m[:, None] * N + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptr + out_offs, acc, mask=mask)
-    else:
-        if ACCUMULATE:
-            acc += tl.load(out_ptr + out_offs, mask=mask, other=0.0)
-        tl.store(out_ptr + out_offs, acc, mask=mask)
+    _write_out(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)
 
 
 def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -> tuple[int, int, int]:
