@@ -2,6 +2,7 @@
 
     python tests/perf/gpu_memory.py                 # Qwen3-8B and the 27B-class model, bin and tri, 4K context,
                                                     # then the 27B under max_gpu_memory 6GB
+    python tests/perf/gpu_memory.py --only dense-27b  # one architecture (each case takes a minute or two)
     python tests/perf/gpu_memory.py --cpu-smoke     # a tiny config on the CPU (no allocator statistics)
 
 Each case runs in its own process (the allocator's peaks and its memory fraction are per process):
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=0, help="prefill tokens (default: the context less the decode, "
                     "so the last chunk attends over almost all of it: the prefill's worst case)")
     ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--only", default="", help="comma list of architectures to run (qwen3-8b, dense-27b); "
+                    "each case takes a minute or two, all of them may pass a 10-minute limit")
     ap.add_argument("--case", nargs=4, metavar=("ARCH", "WEIGHTS", "DEVICE", "LIMIT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
@@ -118,6 +121,8 @@ def main() -> None:
         cases = [(str(models / f"{m}.yaml"), w, "cuda:0", "-")
                  for m in ("qwen3-8b", "dense-27b") for w in ("bin", "tri")]
         cases += [(str(models / "dense-27b.yaml"), w, "cuda:0", "6GB") for w in ("bin", "tri")]
+        if args.only:
+            cases = [c for c in cases if Path(c[0]).stem in args.only.split(",")]
         prompt = args.prompt or args.context - args.decode - 8
         extra = ["--context", str(args.context), "--prompt", str(prompt), "--decode", str(args.decode)]
     for case in cases:
