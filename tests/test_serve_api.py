@@ -180,15 +180,22 @@ def test_prefix_reuse_shows_in_cache_n(client):
     assert second.usage.prompt_tokens_details.cached_tokens == second.model_extra["timings"]["cache_n"]
 
 
-def stream_one(url: str, index: int, disconnect: bool, out: dict) -> None:
+def stream_one(url: str, index: int, disconnect: bool, out: dict, answered: threading.Event | None = None,
+               go: threading.Event | None = None) -> None:
+    """One streaming request; `answered` is set once its status is known, and a client that
+    will disconnect waits for `go` before it reads (so it holds its slot meanwhile)."""
     body = {"messages": [{"role": "user", "content": f"Write a poem about the number {index}."}],
             "max_tokens": 40 if disconnect else 4, "temperature": 0, "stream": True}
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300,
                           headers={"Authorization": f"Bearer {KEY}"}) as r:
+            if answered is not None:
+                answered.set()
             if r.status_code != 200:
                 out[index] = f"{r.status_code} retry-after {r.headers.get('retry-after')}"
                 return
+            if go is not None:
+                go.wait(60)
             for line in r.iter_lines():
                 if disconnect and '"content":"' in line and '"content":""' not in line:
                     out[index] = "left"
@@ -197,6 +204,9 @@ def stream_one(url: str, index: int, disconnect: bool, out: dict) -> None:
                     out[index] = "done"
     except Exception as e:  # noqa: BLE001 - recorded for the assertion
         out[index] = repr(e)
+    finally:
+        if answered is not None:
+            answered.set()
 
 
 def metric(server, name: str) -> float:
@@ -205,18 +215,28 @@ def metric(server, name: str) -> float:
 
 
 def test_concurrent_streams_some_disconnecting_and_a_full_queue(server):
-    # 11 at once: 4 slots + 4 queue places take 8, the rest get 503; every 4th leaves mid-stream
+    # 11 requests: 4 slots + 4 queue places take 8, the rest get 503. The 3 that will leave
+    # mid-stream are admitted first and hold their slots until all others have their answer, so
+    # exactly 3 of the other 8 find the server full.
     rows0, steps0 = metric(server, "bonsai_decode_rows_total"), metric(server, "bonsai_decode_steps_total")
     out: dict = {}
-    threads = [threading.Thread(target=stream_one, args=(server["url"], i, i % 4 == 0, out)) for i in range(11)]
-    for t in threads:
-        t.start()
-    for t in threads:
+    go = threading.Event()
+    answered = {i: threading.Event() for i in range(11)}
+    leaving, staying = [i for i in range(11) if i % 4 == 0], [i for i in range(11) if i % 4]
+    threads = {i: threading.Thread(target=stream_one, args=(server["url"], i, i in leaving, out, answered[i],
+                                                             go if i in leaving else None)) for i in range(11)}
+    for group in (leaving, staying):
+        for i in group:
+            threads[i].start()
+        for i in group:
+            assert answered[i].wait(120), f"request {i} got no status"
+    go.set()
+    for t in threads.values():
         t.join(300)
     busy = "503 retry-after 1"
-    assert all(out.get(i) in (busy, "left" if i % 4 == 0 else "done") for i in range(11)), out
+    assert all(out.get(i) in (busy, "left" if i in leaving else "done") for i in range(11)), out
     results = list(out.values())
-    assert 1 <= results.count(busy) <= 4 and results.count("left") >= 2, out
+    assert results.count(busy) == 3 and results.count("left") == 3, out
     slots = httpx.get(server["url"] + "/slots", headers={"Authorization": f"Bearer {KEY}"}).json()
     deadline = time.time() + 30
     while any(s["is_processing"] for s in slots) and time.time() < deadline:
