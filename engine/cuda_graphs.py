@@ -1,14 +1,16 @@
 """The one place that captures CUDA graphs: the fused decode step, once per row count in use.
 
-A graphed step owns static input buffers (tokens, positions, slots, lengths) and a static logits
-output; `run` copies the new inputs in, replays the graph and returns the output buffer (valid
-until the next replay). Without CUDA (or with graphs off) the same step runs eagerly.
+A graphed step owns static input buffers (tokens, positions, slots, lengths; the rows' embeddings
+when the table lives in host memory, engine.host_embedding) and a static logits output; `run` copies
+the new inputs in, replays the graph and returns the output buffer (valid until the next replay).
+Without CUDA (or with graphs off) the same step runs eagerly.
 """
 from __future__ import annotations
 
 import torch
 
 from engine.decode_step import StepInputs, Workspace, decode_step, make_ops
+from engine.host_embedding import HostEmbedding
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 
@@ -25,6 +27,10 @@ class DecodeStepRunner:
                                  positions=torch.zeros(rows, dtype=torch.int32, device=device),
                                  slot_ids=torch.zeros(rows, dtype=torch.int32, device=device),
                                  seq_lens=torch.ones(rows, dtype=torch.int32, device=device))
+        self.host_embedding = model.embed if isinstance(model.embed, HostEmbedding) else None
+        if self.host_embedding is not None:  # the graph reads the rows from here, never the host table
+            table = self.host_embedding.weight
+            self.inputs.embedded = torch.zeros(rows, table.shape[1], dtype=table.dtype, device=device)  # [M, H]
         self.workspace = Workspace.make(model, rows, device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -57,7 +63,10 @@ class DecodeStepRunner:
     def run(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """Logits float32 [rows, V]; the rows' K/V are written at their positions."""
         assert len(tokens) == len(positions) == len(slots) == self.rows
-        self.inputs.tokens.copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        ids = torch.tensor(tokens, dtype=torch.long)  # [M] host
+        self.inputs.tokens.copy_(ids, non_blocking=True)
+        if self.host_embedding is not None:
+            self.host_embedding.rows_into(ids, self.inputs.embedded)
         pos = torch.tensor(positions, dtype=torch.int32)
         self.inputs.positions.copy_(pos, non_blocking=True)
         self.inputs.seq_lens.copy_(pos + 1, non_blocking=True)
