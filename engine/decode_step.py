@@ -106,7 +106,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
     if stream is not None:
         stream.begin_pass()
     rows = inputs.embedded if inputs.embedded is not None else model.embed(inputs.tokens)  # [M, H]
-    x = rows.float()  # [M, H] residual stream
+    x = rows.to(torch.float32, copy=True)  # [M, H] residual stream (never the static input buffer itself)
     scale = cfg.head_dim ** -0.5
     for i, block in enumerate(model.layers):
         if stream is not None:

@@ -276,7 +276,7 @@ class Transformer(nn.Module):
         parts = name.split(".")
         if parts[0] != "layers":
             target = {"embed_tokens.weight": self.embed.weight, "norm.weight": self.norm.weight,
-                      "lm_head.weight": self.lm_head.weight if self.lm_head is not None else None}.get(name)
+                      "lm_head.weight": getattr(self.lm_head, "weight", None)}.get(name)
             if target is None:
                 if name == "lm_head.weight":
                     return  # tied checkpoints sometimes ship a copy of the embedding
@@ -295,7 +295,9 @@ class Transformer(nn.Module):
             start = 0 if part == "gate_proj" else cfg.intermediate_size
             _copy_into(block.feed_forward.w13.weight[start:start + cfg.intermediate_size], tensor, name)
         else:
-            target = {"o_proj": block.attention.wo.weight, "down_proj": block.feed_forward.w2.weight,
+            # a layer being packed while loading is a PackedLinear here (engine.loader), without .weight
+            target = {"o_proj": getattr(block.attention.wo, "weight", None),
+                      "down_proj": getattr(block.feed_forward.w2, "weight", None),
                       "input_layernorm": block.attention_norm.weight,
                       "post_attention_layernorm": block.ffn_norm.weight,
                       "q_norm": block.attention.q_norm.weight if block.attention.q_norm else None,
