@@ -13,8 +13,9 @@ mirrors an allocation of the code:
   engine.decode_step at their peak, in the caching allocator's segments);
 - prefill: the peak of live activations of one `Transformer.forward` chunk on a GPU (a packed layer
   of more than GEMV_MAX_ROWS rows is unpacked to a float Wᵀ for cuBLAS, in column slices of at most
-  engine.packed_linear.UNPACK_SLICE_BYTES; chunks after the first attend through a mask, which
-  PyTorch runs in its float32 math backend for grouped-query attention: [H, T, S] scores);
+  engine.packed_linear.UNPACK_SLICE_BYTES; chunks after the first attend through a mask, in query
+  blocks whose float32 scores stay under engine.model.ATTENTION_SCORE_BYTES, counted as if PyTorch
+  ran them in its float32 math backend);
 - logits: the logits copies, the sampling temporaries of one step and each sequence's penalty counts;
 - runtime: the cuBLAS / cuBLASLt workspaces (CUDA only; an estimate, not a shape).
 Offloaded weights or KV (memory.weight_offload / kv_offload) leave the device except a staging
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import BonsaiError
 from engine.host_embedding import check_embedding_on_host
+from engine.model import attention_block_rows
 from engine.model_config import ModelConfig
 from engine.packed_linear import GEMV_MAX_ROWS, quantize_transient, unpack_columns
 from quant.kv_format import KV_TYPES, kv_bytes_per_token
@@ -340,7 +342,11 @@ def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
 
     base = 2 * t * h * d + 3 * t * dim // 2 * 4 + 2 * t * 8  # residual + its norm; rotary angles; positions
     masked = sl > t  # a later chunk of a longer context attends through a [T, S] mask
-    if masked:  # float32 math backend: q, k/v, k/v repeated per query head, scores and softmax, mask + bias
+    if masked and s.cuda:  # engine.model.blocked_attention, at worst in the float32 math backend: the chunk's
+        tb, g = attention_block_rows(hq, sl, t), hq // kvh  # mask, K/V as float32, per query block its mask
+        attention = (t * sl * 5 + hq * t * dim * d + 2 * kvh * sl * dim * 4  # (bool + additive), q folded, scores
+                     + g * tb * sl * 6 + hq * tb * dim * (2 * d + 8) + 2 * hq * tb * sl * 4)  # and softmax
+    elif masked:  # the CPU: one call, float32 math: q, k/v, k/v repeated per query head, scores and softmax, mask
         attention = (t * sl * 5 + hq * t * dim * 4 + 2 * kvh * sl * dim * 4 + 2 * hq * sl * dim * 4
                      + 2 * hq * t * sl * 4 + hq * t * dim * 4)
     else:  # flash: output + log-sum-exp

@@ -169,13 +169,44 @@ class Block(nn.Module):
 _GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# A masked attention (a prefill chunk after the first) on a GPU runs in query blocks whose float32
+# scores [H, rows, S] stay under this: PyTorch may run it in its math backend, which materializes them
+# (at a 32K context a 512-token chunk's scores alone would be 2.7 GB for 40 heads).
+ATTENTION_SCORE_BYTES = 128 << 20
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
               gqa: bool) -> torch.Tensor:
     """softmax(q kᵀ/√D + mask) v: q [B, H, T, D], k/v [B, KV, S, D] → [B, H, T, D]."""
     if q.is_cuda:
         with sdpa_kernel(_GPU_ATTENTION_BACKENDS):
+            if mask is not None:
+                return blocked_attention(q, k, v, mask)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+def attention_block_rows(num_heads: int, kv_len: int, rows: int) -> int:
+    """Query rows per call of `blocked_attention`: float32 scores of at most ATTENTION_SCORE_BYTES."""
+    return max(1, min(rows, ATTENTION_SCORE_BYTES // (num_heads * kv_len * 4)))
+
+
+def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked attention with grouped-query heads folded into the query axis (each KV head serves
+    its g query heads as g·T query rows: K/V are never repeated per query head) and the queries in
+    blocks of `attention_block_rows`: q [B, H, T, D], k/v [B, KV, S, D], mask [B, 1, T, S] bool → [B, H, T, D]."""
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    g = h // kv
+    out = torch.empty_like(q)  # [B, H, T, D]
+    step = attention_block_rows(h, s, t)
+    for t0 in range(0, t, step):
+        t1 = min(t0 + step, t)
+        qb = q[:, :, t0:t1].reshape(b, kv, g * (t1 - t0), d)  # [B, KV, g·rows, D]
+        mb = mask[:, :, t0:t1].repeat(1, 1, g, 1)  # [B, 1, g·rows, S]
+        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mb)  # [B, KV, g·rows, D]
+        out[:, :, t0:t1] = ob.view(b, h, t1 - t0, d)
+    return out
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
