@@ -205,7 +205,7 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         qb = q[:, :, t0:t1].reshape(b, kv, g * (t1 - t0), d)  # [B, KV, g·rows, D]
         mb = mask[:, :, t0:t1].repeat(1, 1, g, 1)  # [B, 1, g·rows, S]
         ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mb)  # [B, KV, g·rows, D]
-        out[:, :, t0:t1] = ob.view(b, h, t1 - t0, d)
+        out[:, :, t0:t1] = ob.reshape(b, h, t1 - t0, d)  # the output may come back strided
     return out
 
 

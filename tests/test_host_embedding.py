@@ -107,13 +107,16 @@ def test_graphed_step_with_a_host_table_matches_the_device_table():
     tokens of the table on the device (pinned staging buffers taking turns)."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
-    config = dataclasses.replace(TINY, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
-                                 head_dim=32)
-    fmt = WeightFormat("bin", 32, head_type="int8")
+    config = dataclasses.replace(TINY, vocab_size=256, hidden_size=128, intermediate_size=256, num_heads=4,
+                                 num_kv_heads=2, head_dim=64)
+    fmt = WeightFormat("bin", 64, head_type="int8")
+    hosted = load_dummy(config, "tiny", device="cuda", weight_format=fmt, embedding_on_host=True)
+    plain = load_dummy(config, "tiny", device="cuda", weight_format=fmt)
+    with torch.no_grad():  # the host table is drawn by the CPU's generator: give the device model the same one
+        plain.model.embed.weight.copy_(hosted.model.embed.weight)
     runs = []
-    for on_host in (False, True):
-        loaded = load_dummy(config, "tiny", device="cuda", weight_format=fmt, embedding_on_host=on_host)
+    for loaded in (plain, hosted):
         runner = ModelRunner(loaded, max_seq_len=48, prefill_chunk_size=4)
-        assert runner.decoder.graph is not None
+        assert runner.decoder is not None and runner.decoder.graph is not None
         runs.append(greedy(runner, steps=20)[0])
     assert runs[0] == runs[1]
