@@ -34,8 +34,7 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
     with within_limit(budget.limit, "loading the model"):
         loaded = load_for_cli(model, device, **load)
     with within_limit(budget.limit, "allocating the KV cache and capturing the decode step"):
-        runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type,
-                             prefill_graphs=budget.limit is None, **(offload or {}))
+        runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type, **(offload or {}))
     check_usage(budget.limit, loaded.device, "loading", budget.plan.total)
     report["memory"] = memory_report(budget, loaded.device)
     report["environment"] = describe_environment(loaded.device)

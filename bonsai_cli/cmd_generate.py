@@ -77,7 +77,7 @@ def generate(
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
     with within_limit(limit, "allocating the KV cache and the drafter"):
-        runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, prefill_graphs=limit is None, **offload)
+        runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, **offload)
         drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
     check_usage(limit, loaded.device, "loading", budget.plan.total if budget else None)
     pieces, token_ids, finish, stats = [], [], "length", None

@@ -27,7 +27,8 @@ class ModelRunner:
         offload_layers: weight offload (engine.weight_offload) of these blocks, and the embedding
         table on the host; None: off. With either offload, steps run eagerly (no CUDA graph).
         prefill_graphs: full prefill chunks replayed from CUDA graphs (engine.cuda_graphs.PrefillGraphs;
-        their pool keeps one chunk's activations reserved); default: wherever the decode step is graphed."""
+        their pool keeps one chunk's activations reserved), where the decode step is graphed. Off by
+        default until measured on a GPU (tests/perf/gpu_prefill.sh; docs/perf.md, session 5)."""
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -62,7 +63,7 @@ class ModelRunner:
         self.model.use_fused_prologue(self.decoder is not None and self.decoder.ops.fast)
         self.prefill_graphs = None
         graphed = self.decoder is not None and self.decoder.graph is not None
-        if graphed and prefill_graphs is not False:
+        if graphed and prefill_graphs:
             from engine.cuda_graphs import PrefillGraphs
             self.prefill_graphs = PrefillGraphs(self.model, self.cache, prefill_chunk_size)
 

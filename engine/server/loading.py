@@ -89,8 +89,7 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
                              prefill_chunk_size=rt.prefill_chunk_size, kv_type=m.kv_type_name,
                              kv_offload=mem.kv_offload,
                              host_kv_bytes=mem.host_kv_mib * 2**20 if mem.host_kv_mib else None,
-                             offload_layers=offloaded_layers(config, loaded.config.num_layers),
-                             prefill_graphs=mem.max_gpu_memory is None)  # a graph pool under a cap: not planned
+                             offload_layers=offloaded_layers(config, loaded.config.num_layers))
         th = config.thinking
         spec = config.spec_config
         if spec is not None:
