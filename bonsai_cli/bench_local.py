@@ -59,13 +59,25 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
     save()
     try:
         with within_limit(budget.limit, "benchmarking"):
-            _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain)
+            _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain,
+                       _copy_megabytes(budget.limit, loaded.device))
     finally:  # the allocator's peak over the whole run, next to the plan
         report["memory"] = memory_report(budget, loaded.device)
         save()
 
 
-def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain) -> None:
+def _copy_megabytes(limit: int | None, device) -> int:
+    """The copy-bandwidth buffers' size under a memory limit: a quarter of what the limit leaves each
+    (two buffers), at most the default 1 GiB; 0 (the default size) without a limit."""
+    if limit is None or device.type != "cuda":
+        return 0
+    import torch
+    left = limit - torch.cuda.memory_reserved(device)
+    return max(16, min(1024, left // 4 // 2**20))
+
+
+def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain,
+               copy_megabytes: int = 0) -> None:
     from engine.bench import model_bench
     drafter = None
     if spec_config is not None:
@@ -82,7 +94,7 @@ def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save,
             _add_speedup(report)
             save()
         return
-    copy_bw = model_bench.measure_copy_bandwidth(loaded.device)
+    copy_bw = model_bench.measure_copy_bandwidth(loaded.device, copy_megabytes)
     report["bandwidth"] = {"copy_bytes_per_second": copy_bw}
     report["tests"] = []
     special = loaded.tokenizer.special_ids if loaded.tokenizer is not None else frozenset()
