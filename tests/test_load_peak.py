@@ -116,3 +116,26 @@ def test_plan_counts_the_27b_items_by_hand():
     rows = (1 << 21) // 5120  # 409 rows of a [.., 5120] matrix per slice, from bf16, tri temporaries
     assert load_transient_bytes(config, tri, floats) == max(rows * 5120 * (2 + 46), (1 << 21) // 21504 * 21504 * 48)
     assert hosted.total <= 5_500_000_000  # under 6 GB with half a GB to spare
+
+
+@pytest.mark.gpu
+def test_dummy_load_peak_on_a_gpu():
+    """torch.cuda.max_memory_allocated over a dummy load: the weights plus at most the planned slice."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    config = ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=1024, intermediate_size=4096,
+                         num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, qk_norm=True,
+                         max_position_embeddings=4096)
+    fmt = WeightFormat("tri", 128, head_type="tri")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loaded = load_dummy(config, "tiny", device="cuda", weight_format=fmt, embedding_on_host=True)
+    torch.cuda.synchronize()
+    final = torch.cuda.memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated() - before
+    tensors = len(list(loaded.model.parameters())) + len(list(loaded.model.buffers()))
+    assert abs(final - model_bytes(loaded.model)) <= 512 * tensors  # the allocator rounds each block to 512 B
+    s = run_settings(config, "cuda", 4096, dummy=True, embedding_on_host=True)
+    planned = load_transient_bytes(config, dummy_formats(config, "tri", 128, "tri").formats, s)
+    assert peak - final <= planned + (1 << 20)

@@ -8,7 +8,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 B="python3 -m bonsai_cli"
 echo "== GPU tests of the merged paths (offload, quantized KV, batched speculation, kernels)"
 timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_offload.py tests/test_kv_quant_kernels.py \
-    tests/test_kv_quant_decode.py tests/test_kv_cache_quant.py tests/test_packed_kernels.py tests/test_host_embedding.py \
+    tests/test_kv_quant_decode.py tests/test_kv_cache_quant.py tests/test_packed_kernels.py tests/test_host_embedding.py tests/test_load_peak.py \
     2>&1 | tail -6
 echo "== 27B-class 1-bit, int4 head, 4K context under max_gpu_memory 6GB: plan vs allocator per stage (the plan puts"
 echo "   the embedding table in host memory; decode stays CUDA-graphed), int8 and bf16 KV"
