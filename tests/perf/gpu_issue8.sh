@@ -12,6 +12,7 @@ timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_offloa
     2>&1 | tail -6
 echo "== 27B-class 1-bit, int4 head, 4K context under max_gpu_memory 6GB: plan vs allocator per stage (the plan puts"
 echo "   the embedding table in host memory; decode stays CUDA-graphed), int8 and bf16 KV"
+COLUMNS=160 $B info configs/models/dense-27b.yaml --plan configs/serve-27b-6gb.yaml 2>&1 | tail -6
 for kv in int8 bf16; do
     timeout 150 python3 tests/perf/gpu_memory.py --case configs/models/dense-27b.yaml bin cuda:0 6GB --kv-type $kv \
         2>&1 | grep '^{' | tee -a "$OUT/memory.jsonl" | cut -c1-900
