@@ -63,9 +63,10 @@ def collect(q: queue.Queue, timeout=60.0):
             return event
 
 
-def plain(loaded, tok, prompt, max_tokens=12) -> str:
+def plain(loaded, tok, prompt, max_tokens=12, sampling=None) -> str:
     runner = ModelRunner(loaded, max_seq_len=128)
-    text, _, _, _ = generate_text(runner, tok, list(prompt), GenerationRequest(max_tokens=max_tokens))
+    request = GenerationRequest(max_tokens=max_tokens, sampling=sampling or SamplingParams())
+    text, _, _, _ = generate_text(runner, tok, list(prompt), request)
     return text
 
 
@@ -140,6 +141,22 @@ def test_prefill_runs_in_budgeted_chunks_between_decode_steps(loaded, smollm2_to
         between = between + n if kind == "prefill" else 0
         assert between <= 10, calls  # a decoding request never waits for more than the budget
     assert engine.metrics.prefill_chunks == 1 + 7
+
+
+def test_sampled_rows_drawn_together_give_each_request_its_own_seeded_sample(loaded, smollm2_tok, one_thread):
+    """Greedy, sampled and penalized requests decoded in one batch: every row's token chosen in one
+    call, each sampled request with its own generator, so each output is what it gives alone."""
+    kinds = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, seed=3),
+             SamplingParams(temperature=0.9, top_p=0.9, seed=4),
+             SamplingParams(temperature=1.2, top_k=30, presence_penalty=1.0, seed=5)]
+    engine = make_engine(loaded, smollm2_tok)
+    try:
+        jobs = [submit(engine, p, max_tokens=10, sampling=k) for p, k in zip(PROMPTS, kinds)]
+        texts = [collect(q)[0] for _, q in jobs]
+    finally:
+        engine.stop()
+    assert texts == [plain(loaded, smollm2_tok, p, 10, k) for p, k in zip(PROMPTS, kinds)]
+    assert engine.metrics.decode_rows > engine.metrics.decode_steps
 
 
 def test_cancel_frees_the_slot_and_others_finish(loaded, smollm2_tok, one_thread):

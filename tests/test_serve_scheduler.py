@@ -201,3 +201,25 @@ def test_metrics_prometheus_text_parses():
     assert samples["bonsai_spec_decode_num_accepted_tokens_total"] == 3 and samples["bonsai_spec_decode_num_drafts_total"] == 2
     assert [samples[f'bonsai_spec_decode_num_draft_tokens_per_pos_total{{position="{p}"}}'] for p in range(3)] == [2, 1, 1]
     assert [samples[f'bonsai_spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}'] for p in range(3)] == [2, 1, 0]
+
+
+def test_event_relay_delivers_in_order_with_one_wakeup_per_burst():
+    import asyncio
+    import threading
+
+    from engine.server.relay import EventRelay
+
+    async def main():
+        relay = EventRelay(asyncio.get_running_loop())
+        queues = [asyncio.Queue() for _ in range(3)]
+        # the engine thread posts a whole step's events while the loop is busy elsewhere
+        poster = threading.Thread(target=lambda: [relay.post(queues[i % 3], i) for i in range(30)])
+        poster.start()
+        poster.join()
+        got = [[await q.get() for _ in range(10)] for q in queues]
+        assert got == [list(range(k, 30, 3)) for k in range(3)]
+        assert relay.wakeups == 1 and all(q.empty() for q in queues)
+        relay.post(queues[0], "next")  # a later burst wakes the loop again
+        assert await asyncio.wait_for(queues[0].get(), 5) == "next" and relay.wakeups == 2
+
+    asyncio.run(main())

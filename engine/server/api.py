@@ -3,12 +3,13 @@
 The model loads in a background thread after the server starts listening; until it is ready every
 route but /health answers 503 and /health reports the stage. Requests are validated strictly
 (protocol.py), turned into prompt ids, and handed to the engine loop; its events come back through
-an asyncio queue per request. A client that disconnects cancels its request, which frees the slot
-at the engine's next iteration.
+an asyncio queue per request (relay.py: one loop wake-up for all the events of a decode step). A
+client that disconnects cancels its request, which frees the slot at the engine's next iteration.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -28,6 +29,7 @@ from engine.server.config import ServeConfig
 from engine.server.loading import Served
 from engine.server.metrics import Metrics
 from engine.server.prompts import chat_prompt, completion_prompt
+from engine.server.relay import EventRelay
 from engine.server.scheduler import QueueFull
 from engine.server.sequence import Delta, Failed, Finished, ServeRequest
 from engine.server.sse import DONE, sse
@@ -81,6 +83,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
             await asyncio.get_running_loop().run_in_executor(None, state.served.engine.stop)
 
     app = FastAPI(title="bonsai", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}  # the server's loop → its relay
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
@@ -141,7 +144,8 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
             loop = asyncio.get_running_loop()
             job = await loop.run_in_executor(None, _make_job, served, req, chat)  # template + tokenizer off the loop
             queue: asyncio.Queue = asyncio.Queue()
-            job.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+            relay = relays.get(loop) or relays.setdefault(loop, EventRelay(loop))
+            job.emit = functools.partial(relay.post, queue)
             served.engine.submit(job)
         except QueueFull as e:
             state.metrics.count_request("rejected_busy")

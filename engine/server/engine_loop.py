@@ -21,8 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 
+import torch
+
 from engine.errors import BonsaiError
 from engine.runner import ModelRunner
+from engine.sampling import sample_rows
 from engine.server.metrics import Metrics
 from engine.server.scheduler import Scheduler, plan_prefill
 from engine.server.sequence import Failed, Sequence, ServeRequest, ThinkingRules
@@ -203,19 +206,26 @@ class EngineLoop:
             for i in rows:
                 self._fail(i, _message(e))
             return
-        before = sum(self.active[i].generated for i in rows)
-        # greedy rows without penalties need only the argmax: one kernel and one read-back for all
-        greedy = [row for row, i in enumerate(rows)
-                  if self.active[i].request.sampling.greedy and self.active[i].seen is None]
-        choices = dict(zip(greedy, logits[greedy, :self.vocab].argmax(dim=-1).tolist())) if greedy else {}
-        for row, i in enumerate(rows):
-            seq = self.active[i]
+        seqs = [self.active[i] for i in rows]
+        before = sum(seq.generated for seq in seqs)
+        try:
+            cut = logits[:, :self.vocab]  # [B, V] the ids the tokenizer knows
+            if any(seq.seen is not None for seq in seqs):
+                cut = torch.stack([seq.penalized(cut[row]) for row, seq in enumerate(seqs)])  # [B, V]
+            # every row's token in one call and one read-back (greedy rows: one argmax for all)
+            choices = sample_rows(cut, [seq.request.sampling for seq in seqs], [seq.generator for seq in seqs])
+        except Exception as e:
+            log.exception("sampling failed")
+            for i in rows:
+                self._fail(i, _message(e))
+            return
+        for row, (i, seq) in enumerate(zip(rows, seqs)):
             try:
-                seq.on_logits(logits[row], self._room(i), choices.get(row))
+                seq.on_logits(cut[row], self._room(i), choices[row])
             except Exception as e:
                 log.exception("sampling failed")
                 self._fail(i, _message(e))
-        self.metrics.count_step(len(rows), sum(self.active[i].generated for i in rows if i in self.active) - before)
+        self.metrics.count_step(len(rows), sum(seq.generated for seq in seqs) - before)
 
     def _end(self, index: int, outcome: str | None) -> None:
         seq = self.active.pop(index)

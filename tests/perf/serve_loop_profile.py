@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import io
 import pstats
 import threading
@@ -43,12 +44,15 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top", type=int, default=18, help="functions listed per thread")
     ap.add_argument("--budget", type=int, default=None, help="server.max_prefill_tokens_per_step")
+    ap.add_argument("--emit", choices=("relay", "direct"), default="relay",
+                    help="events through the server's EventRelay, or one call_soon_threadsafe per event")
     args = ap.parse_args()
     path = store.find_pulled(store.DEFAULT_MODEL) or store.pull(store.DEFAULT_MODEL)
     loaded = load_model(path, "cpu", weight_dtype=torch.float32)  # what weight_dtype: auto picks for slots
     tok = loaded.require_tokenizer()
     runner = ModelRunner(loaded, max_seq_len=512, num_slots=args.streams, prefill_chunk_size=256)
-    engine = EngineLoop(runner, tok, 512, max_queue=args.requests, prefill_budget=args.budget)
+    extra = {} if args.budget is None else {"prefill_budget": args.budget}
+    engine = EngineLoop(runner, tok, 512, max_queue=args.requests, **extra)
     engine_prof, loop_prof = cProfile.Profile(), cProfile.Profile()
     run = engine._run
 
@@ -66,12 +70,22 @@ def main() -> None:
     served = SimpleNamespace(engine=engine)
     params = SamplingParams(temperature=args.temperature, top_p=0.95 if args.temperature else 1.0, seed=1)
 
+    relay = []
+
     async def one(i: int, sem: asyncio.Semaphore) -> tuple[int, int]:
         async with sem:
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
+            if args.emit == "relay":
+                if not relay:
+                    from engine.server.relay import EventRelay
+                    relay.append(EventRelay(loop))
+                emit = functools.partial(relay[0].post, queue)
+            else:
+                def emit(event, queue=queue):
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
             job = ServeRequest(id=f"r{i}", prompt_ids=prompts[i % len(prompts)], max_tokens=args.max_tokens,
-                               emit=lambda e: loop.call_soon_threadsafe(queue.put_nowait, e), sampling=params)
+                               emit=emit, sampling=params)
             engine.submit(job)
             chunks = bytes_out = 0
             async for piece in _stream(served, job, queue, (job.id, "m", 0), True, True):
@@ -98,7 +112,7 @@ def main() -> None:
     print(f"{args.requests} requests, {args.streams} in flight, T={args.temperature}: {tokens} tokens in {wall:.2f} s "
           f"= {tokens / wall:.1f} tok/s; {engine.metrics.decode_steps} decode steps "
           f"(mean {engine.metrics.decode_rows / max(engine.metrics.decode_steps, 1):.2f} rows), "
-          f"{engine.metrics.prefill_chunks} prefill chunks; {sum(c for c, _ in results)} SSE chunks")
+          f"{getattr(engine.metrics, 'prefill_chunks', '?')} prefill chunks; {sum(c for c, _ in results)} SSE chunks")
     stats = pstats.Stats(engine_prof)
     # the model's own time: every nn.Module call (recursive calls are counted once by cProfile)
     model = sum(ct for (file, _, name), (_, _, _, ct, _) in stats.stats.items()
