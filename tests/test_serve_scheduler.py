@@ -223,3 +223,13 @@ def test_event_relay_delivers_in_order_with_one_wakeup_per_burst():
         assert await asyncio.wait_for(queues[0].get(), 5) == "next" and relay.wakeups == 2
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("text", ["Paris", "", 'quote " back\\slash\nnew line\ttab', "é 🙂 \u2028 </think>", "\x00\x1f"])
+def test_chunk_lines_equal_the_generic_sse_encoding(text):
+    from engine.server import protocol as P
+    from engine.server.sse import ChunkLines, sse
+    for rid, model, created in (("chatcmpl-abc", "smollm2", 1764000000), ('id"odd', "m/ö", 0)):
+        for delta in ({"content": text}, {"reasoning_content": text}, {"reasoning_content": "a", "content": text}):
+            assert ChunkLines(rid, model, created, True).delta(delta) == sse(P.chat_chunk(rid, model, created, delta))
+        assert ChunkLines(rid, model, created, False).text(text) == sse(P.text_chunk(rid, model, created, text))

@@ -32,7 +32,7 @@ from engine.server.prompts import chat_prompt, completion_prompt
 from engine.server.relay import EventRelay
 from engine.server.scheduler import QueueFull
 from engine.server.sequence import Delta, Failed, Finished, ServeRequest
-from engine.server.sse import DONE, sse
+from engine.server.sse import DONE, ChunkLines, sse
 
 log = logging.getLogger("bonsai.server")
 
@@ -216,6 +216,7 @@ def _make_job(served: Served, req: Any, chat: bool) -> ServeRequest:
 async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta: tuple, chat: bool,
                   include_usage: bool) -> AsyncIterator[str]:
     rid, model, created = meta
+    lines = ChunkLines(rid, model, created, chat)  # a token's chunk: only its text is encoded
     try:
         if chat:
             yield sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
@@ -224,10 +225,12 @@ async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta:
             if isinstance(event, Delta):
                 if chat:
                     delta = {k: v for k, v in (("reasoning_content", event.reasoning), ("content", event.content)) if v}
-                    yield sse(P.chat_chunk(rid, model, created, delta, logprobs=event.logprobs or None))
+                    yield (sse(P.chat_chunk(rid, model, created, delta, logprobs=event.logprobs))
+                           if event.logprobs else lines.delta(delta))
                 else:
-                    yield sse(P.text_chunk(rid, model, created, event.reasoning + event.content,
-                                           logprobs=event.logprobs or None))
+                    text = event.reasoning + event.content
+                    yield (sse(P.text_chunk(rid, model, created, text, logprobs=event.logprobs))
+                           if event.logprobs else lines.text(text))
             elif isinstance(event, Finished):
                 last = (P.chat_chunk(rid, model, created, {}, event.reason) if chat
                         else P.text_chunk(rid, model, created, "", event.reason))

@@ -1,6 +1,6 @@
 """Where the server's engine loop spends its time: SmolLM2 on the CPU, N streams in flight, each
 stream's events turned into SSE chunks on an asyncio loop exactly as `bonsai serve` does (no HTTP
-sockets), with cProfile on the engine thread and on the event loop's thread.
+sockets), with cProfile (each thread's CPU time) on the engine thread and on the event loop's thread.
 
     python tests/perf/serve_loop_profile.py --streams 8 --requests 16 --max-tokens 48 [--temperature 0.8]
 
@@ -34,6 +34,12 @@ QUESTIONS = ["Write a Python function that reverses a string.", "What is the cap
              "Translate 'good morning' into Spanish and German.", "Summarize the plot of Hamlet.",
              "What is 17 times 23?", "Give me a haiku about autumn."]
 IDLE = ("acquire", "poll", "select")  # waiting for work (a lock, the event loop's selector)
+# parts of the engine thread's host work: (file suffix, function) whose cumulative CPU time is shown
+PARTS = {"Sequence.on_logits (token -> text -> events)": [("server/sequence.py", "on_logits")],
+         "  detokenizing (StreamDecoder.push)": [("engine/detokenize.py", "push")],
+         "  events to the event loop": [("server/relay.py", "post"), ("serve_loop_profile.py", "emit"),
+                                        ("profile_main.py", "emit")],
+         "picking the tokens (sample_rows)": [("engine/sampling.py", "sample_rows")]}
 
 
 def main() -> None:
@@ -44,6 +50,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top", type=int, default=18, help="functions listed per thread")
     ap.add_argument("--budget", type=int, default=None, help="server.max_prefill_tokens_per_step")
+    ap.add_argument("--dump", default=None, help="write PREFIX.engine.prof and PREFIX.loop.prof (pstats files)")
     ap.add_argument("--emit", choices=("relay", "direct"), default="relay",
                     help="events through the server's EventRelay, or one call_soon_threadsafe per event")
     args = ap.parse_args()
@@ -53,7 +60,8 @@ def main() -> None:
     runner = ModelRunner(loaded, max_seq_len=512, num_slots=args.streams, prefill_chunk_size=256)
     extra = {} if args.budget is None else {"prefill_budget": args.budget}
     engine = EngineLoop(runner, tok, 512, max_queue=args.requests, **extra)
-    engine_prof, loop_prof = cProfile.Profile(), cProfile.Profile()
+    # each thread's own CPU time: what the work costs, not how long a busy machine kept it waiting
+    engine_prof, loop_prof = cProfile.Profile(time.thread_time), cProfile.Profile(time.thread_time)
     run = engine._run
 
     def profiled_run() -> None:
@@ -119,11 +127,18 @@ def main() -> None:
                 if name == "_call_impl" and file.endswith("torch/nn/modules/module.py"))
     busy = sum(tt for (_, _, name), (_, _, tt, _, _) in stats.stats.items() if not any(w in name for w in IDLE))
     host = busy - model
-    print(f"engine thread: {busy:.2f} s busy = model {model:.2f} s + host {host:.2f} s "
+    print(f"engine thread (CPU time): {busy:.2f} s busy = model {model:.2f} s + host {host:.2f} s "
           f"({1e6 * host / max(tokens, 1):.0f} us per generated token, {100 * host / max(busy, 1e-9):.1f}% of busy)")
+    for part, where in PARTS.items():
+        seconds = sum(ct for (file, _, name), (_, _, _, ct, _) in stats.stats.items()
+                      if any(file.endswith(suffix) and name == fn for suffix, fn in where))
+        print(f"  {part}: {1e6 * seconds / max(tokens, 1):.0f} us per token")
+    if args.dump:
+        engine_prof.dump_stats(f"{args.dump}.engine.prof")
+        loop_prof.dump_stats(f"{args.dump}.loop.prof")
     loop_busy = sum(tt for (_, _, name), (_, _, tt, _, _) in pstats.Stats(loop_prof).stats.items()
                     if not any(w in name for w in IDLE))
-    print(f"event-loop thread: {loop_busy:.2f} s busy ({1e6 * loop_busy / max(tokens, 1):.0f} us per generated token)")
+    print(f"event-loop thread (CPU time): {loop_busy:.2f} s busy ({1e6 * loop_busy / max(tokens, 1):.0f} us per generated token)")
     for title, prof in (("engine thread", engine_prof), ("event-loop thread", loop_prof)):
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
