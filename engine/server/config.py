@@ -192,7 +192,8 @@ class ServerSection:
     max_prompt_tokens: int | None = None  # default: the slot's context budget
     default_max_tokens: int = 512  # when a request gives no max_tokens (capped by the context)
     # prompt tokens prefilled between two decode steps while other slots decode (default: one
-    # runtime.prefill_chunk_size chunk); smaller: steadier tokens for running requests, slower first tokens
+    # runtime.prefill_chunk_size chunk; a smaller budget also cuts smaller chunks); smaller: steadier
+    # tokens for the running requests, later first tokens for new ones
     max_prefill_tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
