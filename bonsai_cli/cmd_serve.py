@@ -86,9 +86,14 @@ def serve(
     state.on_load_error = lambda message: setattr(server, "should_exit", True)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handlers
     # that were there before: make that a normal exit, the shutdown being complete.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: sys.exit(0))
-    server.run()
+    # The handlers are put back afterwards: a caller in the same process (a test, an embedding
+    # program) keeps its own.
+    previous = {sig: signal.signal(sig, lambda signum, frame: sys.exit(0)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if state.load_error:
         raise BonsaiError(state.load_error)
     err_console.print("[dim]server stopped[/dim]")

@@ -22,11 +22,8 @@ The pieces, joined, with ``flush()`` at the end, equal ``tokenizer.decode(all_id
 """
 from __future__ import annotations
 
-import re
 
 from engine.tokenizer import Tokenizer
-
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class StreamDecoder:
@@ -75,9 +72,11 @@ class StreamDecoder:
     def _in_byte_run(self) -> bool:
         """Whether the last token the decoder sees is a byte-fallback token (skipped special
         tokens are invisible to it, so a byte run goes on across them)."""
-        for token_id in reversed(self._ids[self._read_offset:]):
+        ids = self._ids
+        for k in range(len(ids) - 1, self._read_offset - 1, -1):
+            token_id = ids[k]
             if self.skip_special_tokens and token_id in self.tokenizer.special_ids:
                 continue
-            token = self.tokenizer.id_to_token(token_id)
-            return token is not None and _BYTE_TOKEN.fullmatch(token) is not None
+            return self.tokenizer.is_byte_token(token_id)
         return False
+

@@ -94,3 +94,32 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     else:
         gen.seed()
     return gen
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[int]:
+    """One token id per row of logits [B, V], row i with params[i] and generators[i]: the ids
+    `sample` gives row by row, read back in one transfer (one device sync for the whole batch, not
+    one per row). Greedy rows take one argmax together; rows with the same filters get their
+    distribution computed together; each sampled row is then drawn with its own generator."""
+    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
+    groups: dict[tuple, list[int]] = {}
+    for row, p in enumerate(params):
+        key = ("greedy",) if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)
+        groups.setdefault(key, []).append(row)
+    order: list[int] = []
+    picks: list[torch.Tensor] = []
+    for key, rows in groups.items():
+        index = rows if len(rows) < len(params) else slice(None)
+        if key == ("greedy",):
+            picks.append(logits[index].argmax(dim=-1))  # [n]
+        else:
+            probs = probabilities(logits[index], params[rows[0]])  # [n, V]
+            picks += [torch.multinomial(probs[j], 1, generator=generators[row]) for j, row in enumerate(rows)]
+        order += rows
+    out = [0] * len(params)
+    for row, token in zip(order, torch.cat(picks).tolist()):
+        out[row] = token
+    return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from tokenizers import Tokenizer as Backend
 
 from engine import chat_template as chat_template_module
 from engine.errors import BonsaiError, ModelFileError, UnsupportedModelError
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +227,7 @@ class Tokenizer:
         pad_id: int | None = None,
     ) -> None:
         self._backend = backend
+        self._byte_tokens: dict[int, bool] = {}  # id → is a byte-fallback token (is_byte_token)
         self.bos_id, self.eos_id = bos_id, eos_id
         # a tokenizer.json post-processor may add BOS/EOS itself; then it decides, not the flags
         probe = backend.encode("", add_special_tokens=True).ids
@@ -354,6 +358,15 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))
+
+    def is_byte_token(self, token_id: int) -> bool:
+        """Whether the id is a SentencePiece byte-fallback token (``<0x..>``); looked up once per id
+        (streaming asks it for every token)."""
+        answer = self._byte_tokens.get(token_id)
+        if answer is None:
+            token = self.id_to_token(token_id)
+            answer = self._byte_tokens[token_id] = token is not None and _BYTE_TOKEN.fullmatch(token) is not None
+        return answer
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) are matched

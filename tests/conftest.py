@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,29 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_sigint():
+    """A suite started as a background job of a script (`pytest ... &`) inherits an ignored SIGINT
+    (POSIX: asynchronous commands of a non-interactive shell ignore it), and so would every child
+    process the tests start: the tests run with Python's own SIGINT handling, however launched."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_kept(default_sigint):
+    """Every test (and the code it runs in this process) leaves SIGINT and SIGTERM as it found
+    them: a handler left behind changes how later tests, and the children they start, stop."""
+    before = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    yield
+    changed = {sig: handler for sig in _SIGNALS if (handler := signal.getsignal(sig)) != before[sig]}
+    for sig in changed:
+        signal.signal(sig, before[sig])
+    assert not changed, "the test left signal handlers changed: " + ", ".join(
+        f"{signal.Signals(sig).name} {before[sig]!r} -> {handler!r}" for sig, handler in changed.items())

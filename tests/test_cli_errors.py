@@ -98,3 +98,15 @@ def test_help_is_fast_and_lists_commands():
     assert proc.returncode == 0
     for cmd in ("pull", "info", "generate", "chat"):
         assert cmd in proc.stdout
+
+
+def test_serve_in_process_puts_the_signal_handlers_back(tmp_path, capsys):
+    """`bonsai serve` run inside another program (here: a model that fails to load) ends with one
+    line and leaves SIGINT/SIGTERM as they were (conftest's signal_handlers_kept checks it too)."""
+    import signal
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model:\n  path: {tmp_path / 'missing.gguf'}\nruntime:\n  device: cpu\nserver:\n  port: 0\n")
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    proc = bonsai_in_process(capsys, "serve", "--config", str(config), "--log-level", "error")
+    assert_one_line_error(proc, "not found")
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.errors import BonsaiError
-from engine.sampling import SamplingParams, apply_penalties, make_generator, probabilities, sample
+from engine.sampling import SamplingParams, apply_penalties, make_generator, probabilities, sample, sample_rows
 
 
 def test_greedy_is_argmax():
@@ -73,3 +73,20 @@ def test_same_seed_same_samples_and_distribution():
 def test_invalid_parameters_are_user_errors(kwargs):
     with pytest.raises(BonsaiError):
         SamplingParams(**kwargs)
+
+
+def test_sample_rows_gives_what_sample_gives_row_by_row(one_thread):
+    torch.manual_seed(0)
+    logits = torch.randn(7, 300) * 3  # [B, V]
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=2), SamplingParams(temperature=1.3, top_k=20, seed=3),
+              SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, seed=4),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=5)]
+    gens_rows = [None if p.greedy else make_generator(p, logits.device) for p in params]
+    gens_one = [None if p.greedy else make_generator(p, logits.device) for p in params]
+    for draw in range(20):  # each row's generator advances alike in both
+        rows = sample_rows(logits, params, gens_rows)
+        alone = [sample(logits[i], p, g) for i, (p, g) in enumerate(zip(params, gens_one))]
+        assert rows == alone, draw
+    assert rows[0] == int(logits[0].argmax()) and rows[4] == int(logits[4].argmax())
+    assert sample_rows(logits[:2], [SamplingParams()] * 2, [None, None]) == logits[:2].argmax(-1).tolist()

@@ -127,6 +127,11 @@ def test_wrong_types_and_values_give_the_key_path(tmp_path):
     assert "memory.activation_checkpoint" in error("model:\n  path: m\nmemory:\n  activation_checkpoint: true\n",
                                                    tmp_path)
     assert "mapping" in error("- just\n- a list\n", tmp_path)
+    budget = "model:\n  path: m\nserver:\n  max_prefill_tokens_per_step: {}\n"
+    assert "server.max_prefill_tokens_per_step" in error(budget.format(0), tmp_path)
+    assert "server.max_prefill_tokens_per_step" in error(budget.format("lots"), tmp_path)
+    assert load(budget.format(128), tmp_path).server.max_prefill_tokens_per_step == 128
+    assert "max_prefill_tokens_per_step" in error(budget.format(1).replace("tokens_per", "token_per"), tmp_path)
 
 
 def test_command_line_overrides_and_defaults(tmp_path):

@@ -38,9 +38,9 @@ def loaded(smollm2_tok):
     return tiny_loaded(smollm2_tok.vocab_size)
 
 
-def make_engine(loaded, tok, slots=4, chunk=8, context=128, rules=None) -> EngineLoop:
+def make_engine(loaded, tok, slots=4, chunk=8, context=128, rules=None, budget=None) -> EngineLoop:
     runner = ModelRunner(loaded, max_seq_len=context, num_slots=slots, prefill_chunk_size=chunk)
-    return EngineLoop(runner, tok, context, max_queue=8, rules=rules).start()
+    return EngineLoop(runner, tok, context, max_queue=8, rules=rules, prefill_budget=budget).start()
 
 
 def submit(engine, prompt, max_tokens=12, id="r", **kw) -> tuple[ServeRequest, queue.Queue]:
@@ -63,9 +63,10 @@ def collect(q: queue.Queue, timeout=60.0):
             return event
 
 
-def plain(loaded, tok, prompt, max_tokens=12) -> str:
+def plain(loaded, tok, prompt, max_tokens=12, sampling=None) -> str:
     runner = ModelRunner(loaded, max_seq_len=128)
-    text, _, _, _ = generate_text(runner, tok, list(prompt), GenerationRequest(max_tokens=max_tokens))
+    request = GenerationRequest(max_tokens=max_tokens, sampling=sampling or SamplingParams())
+    text, _, _, _ = generate_text(runner, tok, list(prompt), request)
     return text
 
 
@@ -101,6 +102,61 @@ def test_concurrent_requests_match_plain_generation_and_share_steps(loaded, smol
         assert text == plain(loaded, smollm2_tok, again)
     finally:
         engine.stop()
+
+
+def test_prefill_runs_in_budgeted_chunks_between_decode_steps(loaded, smollm2_tok, one_thread):
+    """While a request decodes, new prompts are prefilled at most `budget` tokens between two of its
+    steps (whole chunks, oldest first), and every output is still plain generation's."""
+    engine = make_engine(loaded, smollm2_tok, slots=3, chunk=8, budget=10)
+    calls: list[tuple[str, int]] = []  # ("prefill", tokens) | ("decode", rows), in the order they ran
+    forward, decode_batch = engine.runner.forward, engine.runner.decode_batch
+
+    def logged_forward(slot, tokens, num_logits=1):
+        if len(tokens) > 1:
+            calls.append(("prefill", len(tokens)))
+        return forward(slot, tokens, num_logits)
+
+    def logged_decode(slots, tokens):
+        calls.append(("decode", len(slots)))
+        return decode_batch(slots, tokens)
+
+    engine.runner.forward, engine.runner.decode_batch = logged_forward, logged_decode
+    long_a, long_b = list(range(300, 330)), list(range(400, 421))  # 30 and 21 tokens: 8 + 8 + 8 + 6, 8 + 8 + 5
+    try:
+        _, q0 = submit(engine, PROMPTS[0], max_tokens=40, id="running")
+        first = q0.get(timeout=30)  # decoding now
+        jobs = [submit(engine, p, max_tokens=6, id=str(i)) for i, p in enumerate((long_a, long_b))]
+        results = [collect(q) for q in (q0, jobs[0][1], jobs[1][1])]
+        assert first.content + results[0][0] == plain(loaded, smollm2_tok, PROMPTS[0], 40)
+        for p, (text, _, fin) in zip((long_a, long_b), results[1:]):
+            assert text == plain(loaded, smollm2_tok, p, 6) and fin.usage["prompt_tokens"] == len(p)
+    finally:
+        engine.stop()
+    prefills = [n for kind, n in calls if kind == "prefill"]
+    # the running request's own prompt, then first come, first served in the same cuts as alone
+    assert prefills == [5] + [8, 8, 8, 6] + [8, 8, 5], calls
+    first_decode = next(i for i, (kind, _) in enumerate(calls) if kind == "decode")
+    between = 0
+    for kind, n in calls[first_decode:]:
+        between = between + n if kind == "prefill" else 0
+        assert between <= 10, calls  # a decoding request never waits for more than the budget
+    assert engine.metrics.prefill_chunks == 1 + 7
+
+
+def test_sampled_rows_drawn_together_give_each_request_its_own_seeded_sample(loaded, smollm2_tok, one_thread):
+    """Greedy, sampled and penalized requests decoded in one batch: every row's token chosen in one
+    call, each sampled request with its own generator, so each output is what it gives alone."""
+    kinds = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, seed=3),
+             SamplingParams(temperature=0.9, top_p=0.9, seed=4),
+             SamplingParams(temperature=1.2, top_k=30, presence_penalty=1.0, seed=5)]
+    engine = make_engine(loaded, smollm2_tok)
+    try:
+        jobs = [submit(engine, p, max_tokens=10, sampling=k) for p, k in zip(PROMPTS, kinds)]
+        texts = [collect(q)[0] for _, q in jobs]
+    finally:
+        engine.stop()
+    assert texts == [plain(loaded, smollm2_tok, p, 10, k) for p, k in zip(PROMPTS, kinds)]
+    assert engine.metrics.decode_rows > engine.metrics.decode_steps
 
 
 def test_cancel_frees_the_slot_and_others_finish(loaded, smollm2_tok, one_thread):

@@ -9,7 +9,7 @@ from engine.errors import BonsaiError
 from engine.server.context_policy import fit_conversation
 from engine.server.metrics import Metrics
 from engine.server.reasoning import ReasoningSplitter
-from engine.server.scheduler import QueueFull, Scheduler
+from engine.server.scheduler import PrefillChunk, QueueFull, Scheduler, plan_prefill
 
 
 @dataclass
@@ -85,6 +85,39 @@ def test_queue_counts_free_slots_as_room():
     assert len(s.assign()) == 3 and s.drain() == []
 
 
+def chunks(plan: list[PrefillChunk]) -> list[tuple[int, int]]:
+    return [(c.slot, c.size) for c in plan]
+
+
+def test_prefill_plan_gives_whole_chunks_first_come_first_served_within_the_budget():
+    # the oldest request (slot 3) first, as many whole chunks as fit; the next chunk (188) would pass 512
+    assert chunks(plan_prefill([(3, 700), (1, 100), (0, 40)], chunk=256, budget=512)) == [(3, 256), (3, 256)]
+    # short prompts share a budget; the third's chunk does not fit, and nobody is skipped over (FCFS)
+    assert chunks(plan_prefill([(1, 100), (0, 40), (2, 300), (4, 10)], chunk=256, budget=256)) == [(1, 100), (0, 40)]
+    # one chunk always runs, even past a small budget, so prefill never starves
+    assert chunks(plan_prefill([(0, 300)], chunk=256, budget=64)) == [(0, 256)]
+    # the last prompt token is left to the batched decode step (its logits start the answer)
+    assert chunks(plan_prefill([(0, 257)], chunk=256, budget=1000)) == [(0, 256)]
+    # nobody decodes (budget None): one chunk for every waiting request
+    assert chunks(plan_prefill([(0, 600), (1, 30)], chunk=256, budget=None)) == [(0, 256), (1, 30)]
+    assert plan_prefill([], chunk=256, budget=512) == []
+
+
+def test_prefill_cuts_of_a_prompt_do_not_depend_on_the_other_requests():
+    def cuts(waiting: dict[int, int], budget: int | None) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {slot: [] for slot in waiting}
+        while any(left > 1 for left in waiting.values()):
+            for c in plan_prefill([(s, n) for s, n in waiting.items() if n > 1], chunk=7, budget=budget):
+                out[c.slot].append(c.size)
+                waiting[c.slot] -= c.size
+        return out
+    alone = cuts({5: 29}, 10)[5]
+    assert alone == [7, 7, 7, 7] and cuts({5: 29}, None)[5] == alone  # the 29th token decodes
+    for budget in (1, 9, 14, 50, None):
+        together = cuts({2: 12, 5: 29, 0: 3}, budget)
+        assert together[5] == alone and together[2] == [7, 5] and together[0] == [3], budget
+
+
 def count_words(messages):
     return sum(len(m["content"].split()) for m in messages)
 
@@ -151,6 +184,7 @@ def test_metrics_prometheus_text_parses():
     m.count_request("stop")
     m.count_prompt(10, 4)
     m.count_step(rows=2, tokens=2)
+    m.count_prefill()
     m.count_spec(drafted=3, accepted=2)
     m.count_spec(drafted=1, accepted=1)
     m.count_spec(drafted=0, accepted=0)  # a step without drafts counts nothing
@@ -162,7 +196,40 @@ def test_metrics_prometheus_text_parses():
     assert samples['bonsai_requests_total{outcome="stop"}'] == 1
     assert samples["bonsai_prompt_cache_tokens_total"] == 4 and samples["bonsai_prompt_tokens_computed_total"] == 6
     assert samples["bonsai_decode_rows_total"] == 2 and samples["bonsai_slots_total"] == 2
+    assert samples["bonsai_prefill_chunks_total"] == 1
     assert samples["bonsai_spec_decode_num_draft_tokens_total"] == 4
     assert samples["bonsai_spec_decode_num_accepted_tokens_total"] == 3 and samples["bonsai_spec_decode_num_drafts_total"] == 2
     assert [samples[f'bonsai_spec_decode_num_draft_tokens_per_pos_total{{position="{p}"}}'] for p in range(3)] == [2, 1, 1]
     assert [samples[f'bonsai_spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}'] for p in range(3)] == [2, 1, 0]
+
+
+def test_event_relay_delivers_in_order_with_one_wakeup_per_burst():
+    import asyncio
+    import threading
+
+    from engine.server.relay import EventRelay
+
+    async def main():
+        relay = EventRelay(asyncio.get_running_loop())
+        queues = [asyncio.Queue() for _ in range(3)]
+        # the engine thread posts a whole step's events while the loop is busy elsewhere
+        poster = threading.Thread(target=lambda: [relay.post(queues[i % 3], i) for i in range(30)])
+        poster.start()
+        poster.join()
+        got = [[await q.get() for _ in range(10)] for q in queues]
+        assert got == [list(range(k, 30, 3)) for k in range(3)]
+        assert relay.wakeups == 1 and all(q.empty() for q in queues)
+        relay.post(queues[0], "next")  # a later burst wakes the loop again
+        assert await asyncio.wait_for(queues[0].get(), 5) == "next" and relay.wakeups == 2
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("text", ["Paris", "", 'quote " back\\slash\nnew line\ttab', "é 🙂 \u2028 </think>", "\x00\x1f"])
+def test_chunk_lines_equal_the_generic_sse_encoding(text):
+    from engine.server import protocol as P
+    from engine.server.sse import ChunkLines, sse
+    for rid, model, created in (("chatcmpl-abc", "smollm2", 1764000000), ('id"odd', "m/ö", 0)):
+        for delta in ({"content": text}, {"reasoning_content": text}, {"reasoning_content": "a", "content": text}):
+            assert ChunkLines(rid, model, created, True).delta(delta) == sse(P.chat_chunk(rid, model, created, delta))
+        assert ChunkLines(rid, model, created, False).text(text) == sse(P.text_chunk(rid, model, created, text))

@@ -3,12 +3,13 @@
 The model loads in a background thread after the server starts listening; until it is ready every
 route but /health answers 503 and /health reports the stage. Requests are validated strictly
 (protocol.py), turned into prompt ids, and handed to the engine loop; its events come back through
-an asyncio queue per request. A client that disconnects cancels its request, which frees the slot
-at the engine's next iteration.
+an asyncio queue per request (relay.py: one loop wake-up for all the events of a decode step). A
+client that disconnects cancels its request, which frees the slot at the engine's next iteration.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -28,9 +29,10 @@ from engine.server.config import ServeConfig
 from engine.server.loading import Served
 from engine.server.metrics import Metrics
 from engine.server.prompts import chat_prompt, completion_prompt
+from engine.server.relay import EventRelay
 from engine.server.scheduler import QueueFull
 from engine.server.sequence import Delta, Failed, Finished, ServeRequest
-from engine.server.sse import DONE, sse
+from engine.server.sse import DONE, ChunkLines, sse
 
 log = logging.getLogger("bonsai.server")
 
@@ -81,6 +83,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
             await asyncio.get_running_loop().run_in_executor(None, state.served.engine.stop)
 
     app = FastAPI(title="bonsai", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}  # the server's loop → its relay
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
@@ -141,7 +144,8 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
             loop = asyncio.get_running_loop()
             job = await loop.run_in_executor(None, _make_job, served, req, chat)  # template + tokenizer off the loop
             queue: asyncio.Queue = asyncio.Queue()
-            job.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+            relay = relays.get(loop) or relays.setdefault(loop, EventRelay(loop))
+            job.emit = functools.partial(relay.post, queue)
             served.engine.submit(job)
         except QueueFull as e:
             state.metrics.count_request("rejected_busy")
@@ -212,6 +216,7 @@ def _make_job(served: Served, req: Any, chat: bool) -> ServeRequest:
 async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta: tuple, chat: bool,
                   include_usage: bool) -> AsyncIterator[str]:
     rid, model, created = meta
+    lines = ChunkLines(rid, model, created, chat)  # a token's chunk: only its text is encoded
     try:
         if chat:
             yield sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
@@ -220,10 +225,12 @@ async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta:
             if isinstance(event, Delta):
                 if chat:
                     delta = {k: v for k, v in (("reasoning_content", event.reasoning), ("content", event.content)) if v}
-                    yield sse(P.chat_chunk(rid, model, created, delta, logprobs=event.logprobs or None))
+                    yield (sse(P.chat_chunk(rid, model, created, delta, logprobs=event.logprobs))
+                           if event.logprobs else lines.delta(delta))
                 else:
-                    yield sse(P.text_chunk(rid, model, created, event.reasoning + event.content,
-                                           logprobs=event.logprobs or None))
+                    text = event.reasoning + event.content
+                    yield (sse(P.text_chunk(rid, model, created, text, logprobs=event.logprobs))
+                           if event.logprobs else lines.text(text))
             elif isinstance(event, Finished):
                 last = (P.chat_chunk(rid, model, created, {}, event.reason) if chat
                         else P.text_chunk(rid, model, created, "", event.reason))

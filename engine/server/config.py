@@ -199,6 +199,10 @@ class ServerSection:
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # default: the slot's context budget
     default_max_tokens: int = 512  # when a request gives no max_tokens (capped by the context)
+    # prompt tokens prefilled between two decode steps while other slots decode (default: one
+    # runtime.prefill_chunk_size chunk; a smaller budget also cuts smaller chunks); smaller: steadier
+    # tokens for the running requests, later first tokens for new ones
+    max_prefill_tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -213,6 +217,8 @@ class ServerSection:
             _fail("server.max_prompt_tokens", f"must be >= 1, got {self.max_prompt_tokens}")
         if self.default_max_tokens < 1:
             _fail("server.default_max_tokens", f"must be >= 1, got {self.default_max_tokens}")
+        if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:
+            _fail("server.max_prefill_tokens_per_step", f"must be >= 1, got {self.max_prefill_tokens_per_step}")
 
 
 @dataclass(frozen=True)

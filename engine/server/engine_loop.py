@@ -1,9 +1,11 @@
 """The engine loop: one thread owns the model runner and advances every active request.
 
 Each iteration: requests that were cancelled (client gone) leave their slot; waiting requests get
-free slots (longest cached prefix first, see scheduler.py); one prefill chunk runs for one request
-that still has prompt (or inserted) tokens to feed; then one batched decode step runs the next
-token of every decoding slot together, in one forward. Events go back to each request through its
+free slots (longest cached prefix first, see scheduler.py); prompt chunks run for the requests that
+still have prompt (or inserted) tokens to feed, oldest first, at most `prefill_budget` tokens while
+other slots decode (scheduler.plan_prefill); then one batched decode step runs the next token of
+every decoding slot together, in one forward. So a running request waits for at most one budget of
+prefill between two of its tokens, and a new request's first token comes from its last chunk. Events go back to each request through its
 `emit` callback (the API side turns them into an asyncio queue). A step that fails ends the
 requests it served with an error and resets their slots; the loop and the other requests go on.
 
@@ -19,10 +21,13 @@ from __future__ import annotations
 import logging
 import threading
 
+import torch
+
 from engine.errors import BonsaiError
 from engine.runner import ModelRunner
+from engine.sampling import sample_rows
 from engine.server.metrics import Metrics
-from engine.server.scheduler import Scheduler
+from engine.server.scheduler import Scheduler, plan_prefill
 from engine.server.sequence import Failed, Sequence, ServeRequest, ThinkingRules
 from engine.speculative.config import SpeculativeConfig
 from engine.tokenizer import Tokenizer
@@ -33,9 +38,15 @@ log = logging.getLogger(__name__)
 class EngineLoop:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, slot_context: int, max_queue: int = 16,
                  rules: ThinkingRules | None = None, metrics: Metrics | None = None,
-                 speculative: SpeculativeConfig | None = None):
-        """speculative: the drafters every slot runs (None: plain decoding)."""
+                 speculative: SpeculativeConfig | None = None, prefill_budget: int | None = None):
+        """speculative: the drafters every slot runs (None: plain decoding). prefill_budget: prompt
+        tokens run between two decode steps while slots decode (None: one prefill chunk); it also
+        caps the chunk size."""
         self.runner, self.tokenizer = runner, tokenizer
+        if prefill_budget is not None and prefill_budget < 1:
+            raise BonsaiError(f"the prefill budget must be >= 1 token per step, got {prefill_budget}")
+        self.prefill_budget = prefill_budget or runner.prefill_chunk_size
+        self.prefill_chunk = min(runner.prefill_chunk_size, self.prefill_budget)
         self.slot_context = min(slot_context, runner.max_seq_len)
         self.rules = rules or ThinkingRules()
         # ids the tokenizer can turn into text: a model's padded vocabulary (or a borrowed tokenizer's
@@ -52,7 +63,6 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stopping = False
-        self._next_prefill = 0
         self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
         self._thread = threading.Thread(target=self._run, name="bonsai-engine", daemon=True)
 
@@ -145,7 +155,7 @@ class EngineLoop:
                     log.exception("drafter begin failed")
                     self._fail(index, _message(e))
         self._to_begin.clear()
-        self._prefill_one()
+        self._prefill()
         self._decode_all()
         for index, seq in list(self.active.items()):
             if seq.done:
@@ -154,20 +164,27 @@ class EngineLoop:
     def _room(self, index: int) -> int:
         return self.slot_context - self.runner.slot(index).length
 
-    def _prefill_one(self) -> None:
-        """One chunk for one request with more than one token to feed (round-robin over slots)."""
-        waiting = sorted(i for i, s in self.active.items() if len(s.pending) > 1 and not s.done)
+    def _prefill(self) -> None:
+        """This iteration's prompt chunks (scheduler.plan_prefill): oldest request first (`active`
+        keeps admission order), within the budget while any slot decodes."""
+        live = [(i, s) for i, s in self.active.items() if not s.done]
+        decoding = any(len(s.pending) == 1 for _, s in live)
+        waiting = [(i, len(s.pending)) for i, s in live if len(s.pending) > 1]
         if not waiting:
             return
-        index = next((i for i in waiting if i >= self._next_prefill), waiting[0])
-        self._next_prefill = index + 1
+        for part in plan_prefill(waiting, self.prefill_chunk, self.prefill_budget if decoding else None):
+            if part.slot in self.active:  # not failed by an earlier chunk of this iteration
+                self._prefill_chunk(part.slot, part.size)
+
+    def _prefill_chunk(self, index: int, size: int) -> None:
         seq, slot = self.active[index], self.runner.slot(index)
-        chunk = seq.pending[:self.runner.prefill_chunk_size]
+        chunk = seq.pending[:size]
         try:
             if len(chunk) > self._room(index):
                 raise BonsaiError(f"the context of the slot ({self.slot_context} tokens) is full")
             logits = self.runner.forward(slot, chunk, num_logits=1)  # [1, V]
             seq.pending = seq.pending[len(chunk):]
+            self.metrics.count_prefill()
             if not seq.pending:
                 seq.on_logits(logits[-1], self._room(index))
         except Exception as e:
@@ -189,19 +206,26 @@ class EngineLoop:
             for i in rows:
                 self._fail(i, _message(e))
             return
-        before = sum(self.active[i].generated for i in rows)
-        # greedy rows without penalties need only the argmax: one kernel and one read-back for all
-        greedy = [row for row, i in enumerate(rows)
-                  if self.active[i].request.sampling.greedy and self.active[i].seen is None]
-        choices = dict(zip(greedy, logits[greedy, :self.vocab].argmax(dim=-1).tolist())) if greedy else {}
-        for row, i in enumerate(rows):
-            seq = self.active[i]
+        seqs = [self.active[i] for i in rows]
+        before = sum(seq.generated for seq in seqs)
+        try:
+            cut = logits[:, :self.vocab]  # [B, V] the ids the tokenizer knows
+            if any(seq.seen is not None for seq in seqs):
+                cut = torch.stack([seq.penalized(cut[row]) for row, seq in enumerate(seqs)])  # [B, V]
+            # every row's token in one call and one read-back (greedy rows: one argmax for all)
+            choices = sample_rows(cut, [seq.request.sampling for seq in seqs], [seq.generator for seq in seqs])
+        except Exception as e:
+            log.exception("sampling failed")
+            for i in rows:
+                self._fail(i, _message(e))
+            return
+        for row, (i, seq) in enumerate(zip(rows, seqs)):
             try:
-                seq.on_logits(logits[row], self._room(i), choices.get(row))
+                seq.on_logits(cut[row], self._room(i), choices[row])
             except Exception as e:
                 log.exception("sampling failed")
                 self._fail(i, _message(e))
-        self.metrics.count_step(len(rows), sum(self.active[i].generated for i in rows if i in self.active) - before)
+        self.metrics.count_step(len(rows), sum(seq.generated for seq in seqs) - before)
 
     def _end(self, index: int, outcome: str | None) -> None:
         seq = self.active.pop(index)

@@ -97,7 +97,8 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
         if spec is not None:
             progress(f"building each slot's drafter ({spec.method})", 0.9)
         engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
-                            ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, speculative=spec)
+                            ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, speculative=spec,
+                            prefill_budget=config.server.max_prefill_tokens_per_step)
         if runner.decoder is not None:  # capture the fused step for every row count in use now, not mid-request
             runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None else rt.max_batch_size)
     check_usage(budget, loaded.device, stage, planned.plan.total)

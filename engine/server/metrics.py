@@ -19,6 +19,7 @@ class Metrics:
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # rows of all batched decode steps (mean batch = rows / steps)
+    prefill_chunks: int = 0  # prompt forwards (chunks of at most the prefill chunk size)
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_drafted_per_position: Counter = field(default_factory=Counter)  # position (0 = first draft) → drafts
@@ -40,6 +41,11 @@ class Metrics:
             self.cached_tokens += cached
             self.prompt_tokens_computed += prompt - cached
             self.cache_hit_requests += cached > 0
+
+    def count_prefill(self) -> None:
+        """One prompt chunk ran (its tokens are counted by count_prompt)."""
+        with self._lock:
+            self.prefill_chunks += 1
 
     def count_step(self, rows: int, tokens: int) -> None:
         with self._lock:
@@ -94,6 +100,8 @@ class Metrics:
         metric("decode_steps_total", "counter", "Batched decode steps.", [("", snapshot["decode_steps"])])
         metric("decode_rows_total", "counter", "Rows (requests) over all decode steps.",
                [("", snapshot["decode_rows"])])
+        metric("prefill_chunks_total", "counter", "Prompt chunks run (one forward each).",
+               [("", snapshot["prefill_chunks"])])
         metric("generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",
                [("", self.tokens_per_second())])
         metric("slots_total", "gauge", "Slots (requests decoded together).", [("", snapshot["slots_total"])])

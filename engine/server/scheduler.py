@@ -5,6 +5,9 @@ its tokens cached; the next request goes to the free slot whose cached tokens sh
 prefix with its prompt (ties: the slot idle the longest, so recently used caches survive), and that
 prefix is not computed again. Requests beyond the free slots wait in a bounded FIFO queue; beyond
 the queue they are refused (the server answers 503 with Retry-After).
+
+`plan_prefill` decides the prompt work of one engine iteration: whole chunks, oldest request first,
+within a token budget, so the decoding slots step again after at most that many prefill tokens.
 """
 from __future__ import annotations
 
@@ -127,3 +130,36 @@ class Scheduler(Generic[R]):
         items = [r for r, _ in self._queue]
         self._queue.clear()
         return items
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    slot: int
+    size: int  # prompt tokens fed in one forward
+
+
+def plan_prefill(waiting: list[tuple[int, int]], chunk: int, budget: int | None) -> list[PrefillChunk]:
+    """The prefill forwards of one engine iteration, run before its decode step.
+
+    waiting: (slot, tokens it still has to feed) of the requests still prefilling, oldest first;
+    a request with one token left decodes instead (that token's logits start its answer, in the
+    batched step). Each prompt is cut in chunks of `chunk` tokens (its last one shorter): the same
+    cuts whatever else runs, so a request's output does not depend on the load. Whole chunks go out
+    first come, first served while their sum fits `budget`, and at least one chunk runs, so prefill
+    always moves; the decoding slots then wait for at most max(budget, chunk) prefill tokens.
+    budget None (no slot is decoding, so nobody waits): one chunk for every waiting request."""
+    assert chunk >= 1 and (budget is None or budget >= 1)
+    out: list[PrefillChunk] = []
+    spent = 0
+    for slot, left in waiting:
+        while left > 1:
+            size = min(chunk, left)
+            if budget is None:
+                out.append(PrefillChunk(slot, size))
+                break
+            if out and spent + size > budget:
+                return out
+            out.append(PrefillChunk(slot, size))
+            spent += size
+            left -= size
+    return out

@@ -97,7 +97,7 @@ class Sequence:
     # -- the engine loop calls these ------------------------------------------------------------
     def on_logits(self, logits: torch.Tensor, room: int, choice: int | None = None) -> None:
         """Sample after logits [V]; `room`: positions still free in the slot's context budget;
-        `choice`: the token already picked from these logits (greedy, no penalties), if known."""
+        `choice`: the token already picked from these logits (then they are already penalized)."""
         params = self.request.sampling
         logits = logits[:self.vocab]  # [V] the ids the tokenizer knows
         if choice is not None:
@@ -106,6 +106,12 @@ class Sequence:
         if self.seen is not None:
             logits = apply_penalties(logits, self.seen, self.output, params)
         self.take(sample(logits, params, self.generator), logits, room)
+
+    def penalized(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] (cut to the vocabulary) with this request's penalties applied (as sampled)."""
+        if self.seen is None:
+            return logits
+        return apply_penalties(logits, self.seen, self.output, self.request.sampling)
 
     def accept(self, tokens: list[int], logits: torch.Tensor, room: int) -> int:
         """Tokens a speculative step verified (the accepted drafts, then the target's bonus), taken

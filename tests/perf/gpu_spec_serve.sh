@@ -5,6 +5,7 @@
 #   spec   n-gram vs plain decoding (SmolLM2 suite, dummy 8B)
 #   serve  the dummy 8B server at concurrency 1/2/4/8
 #   spec-serve  the dummy 8B server at concurrency 1/2/4/8, plain vs speculative, repetitive prompts
+# BUDGET=N sets server.max_prefill_tokens_per_step for spec-serve (default: one 512-token prefill chunk).
 set -u
 SMOL=${BONSAI_SMOLLM2_GGUF:?set BONSAI_SMOLLM2_GGUF}
 OUT=${OUT:-out}; mkdir -p "$OUT"

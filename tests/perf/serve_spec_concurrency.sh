@@ -8,20 +8,24 @@
 # Knobs: LEVELS=1,2,4,8  REPS=2 (each suite prompt runs REPS times per level, fresh each time)
 #        SUITE=tests/perf/repetitive_suite.json  EXTRA="--limit 1" (more bench options)  PORT=8080
 #        READY_S=300 (seconds to wait for a server)  BENCH_S=200 (seconds per bench run)
+#        BUDGET=N (server.max_prefill_tokens_per_step; default: the config's, else one prefill chunk)
 set -u
 BASE=${BASE:?set BASE to a serve config}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 LEVELS=${LEVELS:-1,2,4,8}; REPS=${REPS:-2}; PORT=${PORT:-8080}; K=${K:-4}; SPEC=${SPEC:-ngram}
 SUITE=${SUITE:-tests/perf/repetitive_suite.json}; EXTRA=${EXTRA:-}; READY_S=${READY_S:-300}; BENCH_S=${BENCH_S:-200}
+BUDGET=${BUDGET:-}
 B="python3 -m bonsai_cli"
 for mode in plain spec; do
     cfg="$OUT/serve-$mode.yaml"
-    python3 - "$BASE" "$cfg" "$mode" "$SPEC" "$K" <<'PY'
+    python3 - "$BASE" "$cfg" "$mode" "$SPEC" "$K" "$BUDGET" <<'PY'
 import sys, yaml
-base, out, mode, spec, k = sys.argv[1:]
+base, out, mode, spec, k, budget = sys.argv[1:]
 data = yaml.safe_load(open(base))
 server = data.setdefault("server", {}) or {}
 server["max_queue"] = max(int(server.get("max_queue", 16)), 64)
+if budget:
+    server["max_prefill_tokens_per_step"] = int(budget)
 data["server"] = server
 if mode == "spec":
     rt = data.setdefault("runtime", {})
