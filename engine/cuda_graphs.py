@@ -24,7 +24,9 @@ class DecodeStepRunner:
         self.inputs = StepInputs(tokens=torch.zeros(rows, dtype=torch.long, device=device),
                                  positions=torch.zeros(rows, dtype=torch.int32, device=device),
                                  slot_ids=torch.zeros(rows, dtype=torch.int32, device=device),
-                                 seq_lens=torch.ones(rows, dtype=torch.int32, device=device))
+                                 seq_lens=torch.ones(rows, dtype=torch.int32, device=device),
+                                 hidden=None if model.takes_tokens else  # a later pipeline stage's input
+                                 torch.zeros(rows, model.config.hidden_size, device=device))
         self.workspace = Workspace.make(model, rows, device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -54,10 +56,17 @@ class DecodeStepRunner:
             self.logits = self._eager()
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """Logits float32 [rows, V]; the rows' K/V are written at their positions."""
-        assert len(tokens) == len(positions) == len(slots) == self.rows
-        self.inputs.tokens.copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+    def run(self, tokens: list[int], positions: list[int], slots: list[int],
+            hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits float32 [rows, V]; the rows' K/V are written at their positions. A pipeline stage
+        (engine.pipeline) after the first takes `hidden` [rows, H] float32 instead of tokens; one
+        before the last returns its residual stream [rows, H] float32 instead of logits."""
+        assert len(positions) == len(slots) == self.rows
+        if self.inputs.hidden is not None:
+            self.inputs.hidden.copy_(hidden, non_blocking=True)
+        else:
+            assert len(tokens) == self.rows
+            self.inputs.tokens.copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int32)
         self.inputs.positions.copy_(pos, non_blocking=True)
         self.inputs.seq_lens.copy_(pos + 1, non_blocking=True)

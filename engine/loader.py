@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,17 +130,48 @@ def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtyp
     return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
 
 
+def stage_holds(stage, config: ModelConfig, name: str) -> bool:
+    """Whether a pipeline stage (engine.pipeline.split.Stage; None: the whole model) holds the module
+    or canonical tensor `name` (global layer numbers): its blocks, the embedding on the first stage
+    (and, tied, the last: the output layer), the final norm and output layer on the last."""
+    if stage is None:
+        return True
+    part = name.split(".")[0]
+    if part == "layers" and name != "layers":
+        return stage.first <= int(name.split(".")[1]) < stage.end
+    if part in ("embed", "embed_tokens"):
+        return stage.takes_tokens or (stage.gives_logits and config.tie_word_embeddings)
+    if part in ("norm", "lm_head"):
+        return stage.gives_logits
+    return True  # the model itself (rotary frequencies), rope_freqs, the block list
+
+
+def global_name(name: str, first_layer: int) -> str:
+    """A stage model's module name with its layer number made global (layers.0 of a stage from layer 12
+    is layers.12)."""
+    if first_layer and name.startswith("layers.") and name != "layers":
+        _, index, *rest = name.split(".")
+        return ".".join(["layers", str(int(index) + first_layer), *rest])
+    return name
+
+
 def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype,
-                 meta_weights: frozenset[str] = frozenset()) -> Transformer:
+                 meta_weights: frozenset[str] = frozenset(), stage=None) -> Transformer:
     """The model with uninitialized tensors on `dev`; the weights of the Linear layers named in
-    meta_weights stay on the meta device (they are replaced before use: never allocated)."""
+    meta_weights (global names) stay on the meta device (they are replaced before use: never allocated).
+    stage: a pipeline stage (engine.pipeline.split.Stage): only its part is allocated."""
     with torch.device("meta"):
         model = Transformer(config)
         model.to(dtype)
         for module in model.modules():
             if isinstance(module, Linear) and module is not model.lm_head:
                 module.weight.data = module.weight.data.to(weight_dtype)
-    for name, module in model.named_modules():
+        if stage is not None:
+            model.keep_layers(stage.first, stage.end, stage.takes_tokens, stage.gives_logits)
+    for local, module in model.named_modules():
+        name = global_name(local, model.first_layer)
+        if not stage_holds(stage, config, name):
+            continue
         if name not in meta_weights:
             module.to_empty(device=dev, recurse=False)
         elif module.bias is not None:
@@ -150,16 +182,20 @@ def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, wei
 
 def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dev: torch.device,
                        dtype: torch.dtype, weight_dtype: torch.dtype, path: str | Path, down_hadamard: int = 0,
-                       meta_weights: dict[str, list[str]] | None = None) -> Transformer:
+                       meta_weights: dict[str, list[str]] | None = None, stage=None) -> Transformer:
     """A model of `config` from (canonical name, float tensor) pairs (every tensor it needs, once);
     down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs.
     meta_weights: {Linear module name: the canonical tensors it stacks} of layers left unallocated
-    (packed later from stored codes): `tensors` does not hold those."""
+    (packed later from stored codes): `tensors` does not hold those. stage: build only this pipeline
+    stage's part (tensors of other stages are passed over)."""
     meta_weights = meta_weights or {}
-    model = _empty_model(config, dev, dtype, weight_dtype, meta_weights=frozenset(meta_weights))
+    model = _empty_model(config, dev, dtype, weight_dtype, meta_weights=frozenset(meta_weights), stage=stage)
     expected = expected_tensor_names(config) - {n for names in meta_weights.values() for n in names}
+    expected = {n for n in expected if stage_holds(stage, config, n)}
     seen: set[str] = set()
     for name, tensor in tensors:
+        if not stage_holds(stage, config, name):
+            continue
         try:
             model.load_tensor(name, tensor)
         except (KeyError, ValueError) as e:
@@ -180,7 +216,7 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None,
-               keep_codes: bool | None = None) -> LoadedModel:
+               keep_codes: bool | None = None, stage=None) -> LoadedModel:
     """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
 
     dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the
@@ -188,6 +224,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     (round-to-nearest onto the ternary / 1-bit / int grids) for the packed kernels; keep_codes:
     tensors stored quantized (bonsai checkpoints, TQ1_0/TQ2_0/Q1_0/Q2_0 GGUFs) run packed as stored
     (default on CUDA, where the packed kernels are fast; on the CPU floats decode faster).
+    stage: a pipeline stage (engine.pipeline.split.Stage): only its layers (and the embedding / output
+    layer it holds) are read and allocated.
     """
     start = time.perf_counter()
     dev = resolve_device(device)
@@ -202,16 +240,22 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     # layers packed from stored codes are never materialized as floats (a 27B model's float copy
     # would not fit the GPU its packed form is meant for)
     stored = stored_packed_layers(source, config) if keep else {}
+    stored = {name: parts for name, parts in stored.items() if stage_holds(stage, config, name)}
     skip = frozenset(n for names in stored.values() for n in names)
+    if stage is not None and not isinstance(source, HFModelDir):  # other stages' tensors are not even read
+        skip |= frozenset(n for n in expected_tensor_names(config) if not stage_holds(stage, config, n))
     tensors = source.iter_canonical_tensors(config, skip=skip) if skip else source.iter_canonical_tensors(config)
     model = model_from_tensors(config, tensors, dev, dtype, weight_dtype, path,
-                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)), meta_weights=stored)
+                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)), meta_weights=stored,
+                               stage=stage)
     weight_format = weight_format or WeightFormat()
     if keep:
         packed = pack_stored_codes(model, source, config, device=dev)
+        packed = {global_name(name, model.first_layer) for name in packed}
         assert set(stored) <= packed, f"planned packed layers were not packed: {sorted(set(stored) - packed)[:3]}"
     if weight_format.packed:
         pack_linears(model, weight_format)
+    _drop_unused_embedding(model)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
                        summary=summarize(source), device=dev, dtype=dtype, weight_dtype=weight_dtype,
@@ -234,9 +278,11 @@ def stored_packed_layers(source, config: ModelConfig) -> dict[str, list[str]]:
 @torch.no_grad()
 def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu",
                weight_format: WeightFormat | None = None, dtype: torch.dtype | None = None,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, stage=None) -> LoadedModel:
     """`load_format: dummy`: the architecture at full size with random weights made directly on the
-    device in their run-time format (packed codes for tri/bin/int4/int8) — for speed work."""
+    device in their run-time format (packed codes for tri/bin/int4/int8) — for speed work. Each
+    tensor's values depend on the seed and its name only, so a pipeline stage (`stage`: only its
+    part is made) holds the same weights as the whole model."""
     start = time.perf_counter()
     dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
@@ -245,17 +291,17 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
     # the GPU memory its packed form is meant for)
     packed = frozenset(name for name, kind in packed_targets(config, weight_format) if name != "lm_head" or
                        not config.tie_word_embeddings)
-    model = _empty_model(config, dev, dtype, dtype, meta_weights=packed)
-    generator = torch.Generator(device=dev).manual_seed(seed)
-    for p in model.parameters():
+    model = _empty_model(config, dev, dtype, dtype, meta_weights=packed, stage=stage)
+    for name, p in model.named_parameters():
         if p.is_meta:
             continue
         if p.dim() == 1:
             p.fill_(1.0)  # norms (and biases: harmless)
         elif (weight_format.quant_type == "bf16" or p is model.embed.weight
               or p is getattr(model.lm_head, "weight", None)):
-            p.normal_(0.0, 0.02, generator=generator)
-    pack_linears(model, weight_format, dummy=True, seed=seed, device=model.embed.weight.device)
+            p.normal_(0.0, 0.02, generator=tensor_generator(dev, seed, global_name(name, model.first_layer)))
+    pack_linears(model, weight_format, dummy=True, seed=seed, device=dev)
+    _drop_unused_embedding(model)
     model.eval()
     nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     summary = TensorSummary(format="dummy", num_tensors=len(list(model.parameters())) + len(list(model.buffers())),
@@ -263,3 +309,16 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
     return LoadedModel(model=model, tokenizer=None, config=config, path=Path(name), summary=summary, device=dev,
                        dtype=dtype, weight_dtype=dtype, load_seconds=time.perf_counter() - start,
                        weight_format=weight_format)
+
+
+def tensor_generator(device: torch.device, seed: int, name: str) -> torch.Generator:
+    """The random generator of one generated (dummy) tensor: seeded by the run's seed and its name."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def _drop_unused_embedding(model: Transformer) -> None:
+    """A last pipeline stage held the (tied) embedding to make its output layer; once that layer
+    is packed on its own the embedding is unused there: back to the meta device."""
+    if not model.takes_tokens and model.lm_head is not None and not model.embed.weight.is_meta:
+        model.embed.weight = torch.nn.Parameter(torch.empty_like(model.embed.weight, device="meta"),
+                                                requires_grad=False)
