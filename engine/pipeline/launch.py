@@ -63,6 +63,12 @@ class RunSpec:
     num_slots: int = 1
     kv_type: str = "bf16"
     fast_decode: bool | None = None
+    max_gpu_memory: int | None = None  # bytes each GPU's allocator is capped at (engine.memory_limit)
+
+    def limit_memory(self, device: str) -> None:
+        if self.max_gpu_memory is not None:
+            from engine.memory_limit import limit_device_memory
+            limit_device_memory(self.max_gpu_memory, device)
 
 
 @dataclass(frozen=True)

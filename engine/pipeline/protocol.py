@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-STOP, PLAIN, ROWS, PREPARE = 0, 1, 2, 3
+STOP, PLAIN, ROWS, PREPARE, CALIBRATE = 0, 1, 2, 3, 4
 MAX_ROWS = 64  # rows one command describes (runtime.max_batch_size is at most 64)
 WORDS = 6 + 2 * MAX_ROWS
 
@@ -26,6 +26,8 @@ class Command:
     num_tokens: int = 1  # PLAIN: tokens per row (T)
     num_logits: int = 1  # PLAIN: logits of the last n positions; -1: all; 0: nothing comes back
     arg: int = 0  # PREPARE: capture the fused step for 2..arg rows
+    # CALIBRATE: num_tokens calibration tokens through a scratch float cache; each stage sets its
+    # quantized cache's key offsets (engine.kv_calibration), then builds its fused step
 
     def __post_init__(self) -> None:
         assert len(self.slots) == len(self.starts) <= MAX_ROWS, (len(self.slots), len(self.starts))
@@ -41,10 +43,12 @@ class Command:
 
     @property
     def wants_output(self) -> bool:
-        return self.op == ROWS or (self.op == PLAIN and self.num_logits != 0)
+        return self.op == ROWS or (self.op == PLAIN and self.num_logits != 0)  # CALIBRATE: nothing back
 
     def hidden_shape(self, hidden_size: int) -> tuple[int, ...]:
         """The hidden states one stage passes to the next: PLAIN [B, T, H] (model dtype), ROWS [M, H] (float32)."""
+        if self.op == CALIBRATE:
+            return (1, self.num_tokens, hidden_size)
         return (self.rows, self.num_tokens, hidden_size) if self.op == PLAIN else (self.rows, hidden_size)
 
     def output_shape(self, vocab_size: int) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from engine.errors import BonsaiError
 from engine.kv_cache import KVSlot
 from engine.loader import LoadedModel
 from engine.pipeline.launch import Links, ModelSource, RunSpec, start_workers, wait_ready
-from engine.pipeline.protocol import MAX_ROWS, PLAIN, PREPARE, ROWS, Command, split_rows
+from engine.pipeline.protocol import CALIBRATE, MAX_ROWS, PLAIN, PREPARE, ROWS, Command, split_rows
 from engine.pipeline.split import Stage
 from engine.pipeline.stage import MAX_STEP_ROWS, StageExecutor
 
@@ -177,19 +177,29 @@ class PipelineRunner:
 
 
 def start_pipeline(source: ModelSource, stages: list[Stage], backend: str, max_seq_len: int, num_slots: int = 1,
-                   prefill_chunk_size: int = 512, kv_type: str = "bf16", fast_decode: bool | None = None
-                   ) -> PipelineRunner:
-    """Start the workers, load stage 0 here while they load theirs, and wait until all are ready."""
+                   prefill_chunk_size: int = 512, kv_type: str = "bf16", fast_decode: bool | None = None,
+                   max_gpu_memory: int | None = None) -> PipelineRunner:
+    """Start the workers, load stage 0 here while they load theirs, and wait until all are ready.
+    max_gpu_memory: every GPU's allocator is capped at it (engine.memory_limit)."""
     import atexit
     if len(stages) < 2:
         raise BonsaiError("a pipeline needs two or more stages")
-    run = RunSpec(max_seq_len, num_slots, kv_type, fast_decode)
+    run = RunSpec(max_seq_len, num_slots, kv_type, fast_decode, max_gpu_memory)
     links = start_workers(source, run, stages, backend)
     atexit.register(links.close)
     try:
+        run.limit_memory(stages[0].device)
         loaded = source.load(stages[0].device, stages[0])
         executor = StageExecutor(loaded, stages[0], max_seq_len, num_slots, kv_type, fast_decode)
         wait_ready(links)
+        if executor.needs_calibration:  # every stage measures its layers' key offsets in one pass
+            from engine.kv_calibration import calibration_ids
+            ids = calibration_ids(loaded.tokenizer, loaded.config.vocab_size)
+            cmd = Command(CALIBRATE, num_tokens=len(ids))
+            links.send_command(cmd)
+            links.send(executor.run(cmd, [ids]), 1)
+            links.flush_sends()
+        executor.start_steps()
     except BaseException:
         links.failure = links.failure or "rank 0 failed while loading"
         links.close(timeout=5)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from engine.errors import BonsaiError
 from engine.pipeline.launch import Links, WorkerSpec, init_groups
-from engine.pipeline.protocol import PLAIN, PREPARE, STOP
+from engine.pipeline.protocol import CALIBRATE, PREPARE, STOP
 from engine.pipeline.stage import StageExecutor
 
 log = logging.getLogger("bonsai.pipeline.worker")
@@ -45,6 +45,8 @@ def serve(links: Links, executor: StageExecutor) -> None:
             continue
         x = links.recv(cmd.hidden_shape(hidden_size), executor.hidden_dtype(cmd), stage.rank - 1)
         out = executor.run(cmd, x)
+        if cmd.op == CALIBRATE:
+            executor.start_steps()
         if not stage.gives_logits:
             links.send(out, stage.rank + 1)
         elif cmd.wants_output:
@@ -66,9 +68,12 @@ def main() -> None:
         torch.set_num_threads(max(1, torch.get_num_threads() // len(spec.stages)))
     init_groups(links)
     try:
-        loaded = spec.source.load(stage.device, stage)
         run = spec.run
+        run.limit_memory(stage.device)
+        loaded = spec.source.load(stage.device, stage)
         executor = StageExecutor(loaded, stage, run.max_seq_len, run.num_slots, run.kv_type, run.fast_decode)
+        if not executor.needs_calibration:  # else after the CALIBRATE pass
+            executor.start_steps()
     except Exception as e:  # noqa: BLE001 — rank 0 prints it as the one line of its error
         store.set(f"ready/{spec.rank}", str(e) if isinstance(e, BonsaiError) else f"{type(e).__name__}: {e}")
         raise
