@@ -10,6 +10,7 @@ from bonsai_cli.common import (DRAFT_TOKENS_HELP, HOST_KV_MIB_HELP, KV_OFFLOAD_H
                                WEIGHT_DTYPE_HELP, err_console, kv_offload_options, load_for_cli, print_json,
                                spec_summary, speculative_config)
 from bonsai_cli.gpu_budget import MAX_GPU_MEMORY_HELP, plan_cli_run
+from bonsai_cli.pipeline_options import DEVICE_HELP, PIPELINE_HELP, open_cli_pipeline, pipeline_devices
 
 
 def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
@@ -36,7 +37,8 @@ def generate(
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
     seed: Optional[int] = typer.Option(None, "--seed", help="same seed → same output"),
     stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    pipeline_parallel: bool = typer.Option(False, "--pipeline-parallel", help=PIPELINE_HELP),
     weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
     kv_type: str = typer.Option("bf16", "--kv-type", help=KV_TYPE_HELP),
@@ -49,11 +51,9 @@ def generate(
 ) -> None:
     """Generate a continuation (or a chat answer with --chat), streamed to stdout."""
     from engine.errors import BonsaiError
-    from engine.generate import GenerationRequest, stream_generate
+    from engine.generate import GenerationRequest
     from engine.kv_cache import kv_type_of
-    from engine.memory_limit import check_usage, within_limit
-    from engine.runner import ModelRunner
-    from engine.speculative.config import build_drafter
+    from engine.memory_limit import within_limit
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -64,20 +64,42 @@ def generate(
     spec_config = speculative_config(spec, draft_tokens)
     kv_type_of(kv_type)  # an unknown name fails before loading
     offload = kv_offload_options(kv_offload, host_kv_mib)
-    budget = plan_cli_run(model, device, max_seq_len, max_gpu_memory, weight_dtype=weight_dtype,
-                          spec_config=spec_config, kv_type=kv_type,
-                          kv_offload=kv_offload) if max_gpu_memory else None
-    limit = budget.limit if budget else None
-    with within_limit(limit, "loading the model"):
-        loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
-    tok = loaded.tokenizer
+    devices = pipeline_devices(device, pipeline_parallel, kv_offload, spec_config)
+    runner = None
+    if devices is not None:  # one process per device; this one runs stage 0 and the generation
+        runner, budget, _ = open_cli_pipeline(model, devices, max_seq_len, max_gpu_memory,
+                                              {"weight_dtype": weight_dtype}, kv_type, quiet=json_out)
+        loaded, limit = runner.loaded, budget.limit
+    else:
+        budget = plan_cli_run(model, device, max_seq_len, max_gpu_memory, weight_dtype=weight_dtype,
+                              spec_config=spec_config, kv_type=kv_type,
+                              kv_offload=kv_offload) if max_gpu_memory else None
+        limit = budget.limit if budget else None
+        with within_limit(limit, "loading the model"):
+            loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
+    try:
+        _generate(loaded, runner, prompt, chat, system, request, spec_config, kv_type, offload, max_seq_len, budget,
+                  limit, json_out)
+    finally:
+        if runner is not None:
+            runner.close()
+
+
+def _generate(loaded, runner, prompt, chat, system, request, spec_config, kv_type, offload, max_seq_len, budget,
+              limit, json_out) -> None:
+    from engine.generate import stream_generate
+    from engine.memory_limit import check_usage, within_limit
+    from engine.runner import ModelRunner
+    from engine.speculative.config import build_drafter
+
+    tok = loaded.require_tokenizer()
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
     with within_limit(limit, "allocating the KV cache and the drafter"):
-        runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, **offload)
+        runner = runner or ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, **offload)
         drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
     check_usage(limit, loaded.device, "loading", budget.plan.total if budget else None)
     pieces, token_ids, finish, stats = [], [], "length", None
