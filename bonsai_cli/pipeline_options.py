@@ -19,10 +19,11 @@ DEVICE_HELP = "cpu or cuda[:N]; with --pipeline-parallel a list such as cuda:0,c
 def pipeline_devices(device: str, pipeline_parallel: bool, kv_offload: bool = False, spec_config: Any = None
                      ) -> list[str] | None:
     """The stage devices (None: one device, no pipeline); every refusal comes before loading."""
-    from engine.pipeline.devices import check_pipeline_request
+    from engine.pipeline.devices import check_machine_devices, check_pipeline_request
     from engine.pipeline.setup import check_pipeline_options
     devices = check_pipeline_request(device, pipeline_parallel, where="--device", flag="--pipeline-parallel")
     if devices is not None:
+        check_machine_devices(devices)
         check_pipeline_options(kv_offload=kv_offload, spec_config=spec_config)
     return devices
 

@@ -74,8 +74,9 @@ def check_pipeline_budget(pp: PipelinePlan, limit: int | None, option: str) -> N
 
 
 def open_pipeline(source, pp: PipelinePlan, max_seq_len: int, num_slots: int = 1, prefill_chunk_size: int = 512,
-                  kv_type: str = "bf16", max_gpu_memory: int | None = None):
-    """Start the pipeline (engine.pipeline.runner.start_pipeline) of a checked plan."""
+                  kv_type: str = "bf16", max_gpu_memory: int | None = None, fast_decode: bool | None = None):
+    """Start the pipeline (engine.pipeline.runner.start_pipeline) of a checked plan. fast_decode:
+    the fused decode step (default: on GPUs)."""
     from engine.pipeline.runner import start_pipeline
     return start_pipeline(source, pp.stages, pp.backend, max_seq_len, num_slots, prefill_chunk_size, kv_type,
-                          max_gpu_memory=max_gpu_memory)
+                          fast_decode, max_gpu_memory)
