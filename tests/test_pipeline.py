@@ -5,6 +5,11 @@ engine loop)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,6 +178,18 @@ def test_a_worker_that_dies_stops_the_driver_with_one_line(tiny_pair):
     pipe.close()
 
 
+def test_cli_generate_pipelined_matches_one_process(tmp_path, smollm2_gguf, capsys):
+    """In this process (the driver), before the SmolLM2 pipeline below starts: one pipeline at a time."""
+    from tests.gguf_tiny import write_tiny_gguf
+    from tests.test_cli_errors import bonsai_in_process
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_gguf)
+    args = ["generate", str(path), "-p", "Hello there", "-n", "8", "--json", "--max-seq-len", "256"]
+    want = bonsai_in_process(capsys, *args)
+    got = bonsai_in_process(capsys, *args, "--device", "cpu,cpu", "--pipeline-parallel")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["token_ids"] == json.loads(want.stdout)["token_ids"]
+
+
 @pytest.fixture(scope="module")
 def smollm2_pipe(smollm2_gguf):
     from engine.gguf_file import GGUFFile
@@ -215,3 +232,35 @@ def test_smollm2_two_processes_generate_what_one_does(smollm2_loaded, smollm2_pi
     finally:
         engine.stop()
     assert text_a == text and text_b == text_other
+
+
+# ---- the command line, and the workers' end ----
+
+
+def _generate_cmd(path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "bonsai_cli", "generate", str(path), "-p", "Hello there", "--device", "cpu,cpu",
+            "--pipeline-parallel", "--max-seq-len", "256", *extra]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_exit_when_the_driver_is_killed(tmp_path, smollm2_gguf):
+    from tests.gguf_tiny import write_tiny_gguf
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_gguf)
+    proc = subprocess.Popen(_generate_cmd(path, "-n", "200"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout.read(1)  # generating: the worker is up
+        workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert workers
+    finally:
+        proc.kill()
+        proc.wait(30)
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a pipeline worker outlived its driver"
+        time.sleep(0.1)

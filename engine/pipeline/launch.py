@@ -182,6 +182,23 @@ def init_groups(links: Links, timeout: timedelta = DATA_TIMEOUT) -> None:
     links.forward = dist.group.WORLD
     links.back = dist.new_group(list(range(links.world)), timeout=timeout, backend=links.backend)
     links.commands = dist.new_group(list(range(links.world)), timeout=COMMAND_TIMEOUT, backend="gloo")
+    _first_transfers(links)
+
+
+def _first_transfers(links: Links) -> None:
+    """One small transfer over every link the pipeline uses, in one order on every rank. NCCL makes a
+    pair's communicator on its first transfer, blocking until both ends are there: made now, it
+    cannot wait on a transfer that a rank posts later in a pass (rank 0 posts its logits receive
+    before sending stage 0's output). Gloo needs none of it; the same code checks its links."""
+    one = torch.zeros(1, device=links.device)
+    if links.rank > 0:
+        dist.recv(one, links.rank - 1, group=links.forward)
+    if links.rank < links.last:
+        dist.send(one, links.rank + 1, group=links.forward)
+    if links.rank == links.last:
+        dist.send(one, 0, group=links.back)
+    elif links.rank == 0:
+        dist.recv(one, links.last, group=links.back)
 
 
 def _package_root() -> str:
@@ -202,7 +219,7 @@ def start_workers(source: ModelSource, run: RunSpec, stages: list[Stage], backen
     for stage in stages[1:]:
         spec = WorkerSpec(source, run, tuple(stages), backend, store.port, stage.rank)
         proc = subprocess.Popen([sys.executable, "-m", "engine.pipeline.worker"], stdin=subprocess.PIPE,
-                                stdout=sys.stderr, env=env)
+                                stdout=2, env=env)  # its prints: to our stderr (fd 2), never our stdout
         data = pickle.dumps(spec)
         proc.stdin.write(len(data).to_bytes(8, "little") + data)
         proc.stdin.flush()

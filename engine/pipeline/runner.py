@@ -13,6 +13,8 @@ prompt's prefill chunks follow each other without waiting for logits (only the l
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from engine.errors import BonsaiError
@@ -147,22 +149,27 @@ class PipelineRunner:
     def _passes(self, passes: list[tuple[Command, list]]) -> list[torch.Tensor]:
         """Run passes through the pipeline one after another without waiting between them; the
         logits of those that want them, in order."""
-        links, vocab = self.links, self.loaded.config.vocab_size
-        if links.failure is not None:
-            raise BonsaiError(f"the pipeline stopped: {links.failure}")
-        pending = []
+        if self.links.failure is not None:
+            raise BonsaiError(f"the pipeline stopped: {self.links.failure}")
+        # GPU-specific: the engine thread's current device is stage 0's (CUDA keeps one per host thread)
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
-            for cmd, ids in passes:
-                links.send_command(cmd)
-                if cmd.wants_output:
-                    pending.append(links.post_recv(cmd.output_shape(vocab), torch.float32, links.last, back=True))
-                x = self.executor.run(cmd, ids if cmd.op == ROWS else
-                                      torch.tensor(ids, dtype=torch.long, device=self.device))
-                links.send(x, 1)
-            out = [links.finish(p) for p in pending]
-            links.flush_sends()
+            with device:
+                return self._run_passes(passes)
         except RuntimeError as e:  # a worker is gone (gloo tells; NCCL is watched in launch._watch)
-            raise BonsaiError(f"the pipeline stopped: {links.failure or e}") from None
+            raise BonsaiError(f"the pipeline stopped: {self.links.failure or e}") from None
+
+    def _run_passes(self, passes: list[tuple[Command, list]]) -> list[torch.Tensor]:
+        links, vocab = self.links, self.loaded.config.vocab_size
+        pending = []
+        for cmd, ids in passes:
+            links.send_command(cmd)
+            if cmd.wants_output:  # posted first: the last stage can send whenever it is done
+                pending.append(links.post_recv(cmd.output_shape(vocab), torch.float32, links.last, back=True))
+            x = self.executor.run(cmd, ids if cmd.op == ROWS else torch.tensor(ids, dtype=torch.long, device=self.device))
+            links.send(x, 1)
+        out = [links.finish(p) for p in pending]
+        links.flush_sends()
         return out
 
     def close(self) -> None:
