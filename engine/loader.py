@@ -292,14 +292,14 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
     packed = frozenset(name for name, kind in packed_targets(config, weight_format) if name != "lm_head" or
                        not config.tie_word_embeddings)
     model = _empty_model(config, dev, dtype, dtype, meta_weights=packed, stage=stage)
-    for name, p in model.named_parameters():
+    for param_name, p in model.named_parameters():
         if p.is_meta:
             continue
         if p.dim() == 1:
             p.fill_(1.0)  # norms (and biases: harmless)
         elif (weight_format.quant_type == "bf16" or p is model.embed.weight
               or p is getattr(model.lm_head, "weight", None)):
-            p.normal_(0.0, 0.02, generator=tensor_generator(dev, seed, global_name(name, model.first_layer)))
+            p.normal_(0.0, 0.02, generator=tensor_generator(dev, seed, global_name(param_name, model.first_layer)))
     pack_linears(model, weight_format, dummy=True, seed=seed, device=dev)
     _drop_unused_embedding(model)
     model.eval()
