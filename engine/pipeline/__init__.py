@@ -7,4 +7,5 @@ stage.py    one stage's model part, KV cache and (on a GPU) fused decode step
 launch.py   starting the worker processes and torch.distributed, and ending them
 worker.py   the loop of every rank but 0 (`python -m engine.pipeline.worker`)
 runner.py   PipelineRunner: ModelRunner's interface on rank 0 (the driver, also stage 0)
+setup.py    from run options to a running pipeline: stages planned and checked per device, then started
 """
