@@ -1,6 +1,7 @@
 """`bonsai generate MODEL --prompt TEXT`."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Optional
 
@@ -54,6 +55,7 @@ def generate(
     from engine.generate import GenerationRequest
     from engine.kv_cache import kv_type_of
     from engine.memory_limit import within_limit
+    from engine.runner import ModelRunner
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -77,29 +79,31 @@ def generate(
         limit = budget.limit if budget else None
         with within_limit(limit, "loading the model"):
             loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
-    try:
-        _generate(loaded, runner, prompt, chat, system, request, spec_config, kv_type, offload, max_seq_len, budget,
-                  limit, json_out)
-    finally:
-        if runner is not None:
-            runner.close()
+    with contextlib.closing(runner) if runner is not None else contextlib.nullcontext():  # a pipeline's workers end
+        _generate(loaded, runner, prompt_ids(loaded, prompt, chat, system), request, spec_config,
+                  lambda: ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, **offload), max_seq_len,
+                  budget, json_out)
 
 
-def _generate(loaded, runner, prompt, chat, system, request, spec_config, kv_type, offload, max_seq_len, budget,
-              limit, json_out) -> None:
-    from engine.generate import stream_generate
-    from engine.memory_limit import check_usage, within_limit
-    from engine.runner import ModelRunner
-    from engine.speculative.config import build_drafter
-
+def prompt_ids(loaded, prompt: str, chat: bool, system: Optional[str]) -> list[int]:
+    """The prompt's token ids, through the chat template with --chat."""
     tok = loaded.require_tokenizer()
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
-    else:
-        ids = tok.encode(prompt, add_special_tokens=True)
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    return tok.encode(prompt, add_special_tokens=True)
+
+
+def _generate(loaded, runner, ids: list[int], request, spec_config, make_runner, max_seq_len: int, budget,
+              json_out: bool) -> None:
+    """Stream the generation (runner: a started pipeline, or None: make_runner() makes one)."""
+    from engine.generate import stream_generate
+    from engine.memory_limit import check_usage, within_limit
+    from engine.speculative.config import build_drafter
+
+    tok, limit = loaded.tokenizer, budget.limit if budget else None
     with within_limit(limit, "allocating the KV cache and the drafter"):
-        runner = runner or ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, **offload)
+        runner = runner or make_runner()
         drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
     check_usage(limit, loaded.device, "loading", budget.plan.total if budget else None)
     pieces, token_ids, finish, stats = [], [], "length", None
