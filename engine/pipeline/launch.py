@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT = timedelta(days=7)  # a worker waits for the next command as long as the server idles
 DATA_TIMEOUT = timedelta(minutes=10)  # hidden states / logits follow their command within this
+STORE_TIMEOUT = timedelta(minutes=5)  # the workers start Python, import torch and join within this
 READY_TIMEOUT_S = 1800.0  # loading a stage (a 27B model's share from disk) within this
 
 
@@ -211,8 +212,7 @@ def start_workers(source: ModelSource, run: RunSpec, stages: list[Stage], backen
     Returns rank 0's links; the workers load their parts meanwhile (`wait_ready`)."""
     if dist.is_initialized():
         raise BonsaiError("a pipeline is already running in this process: close it first")
-    store = dist.TCPStore("127.0.0.1", 0, len(stages), is_master=True, timeout=timedelta(seconds=60),
-                          wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, len(stages), is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
     links = Links(0, tuple(stages), backend, store, device=torch.device(stages[0].device))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_package_root(), os.environ.get("PYTHONPATH"))
                                                        if p)}

@@ -14,13 +14,12 @@ import pickle
 import signal
 import sys
 import threading
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from engine.errors import BonsaiError
-from engine.pipeline.launch import Links, WorkerSpec, init_groups
+from engine.pipeline.launch import STORE_TIMEOUT, Links, WorkerSpec, init_groups
 from engine.pipeline.protocol import CALIBRATE, PREPARE, STOP
 from engine.pipeline.stage import StageExecutor
 
@@ -61,8 +60,7 @@ def main() -> None:
     spec: WorkerSpec = pickle.loads(sys.stdin.buffer.read(size))
     threading.Thread(target=_exit_when_driver_ends, daemon=True).start()
     stage = spec.stages[spec.rank]
-    store = dist.TCPStore("127.0.0.1", spec.store_port, len(spec.stages), is_master=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", spec.store_port, len(spec.stages), is_master=False, timeout=STORE_TIMEOUT)
     links = Links(spec.rank, spec.stages, spec.backend, store, device=torch.device(stage.device))
     if stage.device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // len(spec.stages)))
@@ -75,7 +73,8 @@ def main() -> None:
         if not executor.needs_calibration:  # else after the CALIBRATE pass
             executor.start_steps()
     except Exception as e:  # noqa: BLE001 — rank 0 prints it as the one line of its error
-        store.set(f"ready/{spec.rank}", str(e) if isinstance(e, BonsaiError) else f"{type(e).__name__}: {e}")
+        message = str(e) if isinstance(e, BonsaiError) else f"{type(e).__name__}: {e}"
+        store.set(f"ready/{spec.rank}", (message.splitlines() or [type(e).__name__])[0])  # one line (an OOM has several)
         raise
     store.set(f"ready/{spec.rank}", "ok")
     try:
