@@ -16,7 +16,7 @@ import torch
 
 from engine.errors import BonsaiError
 from engine.pipeline.devices import check_devices, check_pipeline_request
-from engine.pipeline.protocol import PLAIN, ROWS, Command, split_rows
+from engine.pipeline.protocol import PLAIN, ROWS, Command, micro_batches, split_rows
 from engine.pipeline.split import plan_stages, split_layers
 
 # ---- the split (pure) ----
@@ -108,6 +108,10 @@ def test_command_round_trip_and_micro_batches():
     assert Command.decode(rows.encode()) == rows and rows.output_shape(50) == (3, 50) and rows.hidden_shape(8) == (3, 8)
     assert not Command(PLAIN, (0,), (0,), 4, 0).wants_output
     assert split_rows(5, 2) == [(0, 3), (3, 5)] and split_rows(1, 2) == [(0, 1)] and split_rows(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # a GPU's fused step (flat cost up to 16 rows) keeps 8 rows whole, cuts 40 into 3 of <= 16, in flight together
+    assert micro_batches(8, 2, 16, True) == [(0, 8)] and micro_batches(40, 2, 16, True) == [(0, 14), (14, 27), (27, 40)]
+    # a CPU (cost grows with the rows): one micro-batch per stage
+    assert micro_batches(8, 2, 16, False) == [(0, 4), (4, 8)] and micro_batches(3, 4, 0, False) == [(0, 1), (1, 2), (2, 3)]
 
 
 # ---- two gloo processes against one ----

@@ -82,3 +82,17 @@ def split_rows(n: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, start + size))
         start += size
     return out
+
+
+def micro_batches(rows: int, stages: int, max_rows: int, flat_cost: bool) -> list[tuple[int, int]]:
+    """How a step of `rows` rows goes through the pipeline: contiguous micro-batches, in flight
+    together. Never more than max_rows rows in one (the fused step's limit; 0: no limit). Where a
+    pass costs about the same for any row count up to max_rows (flat_cost: the fused step on a GPU
+    reads all of the stage's weights whatever the rows), a step of at most max_rows rows stays whole:
+    split in two it would read every weight twice and take 3 half-steps instead of 2. Where the
+    cost grows with the rows (a CPU), it is split into one micro-batch per stage, so that stage k
+    runs micro-batch i + 1 while stage k + 1 runs micro-batch i."""
+    parts = -(-rows // max_rows) if max_rows else 1
+    if not flat_cost:
+        parts = max(parts, stages)
+    return split_rows(rows, parts)

@@ -8,8 +8,9 @@ and the next command's positions overwrite the rejected rows on every stage.
 
 Several passes are in flight at once where they do not depend on each other's logits, so that
 the stages work at the same time: the rows of a batched step (several slots, or a verify step's
-rows) go through as micro-batches (stage 0 runs the second while stage 1 runs the first), and a
-prompt's prefill chunks follow each other without waiting for logits (only the last one's come back).
+rows) go through as micro-batches (stage 0 runs the second while stage 1 runs the first; on a GPU
+only where the rows exceed one fused step, see protocol.micro_batches), and a prompt's prefill
+chunks follow each other without waiting for logits (only the last one's come back).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from engine.errors import BonsaiError
 from engine.kv_cache import KVSlot
 from engine.loader import LoadedModel
 from engine.pipeline.launch import Links, ModelSource, RunSpec, start_workers, wait_ready
-from engine.pipeline.protocol import CALIBRATE, MAX_ROWS, PLAIN, PREPARE, ROWS, Command, split_rows
+from engine.pipeline.protocol import CALIBRATE, MAX_ROWS, PLAIN, PREPARE, ROWS, Command, micro_batches
 from engine.pipeline.split import Stage
 from engine.pipeline.stage import MAX_STEP_ROWS, StageExecutor
 
@@ -29,9 +30,11 @@ from engine.pipeline.stage import MAX_STEP_ROWS, StageExecutor
 class PipelineRunner:
     streamed = False
 
-    def __init__(self, loaded: LoadedModel, links: Links, executor: StageExecutor, prefill_chunk_size: int = 512):
+    def __init__(self, loaded: LoadedModel, links: Links, executor: StageExecutor, prefill_chunk_size: int = 512,
+                 flat_step_cost: bool | None = None):
         """loaded: stage 0's part (its config is the whole model's); links: rank 0's end of the
-        process groups; executor: stage 0 on this process."""
+        process groups; executor: stage 0 on this process. flat_step_cost: how a batched step is
+        cut into micro-batches (protocol.micro_batches; default: flat on a GPU)."""
         if prefill_chunk_size < 1:
             raise BonsaiError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.loaded, self.links, self.executor = loaded, links, executor
@@ -42,7 +45,8 @@ class PipelineRunner:
         self.prefill_chunk_size = prefill_chunk_size
         self.stages = links.stages
         self.weight_stream = None
-        self.micro_batches = len(self.stages)  # rows of one step in flight at once: one part per stage
+        # a fused step's cost is flat in its rows on a GPU (weight reads): steps of <= 16 rows stay whole there
+        self.flat_step_cost = self.device.type == "cuda" if flat_step_cost is None else flat_step_cost
 
     # -- ModelRunner's interface --
     @property
@@ -125,11 +129,14 @@ class PipelineRunner:
     def step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """One token per row at its own position and slot (several slots, or consecutive positions of
         one slot): logits [M, V]. Rows go as micro-batches in order (a later row of a slot reads the
-        keys an earlier micro-batch wrote). Through the fused step where it runs, else the plain path."""
+        keys an earlier micro-batch wrote; protocol.micro_batches says how many). Through the fused
+        step where it runs, else the plain path."""
         assert 0 < len(tokens) == len(positions) == len(slots) <= MAX_ROWS
         passes = []
-        for a, b in split_rows(len(tokens), self.micro_batches):
-            if self.decoder is not None and b - a <= MAX_STEP_ROWS:
+        fused = self.decoder is not None
+        for a, b in micro_batches(len(tokens), len(self.stages), MAX_STEP_ROWS if fused else 0,
+                                  fused and self.flat_step_cost):
+            if fused:
                 passes.append((Command(ROWS, tuple(slots[a:b]), tuple(positions[a:b])), tokens[a:b]))
             else:
                 ids = [[t] for t in tokens[a:b]]
