@@ -6,12 +6,13 @@
 #   check  SmolLM2 greedy on cuda:0 vs cuda:0,cuda:1 pipelined (plain and n-gram): the same token ids
 #   tg     bonsai bench dense-27b tri / int4 head: pp512 and tg128, 1 GPU vs 2 GPUs pipelined
 #   serve  the dense-27b server (8 slots): aggregate tok/s at concurrency 1/4/8, 1 GPU vs 2 GPUs pipelined
+#   micro  8 slots' batched decode on 2 GPUs: the step whole vs in 2 micro-batches (engine/pipeline/protocol.py)
 set -u
 # NVLink multicast stays off in everything started here (and in the pipeline workers, which inherit it)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SMOL=${BONSAI_SMOLLM2_GGUF:?set BONSAI_SMOLLM2_GGUF}
 OUT=${OUT:-out}; mkdir -p "$OUT"
-PARTS=${PARTS:-check tg serve}
+PARTS=${PARTS:-check tg serve micro}
 B="python3 -m bonsai_cli"
 TWO="--device cuda:0,cuda:1 --pipeline-parallel"
 part() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
@@ -71,6 +72,11 @@ for setup in ("1gpu", "2gpu"):
     print(setup, "aggregate tok/s by concurrency:",
           {c["concurrency"]: round(c["summary"]["aggregate_tokens_per_second"], 1) for c in r.get("concurrency", [])})
 PY
+fi
+if part micro; then
+echo "== batched decode, 8 slots at 1024 tokens, 2 GPUs: whole step vs 2 micro-batches"
+timeout 300 python3 tests/perf/pipeline_micro_batches.py --slots 8 --context 1024 | tee "$OUT/micro.json"
+timeout 300 python3 tests/perf/pipeline_micro_batches.py --slots 16 --context 2048 | tee "$OUT/micro-16.json"
 fi
 # leftover pipeline workers would show here (there should be none)
 pgrep -af engine.pipeline.worker || echo "no pipeline workers left"
