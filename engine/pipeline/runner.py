@@ -28,7 +28,6 @@ from engine.pipeline.stage import MAX_STEP_ROWS, StageExecutor
 
 
 class PipelineRunner:
-    streamed = False
 
     def __init__(self, loaded: LoadedModel, links: Links, executor: StageExecutor, prefill_chunk_size: int = 512,
                  flat_step_cost: bool | None = None):
