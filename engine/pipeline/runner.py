@@ -28,7 +28,6 @@ from engine.pipeline.stage import MAX_STEP_ROWS, StageExecutor
 
 
 class PipelineRunner:
-
     def __init__(self, loaded: LoadedModel, links: Links, executor: StageExecutor, prefill_chunk_size: int = 512,
                  flat_step_cost: bool | None = None):
         """loaded: stage 0's part (its config is the whole model's); links: rank 0's end of the
