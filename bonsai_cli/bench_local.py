@@ -14,12 +14,12 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
                     save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False,
                     max_gpu_memory: Optional[str] = None, offload: dict[str, Any] | None = None,
-                    embedding_on_host: Optional[bool] = None) -> None:
-    from bonsai_cli.gpu_budget import memory_report, plan_cli_run
+                    embedding_on_host: Optional[bool] = None, pipeline: list[str] | None = None) -> None:
+    """pipeline: the stage devices of a pipelined run (--pipeline-parallel), else None."""
+    from bonsai_cli.gpu_budget import plan_cli_run
     from engine.bench import model_bench
-    from engine.bench.environment import describe_environment
     from engine.bench.suites import load_suite
-    from engine.memory_limit import check_usage, within_limit
+    from engine.memory_limit import within_limit
     from engine.runner import ModelRunner
 
     prompts = None
@@ -29,6 +29,21 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
     else:
         tests = model_bench.plan_tests(n_prompt, n_gen, depth, combined)
     needed = max((t.depth + t.n_prompt + t.n_gen + 2 for t in tests), default=2048)
+    if pipeline is not None:
+        from bonsai_cli.pipeline_options import open_cli_pipeline
+        if embedding_on_host:
+            from engine.errors import BonsaiError
+            raise BonsaiError("--embedding-on-host is not available with --pipeline-parallel; remove it")
+        runner, budget, pp = open_cli_pipeline(model, pipeline, max_seq_len or needed, max_gpu_memory, load,
+                                               kv_type, auto_pull=model is None)
+        loaded = runner.loaded
+        report["pipeline"] = pp.as_dict()
+        try:
+            _bench_runner(report, loaded, runner, budget, tests, prompts, suite, repetitions, save, spec_config,
+                          vs_plain)
+        finally:
+            runner.close()
+        return
     budget = plan_cli_run(model, device, max_seq_len or needed, max_gpu_memory, spec_config=spec_config,
                           auto_pull=model is None, kv_type=kv_type,
                           kv_offload=bool(offload and offload.get("kv_offload")), embedding_on_host=embedding_on_host,
@@ -39,6 +54,15 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
     with within_limit(budget.limit, "allocating the KV cache and capturing the decode step"):
         runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type,
                              prefill_chunk_size=budget.settings.prefill_chunk_size, **(offload or {}))
+    _bench_runner(report, loaded, runner, budget, tests, prompts, suite, repetitions, save, spec_config, vs_plain)
+
+
+def _bench_runner(report, loaded, runner, budget, tests, prompts, suite, repetitions, save, spec_config,
+                  vs_plain) -> None:
+    """The bench of a ready runner (ModelRunner, or a PipelineRunner: stage 0's device and plan)."""
+    from bonsai_cli.gpu_budget import memory_report
+    from engine.bench.environment import describe_environment
+    from engine.memory_limit import check_usage, within_limit
     check_usage(budget.limit, loaded.device, "loading", budget.plan.total)
     report["memory"] = memory_report(budget, loaded.device)
     report["environment"] = describe_environment(loaded.device)
@@ -51,11 +75,12 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         "group_size": loaded.weight_format.group_size, "load_format": loaded.summary.format,
         "kv_dtype": str(runner.cache.dtype).replace("torch.", ""), "kv_type": runner.cache.kv_type.name,
         "kv_bytes": runner.cache.nbytes, "max_seq_len": runner.max_seq_len,
-        "embedding_on_host": budget.settings.embedding_on_host}
+        "embedding_on_host": getattr(getattr(budget, "settings", None), "embedding_on_host", False)}
     report["settings"] = {"repetitions": repetitions, "device": str(loaded.device), "temperature": 0.0,
                           "fused_decode": runner.decoder is not None,
                           "cuda_graph": getattr(runner.decoder, "graph", None) is not None,
-                          "kv_offload": runner.cache.streamed, "prefill_chunk_size": runner.prefill_chunk_size}
+                          "kv_offload": runner.cache.streamed, "prefill_chunk_size": runner.prefill_chunk_size,
+                          "pipeline_stages": len(getattr(runner, "stages", ())) or 1}
     save()
     try:
         with within_limit(budget.limit, "benchmarking"):
@@ -106,7 +131,8 @@ def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save,
                                               on_sample=lambda t, r, s: progress.advance(task), drafter=drafter,
                                               num_draft_tokens=spec_config.num_draft_tokens if spec_config else 4)
             entry = m.summary()
-            if test.n_gen and not test.n_prompt and drafter is None:  # with drafts, tokens per pass vary
+            pipelined = hasattr(runner, "stages")  # rank 0 holds stage 0's part only: no whole-model byte count
+            if test.n_gen and not test.n_prompt and drafter is None and not pipelined:  # with drafts, tokens per pass vary
                 bytes_per_token = model_bench.decode_bytes_per_token(runner, test.depth + test.n_gen // 2)
                 achieved = bytes_per_token * entry["tokens_per_second"]
                 entry["decode_bandwidth"] = {"bytes_per_token": bytes_per_token, "achieved_gb_per_s": achieved / 1e9,

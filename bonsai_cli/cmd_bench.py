@@ -13,6 +13,7 @@ from bonsai_cli.common import (DRAFT_TOKENS_HELP, HOST_KV_MIB_HELP, KV_OFFLOAD_H
                                SPEC_HELP, WEIGHT_DTYPE_HELP, WEIGHTS_HELP, err_console, kv_offload_options,
                                speculative_config)
 from bonsai_cli.gpu_budget import EMBEDDING_ON_HOST_HELP, MAX_GPU_MEMORY_HELP
+from bonsai_cli.pipeline_options import DEVICE_HELP, PIPELINE_HELP, pipeline_devices
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -45,7 +46,8 @@ def bench(
     concurrency: str = typer.Option("1", "--concurrency", help="with --url: requests in flight, e.g. 1,2,4,8"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="BONSAI_API_KEY", help="with --url"),
     timeout: float = typer.Option(300.0, "--timeout", help="with --url: seconds per request"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    pipeline_parallel: bool = typer.Option(False, "--pipeline-parallel", help=PIPELINE_HELP),
     weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
     weights: str = typer.Option("bf16", "--weights", help=WEIGHTS_HELP),
     group_size: int = typer.Option(128, "--group-size", help="inputs per scale group of packed weights"),
@@ -105,6 +107,9 @@ def bench(
         raise BonsaiError("--kv-offload measures a local MODEL; a server sets memory.kv_offload in its config")
     if spec_config is not None and url:
         raise BonsaiError("--spec measures a local MODEL; a server sets its own speculation in its config")
+    if url and pipeline_parallel:
+        raise BonsaiError("--pipeline-parallel runs a local MODEL; a server sets memory.pipeline_parallel in its config")
+    devices = None if url else pipeline_devices(device, pipeline_parallel, kv_offload, spec_config)
     if vs_plain and (spec_config is None or not suite):
         raise BonsaiError("--vs-plain compares speculative with plain decoding on a suite: give --spec and --suite "
                           "(for -p/-n tests, run twice and use --compare)")
@@ -125,7 +130,7 @@ def bench(
             run_local_bench(report, model, device, load, max_seq_len, kv_type, suite, categories, limit,
                             _int_list(n_prompt, "-p"), _int_list(n_gen, "-n"), _int_list(depth, "-d"),
                             repetitions, combined, save, spec_config, vs_plain, max_gpu_memory, offload,
-                            embedding_on_host)
+                            embedding_on_host, pipeline=devices)
         report["complete"] = True
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted: keeping the results measured so far[/yellow]")

@@ -84,6 +84,9 @@ def _info_plan(model: Optional[str], plan_file: Path, json_out: bool) -> None:
 
     cfg = read_serve_config(plan_file, {"model.path": model})
     planned = serve_plan(cfg, architecture_of(cfg))
+    if cfg.memory.pipeline_parallel:
+        _info_pipeline(cfg, planned, plan_file, json_out)
+        return
     refusal = None
     try:
         check_budget(planned.plan, planned.limit, planned.weights, planned.settings, SERVE_KEYS)
@@ -95,6 +98,43 @@ def _info_plan(model: Optional[str], plan_file: Path, json_out: bool) -> None:
         return
     print_plan(Console(), planned.plan, planned.settings, planned.limit, refusal,
                f"memory plan on {cfg.runtime.device}: {cfg.model.path} with {plan_file.name}", planned.choices)
+
+
+def _info_pipeline(cfg, planned, plan_file: Path, json_out: bool) -> None:
+    """The pipeline's split (which layers and bytes on each device) and each device's plan."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from bonsai_cli.plan_table import plan_dict, print_plan
+    from engine.errors import BonsaiError
+    from engine.pipeline.setup import check_pipeline_budget, plan_pipeline
+
+    devices = cfg.runtime.devices
+    backend = "gloo" if devices[0] == "cpu" else "nccl"  # the plan only: this machine's devices are not checked
+    pp = plan_pipeline(planned.weights.config, planned.weights.formats, planned.settings, devices, backend)
+    refusal = None
+    try:
+        check_pipeline_budget(pp, planned.limit, "config memory.max_gpu_memory")
+    except BonsaiError as e:
+        refusal = str(e)
+    if json_out:
+        print_json({"model": cfg.model.path, "config": str(plan_file), "pipeline": pp.as_dict(),
+                    "devices": [plan_dict(p, planned.settings, planned.limit, None) for p in pp.plans],
+                    "fits": refusal is None, "refusal": refusal})
+        return
+    console = Console()
+    table = Table("stage", "device", "layers", "holds", "weights MiB", "KV MiB", "device total MiB",
+                  title=f"pipeline of {cfg.model.path} over {len(devices)} devices ({backend})")
+    for stage, plan in zip(pp.stages, pp.plans):
+        holds = ", ".join(x for x, on in (("embedding", stage.takes_tokens), ("norm + output layer",
+                                                                               stage.gives_logits)) if on)
+        table.add_row(str(stage.index), stage.device, f"{stage.first}-{stage.end - 1} ({stage.num_layers})",
+                      holds or "-", f"{stage.weight_bytes / 2**20:,.1f}", f"{stage.kv_bytes / 2**20:,.1f}",
+                      f"{plan.total / 2**20:,.1f}")
+    console.print(table)
+    for stage, plan in zip(pp.stages, pp.plans):
+        print_plan(console, plan, planned.settings, planned.limit, refusal if plan.total > (planned.limit or 0)
+                   else None, f"memory plan of stage {stage.index} on {stage.device} ({stage.label})")
 
 
 def _info_dummy(model: str, weights: str, group_size: int, head_weights: str, json_out: bool) -> None:

@@ -29,9 +29,11 @@ class DecodeStepRunner:
         self.inputs = StepInputs(tokens=torch.zeros(rows, dtype=torch.long, device=device),
                                  positions=torch.zeros(rows, dtype=torch.int32, device=device),
                                  slot_ids=torch.zeros(rows, dtype=torch.int32, device=device),
-                                 seq_lens=torch.ones(rows, dtype=torch.int32, device=device))
+                                 seq_lens=torch.ones(rows, dtype=torch.int32, device=device),
+                                 hidden=None if model.takes_tokens else  # a later pipeline stage's input
+                                 torch.zeros(rows, model.config.hidden_size, device=device))
         self.host_embedding = model.embed if isinstance(model.embed, HostEmbedding) else None
-        if self.host_embedding is not None:  # the graph reads the rows from here, never the host table
+        if self.host_embedding is not None and model.takes_tokens:  # the graph reads the rows from here
             table = self.host_embedding.weight
             self.inputs.embedded = torch.zeros(rows, table.shape[1], dtype=table.dtype, device=device)  # [M, H]
         self.workspace = Workspace.make(model, rows, device)
@@ -63,13 +65,20 @@ class DecodeStepRunner:
             self.logits = self._eager()
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """Logits float32 [rows, V]; the rows' K/V are written at their positions."""
-        assert len(tokens) == len(positions) == len(slots) == self.rows
-        ids = torch.tensor(tokens, dtype=torch.long)  # [M] host
-        self.inputs.tokens.copy_(ids, non_blocking=True)
-        if self.host_embedding is not None:
-            self.host_embedding.rows_into(ids, self.inputs.embedded)
+    def run(self, tokens: list[int], positions: list[int], slots: list[int],
+            hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits float32 [rows, V]; the rows' K/V are written at their positions. A pipeline stage
+        (engine.pipeline) after the first takes `hidden` [rows, H] float32 instead of tokens; one
+        before the last returns its residual stream [rows, H] float32 instead of logits."""
+        assert len(positions) == len(slots) == self.rows
+        if self.inputs.hidden is not None:
+            self.inputs.hidden.copy_(hidden, non_blocking=True)
+        else:
+            assert len(tokens) == self.rows
+            ids = torch.tensor(tokens, dtype=torch.long)  # [M] host
+            self.inputs.tokens.copy_(ids, non_blocking=True)
+            if self.inputs.embedded is not None:
+                self.host_embedding.rows_into(ids, self.inputs.embedded)
         pos = torch.tensor(positions, dtype=torch.int32)
         self.inputs.positions.copy_(pos, non_blocking=True)
         self.inputs.seq_lens.copy_(pos + 1, non_blocking=True)

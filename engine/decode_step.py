@@ -29,6 +29,7 @@ class StepInputs:
     slot_ids: torch.Tensor  # [M] int32
     seq_lens: torch.Tensor  # [M] int32 = positions + 1 (keys each row attends to)
     embedded: torch.Tensor | None = None  # [M, H] the rows' embeddings, when the table is in host memory
+    hidden: torch.Tensor | None = None  # [M, H] float32: a pipeline stage's input (model.takes_tokens false)
 
 
 @dataclass
@@ -99,14 +100,19 @@ def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_we
 
 def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Ops, num_splits: int,
                 ws: Workspace) -> torch.Tensor:
-    """Logits float32 [M, V] for one token per row; K/V of the rows are written to the cache."""
+    """Logits float32 [M, V] for one token per row; K/V of the rows are written to the cache.
+    A pipeline stage (engine.pipeline) runs its own blocks: from the previous stage's residual stream
+    (inputs.hidden) unless it takes tokens, to its residual stream [M, H] unless it gives logits."""
     cfg = model.config
     eps = cfg.rms_norm_eps
     stream = model.weight_stream  # weight offload (never CUDA-graphed): blocks' weights streamed in
     if stream is not None:
         stream.begin_pass()
-    rows = inputs.embedded if inputs.embedded is not None else model.embed(inputs.tokens)  # [M, H]
-    x = rows.to(torch.float32, copy=True)  # [M, H] residual stream (never the static input buffer itself)
+    if not model.takes_tokens:  # a later pipeline stage: the previous stage's residual stream
+        x = inputs.hidden.clone()  # [M, H]
+    else:
+        rows = inputs.embedded if inputs.embedded is not None else model.embed(inputs.tokens)  # [M, H]
+        x = rows.to(torch.float32, copy=True)  # [M, H] residual stream (never the static input buffer itself)
     scale = cfg.head_dim ** -0.5
     for i, block in enumerate(model.layers):
         if stream is not None:
@@ -138,6 +144,8 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
             _project(ops, z, ffn.w2, residual=x)
         else:
             _project(ops, gu, ffn.w2, gated=True, residual=x)
+    if not model.gives_logits:
+        return x  # [M, H] float32: the next stage's input
     head = model.lm_head
     return _project(ops, x, head, model.norm.weight, eps,
                     tied_weight=model.embed.weight if head is None else None)  # [M, V]

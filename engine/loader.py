@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,18 +133,58 @@ def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtyp
     return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
 
 
+def stage_holds(stage, config: ModelConfig, name: str) -> bool:
+    """Whether a pipeline stage (engine.pipeline.split.Stage; None: the whole model) holds the module
+    or canonical tensor `name` (global layer numbers): its blocks, the embedding on the first stage
+    (and, tied, the last: the output layer), the final norm and output layer on the last."""
+    if stage is None:
+        return True
+    part = name.split(".")[0]
+    if part == "layers" and name != "layers":
+        return stage.first <= int(name.split(".")[1]) < stage.end
+    if part in ("embed", "embed_tokens"):
+        return stage.takes_tokens or (stage.gives_logits and config.tie_word_embeddings)
+    if part in ("norm", "lm_head"):
+        return stage.gives_logits
+    return True  # the model itself (rotary frequencies), rope_freqs, the block list
+
+
+def global_name(name: str, first_layer: int) -> str:
+    """A stage model's module name with its layer number made global (layers.0 of a stage from layer 12
+    is layers.12)."""
+    if first_layer and name.startswith("layers.") and name != "layers":
+        _, index, *rest = name.split(".")
+        return ".".join(["layers", str(int(index) + first_layer), *rest])
+    return name
+
+
+def local_name(name: str, first_layer: int) -> str:
+    """The inverse of `global_name`: a model-wide name as a stage model's module name."""
+    if first_layer and name.startswith("layers.") and name != "layers":
+        _, index, *rest = name.split(".")
+        return ".".join(["layers", str(int(index) - first_layer), *rest])
+    return name
+
+
 def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype,
-                 meta_weights: frozenset[str] = frozenset(), embedding_on_host: bool = False) -> Transformer:
+                 meta_weights: frozenset[str] = frozenset(), embedding_on_host: bool = False,
+                 stage=None) -> Transformer:
     """The model with uninitialized tensors on `dev`; the weights of the Linear layers named in
-    meta_weights stay on the meta device (they are replaced before use: never allocated);
-    embedding_on_host: the embedding table is allocated in host memory (never on `dev`)."""
+    meta_weights (global names) stay on the meta device (they are replaced before use: never allocated);
+    embedding_on_host: the embedding table is allocated in host memory (never on `dev`);
+    stage: a pipeline stage (engine.pipeline.split.Stage): only its part is allocated."""
     with torch.device("meta"):
         model = Transformer(config)
         model.to(dtype)
         for module in model.modules():
             if isinstance(module, Linear) and module is not model.lm_head:
                 module.weight.data = module.weight.data.to(weight_dtype)
-    for name, module in model.named_modules():
+        if stage is not None:
+            model.keep_layers(stage.first, stage.end, stage.takes_tokens, stage.gives_logits)
+    for local, module in model.named_modules():
+        name = global_name(local, model.first_layer)
+        if not stage_holds(stage, config, name):
+            continue
         if name == "embed" and embedding_on_host:
             module.to_empty(device="cpu", recurse=False)
         elif name not in meta_weights:
@@ -174,10 +215,11 @@ def _packed_shells(model: Transformer, targets: dict[str, str], group_size: int,
     """Swap the Linear layers in targets (module path → packed kind) for PackedLinear layers with
     empty packed buffers on `dev`, filled as their float tensors arrive (`quantize_rows`)."""
     out = {}
-    for path, kind in targets.items():
-        module = model.get_submodule(path)
+    for path, kind in targets.items():  # global names; a pipeline stage's layer i is first_layer + i
+        local = local_name(path, model.first_layer)
+        module = model.get_submodule(local)
         pw = empty_packed(kind, module.weight.shape[0], module.weight.shape[1], group_size, dev)
-        parent, _, attr = path.rpartition(".")
+        parent, _, attr = local.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(pw, module.bias))
         out[path] = pw
     return out
@@ -186,25 +228,30 @@ def _packed_shells(model: Transformer, targets: dict[str, str], group_size: int,
 def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dev: torch.device,
                        dtype: torch.dtype, weight_dtype: torch.dtype, path: str | Path, down_hadamard: int = 0,
                        meta_weights: dict[str, list[str]] | None = None, weight_format: WeightFormat | None = None,
-                       embedding_on_host: bool = False) -> Transformer:
+                       embedding_on_host: bool = False, stage=None) -> Transformer:
     """A model of `config` from (canonical name, float tensor) pairs (every tensor it needs, once);
     down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs.
     meta_weights: {Linear module name: the canonical tensors it stacks} of layers left unallocated
     (packed later from stored codes): `tensors` does not hold those. weight_format: the layers it
     packs are packed as their tensors arrive (each tensor rounded, a slice of rows at a time, into
     the final packed buffers: no float copy of the layer is ever allocated on `dev`); a tied output
-    layer is left to `pack_linears`. embedding_on_host: the table is loaded into host memory."""
+    layer is left to `pack_linears`. embedding_on_host: the table is loaded into host memory.
+    stage: build only this pipeline stage's part (tensors of other stages are passed over)."""
     meta_weights = meta_weights or {}
     fmt = weight_format or WeightFormat()
     targets = {name: kind for name, kind in packed_targets(config, fmt)
-               if name not in meta_weights and (name != "lm_head" or not config.tie_word_embeddings)}
+               if name not in meta_weights and (name != "lm_head" or not config.tie_word_embeddings)
+               and stage_holds(stage, config, name)}  # global module names
     model = _empty_model(config, dev, dtype, weight_dtype, meta_weights=frozenset(meta_weights) | frozenset(targets),
-                         embedding_on_host=embedding_on_host)
+                         embedding_on_host=embedding_on_host, stage=stage)
     shells = _packed_shells(model, targets, fmt.group_size, dev)
     rows_of = _part_rows(config) if shells else {}
     expected = expected_tensor_names(config) - {n for names in meta_weights.values() for n in names}
+    expected = {n for n in expected if stage_holds(stage, config, n)}
     seen: set[str] = set()
     for name, tensor in tensors:
+        if not stage_holds(stage, config, name):
+            continue
         module_path, row0, rows = rows_of.get(name, (None, 0, 0))
         try:
             if module_path in shells:
@@ -235,14 +282,14 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
 def _finish_embedding(model: Transformer, dev: torch.device, on_host: bool) -> None:
     """Move the loaded host table behind a HostEmbedding (after packing: a tied output layer has
     taken its own packed copy by then)."""
-    if on_host:
+    if on_host and model.takes_tokens:
         assert model.lm_head is not None, "check_embedding_on_host refuses a tied float output layer"
         model.embed = HostEmbedding(model.embed.weight.data, dev)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None,
-               keep_codes: bool | None = None, embedding_on_host: bool = False) -> LoadedModel:
+               keep_codes: bool | None = None, embedding_on_host: bool = False, stage=None) -> LoadedModel:
     """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
 
     dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the
@@ -250,7 +297,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     (round-to-nearest onto the ternary / 1-bit / int grids) for the packed kernels; keep_codes:
     tensors stored quantized (bonsai checkpoints, TQ1_0/TQ2_0/Q1_0/Q2_0 GGUFs) run packed as stored
     (default on CUDA, where the packed kernels are fast; on the CPU floats decode faster);
-    embedding_on_host: the embedding table stays in host memory (engine.host_embedding).
+    embedding_on_host: the embedding table stays in host memory (engine.host_embedding);
+    stage: a pipeline stage (engine.pipeline.split.Stage): only its layers (and the embedding / output
+    layer it holds) are read and allocated.
     """
     start = time.perf_counter()
     dev = resolve_device(device)
@@ -268,16 +317,21 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     # layers packed from stored codes are never materialized as floats (a 27B model's float copy
     # would not fit the GPU its packed form is meant for)
     stored = stored_packed_layers(source, config) if keep else {}
+    stored = {name: parts for name, parts in stored.items() if stage_holds(stage, config, name)}
     skip = frozenset(n for names in stored.values() for n in names)
+    if stage is not None and not isinstance(source, HFModelDir):  # other stages' tensors are not even read
+        skip |= frozenset(n for n in expected_tensor_names(config) if not stage_holds(stage, config, n))
     tensors = source.iter_canonical_tensors(config, skip=skip) if skip else source.iter_canonical_tensors(config)
     model = model_from_tensors(config, tensors, dev, dtype, weight_dtype, path,
                                down_hadamard=int(rotation.get("down_proj_hadamard", 0)), meta_weights=stored,
-                               weight_format=weight_format, embedding_on_host=embedding_on_host)
+                               weight_format=weight_format, embedding_on_host=embedding_on_host, stage=stage)
     if keep:
         packed = pack_stored_codes(model, source, config, device=dev)
+        packed = {global_name(name, model.first_layer) for name in packed}
         assert set(stored) <= packed, f"planned packed layers were not packed: {sorted(set(stored) - packed)[:3]}"
     if weight_format.packed:
         pack_linears(model, weight_format, device=dev)  # what is left: a tied output layer's own packed copy
+    _drop_unused_embedding(model)
     _finish_embedding(model, dev, embedding_on_host)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
@@ -301,10 +355,12 @@ def stored_packed_layers(source, config: ModelConfig) -> dict[str, list[str]]:
 @torch.no_grad()
 def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu",
                weight_format: WeightFormat | None = None, dtype: torch.dtype | None = None,
-               seed: int = 0, embedding_on_host: bool = False) -> LoadedModel:
+               seed: int = 0, embedding_on_host: bool = False, stage=None) -> LoadedModel:
     """`load_format: dummy`: the architecture at full size with random weights made directly on the
     device in their run-time format (packed codes for tri/bin/int4/int8), one matrix at a time in
-    its final buffer — for speed work. embedding_on_host: the table is made in host memory."""
+    its final buffer — for speed work. embedding_on_host: the table is made in host memory. Each
+    tensor's values depend on the seed and its name only, so a pipeline stage (`stage`: only its
+    part is made) holds the same weights as the whole model."""
     start = time.perf_counter()
     dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
@@ -315,19 +371,18 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
     # the GPU memory its packed form is meant for)
     packed = frozenset(name for name, kind in packed_targets(config, weight_format) if name != "lm_head" or
                        not config.tie_word_embeddings)
-    model = _empty_model(config, dev, dtype, dtype, meta_weights=packed, embedding_on_host=embedding_on_host)
-    generators = {}
-    for p in model.parameters():
+    model = _empty_model(config, dev, dtype, dtype, meta_weights=packed, embedding_on_host=embedding_on_host,
+                         stage=stage)
+    for param_name, p in model.named_parameters():
         if p.is_meta:
             continue
         if p.dim() == 1:
             p.fill_(1.0)  # norms (and biases: harmless)
         elif (weight_format.quant_type == "bf16" or p is model.embed.weight
               or p is getattr(model.lm_head, "weight", None)):
-            if p.device not in generators:
-                generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-            p.normal_(0.0, 0.02, generator=generators[p.device])
+            p.normal_(0.0, 0.02, generator=tensor_generator(p.device, seed, global_name(param_name, model.first_layer)))
     pack_linears(model, weight_format, dummy=True, seed=seed, device=dev)
+    _drop_unused_embedding(model)
     _finish_embedding(model, dev, embedding_on_host)
     model.eval()
     nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -337,3 +392,16 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
     return LoadedModel(model=model, tokenizer=None, config=config, path=Path(name), summary=summary, device=dev,
                        dtype=dtype, weight_dtype=dtype, load_seconds=time.perf_counter() - start,
                        weight_format=weight_format)
+
+
+def tensor_generator(device: torch.device, seed: int, name: str) -> torch.Generator:
+    """The random generator of one generated (dummy) tensor: seeded by the run's seed and its name."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def _drop_unused_embedding(model: Transformer) -> None:
+    """A last pipeline stage held the (tied) embedding to make its output layer; once that layer
+    is packed on its own the embedding is unused there: back to the meta device."""
+    if not model.takes_tokens and model.lm_head is not None and not model.embed.weight.is_meta:
+        model.embed.weight = torch.nn.Parameter(torch.empty_like(model.embed.weight, device="meta"),
+                                                requires_grad=False)

@@ -249,6 +249,19 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rotary_inverse_frequencies(cfg), persistent=False)
         # weight offload (engine.weight_offload): streams offloaded blocks' weights in before each block
         self.weight_stream = None
+        # a pipeline stage (engine.pipeline) holds blocks first_layer.. only; its input is token ids
+        # (the embedding) or the previous stage's hidden states, its output logits or hidden states
+        self.first_layer = 0
+        self.takes_tokens = True
+        self.gives_logits = True
+
+    def keep_layers(self, first: int, end: int, takes_tokens: bool, gives_logits: bool) -> None:
+        """Make this (still unmaterialized) model one pipeline stage: blocks first..end-1, whose
+        attention reads a KV cache of their own (layer i of the stage at index i - first)."""
+        self.layers = nn.ModuleList(list(self.layers)[first:end])
+        for i, block in enumerate(self.layers):
+            block.attention.layer = i
+        self.first_layer, self.takes_tokens, self.gives_logits = first, takes_tokens, gives_logits
 
     def use_fused_prologue(self, on: bool) -> None:
         """Run each layer's q/k-norm + rotary + KV write as one kernel (engine.kernels.rope_cache)."""
@@ -269,9 +282,11 @@ class Transformer(nn.Module):
                        num_logits: int | None = 1, hidden_layers: tuple[int, ...] = ()
                        ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """`forward`, plus the residual stream after each block in `hidden_layers` (layer index
-        i: the output of block i, before any norm; -1: the last block): {i: [B, T, hidden]}."""
-        b, t = tokens.shape
+        i: the output of block i, before any norm; -1: the last block): {i: [B, T, hidden]}.
+        A pipeline stage takes hidden states [B, T, H] instead of tokens unless it `takes_tokens`,
+        and returns its blocks' output [B, T, H] instead of logits unless it `gives_logits`."""
         positions = batch.positions  # [B, T]
+        b, t = positions.shape
         angles = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]  # [B, T, 1, D/2]
         mask = None
@@ -279,20 +294,22 @@ class Transformer(nn.Module):
         if (t > 1 or b > 1) and not fresh:
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
-        wanted = {i % len(self.layers): i for i in hidden_layers}
+        wanted = {i % self.config.num_layers - self.first_layer: i for i in hidden_layers}
         hidden: dict[int, torch.Tensor] = {}
         if cache.streamed:  # KV offload: the positions this pass reads and writes, per slot
             cache.begin_pass(batch.slots, batch.starts, [start + t for start in batch.starts])
         stream = self.weight_stream
         if stream is not None:
             stream.begin_pass()
-        x = self.embed(tokens).to(self.norm.weight.dtype)  # [B, T, H]
+        x = self.embed(tokens).to(self.norm.weight.dtype) if self.takes_tokens else tokens  # [B, T, H] (norm: meta off the last stage, its dtype still right)
         for i, block in enumerate(self.layers):
             if stream is not None:
                 stream.enter(i)
             x = block(x, cos, sin, cache, batch, kv_len, mask)
             if i in wanted:
                 hidden[wanted[i]] = x
+        if not self.gives_logits:
+            return x, hidden  # [B, T, H]: the next stage's input
         if num_logits is not None:
             x = x[:, -num_logits:]
         return self.output(self.norm(x)).float(), hidden  # [B, n, V], {i: [B, T, H]}
@@ -314,7 +331,7 @@ class Transformer(nn.Module):
                 raise KeyError(name)
             _copy_into(target, tensor, name)
             return
-        block: Block = self.layers[int(parts[1])]
+        block: Block = self.layers[int(parts[1]) - self.first_layer]
         part, kind = parts[2], parts[3]
         qkv_rows = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size),
                     "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size)}

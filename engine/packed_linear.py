@@ -226,24 +226,24 @@ def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed:
     directly on `device` (default: the weights' device; dummy layers may have meta weights, a tied
     output layer's weight may be a host embedding table)."""
     from engine.model import Linear
-    generator = None
     targets = []
+    gives_logits = getattr(model, "gives_logits", True)  # a pipeline stage before the last has no output layer
     for name, module in model.named_modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or (name == "lm_head" and not gives_logits):
             continue
         kind = fmt.head_type if name == "lm_head" else fmt.quant_type
         if kind != "bf16":
             targets.append((name, module, kind))
-    if model.lm_head is None and fmt.head_type != "bf16":  # tied: the output layer gets its own packed copy
+    if model.lm_head is None and fmt.head_type != "bf16" and gives_logits:  # tied: the output layer gets its own packed copy
         emb = model.embed.weight
         model.lm_head = Linear(emb.shape[1], emb.shape[0])
         model.lm_head.weight = emb
         targets.append(("lm_head", model.lm_head, fmt.head_type))
     for name, module, kind in targets:
-        if dummy:
+        if dummy:  # each layer's codes depend on the seed and its (global) name only
+            from engine.loader import global_name, tensor_generator
             where = device if device is not None else module.weight.device
-            if generator is None or generator.device != where:
-                generator = torch.Generator(device=where).manual_seed(seed)
+            generator = tensor_generator(where, seed, global_name(name, getattr(model, "first_layer", 0)))
             n, k = module.weight.shape
             pw = random_packed(kind, n, k, fmt.group_size, device=where, generator=generator)
         else:

@@ -22,13 +22,13 @@ LAYOUT_OF = {"tri": "tri", "tri-dense": "tri", "bin": "bin", "int4": "int4", "in
 def _targets(model: Transformer) -> list[tuple[str, list[str]]]:
     """(module path, canonical tensor names whose rows it stacks)."""
     out = []
-    for i in range(len(model.layers)):
-        p = f"layers.{i}"
-        out += [(f"{p}.attention.wqkv", [f"{p}.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]),
-                (f"{p}.attention.wo", [f"{p}.o_proj.weight"]),
-                (f"{p}.feed_forward.w13", [f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]),
-                (f"{p}.feed_forward.w2", [f"{p}.down_proj.weight"])]
-    if model.lm_head is not None:
+    for i in range(len(model.layers)):  # a pipeline stage's layer i is the model's first_layer + i
+        p, g = f"layers.{i}", f"layers.{i + model.first_layer}"
+        out += [(f"{p}.attention.wqkv", [f"{g}.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]),
+                (f"{p}.attention.wo", [f"{g}.o_proj.weight"]),
+                (f"{p}.feed_forward.w13", [f"{g}.gate_proj.weight", f"{g}.up_proj.weight"]),
+                (f"{p}.feed_forward.w2", [f"{g}.down_proj.weight"])]
+    if model.lm_head is not None and model.gives_logits:
         out.append(("lm_head", ["lm_head.weight"]))
     return out
 

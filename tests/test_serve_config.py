@@ -63,8 +63,10 @@ def test_users_variants_are_refused_by_name(tmp_path):
     assert "model.kv_cache_async_dequant" in error(base + "  kv_cache_async_dequant: true\n", tmp_path)
     assert "in registers" in error(base + "  kv_cache_async_dequant: true\n", tmp_path)
     two = base + "runtime:\n  device: cuda:0,cuda:1\nmemory:\n  pipeline_parallel: true\n"
-    assert "runtime.device" in error(two, tmp_path) and "2 devices" in error(two, tmp_path)
-    assert "memory.pipeline_parallel" in error(base + "memory:\n  pipeline_parallel: true\n", tmp_path)
+    assert load(two, tmp_path).runtime.devices == ["cuda:0", "cuda:1"]  # the pipeline (engine/pipeline)
+    unset = error(base + "runtime:\n  device: cuda:0,cuda:1\n", tmp_path)
+    assert "2 devices" in unset and "set memory.pipeline_parallel: true" in unset
+    assert "two or more devices" in error(base + "memory:\n  pipeline_parallel: true\n", tmp_path)
     assert "kv_cache_bits" in error(base + "  kv_cache_bits: 4\n", tmp_path)
 
 

@@ -1,10 +1,10 @@
 """The serve config as dataclasses, validated on construction (YAML is read only by bonsai_cli).
 
-Every key that is accepted does what it says. Keys of features that do not exist yet
-(several GPUs) are part of the layout users already have, so they parse, but
-turning them on is refused with one line naming the key and why. An unknown key is an error naming
-the nearest valid key; a wrong type
-or an impossible value is an error with the key's path.
+Every key that is accepted does what it says. An unknown key is an error naming the nearest valid
+key; a wrong type or an impossible value is an error with the key's path. Several devices
+(`runtime.device: cuda:0,cuda:1`) run the model pipelined across them and need
+`memory.pipeline_parallel: true` (engine/pipeline); the devices themselves are checked against the
+machine before loading, not here.
 """
 from __future__ import annotations
 
@@ -23,11 +23,6 @@ DECODE_ALGORITHMS = ("standard", "speculative")
 
 def _fail(path: str, message: str) -> None:
     raise BonsaiError(f"config {path}: {message}")
-
-
-def not_available(path: str, why: str, fix: str) -> BonsaiError:
-    """The one-line refusal of a key whose feature does not exist yet."""
-    return BonsaiError(f"config {path}: {why} is not available yet; {fix}")
 
 
 @dataclass(frozen=True)
@@ -105,13 +100,20 @@ class RuntimeSection:
     draft_model: str | None = None  # "none": draftless (n-gram) speculation; a path: a draft model
     weight_dtype: str = "auto"  # auto: on the CPU float16 for one slot (gemv), float32 for several (GEMM)
 
+    @property
+    def devices(self) -> list[str]:
+        """The listed devices: one, or the stages of a pipeline (memory.pipeline_parallel)."""
+        return [d.strip() for d in self.device.split(",") if d.strip()]
+
+    @property
+    def first_device(self) -> str:
+        """The device of rank 0 (the only one without a pipeline)."""
+        return self.devices[0]
+
     def __post_init__(self) -> None:
-        devices = [d.strip() for d in self.device.split(",") if d.strip()]
-        if len(devices) > 1:
-            raise not_available("runtime.device", f"running on {len(devices)} devices (multi-GPU)",
-                                "give one device such as cuda:0")
-        if not devices or not (devices[0] == "cpu" or devices[0].split(":")[0] == "cuda"):
-            _fail("runtime.device", f"'{self.device}' is not cpu, cuda or cuda:N")
+        devices = self.devices
+        if not devices or any(not (d == "cpu" or d.split(":")[0] == "cuda") for d in devices):
+            _fail("runtime.device", f"'{self.device}' is not cpu, cuda or cuda:N (or a list: cuda:0,cuda:1)")
         if not 1 <= self.max_batch_size <= 64:
             _fail("runtime.max_batch_size", f"must be in 1..64, got {self.max_batch_size}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
@@ -157,9 +159,11 @@ class MemorySection:
                   "set it to false")
         if self.max_gpu_memory is not None:
             parse_bytes(self.max_gpu_memory, "memory.max_gpu_memory")
-        if self.pipeline_parallel:
-            raise not_available("memory.pipeline_parallel", "pipeline parallelism over several GPUs",
-                                "set it to false")
+        if self.pipeline_parallel and (self.weight_offload or self.kv_offload or self.embedding_on_host):
+            key = ("weight_offload" if self.weight_offload else "kv_offload" if self.kv_offload
+                   else "embedding_on_host")
+            _fail(f"memory.{key}", "is not available with memory.pipeline_parallel: the stages already share the "
+                  "model across devices; set it to false (or list more devices)")
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,17 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         rt, m = self.runtime, self.model
+        from engine.pipeline.devices import check_pipeline_request
+        try:
+            check_pipeline_request(rt.device, self.memory.pipeline_parallel)
+        except BonsaiError as e:
+            raise BonsaiError(f"config {e}") from None
+        if self.memory.pipeline_parallel:
+            from engine.pipeline.setup import check_pipeline_options
+            try:
+                check_pipeline_options(spec_config=self.spec_config)
+            except BonsaiError as e:
+                raise BonsaiError(f"config {e}") from None
         if m.max_context is not None and rt.max_seq_len is not None and m.max_context > rt.max_seq_len:
             _fail("model.max_context", f"{m.max_context} exceeds runtime.max_seq_len {rt.max_seq_len} "
                   "(the KV positions each slot has); lower it or raise max_seq_len")

@@ -33,7 +33,8 @@ def weight_dtype_for(config: ServeConfig):
     import torch
     name = config.runtime.weight_dtype
     if name == "auto":
-        return torch.float32 if config.runtime.device == "cpu" and config.runtime.max_batch_size > 1 else None
+        cpu = config.runtime.first_device == "cpu"
+        return torch.float32 if cpu and config.runtime.max_batch_size > 1 else None
     return getattr(torch, name)
 
 
@@ -64,6 +65,8 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
     from engine.server.memory import check_serve_budget
 
     m, rt = config.model, config.runtime
+    if config.memory.pipeline_parallel:
+        return _load_pipelined(config, metrics, progress, architecture)
     progress("planning GPU memory", 0.01)
     planned = check_serve_budget(config, architecture)  # refused here, before loading, when over the limit
     budget = planned.limit
@@ -106,6 +109,64 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
              engine.slot_context, rt.device, runner.cache.kv_type.name, runner.cache.nbytes / 1e6,
              " in host memory" if mem.kv_offload else "",
              " with block weights streamed from host memory" if runner.weight_stream is not None else "",
+             f", speculative {spec.method} k={spec.num_draft_tokens} per slot" if spec is not None else "")
+    progress("ready", 1.0)
+    return Served(engine.start(), m.name or path.stem, config)
+
+
+def _load_pipelined(config: ServeConfig, metrics: Metrics | None, progress: Callable[[str, float], None],
+                    architecture) -> Served:
+    """load_engine over several devices (memory.pipeline_parallel): the devices and each one's share
+    of the plan are checked before anything loads; rank 0 (this process) runs stage 0 and the engine."""
+    from engine import store
+    from engine.packed_linear import WeightFormat
+    from engine.pipeline.launch import ModelSource
+    from engine.pipeline.setup import check_pipeline_budget, open_pipeline, plan_pipeline
+    from engine.server.memory import serve_plan
+
+    m, rt = config.model, config.runtime
+    progress("planning the pipeline stages", 0.01)
+    planned = serve_plan(config, architecture)
+    pp = plan_pipeline(planned.weights.config, planned.weights.formats, planned.settings, rt.devices)
+    check_pipeline_budget(pp, planned.limit, "config memory.max_gpu_memory")
+    limit = planned.weights.config.max_position_embeddings
+    if config.seq_len > limit:
+        raise BonsaiError(f"config runtime.max_seq_len {config.seq_len} exceeds the model's {limit} positions; "
+                          f"lower it to {limit} or less")
+    fmt = WeightFormat(quant_type=m.quant_type, group_size=m.group_size)
+    if m.load_format == "dummy":
+        path = Path(m.path)
+        source = ModelSource(architecture=architecture, name=path.stem, weight_format=fmt)
+        tokenizer = tokenizer_of(m.tokenizer)
+    else:
+        path = store.resolve_model(m.path)
+        source = ModelSource(path=str(path), weight_dtype=weight_dtype_for(config), weight_format=fmt)
+        tokenizer = None
+    split = ", ".join(f"{s.device}: {s.label}" for s in pp.stages)
+    progress(f"loading {path.name} in {len(pp.stages)} pipeline stages ({split})", 0.05)
+    runner = open_pipeline(source, pp, config.seq_len, rt.max_batch_size, rt.prefill_chunk_size, m.kv_type_name,
+                           planned.limit)
+    try:
+        tokenizer = tokenizer or runner.loaded.require_tokenizer()
+        if m.load_format == "dummy" and tokenizer.vocab_size > architecture.vocab_size:
+            raise BonsaiError(f"config model.tokenizer: its {tokenizer.vocab_size} tokens do not fit the "
+                              f"{architecture.vocab_size}-token vocabulary of {path.name}; use a smaller tokenizer")
+        if m.chat_template:
+            template = Path(m.chat_template).expanduser()
+            if not template.is_file():
+                raise BonsaiError(f"config model.chat_template: no file {template}; give a .jinja file")
+            tokenizer.chat_template = template.read_text(encoding="utf-8")
+        th, spec = config.thinking, config.spec_config
+        progress("capturing the decode steps" if runner.decoder is not None else "starting the engine", 0.9)
+        engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
+                            ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, speculative=spec,
+                            prefill_budget=config.server.max_prefill_tokens_per_step)
+        runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None else rt.max_batch_size)
+    except BaseException:
+        runner.close()
+        raise
+    log.info("serving %s: %d slots of %d tokens, pipelined over %s%s", path.name, rt.max_batch_size,
+             engine.slot_context, split,
              f", speculative {spec.method} k={spec.num_draft_tokens} per slot" if spec is not None else "")
     progress("ready", 1.0)
     return Served(engine.start(), m.name or path.stem, config)

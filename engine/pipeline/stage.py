@@ -1,0 +1,110 @@
+"""One pipeline stage on its device: its part of the model, its KV cache, its fused decode steps.
+
+Rank 0 (stage 0) and every worker run their part of each pass through the same object: `plain`
+runs `Transformer.forward_hidden` over the stage's blocks, `rows` the fused decode step over them
+(CUDA-graphed per row count on a GPU, the kernels' references on a CPU). A stage takes token ids
+(the first) or the previous stage's hidden states, and gives logits (the last) or its hidden states.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from engine.kv_cache import CacheBatch, KVCache
+from engine.loader import LoadedModel
+from engine.pipeline.protocol import CALIBRATE, PLAIN, ROWS, Command
+from engine.pipeline.split import Stage
+
+log = logging.getLogger(__name__)
+
+MAX_STEP_ROWS = 16  # as engine.runner: the packed GEMV's limit
+
+
+class StageExecutor:
+    def __init__(self, loaded: LoadedModel, stage: Stage, max_seq_len: int, num_slots: int,
+                 kv_type: str = "bf16", fast_decode: bool | None = None):
+        """A quantized KV cache needs its key offsets (`calibrate`) before `start_steps`; a float one
+        calls `start_steps` at once."""
+        self.loaded, self.stage, self.model = loaded, stage, loaded.model
+        self.device = loaded.device
+        self.stage_config = dataclasses.replace(loaded.config, num_layers=stage.num_layers)  # its own layers only
+        self.cache = KVCache(self.stage_config, max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
+                             kv_type=kv_type)
+        self.steps: dict = {}  # row count → DecodeStepRunner over this stage's blocks
+        self.num_splits = 1
+        self.fast = fast_decode if fast_decode is not None else self.device.type == "cuda"
+        if self.fast:
+            from engine.kernels.attention_decode import default_num_splits
+            cfg = loaded.config
+            self.num_splits = default_num_splits(max_seq_len, cfg.num_kv_heads, head_dim=cfg.head_dim)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.cache.kv_type.key != "float" and self.cache.key_offset is None
+
+    def start_steps(self) -> None:
+        """Build (capture, on a GPU) the one-row fused step, after the key offsets are known."""
+        assert not self.needs_calibration
+        if self.fast:
+            try:
+                self._step(1)
+            except ValueError as e:  # a shape the kernels do not handle: the plain path still works
+                log.warning("fused decode step unavailable (%s); decoding through the plain model path", e)
+        self.model.use_fused_prologue(1 in self.steps and self.steps[1].ops.fast)
+
+    @torch.inference_mode()
+    def calibrate(self, x: torch.Tensor) -> torch.Tensor:
+        """The key offsets of this stage's layers (engine.kv_calibration.key_offsets, by stage): the
+        calibration tokens [1, n] (stage 0) or the previous stage's hidden states [1, n, H] go through
+        a float cache of n positions; the mean key of each layer and kv head over positions 1..
+        Returns the hidden states for the next stage."""
+        n = x.shape[1]
+        scratch = KVCache(self.stage_config, n, 1, dtype=self.loaded.dtype, device=self.device)
+        out, _ = self.model.forward_hidden(x, CacheBatch.make([0], [0], n, self.device), scratch, n, 1)
+        self.cache.key_offset = scratch.k[:, 0, :, 1:].float().mean(dim=2).contiguous()  # [L_stage, KV, D]
+        return out
+
+    @property
+    def fused(self) -> bool:
+        return 1 in self.steps
+
+    def _step(self, rows: int):
+        step = self.steps.get(rows)
+        if step is None:
+            from engine.cuda_graphs import DecodeStepRunner
+            step = DecodeStepRunner(self.model, self.cache, rows=rows, num_splits=self.num_splits,
+                                    use_graph=self.device.type == "cuda")
+            self.steps[rows] = step
+        return step
+
+    def prepare_rows(self, max_rows: int) -> None:
+        """Capture the fused step for every row count up to max_rows now, not in the middle of a request."""
+        if self.fused:
+            for rows in range(2, min(max_rows, MAX_STEP_ROWS) + 1):
+                self._step(rows)
+
+    @torch.inference_mode()
+    def run(self, cmd: Command, x: torch.Tensor | list) -> torch.Tensor:
+        """This stage's part of the pass `cmd`: x is token ids (stage 0: [B, T] for PLAIN, a list of M
+        for ROWS) or the previous stage's hidden states. Logits (last stage) or hidden states out."""
+        if cmd.op == CALIBRATE:
+            ids = x if torch.is_tensor(x) else torch.tensor(x, dtype=torch.long, device=self.device)
+            return self.calibrate(ids)
+        if cmd.op == PLAIN:
+            ids = x if torch.is_tensor(x) else torch.tensor(x, dtype=torch.long, device=self.device)
+            batch = CacheBatch.make(list(cmd.slots), list(cmd.starts), cmd.num_tokens, self.device)
+            n = None if cmd.num_logits < 0 else max(cmd.num_logits, 1)
+            out, _ = self.model.forward_hidden(ids, batch, self.cache, cmd.kv_len, n)  # [B, n, V] or [B, T, H]
+            return out
+        assert cmd.op == ROWS and self.fused
+        step = self._step(cmd.rows)
+        if self.stage.takes_tokens:
+            return step.run(x, list(cmd.starts), list(cmd.slots)).clone()  # [M, V] or [M, H]
+        return step.run([], list(cmd.starts), list(cmd.slots), hidden=x).clone()  # [M, V] or [M, H]
+
+    def hidden_dtype(self, cmd: Command) -> torch.dtype:
+        """What flows between stages: the model's dtype on the plain path, float32 (the fused step's
+        residual stream) on the fused one."""
+        return torch.float32 if cmd.op == ROWS else self.loaded.dtype
