@@ -95,10 +95,11 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         if self.fused_prologue is not None:
-            q = self._fused_prologue(x, cache, batch)  # [B, H, T, D]; K/V written
+            q = self._fused_prologue(x, cache, batch)  # [B, H, T, D]; K/V written, q in the keys' space
         else:
             q, k, v = self.project(x, cos, sin)
             cache.write(self.layer, batch, k, v)
+            q = cache.key_space(q)  # [B, H, T, D] rotated where the stored keys are
         keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]
         causal = mask is None and t > 1  # a fresh single sequence: the flash kernel's own causal mask
         out = attention(q, keys, values, mask, causal, cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]

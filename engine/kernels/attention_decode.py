@@ -32,7 +32,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_tile(base, scale_base, min_base, keys, key_ok, stride_t, stride_st, dtype,
+def load_tile(base, scale_base, min_base, keys, key_ok, stride_t, stride_st, dtype,
                FMT: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Rows `keys` [BLOCK_S] of one (slot, kv head) of a cache as [BLOCK_S, D] values in dtype:
     loaded as they are (FMT 0), or as int8 codes × the row's scale (1), or int4 codes unpacked from
@@ -96,9 +96,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
     for s0 in range(start, end, BLOCK_S):
         keys = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
         key_ok = keys < end
-        k = _load_tile(k_base, k_scale_ptr + k_scales, k_min_ptr + k_scales, keys, key_ok, stride_kt, stride_kst,
+        k = load_tile(k_base, k_scale_ptr + k_scales, k_min_ptr + k_scales, keys, key_ok, stride_kt, stride_kst,
                        q_ptr.dtype.element_ty, K_FMT, D, BLOCK_S)  # [BLOCK_S, D]
-        v = _load_tile(v_base, v_scale_ptr + v_scales, v_min_ptr + v_scales, keys, key_ok, stride_vt, stride_vst,
+        v = load_tile(v_base, v_scale_ptr + v_scales, v_min_ptr + v_scales, keys, key_ok, stride_vt, stride_vst,
                        q_ptr.dtype.element_ty, V_FMT, D, BLOCK_S)  # [BLOCK_S, D], issued with K: one round trip
         if DOT_F32:
             k = k.to(tl.float32)
