@@ -101,7 +101,8 @@ class Attention(nn.Module):
             cache.write(self.layer, batch, k, v)
             q = cache.key_space(q)  # [B, H, T, D] rotated where the stored keys are
         if cache.kv_type.quantized:  # read the codes of the positions in use, causal by position
-            out = quantized_cache_attention(q, cache, self.layer, batch)  # [B, H, T, D]
+            kernel = self.fused_prologue is not None or (q.is_cuda and kernels_usable(q.device))
+            out = quantized_cache_attention(q, cache, self.layer, batch, kernel)  # [B, H, T, D]
         else:
             keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]
             causal = mask is None and t > 1  # a fresh single sequence: the flash kernel's own causal mask
@@ -182,19 +183,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
-def quantized_cache_attention(q: torch.Tensor, cache: KVCache, layer: int, batch: CacheBatch) -> torch.Tensor:
+def kernels_usable(device: torch.device) -> bool:
+    from engine.packed_linear import kernels_usable as usable
+    return usable(device)
+
+
+def quantized_cache_attention(q: torch.Tensor, cache: KVCache, layer: int, batch: CacheBatch,
+                              kernel: bool) -> torch.Tensor:
     """Attention of q [B, H, T, D] (in the cache's key space, KVCache.key_space) over a quantized cache
     whose layer already holds the T new rows of each sequence: query t of row b attends to positions
-    0..starts[b] + t. On CUDA the prefill kernel reads the codes tile by tile; elsewhere (or for shapes
-    it does not take) its reference dequantizes the positions in use, and only those."""
+    0..starts[b] + t. kernel: the prefill kernel reads the codes tile by tile (on CUDA; where the fused
+    prologue runs); else (or for shapes it does not take) its reference dequantizes the positions in
+    use, and only those."""
     from engine.kernels import UnsupportedKernelShape
     from engine.kernels.attention_prefill import prefill_attention_reference
     kv = cache.layer(layer)  # {name: [slots, KV, S, X]}
     scales = cache.layer_scales(layer)
     starts = batch.positions[:, 0]  # [B]
     args = (q, kv["k"], kv["v"], batch.slot_ids, starts, q.shape[-1] ** -0.5)
-    from engine.packed_linear import kernels_usable
-    if q.is_cuda and kernels_usable(q.device):
+    if kernel:
         from engine.kernels.attention_prefill import prefill_attention
         try:
             return prefill_attention(*args, **scales)
