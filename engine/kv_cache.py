@@ -118,6 +118,7 @@ class KVCache:
         # transform); a property of the cache's layout, fixed at construction
         d = config.head_dim
         self.key_rotation = self.kv_type.key != "float" and d & (d - 1) == 0
+        self.value_rotation = False  # values stored rotated by H, attention outputs rotated back
         self.device = torch.device(device)  # where attention reads the cache
         # per layer, views of every storage tensor: {name: [slots, kv_heads, S, X]} (made once: no
         # per-step view creation on the decode path)
@@ -140,6 +141,16 @@ class KVCache:
             args["k_offset"] = self.key_offset[layer]
         if self.key_rotation:
             args["k_rotate"] = True
+        if self.value_rotation:
+            args["v_rotate"] = True
+        return args
+
+    def layer_read_args(self, layer: int) -> dict:
+        """`layer_scales` plus `v_rotate` if values are rotated: what the attention kernels take (they then
+        rotate their output back)."""
+        args: dict = self.layer_scales(layer)
+        if self.value_rotation:
+            args["v_rotate"] = True
         return args
 
     def key_space(self, q: torch.Tensor) -> torch.Tensor:
@@ -174,7 +185,7 @@ class KVCache:
         for name, rows in (("k", k), ("v", v)):
             offset = self.key_offset[layer][:, None] if name == "k" and self.key_offset is not None else None
             parts = quantize_rows(self.elements[name], rows, self.dtype, offset,
-                                  rotate=name == "k" and self.key_rotation)  # each [B, kv_heads, T, X]
+                                  rotate=self.key_rotation if name == "k" else self.value_rotation)
             for part, values in parts.items():
                 store = self.layer(layer)[self._name(name, part)]  # [slots, kv_heads, S, X]
                 if len(batch.slots) == 1:

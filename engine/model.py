@@ -192,13 +192,13 @@ def quantized_cache_attention(q: torch.Tensor, cache: KVCache, layer: int, batch
                               kernel: bool) -> torch.Tensor:
     """Attention of q [B, H, T, D] (in the cache's key space, KVCache.key_space) over a quantized cache
     whose layer already holds the T new rows of each sequence: query t of row b attends to positions
-    0..starts[b] + t. kernel: the prefill kernel reads the codes tile by tile (on CUDA; where the fused
+    0..starts[b] + t; rotated values are rotated back. kernel: the prefill kernel reads the codes tile by tile (on CUDA; where the fused
     prologue runs); else (or for shapes it does not take) its reference dequantizes the positions in
     use, and only those."""
     from engine.kernels import UnsupportedKernelShape
     from engine.kernels.attention_prefill import prefill_attention_reference
     kv = cache.layer(layer)  # {name: [slots, KV, S, X]}
-    scales = cache.layer_scales(layer)
+    scales = cache.layer_read_args(layer)  # scale / min tensors, v_rotate
     starts = batch.positions[:, 0]  # [B]
     args = (q, kv["k"], kv["v"], batch.slot_ids, starts, q.shape[-1] ** -0.5)
     if kernel:

@@ -37,10 +37,12 @@ def ints(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
-def quantized(kv_type: str, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
-    """Codes of k and v [slots, KV, S, D] in the kv type's formats, and the scale tensors by name."""
+def quantized(kv_type: str, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, v_rotate: bool = False):
+    """Codes of k and v [slots, KV, S, D] in the kv type's formats (values rotated by H if v_rotate), and
+    the scale tensors by name."""
     elements = {"int8": ("int8", "int8"), "int4": ("int4", "int4"), "k8v4": ("int8", "int4")}[kv_type]
-    kp, vp = (quantize_rows(e, x, dtype) for e, x in zip(elements, (k, v)))
+    kp = quantize_rows(elements[0], k, dtype)
+    vp = quantize_rows(elements[1], v, dtype, rotate=v_rotate)
     scales = {f"k_{n}": t for n, t in kp.items() if n} | {f"v_{n}": t for n, t in vp.items() if n}
     return kp[""], vp[""], scales
 
@@ -56,6 +58,7 @@ def test_rope_write_quantizes_like_the_reference(kv_type, dtype):
     positions, slots = torch.tensor([0, 5, 8], device=DEVICE), ints([1, 0, 1])  # 8: past the cache, dropped
     got, want = (KVCache(CFG, 8, num_slots=2, dtype=dtype, device=DEVICE, kv_type=kv_type) for _ in range(2))
     got.key_offset = want.key_offset = torch.randn(1, kv, d, generator=g).to(DEVICE)  # [L, KV, D]
+    got.value_rotation = want.value_rotation = kv_type != "int8"  # int4 values rotated too
     q = qk_norm_rope_write(qkv, positions, slots, inv_freq, got.k[0], got.v[0], h, kv, d, *weights,
                            out_dtype=dtype, **got.layer_write_args(0))
     q_ref = qk_norm_rope_write_reference(qkv, positions, slots, inv_freq, want.k[0], want.v[0], h, kv, d, *weights,
@@ -86,12 +89,16 @@ def test_decode_attention_reads_the_codes(kv_type):
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(2, 2, kv, s, d, generator=g).to(DEVICE)  # [slots, KV, S, D] each
     q = (2 * torch.randn(3, h, d, generator=g)).to(DEVICE)  # [M, H, D]
-    k_codes, v_codes, scales = quantized(kv_type, k, v, torch.float32)
+    v_rotate = kv_type != "int8"  # int4 values stored rotated, the output rotated back
+    k_codes, v_codes, scales = quantized(kv_type, k, v, torch.float32, v_rotate)
+    scales_only = dict(scales)
+    if v_rotate:
+        scales["v_rotate"] = True
     slot_ids, lens = ints([1, 0, 1]), ints([150, 37, 65])
-    for name, t in scales.items():  # poison every scale past each row's length: never read
+    for name, t in scales_only.items():  # poison every scale past each row's length: never read
         t[1, :, 150:] = float("nan")
         t[0, :, 37:] = float("nan")
-    for splits in (1, 2):
+    for splits in (1, 2):  # one split and v_rotate: the combine kernel runs anyway, to rotate back
         got = decode_attention(q, k_codes, v_codes, slot_ids, lens, d ** -0.5, splits, **scales)
         want = decode_attention_reference(q, k_codes, v_codes, slot_ids, lens, d ** -0.5, **scales)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -150,6 +157,7 @@ def test_model_on_a_rotated_cache_kernels_equal_plain_torch(kv_type):
                         kv_type="bf16" if name == "float" else kv_type)
         if name != "float":
             cache.key_offset = offset
+            cache.value_rotation = kv_type == "int4"
             assert cache.key_rotation
         with torch.no_grad():
             first = model(tokens[:1], CacheBatch.make([1], [0], 6, DEVICE), cache, 6, None)  # [1, 6, V]

@@ -19,7 +19,9 @@ import triton.language as tl
 
 from engine.kernels import UnsupportedKernelShape
 from engine.kernels.attention_decode import LOG2E, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, load_tile
+from engine.kernels.hadamard import fwht_rows
 from engine.kernels.kv_codes import FLOAT, cache_format, dequantize_layer, scale_strides
+from quant.kv_quant import hadamard_rows
 
 
 @triton.jit
@@ -29,7 +31,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, k_scale_p
                     stride_kss, stride_ksh, stride_kst, stride_vss, stride_vsh, stride_vst,
                     num_tokens, max_seq, scale_log2, GROUP: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-                    DOT_F32: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr):
+                    DOT_F32: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr, V_ROTATE: tl.constexpr):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -75,8 +77,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, k_scale_p
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # [BLOCK_M, D] float32
+    if V_ROTATE:  # values are stored rotated by H: rotate the output back (H·H = I)
+        norm: tl.constexpr = D ** -0.5
+        o = fwht_rows(o, BLOCK_M, D) * norm
     o_ptrs = out_ptr + seq * stride_ob + head[:, None] * stride_oh + t[:, None] * stride_ot + dims[None, :]
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def block_sizes(head_dim: int) -> tuple[int, int]:
@@ -115,12 +121,13 @@ def _check(q, k_cache, v_cache, slot_ids, starts, scales) -> tuple[int, int]:
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                      starts: torch.Tensor, scale: float, **scales: torch.Tensor) -> torch.Tensor:
+                      starts: torch.Tensor, scale: float, v_rotate: bool = False, **scales: torch.Tensor) -> torch.Tensor:
     """q [B, H, T, D] (any strides but a contiguous last dim); caches [slots, KV, S, D] (or the codes of a
     quantized cache with its k_scale / k_min / v_scale / v_min, engine/kernels/kv_codes.py) already holding
     the T new rows of each sequence; slot_ids, starts [B] int: query t of sequence b attends to positions
     0..starts[b] + t of slot slot_ids[b] (positions past S are not read). Query head h reads kv head
-    h // (H // KV). Returns [B, H, T, D] in q's dtype. Raises UnsupportedKernelShape (a ValueError) for
+    h // (H // KV). v_rotate: values are stored rotated by the Hadamard matrix, the output is rotated
+    back (KVCache.layer_read_args). Returns [B, H, T, D] in q's dtype. Raises UnsupportedKernelShape (a ValueError) for
     shapes it cannot handle."""
     k_fmt, v_fmt = _check(q, k_cache, v_cache, slot_ids, starts, scales)
     b, h, t, d = q.shape
@@ -141,15 +148,17 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         v_cache.stride(2), *scale_strides(k_fmt, k_scale), *scale_strides(v_fmt, v_scale), t, s_max,
         scale * LOG2E, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_S=block_s,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F32=cpu, K_FMT=k_fmt, V_FMT=v_fmt,
+        V_ROTATE=v_rotate,
         num_warps=4 if cpu or d <= 64 else 8, num_stages=2)
     return out
 
 
 def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                slot_ids: torch.Tensor, starts: torch.Tensor, scale: float,
+                                slot_ids: torch.Tensor, starts: torch.Tensor, scale: float, v_rotate: bool = False,
                                 **scales: torch.Tensor) -> torch.Tensor:
     """Plain torch, sequence by sequence in float32: the rows 0..starts[b] + T - 1 of the slot (only those)
-    dequantized to q's dtype (as KVCache.read returns them), then softmax(q kᵀ · scale + causal mask) v."""
+    dequantized to q's dtype (as KVCache.read returns them), then softmax(q kᵀ · scale + causal mask) v,
+    rotated back by H if v_rotate."""
     b, h, t, d = q.shape
     group = h // k_cache.shape[1]
     out = torch.empty(b, h, t, d, dtype=q.dtype, device=q.device)  # [B, H, T, D]
@@ -164,5 +173,6 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         positions = start + torch.arange(t, device=q.device)  # [T]
         visible = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [T, L]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # [H, T, L]
-        out[row] = torch.einsum("htl,hld->htd", probs, values).to(q.dtype)
+        o = torch.einsum("htl,hld->htd", probs, values)  # [H, T, D] float32
+        out[row] = (hadamard_rows(o) if v_rotate else o).to(q.dtype)
     return out
