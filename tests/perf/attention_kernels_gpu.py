@@ -96,7 +96,7 @@ def quantized_case(h, kv, d, cache_len, n, reps, kv_type):
     cache.write(0, CacheBatch.make([0], [0], cache_len, DEVICE), rows, torch.randn_like(rows))
     q = torch.randn(1, h, d, device=DEVICE, dtype=torch.bfloat16)  # [1, H, D]
     slot_ids, lens = (torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in ([0], [n]))
-    scales = cache.layer_scales(0)
+    scales = cache.layer_read_args(0)
     splits = default_num_splits(cache_len, num_kv_heads=kv, head_dim=d)
     want = decode_attention_reference(q, cache.k[0], cache.v[0], slot_ids, lens, d ** -0.5, **scales)
     got = decode_attention(q, cache.k[0], cache.v[0], slot_ids, lens, d ** -0.5, splits, **scales)
@@ -111,7 +111,7 @@ def quantized_case(h, kv, d, cache_len, n, reps, kv_type):
 def prefill_case(h, kv, d, cached, chunk, reps, kv_type):
     """Attention of a `chunk`-token prefill chunk after `cached` rows (causal within the chunk): the prefill
     kernel reading the codes (engine/kernels/attention_prefill.py), against what the model did before it
-    (KVCache.read dequantizing every row in use, then SDPA with a mask) and, for bf16, SDPA alone."""
+    (KVCache.read dequantizing every row in use, then SDPA with a mask; for bf16: the rows as they are)."""
     from engine.kernels.attention_prefill import prefill_attention, prefill_attention_reference
     from engine.kv_cache import CacheBatch, KVCache
     from engine.model import attention
@@ -124,16 +124,15 @@ def prefill_case(h, kv, d, cached, chunk, reps, kv_type):
     cache.write(0, CacheBatch.make([0], [0], n, DEVICE), rows, torch.randn_like(rows))
     q = torch.randn(1, chunk, h, d, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)  # [1, H, T, D] as the model's
     batch = CacheBatch.make([0], [cached], chunk, DEVICE)
-    scales = cache.layer_scales(0)
     args = (q, cache.k[0], cache.v[0], batch.slot_ids, batch.positions[:, 0], d ** -0.5)
     flops = 4 * h * d * (chunk * cached + chunk * (chunk + 1) // 2)  # q·k and p·v over the keys each query sees
     label = f"prefill {kv_type:5} H={h} KV={kv} D={d} chunk={chunk} after {cached}"
-    if kv_type != "bf16":
-        got = prefill_attention(*args, **scales)
-        want = prefill_attention_reference(*args, **scales)
-        err = (got.float() - want.float()).abs().max().item()
-        us = graph_time_us(lambda: prefill_attention(*args, **scales), reps)
-        print(f"{label} kernel: {us:9.1f} us  {flops / us / 1e6:6.1f} TFLOP/s  max|err| {err:.1e}")
+    scales = cache.layer_read_args(0)
+    got = prefill_attention(*args, **scales)  # bf16 too: the kernel on a float cache, against SDPA below
+    want = prefill_attention_reference(*args, **scales)
+    err = (got.float() - want.float()).abs().max().item()
+    us = graph_time_us(lambda: prefill_attention(*args, **scales), reps)
+    print(f"{label} kernel: {us:9.1f} us  {flops / us / 1e6:6.1f} TFLOP/s  max|err| {err:.1e}")
     key_pos = torch.arange(n, device=DEVICE)
     mask = key_pos[None, None, None, :] <= batch.positions[:, None, :, None]  # [1, 1, T, S]
 
