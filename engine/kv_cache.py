@@ -14,6 +14,8 @@ quantized. Attention over rotated keys takes queries rotated alike ((qH)·(kH) =
 a quantized cache gets its queries through `key_space` (the plain path) or from the rope / KV-write
 kernel, which rotates q when it is given `k_rotate` (`layer_write_args`: the fused prefill prologue,
 the decode step). Keys read back (`read`) are the stored ones: centred and rotated.
+int4 values are rotated alike (`value_rotation`); the attention kernels then rotate their output back
+(`layer_read_args` gives them `v_rotate`), and `read` returns the stored, rotated values.
 """
 from __future__ import annotations
 
@@ -118,7 +120,9 @@ class KVCache:
         # transform); a property of the cache's layout, fixed at construction
         d = config.head_dim
         self.key_rotation = self.kv_type.key != "float" and d & (d - 1) == 0
-        self.value_rotation = False  # values stored rotated by H, attention outputs rotated back
+        # int4 values are stored rotated by H too, and attention outputs rotated back (o = H·Σ p·(H v));
+        # int8 values are near-lossless as they are (docs/quality.md)
+        self.value_rotation = self.kv_type.value == "int4" and d & (d - 1) == 0
         self.device = torch.device(device)  # where attention reads the cache
         # per layer, views of every storage tensor: {name: [slots, kv_heads, S, X]} (made once: no
         # per-step view creation on the decode path)

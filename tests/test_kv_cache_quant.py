@@ -46,9 +46,10 @@ def test_write_quantizes_and_read_dequantizes_on_both_paths(kv_type, one_thread)
     for name in single.tensors:
         assert torch.equal(single.tensors[name], batched.tensors[name]), name
     keys, values = single.read(1, CacheBatch.make([1], [7], 1, "cpu"), 7)  # [1, KV, 7, D]
-    assert single.key_rotation  # quantized keys are stored rotated by H (values are not)
+    assert single.key_rotation  # quantized keys are stored rotated by H, int4 values too
+    assert single.value_rotation == (KV_TYPES[kv_type].value == "int4")
     for got, x, element, rotate in ((keys, k, KV_TYPES[kv_type].key, True),
-                                    (values, v, KV_TYPES[kv_type].value, False)):
+                                    (values, v, KV_TYPES[kv_type].value, single.value_rotation)):
         want = dequantize_rows(element, quantize_rows(element, x[0], torch.float32, rotate=rotate), torch.float32)
         assert torch.equal(got[0, :, 4:7], want) and (got[0, :, :4] == 0).all()
         assert not torch.equal(got[0, :, 4:7], x[0])  # quantized, not stored as given
