@@ -5,7 +5,7 @@ from typing import Any, Callable, Optional
 
 from rich.progress import Progress
 
-from bonsai_cli.common import err_console, load_for_cli
+from bonsai_cli.common import err_console, load_for_cli, print_choices
 
 
 def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, load: dict[str, Any],
@@ -13,7 +13,8 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
                     suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
                     n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
                     save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False,
-                    max_gpu_memory: Optional[str] = None, offload: dict[str, Any] | None = None) -> None:
+                    max_gpu_memory: Optional[str] = None, offload: dict[str, Any] | None = None,
+                    embedding_on_host: Optional[bool] = None) -> None:
     from bonsai_cli.gpu_budget import memory_report, plan_cli_run
     from engine.bench import model_bench
     from engine.bench.environment import describe_environment
@@ -30,11 +31,14 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
     needed = max((t.depth + t.n_prompt + t.n_gen + 2 for t in tests), default=2048)
     budget = plan_cli_run(model, device, max_seq_len or needed, max_gpu_memory, spec_config=spec_config,
                           auto_pull=model is None, kv_type=kv_type,
-                          kv_offload=bool(offload and offload.get("kv_offload")), **load)
+                          kv_offload=bool(offload and offload.get("kv_offload")), embedding_on_host=embedding_on_host,
+                          **load)
+    print_choices(budget)
     with within_limit(budget.limit, "loading the model"):
-        loaded = load_for_cli(model, device, **load)
+        loaded = load_for_cli(model, device, embedding_on_host=budget.settings.embedding_on_host, **load)
     with within_limit(budget.limit, "allocating the KV cache and capturing the decode step"):
-        runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type, **(offload or {}))
+        runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type,
+                             prefill_chunk_size=budget.settings.prefill_chunk_size, **(offload or {}))
     check_usage(budget.limit, loaded.device, "loading", budget.plan.total)
     report["memory"] = memory_report(budget, loaded.device)
     report["environment"] = describe_environment(loaded.device)
@@ -46,21 +50,34 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         "weights": loaded.weight_format.quant_type, "head_weights": loaded.weight_format.head_type,
         "group_size": loaded.weight_format.group_size, "load_format": loaded.summary.format,
         "kv_dtype": str(runner.cache.dtype).replace("torch.", ""), "kv_type": runner.cache.kv_type.name,
-        "kv_bytes": runner.cache.nbytes, "max_seq_len": runner.max_seq_len}
+        "kv_bytes": runner.cache.nbytes, "max_seq_len": runner.max_seq_len,
+        "embedding_on_host": budget.settings.embedding_on_host}
     report["settings"] = {"repetitions": repetitions, "device": str(loaded.device), "temperature": 0.0,
                           "fused_decode": runner.decoder is not None,
                           "cuda_graph": getattr(runner.decoder, "graph", None) is not None,
-                          "kv_offload": runner.cache.streamed}
+                          "kv_offload": runner.cache.streamed, "prefill_chunk_size": runner.prefill_chunk_size}
     save()
     try:
         with within_limit(budget.limit, "benchmarking"):
-            _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain)
+            _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain,
+                       _copy_megabytes(budget.limit, loaded.device))
     finally:  # the allocator's peak over the whole run, next to the plan
         report["memory"] = memory_report(budget, loaded.device)
         save()
 
 
-def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain) -> None:
+def _copy_megabytes(limit: int | None, device) -> int:
+    """The copy-bandwidth buffers' size under a memory limit: a quarter of what the limit leaves each
+    (two buffers), at most the default 1 GiB; 0 (the default size) without a limit."""
+    if limit is None or device.type != "cuda":
+        return 0
+    import torch
+    left = limit - torch.cuda.memory_reserved(device)
+    return max(16, min(1024, left // 4 // 2**20))
+
+
+def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain,
+               copy_megabytes: int = 0) -> None:
     from engine.bench import model_bench
     drafter = None
     if spec_config is not None:
@@ -77,7 +94,7 @@ def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save,
             _add_speedup(report)
             save()
         return
-    copy_bw = model_bench.measure_copy_bandwidth(loaded.device)
+    copy_bw = model_bench.measure_copy_bandwidth(loaded.device, copy_megabytes)
     report["bandwidth"] = {"copy_bytes_per_second": copy_bw}
     report["tests"] = []
     special = loaded.tokenizer.special_ids if loaded.tokenizer is not None else frozenset()

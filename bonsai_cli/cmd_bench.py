@@ -12,7 +12,7 @@ from bonsai_cli import bench_report
 from bonsai_cli.common import (DRAFT_TOKENS_HELP, HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, KV_TYPE_HELP, LOAD_FORMAT_HELP,
                                SPEC_HELP, WEIGHT_DTYPE_HELP, WEIGHTS_HELP, err_console, kv_offload_options,
                                speculative_config)
-from bonsai_cli.gpu_budget import MAX_GPU_MEMORY_HELP
+from bonsai_cli.gpu_budget import EMBEDDING_ON_HOST_HELP, MAX_GPU_MEMORY_HELP
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -54,6 +54,8 @@ def bench(
     max_seq_len: int = typer.Option(0, "--max-seq-len", help="context to allocate (default: what the tests need)"),
     kv_type: str = typer.Option("bf16", "--kv-type", help=KV_TYPE_HELP),
     max_gpu_memory: Optional[str] = typer.Option(None, "--max-gpu-memory", help=MAX_GPU_MEMORY_HELP),
+    embedding_on_host: Optional[bool] = typer.Option(None, "--embedding-on-host/--embedding-on-gpu",
+                                                     help=EMBEDDING_ON_HOST_HELP),
     kv_offload: bool = typer.Option(False, "--kv-offload", help=KV_OFFLOAD_HELP),
     host_kv_mib: Optional[int] = typer.Option(None, "--host-kv-mib", help=HOST_KV_MIB_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
@@ -95,6 +97,9 @@ def bench(
         raise BonsaiError("--kv-type sets a local MODEL's cache; a server sets its own in its config (model.kv_type)")
     if url and max_gpu_memory:
         raise BonsaiError("--max-gpu-memory limits a local MODEL; a server takes memory.max_gpu_memory in its config")
+    if url and embedding_on_host is not None:
+        raise BonsaiError("--embedding-on-host places a local MODEL's table; a server takes memory.embedding_on_host "
+                          "in its config")
     offload = kv_offload_options(kv_offload, host_kv_mib)
     if kv_offload and url:
         raise BonsaiError("--kv-offload measures a local MODEL; a server sets memory.kv_offload in its config")
@@ -119,7 +124,8 @@ def bench(
                         head_weights=head_weights, load_format=load_format)
             run_local_bench(report, model, device, load, max_seq_len, kv_type, suite, categories, limit,
                             _int_list(n_prompt, "-p"), _int_list(n_gen, "-n"), _int_list(depth, "-d"),
-                            repetitions, combined, save, spec_config, vs_plain, max_gpu_memory, offload)
+                            repetitions, combined, save, spec_config, vs_plain, max_gpu_memory, offload,
+                            embedding_on_host)
         report["complete"] = True
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted: keeping the results measured so far[/yellow]")

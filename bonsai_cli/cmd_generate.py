@@ -7,9 +7,9 @@ from typing import Optional
 import typer
 
 from bonsai_cli.common import (DRAFT_TOKENS_HELP, HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, KV_TYPE_HELP, SPEC_HELP,
-                               WEIGHT_DTYPE_HELP, err_console, kv_offload_options, load_for_cli, print_json,
-                               spec_summary, speculative_config)
-from bonsai_cli.gpu_budget import MAX_GPU_MEMORY_HELP, plan_cli_run
+                               WEIGHT_DTYPE_HELP, err_console, kv_offload_options, load_for_cli, print_choices,
+                               print_json, spec_summary, speculative_config)
+from bonsai_cli.gpu_budget import EMBEDDING_ON_HOST_HELP, MAX_GPU_MEMORY_HELP, plan_cli_run
 
 
 def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
@@ -45,6 +45,8 @@ def generate(
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     max_gpu_memory: Optional[str] = typer.Option(None, "--max-gpu-memory", help=MAX_GPU_MEMORY_HELP),
+    embedding_on_host: Optional[bool] = typer.Option(None, "--embedding-on-host/--embedding-on-gpu",
+                                                     help=EMBEDDING_ON_HOST_HELP),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
 ) -> None:
     """Generate a continuation (or a chat answer with --chat), streamed to stdout."""
@@ -65,11 +67,15 @@ def generate(
     kv_type_of(kv_type)  # an unknown name fails before loading
     offload = kv_offload_options(kv_offload, host_kv_mib)
     budget = plan_cli_run(model, device, max_seq_len, max_gpu_memory, weight_dtype=weight_dtype,
-                          spec_config=spec_config, kv_type=kv_type,
-                          kv_offload=kv_offload) if max_gpu_memory else None
+                          spec_config=spec_config, kv_type=kv_type, kv_offload=kv_offload,
+                          embedding_on_host=embedding_on_host) if max_gpu_memory else None
     limit = budget.limit if budget else None
+    on_host = budget.settings.embedding_on_host if budget else bool(embedding_on_host)
+    chunk = budget.settings.prefill_chunk_size if budget else 512
+    if budget and not json_out:
+        print_choices(budget)
     with within_limit(limit, "loading the model"):
-        loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
+        loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype, embedding_on_host=on_host)
     tok = loaded.tokenizer
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -77,7 +83,7 @@ def generate(
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
     with within_limit(limit, "allocating the KV cache and the drafter"):
-        runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, **offload)
+        runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, prefill_chunk_size=chunk, **offload)
         drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
     check_usage(limit, loaded.device, "loading", budget.plan.total if budget else None)
     pieces, token_ids, finish, stats = [], [], "length", None

@@ -91,10 +91,10 @@ def _info_plan(model: Optional[str], plan_file: Path, json_out: bool) -> None:
         refusal = str(e)
     if json_out:
         print_json({"model": cfg.model.path, "config": str(plan_file),
-                    **plan_dict(planned.plan, planned.settings, planned.limit, refusal)})
+                    **plan_dict(planned.plan, planned.settings, planned.limit, refusal, planned.choices)})
         return
     print_plan(Console(), planned.plan, planned.settings, planned.limit, refusal,
-               f"memory plan on {cfg.runtime.device}: {cfg.model.path} with {plan_file.name}")
+               f"memory plan on {cfg.runtime.device}: {cfg.model.path} with {plan_file.name}", planned.choices)
 
 
 def _info_dummy(model: str, weights: str, group_size: int, head_weights: str, json_out: bool) -> None:

@@ -27,6 +27,8 @@ def quantize(
     calib_samples: int = typer.Option(128, "--calib-samples", help="calibration sequences"),
     calib_seq_len: int = typer.Option(512, "--calib-seq-len", help="tokens per calibration sequence"),
     gsq_steps: int = typer.Option(200, "--gsq-steps", help="gsq: learned-rounding steps per layer"),
+    scale_refits: int = typer.Option(1, "--scale-refits", help="gptq / gsq: rounds of least-squares group scales "
+                                     "for GPTQ's codes (0: GPTQ's own scales)"),
     rotate: bool = typer.Option(False, "--rotate", help="fold the norms and a randomized Hadamard rotation of the "
                                 "residual stream into the weights before quantizing (QuaRot-style)"),
     online_hadamard: bool = typer.Option(True, "--online-hadamard/--no-online-hadamard",
@@ -53,7 +55,7 @@ def quantize(
                          where=str(recipe) if recipe else "the recipe")
     resolve_device(device)
     opts = QuantizeOptions(recipe=built, method=method, calib=calib, calib_samples=calib_samples,
-                           calib_seq_len=calib_seq_len, gsq_steps=gsq_steps, lora=lora, gguf=gguf, device=device,
+                           calib_seq_len=calib_seq_len, gsq_steps=gsq_steps, scale_refits=scale_refits, lora=lora, gguf=gguf, device=device,
                            force=force, rotate=rotate, online_hadamard=online_hadamard)
     path = store.resolve_model(src)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed run removes its temporary files too

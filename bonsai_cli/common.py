@@ -11,6 +11,12 @@ from rich.console import Console
 err_console = Console(stderr=True)
 
 
+def print_choices(budget) -> None:
+    """One dim line per setting the memory plan chose to fit --max-gpu-memory."""
+    for choice in budget.choices:
+        err_console.print(f"[dim]to fit --max-gpu-memory: {choice.line}[/dim]")
+
+
 def print_json(obj: Any) -> None:
     """The one JSON object a --json command prints on stdout."""
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -108,8 +114,9 @@ def _dummy_config(model: str | None):
 
 def load_for_cli(model: str | None, device: str, quiet: bool = False, auto_pull: bool = False,
                  weight_dtype: str = "auto", weights: str = "bf16", group_size: int = 128,
-                 head_weights: str = "bf16", load_format: str = "auto"):
-    """Resolve MODEL (path or pulled name; the default model when None) and load it."""
+                 head_weights: str = "bf16", load_format: str = "auto", embedding_on_host: bool = False):
+    """Resolve MODEL (path or pulled name; the default model when None) and load it (the embedding
+    table in host memory with embedding_on_host)."""
     from engine import store
     from engine.errors import BonsaiError
     from engine.loader import load_dummy, load_model
@@ -121,7 +128,8 @@ def load_for_cli(model: str | None, device: str, quiet: bool = False, auto_pull:
     if load_format == "dummy":
         config, path = _dummy_config(model)
         with err_console.status(f"generating {path.stem} ({weights}) on {device}"):
-            loaded = load_dummy(config, path.stem, device=device, weight_format=fmt)
+            loaded = load_dummy(config, path.stem, device=device, weight_format=fmt,
+                                embedding_on_host=embedding_on_host)
         if not quiet:
             err_console.print(f"[dim]generated {path.stem}: {config.num_parameters() / 1e9:.2f}B parameters, "
                               f"{loaded.summary.file_bytes / 1e9:.2f} GB in {loaded.load_seconds:.1f}s[/dim]")
@@ -131,9 +139,11 @@ def load_for_cli(model: str | None, device: str, quiet: bool = False, auto_pull:
     log = (lambda s: None) if quiet else (lambda s: err_console.print(f"[dim]{s}[/dim]"))
     path = store.resolve_model(spec, auto_pull=auto_pull or model is None, log=log)
     if quiet:
-        return load_model(path, device=device, weight_dtype=wdtype, weight_format=fmt)
+        return load_model(path, device=device, weight_dtype=wdtype, weight_format=fmt,
+                          embedding_on_host=embedding_on_host)
     with err_console.status(f"loading {path.name} on {device}"):
-        loaded = load_model(path, device=device, weight_dtype=wdtype, weight_format=fmt)
+        loaded = load_model(path, device=device, weight_dtype=wdtype, weight_format=fmt,
+                            embedding_on_host=embedding_on_host)
     err_console.print(f"[dim]loaded {loaded.config.architecture} model {path.name} "
                       f"({loaded.summary.num_parameters / 1e6:.0f}M parameters) in {loaded.load_seconds:.1f}s[/dim]")
     return loaded

@@ -7,12 +7,14 @@ from rich.console import Console
 from rich.table import Table
 
 
-def plan_dict(plan, settings, limit: int | None, refusal: str | None) -> dict[str, Any]:
+def plan_dict(plan, settings, limit: int | None, refusal: str | None, choices=()) -> dict[str, Any]:
     return {**plan.as_dict(), "settings": vars(settings), "max_gpu_memory": limit,
-            "fits": limit is None or plan.total <= limit, "refusal": refusal}
+            "fits": limit is None or plan.total <= limit, "refusal": refusal,
+            "chosen_to_fit": [{"key": c.key, "value": c.value, "why": c.line} for c in choices]}
 
 
-def print_plan(console: Console, plan, settings, limit: int | None, refusal: str | None, title: str) -> None:
+def print_plan(console: Console, plan, settings, limit: int | None, refusal: str | None, title: str,
+               choices=()) -> None:
     from engine.memory_budget import format_bytes
     table = Table("category", "item", "MiB", "note", title=title)
     for line in plan.lines:
@@ -28,7 +30,10 @@ def print_plan(console: Console, plan, settings, limit: int | None, refusal: str
     s = settings
     console.print(f"[dim]{'cuda' if s.cuda else 'cpu'}: {s.slots} slot(s) × {s.max_seq_len} positions, "
                   f"KV {s.kv_label}, prefill chunk {s.prefill_chunk_size}, "
+                  f"embedding in {'host memory' if s.embedding_on_host else 'device memory'}, "
                   f"fused step graphed for {s.graph_rows} row count(s)[/dim]")
+    for choice in choices:
+        console.print(f"[yellow]chosen to fit max_gpu_memory: {choice.line}[/yellow]")
     if limit is not None:
         if refusal:
             console.print(f"[red]over max_gpu_memory {format_bytes(limit)}: {refusal}[/red]")

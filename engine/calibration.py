@@ -31,7 +31,7 @@ from engine.errors import BonsaiError
 from engine.loader import LoadedModel, resolve_device
 from engine.model import Block
 from quant.grids import dequantize
-from quant.gptq import GRIDS, gptq_quantize, rtn
+from quant.gptq import GRIDS, gptq_with_refits, rtn
 from quant.gsq import GSQOptions, gsq_refine
 
 METHODS = ("gptq", "gsq")
@@ -45,6 +45,7 @@ class CalibrationOptions:
     damp: float = 0.01  # GPTQ: λ = damp · mean diag(H)
     block_size: int = 128  # GPTQ lazy-update block
     act_order: bool = False  # GPTQ: columns by decreasing H[i, i] (groups stay contiguous)
+    scale_refits: int = 0  # after GPTQ: rounds of least-squares group scales (quant.gptq.gptq_with_refits)
     gsq: GSQOptions = field(default_factory=GSQOptions)
     gsq_tokens: int = 16384  # input rows per layer given to GSQ (a random subsample when there are more)
     device: str = "cpu"
@@ -55,6 +56,8 @@ class CalibrationOptions:
         for name in ("samples", "seq_len", "block_size", "gsq_tokens", "batch_sequences"):
             if int(getattr(self, name)) < 1:
                 raise BonsaiError(f"calibration option {name} must be >= 1, got {getattr(self, name)}")
+        if int(self.scale_refits) < 0:
+            raise BonsaiError(f"calibration option scale_refits must be >= 0, got {self.scale_refits}")
         if self.seq_len < 2:
             raise BonsaiError(f"calibration sequences need at least 2 tokens, got seq_len {self.seq_len}")
         if not self.damp > 0:
@@ -273,8 +276,8 @@ def _quantize_rows(target: Target, inputs: _Inputs, method: str, options: Calibr
     param = target.param
     device = inputs.hessian.device  # the output layer may stay on the CPU while its Hessian is on the GPU
     w = param[target.start:target.start + target.rows].to(device=device, dtype=torch.float32)  # [N, K]
-    codes, scales = gptq_quantize(w, inputs.hessian, spec.quant_type, g, options.damp, options.block_size,
-                                  options.act_order)
+    codes, scales = gptq_with_refits(w, inputs.hessian, spec.quant_type, g, options.damp, options.block_size,
+                                     options.act_order, options.scale_refits)
     if method == "gsq":
         codes, scales = gsq_refine(w, inputs.rows(), codes, scales, spec.quant_type, g, options.gsq)
     param[target.start:target.start + target.rows] = dequantize(codes, scales, g).to(param.device, param.dtype)

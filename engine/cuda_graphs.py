@@ -1,15 +1,20 @@
-"""The one place that captures CUDA graphs: the fused decode step, once per row count in use.
+"""The one place that captures CUDA graphs: the fused decode step, once per row count in use, and
+full prefill chunks (`PrefillGraphs`).
 
-A graphed step owns static input buffers (tokens, positions, slots, lengths) and a static logits
-output; `run` copies the new inputs in, replays the graph and returns the output buffer (valid
-until the next replay). Without CUDA (or with graphs off) the same step runs eagerly.
+A graphed step owns static input buffers (tokens, positions, slots, lengths; the rows' embeddings
+when the table lives in host memory, engine.host_embedding) and a static logits output; `run` copies
+the new inputs in, replays the graph and returns the output buffer (valid until the next replay).
+Without CUDA (or with graphs off) the same step runs eagerly.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
 from engine.decode_step import StepInputs, Workspace, decode_step, make_ops
-from engine.kv_cache import KVCache
+from engine.host_embedding import HostEmbedding
+from engine.kv_cache import CacheBatch, KVCache
 from engine.model import Transformer
 
 
@@ -25,6 +30,10 @@ class DecodeStepRunner:
                                  positions=torch.zeros(rows, dtype=torch.int32, device=device),
                                  slot_ids=torch.zeros(rows, dtype=torch.int32, device=device),
                                  seq_lens=torch.ones(rows, dtype=torch.int32, device=device))
+        self.host_embedding = model.embed if isinstance(model.embed, HostEmbedding) else None
+        if self.host_embedding is not None:  # the graph reads the rows from here, never the host table
+            table = self.host_embedding.weight
+            self.inputs.embedded = torch.zeros(rows, table.shape[1], dtype=table.dtype, device=device)  # [M, H]
         self.workspace = Workspace.make(model, rows, device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -57,7 +66,10 @@ class DecodeStepRunner:
     def run(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """Logits float32 [rows, V]; the rows' K/V are written at their positions."""
         assert len(tokens) == len(positions) == len(slots) == self.rows
-        self.inputs.tokens.copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        ids = torch.tensor(tokens, dtype=torch.long)  # [M] host
+        self.inputs.tokens.copy_(ids, non_blocking=True)
+        if self.host_embedding is not None:
+            self.host_embedding.rows_into(ids, self.inputs.embedded)
         pos = torch.tensor(positions, dtype=torch.int32)
         self.inputs.positions.copy_(pos, non_blocking=True)
         self.inputs.seq_lens.copy_(pos + 1, non_blocking=True)
@@ -68,3 +80,59 @@ class DecodeStepRunner:
             return self._eager()
         self.graph.replay()
         return self.logits
+
+
+class PrefillGraphs:
+    """Full prefill chunks replayed from CUDA graphs: a chunk of `chunk` tokens at a start that is a
+    multiple of it, one graph per (slot, start) — the shapes long prompts repeat. Prefill of a
+    packed model is otherwise bound by the host (hundreds of kernel launches per layer, see
+    docs/perf.md). The graphs share one memory pool (they never run at the same time), so together
+    they hold about one chunk's activations; the oldest is dropped beyond `max_graphs`. Not with the
+    embedding table in host memory (the eager gather reads the tokens back: engine.runner leaves
+    prefill eager then)."""
+
+    def __init__(self, model: Transformer, cache: KVCache, chunk: int, max_graphs: int = 64):
+        self.model, self.cache, self.chunk, self.max_graphs = model, cache, chunk, max_graphs
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: OrderedDict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = \
+            OrderedDict()  # (slot, start) → (graph, tokens [1, T], logits [1, 1, V]); kept alive with its batch
+        self._batches: dict[tuple[int, int], CacheBatch] = {}
+
+    def handles(self, start: int, num_tokens: int, num_logits: int | None) -> bool:
+        return num_tokens == self.chunk and start % self.chunk == 0 and num_logits == 1
+
+    @torch.inference_mode()
+    def run(self, slot: int, start: int, tokens: list[int]) -> torch.Tensor:
+        """Logits float32 [1, V] after the chunk (a copy); the chunk's K/V are written."""
+        key = (slot, start)
+        entry = self.graphs.get(key)
+        if entry is None:
+            return self._capture(key, tokens)
+        graph, ids, logits = entry
+        self.graphs.move_to_end(key)
+        ids.copy_(torch.tensor([tokens], dtype=torch.long), non_blocking=True)
+        graph.replay()
+        return logits[0].clone()
+
+    def _capture(self, key: tuple[int, int], tokens: list[int]) -> torch.Tensor:
+        # The eager run on a side stream computes this chunk (and warms up Triton and cuBLAS); the
+        # capture then only records the same launches.
+        slot, start = key
+        device = self.cache.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, T]
+        batch = CacheBatch.make([slot], [start], self.chunk, device)
+        kv_len = start + self.chunk
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = self.model(ids, batch, self.cache, kv_len, 1)[0].clone()  # [1, V]
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model(ids, batch, self.cache, kv_len, 1)  # [1, 1, V]
+        while len(self.graphs) >= self.max_graphs:
+            old, _ = self.graphs.popitem(last=False)
+            self._batches.pop(old, None)
+        self.graphs[key] = (graph, ids, logits)
+        self._batches[key] = batch
+        return out

@@ -28,6 +28,7 @@ class StepInputs:
     positions: torch.Tensor  # [M] int32, absolute position of each row's token
     slot_ids: torch.Tensor  # [M] int32
     seq_lens: torch.Tensor  # [M] int32 = positions + 1 (keys each row attends to)
+    embedded: torch.Tensor | None = None  # [M, H] the rows' embeddings, when the table is in host memory
 
 
 @dataclass
@@ -104,7 +105,8 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
     stream = model.weight_stream  # weight offload (never CUDA-graphed): blocks' weights streamed in
     if stream is not None:
         stream.begin_pass()
-    x = model.embed(inputs.tokens).float()  # [M, H] residual stream
+    rows = inputs.embedded if inputs.embedded is not None else model.embed(inputs.tokens)  # [M, H]
+    x = rows.to(torch.float32, copy=True)  # [M, H] residual stream (never the static input buffer itself)
     scale = cfg.head_dim ** -0.5
     for i, block in enumerate(model.layers):
         if stream is not None:

@@ -13,12 +13,15 @@ from engine.checkpoint_file import BonsaiCheckpoint
 from engine.errors import BonsaiError, ModelFileError
 from engine.gguf_file import GGUFFile
 from engine.hf_files import HFModelDir
+from engine.host_embedding import HostEmbedding, check_embedding_on_host
 from engine.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.model_config import ModelConfig
-from engine.packed_linear import WeightFormat, pack_linears, packed_targets
+from engine.packed_linear import (PackedLinear, WeightFormat, empty_packed, pack_linears, packed_targets,
+                                  quantize_rows)
 from engine.packed_load import pack_stored_codes
 from engine.tokenizer import Tokenizer
 from quant.checkpoint import is_checkpoint
+from quant.packed_layout import PackedWeight
 
 
 @dataclass
@@ -130,9 +133,10 @@ def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtyp
 
 
 def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype,
-                 meta_weights: frozenset[str] = frozenset()) -> Transformer:
+                 meta_weights: frozenset[str] = frozenset(), embedding_on_host: bool = False) -> Transformer:
     """The model with uninitialized tensors on `dev`; the weights of the Linear layers named in
-    meta_weights stay on the meta device (they are replaced before use: never allocated)."""
+    meta_weights stay on the meta device (they are replaced before use: never allocated);
+    embedding_on_host: the embedding table is allocated in host memory (never on `dev`)."""
     with torch.device("meta"):
         model = Transformer(config)
         model.to(dtype)
@@ -140,7 +144,9 @@ def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, wei
             if isinstance(module, Linear) and module is not model.lm_head:
                 module.weight.data = module.weight.data.to(weight_dtype)
     for name, module in model.named_modules():
-        if name not in meta_weights:
+        if name == "embed" and embedding_on_host:
+            module.to_empty(device="cpu", recurse=False)
+        elif name not in meta_weights:
             module.to_empty(device=dev, recurse=False)
         elif module.bias is not None:
             module.bias = torch.nn.Parameter(torch.empty_like(module.bias, device=dev), requires_grad=False)
@@ -148,21 +154,69 @@ def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, wei
     return model
 
 
+def _part_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """canonical tensor name → (Linear module path, its first row in the module's fused matrix, its rows)."""
+    from engine.memory_plan import linear_modules
+    sizes = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
+             "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+    out = {}
+    for path, n, _, parts in linear_modules(config):
+        row = 0
+        for name in parts:
+            rows = sizes.get(name.split(".")[-2], n)
+            out[name] = (path, row, rows)
+            row += rows
+    return out
+
+
+def _packed_shells(model: Transformer, targets: dict[str, str], group_size: int, dev: torch.device
+                   ) -> dict[str, PackedWeight]:
+    """Swap the Linear layers in targets (module path → packed kind) for PackedLinear layers with
+    empty packed buffers on `dev`, filled as their float tensors arrive (`quantize_rows`)."""
+    out = {}
+    for path, kind in targets.items():
+        module = model.get_submodule(path)
+        pw = empty_packed(kind, module.weight.shape[0], module.weight.shape[1], group_size, dev)
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(pw, module.bias))
+        out[path] = pw
+    return out
+
+
 def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dev: torch.device,
                        dtype: torch.dtype, weight_dtype: torch.dtype, path: str | Path, down_hadamard: int = 0,
-                       meta_weights: dict[str, list[str]] | None = None) -> Transformer:
+                       meta_weights: dict[str, list[str]] | None = None, weight_format: WeightFormat | None = None,
+                       embedding_on_host: bool = False) -> Transformer:
     """A model of `config` from (canonical name, float tensor) pairs (every tensor it needs, once);
     down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs.
     meta_weights: {Linear module name: the canonical tensors it stacks} of layers left unallocated
-    (packed later from stored codes): `tensors` does not hold those."""
+    (packed later from stored codes): `tensors` does not hold those. weight_format: the layers it
+    packs are packed as their tensors arrive (each tensor rounded, a slice of rows at a time, into
+    the final packed buffers: no float copy of the layer is ever allocated on `dev`); a tied output
+    layer is left to `pack_linears`. embedding_on_host: the table is loaded into host memory."""
     meta_weights = meta_weights or {}
-    model = _empty_model(config, dev, dtype, weight_dtype, meta_weights=frozenset(meta_weights))
+    fmt = weight_format or WeightFormat()
+    targets = {name: kind for name, kind in packed_targets(config, fmt)
+               if name not in meta_weights and (name != "lm_head" or not config.tie_word_embeddings)}
+    model = _empty_model(config, dev, dtype, weight_dtype, meta_weights=frozenset(meta_weights) | frozenset(targets),
+                         embedding_on_host=embedding_on_host)
+    shells = _packed_shells(model, targets, fmt.group_size, dev)
+    rows_of = _part_rows(config) if shells else {}
     expected = expected_tensor_names(config) - {n for names in meta_weights.values() for n in names}
     seen: set[str] = set()
     for name, tensor in tensors:
+        module_path, row0, rows = rows_of.get(name, (None, 0, 0))
         try:
-            model.load_tensor(name, tensor)
-        except (KeyError, ValueError) as e:
+            if module_path in shells:
+                pw = shells[module_path]
+                if tuple(tensor.shape) != (rows, pw.in_features):
+                    raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the model expects "
+                                     f"{(rows, pw.in_features)}")
+                # rounded from the weight dtype's values, as a float layer packed after loading would be
+                quantize_rows(pw, row0, tensor.to(dtype if module_path == "lm_head" else weight_dtype))
+            else:
+                model.load_tensor(name, tensor)
+        except (KeyError, ValueError, AssertionError) as e:
             raise ModelFileError(f"{path}: tensor {name} does not fit the architecture ({e})") from None
         seen.add(name)
     missing = sorted(expected - seen)
@@ -178,21 +232,33 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
     return model
 
 
+def _finish_embedding(model: Transformer, dev: torch.device, on_host: bool) -> None:
+    """Move the loaded host table behind a HostEmbedding (after packing: a tied output layer has
+    taken its own packed copy by then)."""
+    if on_host:
+        assert model.lm_head is not None, "check_embedding_on_host refuses a tied float output layer"
+        model.embed = HostEmbedding(model.embed.weight.data, dev)
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None,
-               keep_codes: bool | None = None) -> LoadedModel:
+               keep_codes: bool | None = None, embedding_on_host: bool = False) -> LoadedModel:
     """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
 
     dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the
     matrices and the embedding (default_weight_dtype); weight_format: pack the matrices at load
     (round-to-nearest onto the ternary / 1-bit / int grids) for the packed kernels; keep_codes:
     tensors stored quantized (bonsai checkpoints, TQ1_0/TQ2_0/Q1_0/Q2_0 GGUFs) run packed as stored
-    (default on CUDA, where the packed kernels are fast; on the CPU floats decode faster).
+    (default on CUDA, where the packed kernels are fast; on the CPU floats decode faster);
+    embedding_on_host: the embedding table stays in host memory (engine.host_embedding).
     """
     start = time.perf_counter()
     dev = resolve_device(device)
     source = open_model_source(Path(path))
     config = source.model_config()
+    weight_format = weight_format or WeightFormat()
+    if embedding_on_host:
+        check_embedding_on_host(config.tie_word_embeddings, weight_format.head_type)
     tokenizer = (Tokenizer.from_gguf_metadata(source.metadata) if isinstance(source, GGUFFile)
                  else Tokenizer.from_hf_dir(source.path))
     dtype = dtype or default_dtype(dev)
@@ -205,13 +271,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     skip = frozenset(n for names in stored.values() for n in names)
     tensors = source.iter_canonical_tensors(config, skip=skip) if skip else source.iter_canonical_tensors(config)
     model = model_from_tensors(config, tensors, dev, dtype, weight_dtype, path,
-                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)), meta_weights=stored)
-    weight_format = weight_format or WeightFormat()
+                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)), meta_weights=stored,
+                               weight_format=weight_format, embedding_on_host=embedding_on_host)
     if keep:
         packed = pack_stored_codes(model, source, config, device=dev)
         assert set(stored) <= packed, f"planned packed layers were not packed: {sorted(set(stored) - packed)[:3]}"
     if weight_format.packed:
-        pack_linears(model, weight_format)
+        pack_linears(model, weight_format, device=dev)  # what is left: a tied output layer's own packed copy
+    _finish_embedding(model, dev, embedding_on_host)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
                        summary=summarize(source), device=dev, dtype=dtype, weight_dtype=weight_dtype,
@@ -234,19 +301,22 @@ def stored_packed_layers(source, config: ModelConfig) -> dict[str, list[str]]:
 @torch.no_grad()
 def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu",
                weight_format: WeightFormat | None = None, dtype: torch.dtype | None = None,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, embedding_on_host: bool = False) -> LoadedModel:
     """`load_format: dummy`: the architecture at full size with random weights made directly on the
-    device in their run-time format (packed codes for tri/bin/int4/int8) — for speed work."""
+    device in their run-time format (packed codes for tri/bin/int4/int8), one matrix at a time in
+    its final buffer — for speed work. embedding_on_host: the table is made in host memory."""
     start = time.perf_counter()
     dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
     weight_format = weight_format or WeightFormat()
+    if embedding_on_host:
+        check_embedding_on_host(config.tie_word_embeddings, weight_format.head_type)
     # layers generated packed are never allocated as floats (a 27B model's float copy would not fit
     # the GPU memory its packed form is meant for)
     packed = frozenset(name for name, kind in packed_targets(config, weight_format) if name != "lm_head" or
                        not config.tie_word_embeddings)
-    model = _empty_model(config, dev, dtype, dtype, meta_weights=packed)
-    generator = torch.Generator(device=dev).manual_seed(seed)
+    model = _empty_model(config, dev, dtype, dtype, meta_weights=packed, embedding_on_host=embedding_on_host)
+    generators = {}
     for p in model.parameters():
         if p.is_meta:
             continue
@@ -254,10 +324,14 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
             p.fill_(1.0)  # norms (and biases: harmless)
         elif (weight_format.quant_type == "bf16" or p is model.embed.weight
               or p is getattr(model.lm_head, "weight", None)):
-            p.normal_(0.0, 0.02, generator=generator)
-    pack_linears(model, weight_format, dummy=True, seed=seed, device=model.embed.weight.device)
+            if p.device not in generators:
+                generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            p.normal_(0.0, 0.02, generator=generators[p.device])
+    pack_linears(model, weight_format, dummy=True, seed=seed, device=dev)
+    _finish_embedding(model, dev, embedding_on_host)
     model.eval()
     nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    nbytes += model.embed.nbytes if isinstance(model.embed, HostEmbedding) else 0
     summary = TensorSummary(format="dummy", num_tensors=len(list(model.parameters())) + len(list(model.buffers())),
                             num_parameters=config.num_parameters(), file_bytes=nbytes)
     return LoadedModel(model=model, tokenizer=None, config=config, path=Path(name), summary=summary, device=dev,

@@ -4,8 +4,13 @@
 safetensors header, a GGUF's tensor table; an HF directory is all float), `plan_run` builds the plan
 (engine.memory_plan) for the run's settings, and `check_budget` refuses a plan over the limit with
 one line saying what would fit: a shorter context, a smaller KV type, fewer slots, a smaller
-prefill chunk, or offloading the KV cache / weights. engine.memory_limit enforces the limit on the
-device while running.
+prefill chunk, the embedding table in host memory, or offloading the KV cache / weights.
+engine.memory_limit enforces the limit on the device while running.
+
+`fit_to_budget` makes the two choices that cost neither quality nor decode speed when the user left
+them open and the plan needs them under the limit: the embedding table in host memory (the decode
+step stays CUDA-graphed: one row per token crosses PCIe) and a smaller prefill chunk (slower
+prefill, smaller activations). Each choice made is reported in one line (`FitChoice`).
 """
 from __future__ import annotations
 
@@ -95,7 +100,7 @@ def decode_splits(config: ModelConfig, max_seq_len: int, cuda: bool) -> int:
 def run_settings(config: ModelConfig, device: str, max_seq_len: int, slots: int = 1, prefill_chunk_size: int = 512,
                  kv_type: str = "bf16", graph_rows: int | None = None, weight_dtype_bytes: int | None = None,
                  weight_offload: bool = False, kv_offload: bool = False, rotation_block: int = 0,
-                 dummy: bool = False) -> RunSettings:
+                 dummy: bool = False, embedding_on_host: bool = False) -> RunSettings:
     """Settings as engine.loader / engine.runner choose them on `device`: bfloat16 on CUDA with the
     fused decode step graphed for 1..graph_rows rows (default: one per slot, up to 16); float32 on
     the CPU with float16 block matrices (float32 for dummy weights) and no fused step."""
@@ -108,7 +113,8 @@ def run_settings(config: ModelConfig, device: str, max_seq_len: int, slots: int 
     return RunSettings(max_seq_len=max_seq_len, slots=slots, prefill_chunk_size=prefill_chunk_size, kv_type=kv_type,
                        cuda=cuda, dtype_bytes=dtype_bytes, weight_dtype_bytes=weight_dtype_bytes,
                        graph_rows=graph_rows, num_splits=decode_splits(config, max_seq_len, cuda),
-                       weight_offload=weight_offload, kv_offload=kv_offload, rotation_block=rotation_block)
+                       weight_offload=weight_offload, kv_offload=kv_offload, rotation_block=rotation_block,
+                       embedding_on_host=embedding_on_host, dummy=dummy)
 
 
 def plan_run(weights: ModelWeights, settings: RunSettings, drafter: MemoryPlan | None = None) -> MemoryPlan:
@@ -137,9 +143,59 @@ def _largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
 # what each knob is called where the user sets it; None: the command cannot change it
 SERVE_KEYS = {"max_seq_len": "runtime.max_seq_len", "slots": "runtime.max_batch_size",
               "prefill_chunk_size": "runtime.prefill_chunk_size", "kv_type": "KV cache type",
-              "kv_offload": "memory.kv_offload", "weight_offload": "memory.weight_offload"}
-CLI_KEYS = {"max_seq_len": "--max-seq-len", "slots": None, "prefill_chunk_size": None, "kv_type": None,
-            "kv_offload": None, "weight_offload": None}
+              "kv_offload": "memory.kv_offload", "weight_offload": "memory.weight_offload",
+              "embedding_on_host": "memory.embedding_on_host"}
+CLI_KEYS = {"max_seq_len": "--max-seq-len", "slots": None, "prefill_chunk_size": None, "kv_type": "--kv-type",
+            "kv_offload": "--kv-offload", "weight_offload": None, "embedding_on_host": "--embedding-on-host"}
+FLAG_KEYS = ("kv_offload", "weight_offload", "embedding_on_host")  # switches: 'KEY: true' in a config, a flag on the CLI
+AUTO_CHUNKS = (256, 128, 64)  # prefill chunks fit_to_budget tries, largest first
+
+
+def host_embedding_possible(weights: ModelWeights) -> bool:
+    """The table may leave the device unless the output layer is tied to it in float."""
+    return not weights.config.tie_word_embeddings or "lm_head" in weights.formats
+
+
+def _flag(keys: dict[str, str | None], key: str) -> str:
+    name = keys[key]
+    return name if name.startswith("--") else f"{name}: true"
+
+
+@dataclass(frozen=True)
+class FitChoice:
+    """A setting `fit_to_budget` chose, and why (one line for the plan's output and the logs)."""
+    key: str
+    value: object
+    line: str
+
+
+def fit_to_budget(weights: ModelWeights, s: RunSettings, limit: int | None, embedding_auto: bool,
+                  chunk_auto: bool, drafter: MemoryPlan | None = None) -> tuple[RunSettings, list[FitChoice]]:
+    """The settings to run with: `s`, or, when its plan is over `limit`, `s` with the embedding
+    table in host memory (if embedding_auto and possible) and then the largest prefill chunk of
+    AUTO_CHUNKS below s's that fits (if chunk_auto). When nothing fits, `s` with the embedding
+    choice only (the refusal's advice then starts from there)."""
+    def fits(x: RunSettings) -> bool:
+        return plan_run(weights, x, drafter).total <= limit
+
+    if limit is None or fits(s):
+        return s, []
+    choices = []
+    if embedding_auto and not s.embedding_on_host and not s.weight_offload and host_embedding_possible(weights):
+        s = dataclasses.replace(s, embedding_on_host=True)
+        table = weights.config.vocab_size * weights.config.hidden_size * s.dtype_bytes
+        choices.append(FitChoice("embedding_on_host", True, f"embedding table in host memory ({format_bytes(table)} "
+                                 "off the GPU; each step copies its rows in, the decode step stays graphed)"))
+        if fits(s):
+            return s, choices
+    if chunk_auto:
+        for chunk in AUTO_CHUNKS:
+            smaller = dataclasses.replace(s, prefill_chunk_size=chunk)
+            if chunk < s.prefill_chunk_size and fits(smaller):
+                line = (f"prefill chunk {chunk} tokens instead of {s.prefill_chunk_size} (smaller activations "
+                        "under max_gpu_memory; prefill is slower)")
+                return smaller, choices + [FitChoice("prefill_chunk_size", chunk, line)]
+    return s, choices
 
 
 def what_fits(weights: ModelWeights, s: RunSettings, limit: int, keys: dict[str, str | None],
@@ -165,11 +221,17 @@ def what_fits(weights: ModelWeights, s: RunSettings, limit: int, keys: dict[str,
         chunk = next((c for c in (256, 128, 64, 32) if c < s.prefill_chunk_size and fits(prefill_chunk_size=c)), None)
         if chunk is not None:
             out.append(f"{keys['prefill_chunk_size']} <= {chunk}")
-    for key in ("kv_offload", "weight_offload"):
+    for key in FLAG_KEYS:
+        if key == "embedding_on_host" and (s.weight_offload or not host_embedding_possible(weights)):
+            continue
         if keys.get(key) and not getattr(s, key) and fits(**{key: True}):
-            out.append(f"{keys[key]}: true")
-    if keys.get("kv_offload") and keys.get("weight_offload") and not out and fits(kv_offload=True, weight_offload=True):
-        out.append(f"{keys['kv_offload']}: true with {keys['weight_offload']}: true")
+            out.append(_flag(keys, key))
+    if not out:  # two changes together
+        for a, b in (("embedding_on_host", "kv_offload"), ("kv_offload", "weight_offload")):
+            if (keys.get(a) and keys.get(b) and not getattr(s, a) and not getattr(s, b)
+                    and (a != "embedding_on_host" or host_embedding_possible(weights)) and fits(**{a: True, b: True})):
+                out.append(f"{_flag(keys, a)} with {_flag(keys, b)}")
+                break
     return out
 
 

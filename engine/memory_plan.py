@@ -13,33 +13,46 @@ mirrors an allocation of the code:
   engine.decode_step at their peak, in the caching allocator's segments);
 - prefill: the peak of live activations of one `Transformer.forward` chunk on a GPU (a packed layer
   of more than GEMV_MAX_ROWS rows is unpacked to a float Wᵀ for cuBLAS, in column slices of at most
-  engine.packed_linear.UNPACK_SLICE_BYTES; chunks after the first attend through a mask, which
-  PyTorch runs in its float32 math backend for grouped-query attention: [H, T, S] scores);
+  engine.packed_linear.UNPACK_SLICE_BYTES; chunks after the first attend through a mask, in query
+  blocks whose float32 scores stay under engine.model.ATTENTION_SCORE_BYTES, counted as if PyTorch
+  ran them in its float32 math backend);
 - logits: the logits copies, the sampling temporaries of one step and each sequence's penalty counts;
 - runtime: the cuBLAS / cuBLASLt workspaces (CUDA only; an estimate, not a shape).
 Offloaded weights or KV (memory.weight_offload / kv_offload) leave the device except a staging
-ring of two layers; their host bytes are listed apart (`host_lines`).
+ring of two layers; their host bytes are listed apart (`host_lines`), and so is the embedding table
+kept in host memory (memory.embedding_on_host: the decode step then takes the rows' embeddings as a
+static [M, H] input).
+- load: loading makes each packed matrix in its final buffer, a slice at a time; the temporaries of
+  one slice (engine.packed_linear.quantize_transient, quant.packed_layout.random_packed_transient)
+  come on top of the weights while nothing else is allocated: the line holds what of them the
+  buffers allocated after loading do not cover (usually nothing);
+- a quantized KV cache is calibrated once when the runner is built (engine.kv_calibration): a float
+  cache of CALIBRATION_TOKENS positions and one pass over them, next to the KV cache; the prefill
+  line holds the larger of that and a prefill chunk.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from engine.errors import BonsaiError
+from engine.host_embedding import check_embedding_on_host
+from engine.model import attention_block_rows
 from engine.model_config import ModelConfig
-from engine.packed_linear import GEMV_MAX_ROWS, unpack_columns
+from engine.packed_linear import GEMV_MAX_ROWS, quantize_transient, unpack_columns
 from quant.kv_format import KV_TYPES, kv_bytes_per_token
-from quant.packed_layout import check_packable, layout_kind
+from quant.packed_layout import check_packable, layout_kind, random_packed_transient
 
 MIB = 1 << 20
 CUBLAS_WORKSPACES = 2 * 32 * MIB  # cuBLAS + cuBLASLt workspaces torch allocates on a Hopper GPU
 SAMPLING_BYTES_PER_LOGIT = 44  # temperature, softmax, sort (values + int64 order), cumsum, masks, scatter
 PENALTY_BYTES_PER_LOGIT = 8  # float32 prompt and output token counts of a sequence (repetition penalties)
 STAGING_LAYERS = 2  # offloaded weights / KV keep a ring of this many layers on the device
+CALIBRATION_TOKENS = 256  # engine.kv_calibration.CALIBRATION_TOKENS
 
 
 @dataclass(frozen=True)
 class PlanLine:
-    category: str  # weights | kv | decode | prefill | logits | runtime | drafter
+    category: str  # weights | kv | decode | prefill | logits | runtime | load | drafter
     name: str
     bytes: int
     note: str = ""
@@ -74,6 +87,8 @@ class RunSettings:
     weight_offload: bool = False
     kv_offload: bool = False
     rotation_block: int = 0  # online Hadamard block of a rotated checkpoint (0: none)
+    embedding_on_host: bool = False  # the embedding table in host memory (engine.host_embedding)
+    dummy: bool = False  # weights generated (load_format: dummy) rather than read: the load's temporaries
 
     @property
     def kv_label(self) -> str:
@@ -228,6 +243,9 @@ def _weight_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
         per_layer = what not in ("embed", "norm", "inv_freq", "lm_head")
         if s.weight_offload and (per_layer or what == "embed"):
             host.append(PlanLine("weights", name, sum(sizes), "host RAM (weight_offload)"))
+        elif s.embedding_on_host and what == "embed":
+            host.append(PlanLine("weights", name, sum(sizes), "host RAM (embedding_on_host): each step's rows "
+                                 "are copied in"))
         else:
             device.append(PlanLine("weights", name, sum(sizes)))
     if s.weight_offload:
@@ -265,11 +283,14 @@ def pool_segment_bytes(sizes: list[int]) -> int:
 def decode_step_bytes(config: ModelConfig, formats: dict[str, LinearFormat], rows: int, s: RunSettings
                       ) -> tuple[int, list[int]]:
     """(static buffers, live intermediates at the step's peak) of a DecodeStepRunner of `rows` rows:
-    static are StepInputs (int64 tokens, three int32 vectors) and Workspace (float32 qkv, gate_up);
+    static are StepInputs (int64 tokens, three int32 vectors; with the embedding on the host the
+    rows' embeddings) and Workspace (float32 qkv, gate_up);
     the intermediates (in the graph's pool) include the float32 logits it returns."""
     m, h, f, v = rows, config.hidden_size, config.intermediate_size, config.vocab_size
     hq, dim, d = config.num_heads, config.head_dim, s.dtype_bytes
     static = m * 8 + 3 * m * 4 + m * (config.q_size + 2 * config.kv_size) * 4 + m * 2 * f * 4
+    if s.embedding_on_host:
+        static += m * h * d  # the rows' embeddings, copied in before each replay
     layer0 = {path.split(".")[-1]: fmt for path, fmt in formats.items() if path.startswith("layers.0.")}
     wo = layer0["wo"]
 
@@ -321,7 +342,11 @@ def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
 
     base = 2 * t * h * d + 3 * t * dim // 2 * 4 + 2 * t * 8  # residual + its norm; rotary angles; positions
     masked = sl > t  # a later chunk of a longer context attends through a [T, S] mask
-    if masked:  # float32 math backend: q, k/v, k/v repeated per query head, scores and softmax, mask + bias
+    if masked and s.cuda:  # engine.model.blocked_attention, at worst in the float32 math backend: the chunk's
+        tb, g = attention_block_rows(hq, sl, t), hq // kvh  # mask, K/V as float32, per query block its mask
+        attention = (t * sl * 5 + hq * t * dim * d + 2 * kvh * sl * dim * 4  # (bool + additive), q folded, scores
+                     + g * tb * sl * 6 + hq * tb * dim * (2 * d + 8) + 2 * hq * tb * sl * 4)  # and softmax
+    elif masked:  # the CPU: one call, float32 math: q, k/v, k/v repeated per query head, scores and softmax, mask
         attention = (t * sl * 5 + hq * t * dim * 4 + 2 * kvh * sl * dim * 4 + 2 * hq * sl * dim * 4
                      + 2 * hq * t * sl * 4 + hq * t * dim * 4)
     else:  # flash: output + log-sum-exp
@@ -343,7 +368,52 @@ def _prefill_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: Run
     base = phases.pop("base")
     worst = max(phases, key=phases.get)
     t = min(s.prefill_chunk_size, s.max_seq_len)
-    return [PlanLine("prefill", f"prefill chunk of {t} tokens (peak: {worst})", base + phases[worst])]
+    line = PlanLine("prefill", f"prefill chunk of {t} tokens (peak: {worst})", base + phases[worst])
+    if KV_TYPES[s.kv_type].quantized:  # the calibration pass of a quantized cache, before any prefill
+        calibration = calibration_bytes(config, formats, s)
+        if calibration > line.bytes:
+            line = PlanLine("prefill", f"KV calibration pass ({CALIBRATION_TOKENS} tokens, float cache)", calibration,
+                            f"more than a prefill chunk of {t} tokens ({base + phases[worst]:,} B)")
+    return [line]
+
+
+def calibration_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings) -> int:
+    """engine.kv_calibration.key_offsets: a float KV cache of CALIBRATION_TOKENS positions and one
+    fresh (unmasked) pass over them."""
+    n = CALIBRATION_TOKENS
+    pass_settings = RunSettings(**{**vars(s), "max_seq_len": n, "prefill_chunk_size": n, "kv_type": "bf16",
+                                   "kv_offload": False})
+    phases = prefill_bytes(config, formats, pass_settings)
+    base = phases.pop("base")
+    cache = kv_bytes_per_token(KV_TYPES["bf16"], config.num_layers, config.num_kv_heads, config.head_dim,
+                               s.dtype_bytes) * n
+    return cache + base + max(phases.values())
+
+
+def load_transient_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings) -> int:
+    """Peak temporaries of loading beyond the weights: one slice of the largest packed matrix (its
+    generation for dummy weights; its rounding and packing for floats packed at load)."""
+    shapes = {path: (n, k) for path, n, k, _ in linear_modules(config)}
+    shapes["lm_head"] = (config.vocab_size, config.hidden_size)
+    out = 0
+    for path, fmt in formats.items():
+        if not fmt.packed:
+            continue
+        n, k = shapes[path]
+        source = s.dtype_bytes if path == "lm_head" else s.weight_dtype_bytes
+        out = max(out, random_packed_transient(fmt.kind, n, k) if s.dummy else quantize_transient(fmt.kind, n, k, source))
+    return out
+
+
+def _load_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings, later: int
+                ) -> list[PlanLine]:
+    """The part of the load's temporaries that the buffers allocated after loading (`later` bytes:
+    KV cache, decode, prefill, logits, runtime) do not cover."""
+    transient = load_transient_bytes(config, formats, s)
+    if transient <= later:
+        return []
+    return [PlanLine("load", "loading: one matrix slice's temporaries", transient - later,
+                     f"{transient:,} B while loading, beyond the buffers allocated after it")]
 
 
 def _logits_lines(config: ModelConfig, s: RunSettings) -> list[PlanLine]:
@@ -356,12 +426,15 @@ def _logits_lines(config: ModelConfig, s: RunSettings) -> list[PlanLine]:
 def make_plan(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings,
               drafter: MemoryPlan | None = None) -> MemoryPlan:
     """Every byte the run puts on its device (see the module doc), plus what it keeps in host RAM."""
+    if s.embedding_on_host:
+        check_embedding_on_host(config.tie_word_embeddings, formats.get("lm_head", LinearFormat()).kind
+                                if "lm_head" in formats else "bf16")
     weights, host_weights = _weight_lines(config, formats, s)
     kv, host_kv = _kv_lines(config, s)
-    lines = weights + kv + _decode_lines(config, formats, s) + _prefill_lines(config, formats, s)
-    lines += _logits_lines(config, s)
+    rest = kv + _decode_lines(config, formats, s) + _prefill_lines(config, formats, s) + _logits_lines(config, s)
     if s.cuda:
-        lines.append(PlanLine("runtime", "cuBLAS / cuBLASLt workspaces", CUBLAS_WORKSPACES, "estimate"))
+        rest.append(PlanLine("runtime", "cuBLAS / cuBLASLt workspaces", CUBLAS_WORKSPACES, "estimate"))
+    lines = weights + _load_lines(config, formats, s, sum(line.bytes for line in rest)) + rest
     host = host_weights + host_kv
     if drafter is not None:
         lines += [PlanLine("drafter", f"{line.category}: {line.name}", line.bytes, line.note)

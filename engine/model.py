@@ -174,13 +174,44 @@ class Block(nn.Module):
 _GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# A masked attention (a prefill chunk after the first) on a GPU runs in query blocks whose float32
+# scores [H, rows, S] stay under this: PyTorch may run it in its math backend, which materializes them
+# (at a 32K context a 512-token chunk's scores alone would be 2.7 GB for 40 heads).
+ATTENTION_SCORE_BYTES = 128 << 20
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
               gqa: bool) -> torch.Tensor:
     """softmax(q kᵀ/√D + mask) v: q [B, H, T, D], k/v [B, KV, S, D] → [B, H, T, D]."""
     if q.is_cuda:
         with sdpa_kernel(_GPU_ATTENTION_BACKENDS):
+            if mask is not None:
+                return blocked_attention(q, k, v, mask)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+def attention_block_rows(num_heads: int, kv_len: int, rows: int) -> int:
+    """Query rows per call of `blocked_attention`: float32 scores of at most ATTENTION_SCORE_BYTES."""
+    return max(1, min(rows, ATTENTION_SCORE_BYTES // (num_heads * kv_len * 4)))
+
+
+def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked attention with grouped-query heads folded into the query axis (each KV head serves
+    its g query heads as g·T query rows: K/V are never repeated per query head) and the queries in
+    blocks of `attention_block_rows`: q [B, H, T, D], k/v [B, KV, S, D], mask [B, 1, T, S] bool → [B, H, T, D]."""
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    g = h // kv
+    out = torch.empty_like(q)  # [B, H, T, D]
+    step = attention_block_rows(h, s, t)
+    for t0 in range(0, t, step):
+        t1 = min(t0 + step, t)
+        qb = q[:, :, t0:t1].reshape(b, kv, g * (t1 - t0), d)  # [B, KV, g·rows, D]
+        mb = mask[:, :, t0:t1].repeat(1, 1, g, 1)  # [B, 1, g·rows, S]
+        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mb)  # [B, KV, g·rows, D]
+        out[:, :, t0:t1] = ob.reshape(b, h, t1 - t0, d)  # the output may come back strided
+    return out
 
 
 def kernels_usable(device: torch.device) -> bool:
@@ -192,9 +223,9 @@ def quantized_cache_attention(q: torch.Tensor, cache: KVCache, layer: int, batch
                               kernel: bool) -> torch.Tensor:
     """Attention of q [B, H, T, D] (in the cache's key space, KVCache.key_space) over a quantized cache
     whose layer already holds the T new rows of each sequence: query t of row b attends to positions
-    0..starts[b] + t; rotated values are rotated back. kernel: the prefill kernel reads the codes tile by tile (on CUDA; where the fused
-    prologue runs); else (or for shapes it does not take) its reference dequantizes the positions in
-    use, and only those."""
+    0..starts[b] + t; rotated values are rotated back. kernel: the prefill kernel reads the codes tile by
+    tile (on CUDA; where the fused prologue runs); else (or for shapes it does not take) its reference
+    dequantizes the positions in use, and only those."""
     from engine.kernels import UnsupportedKernelShape
     from engine.kernels.attention_prefill import prefill_attention_reference
     kv = cache.layer(layer)  # {name: [slots, KV, S, X]}
@@ -308,7 +339,7 @@ class Transformer(nn.Module):
         parts = name.split(".")
         if parts[0] != "layers":
             target = {"embed_tokens.weight": self.embed.weight, "norm.weight": self.norm.weight,
-                      "lm_head.weight": self.lm_head.weight if self.lm_head is not None else None}.get(name)
+                      "lm_head.weight": getattr(self.lm_head, "weight", None)}.get(name)
             if target is None:
                 if name == "lm_head.weight":
                     return  # tied checkpoints sometimes ship a copy of the embedding
@@ -327,7 +358,9 @@ class Transformer(nn.Module):
             start = 0 if part == "gate_proj" else cfg.intermediate_size
             _copy_into(block.feed_forward.w13.weight[start:start + cfg.intermediate_size], tensor, name)
         else:
-            target = {"o_proj": block.attention.wo.weight, "down_proj": block.feed_forward.w2.weight,
+            # a layer being packed while loading is a PackedLinear here (engine.loader), without .weight
+            target = {"o_proj": getattr(block.attention.wo, "weight", None),
+                      "down_proj": getattr(block.feed_forward.w2, "weight", None),
                       "input_layernorm": block.attention_norm.weight,
                       "post_attention_layernorm": block.ffn_norm.weight,
                       "q_norm": block.attention.q_norm.weight if block.attention.q_norm else None,

@@ -143,20 +143,72 @@ def _sliced_matmul(x: torch.Tensor, pw: PackedWeight, unpack_t) -> torch.Tensor:
     return out
 
 
-def quantize_weight(w: torch.Tensor, kind: str, group_size: int) -> PackedWeight:
-    """Round a float matrix [N, K] to the kind's grid (RTN, quant.grids) and pack it."""
-    n, k = w.shape
+# Loading rounds and packs a float matrix this many weights at a time (whole rows), straight into
+# its final packed buffers: the temporaries (float32 groups, codes, int64 fields) stay a few tens of
+# MB whatever the matrix (a 27B model's gate/up is 220 M weights).
+QUANTIZE_SLICE_ELEMENTS = 1 << 21
+# peak temporaries per weight of one slice: float32 groups, codes, int64 fields and their shifted
+# sums (measured on the CPU with tests/live_bytes.py: tri 45.1, the others 19.0, from bf16 rows)
+QUANTIZE_BYTES_PER_ELEMENT = {"tri": 46, "bin": 20, "int4": 20, "int8": 20}
+
+
+def quantize_slice_rows(in_features: int) -> int:
+    return max(1, QUANTIZE_SLICE_ELEMENTS // in_features)
+
+
+def quantize_transient(kind: str, out_features: int, in_features: int, source_bytes: int = 4) -> int:
+    """Peak bytes of `quantize_rows`' temporaries on the device for an [N, K] matrix: one slice of
+    rows in the source's dtype moved over, and the rounding and packing temporaries of that slice."""
+    rows = min(out_features, quantize_slice_rows(in_features))
+    return rows * in_features * (source_bytes + QUANTIZE_BYTES_PER_ELEMENT[kind])
+
+
+def empty_packed(kind: str, out_features: int, in_features: int, group_size: int,
+                 device: torch.device | str) -> PackedWeight:
+    """The final buffers of a packed [N, K] matrix, filled by `quantize_rows` (or a checkpoint's codes)."""
     try:
-        check_packable(kind, n, k, group_size)
+        check_packable(kind, out_features, in_features, group_size)
     except ValueError as e:
-        raise BonsaiError(f"cannot pack a [{n}, {k}] matrix as {kind}: {e}; choose another --group-size") from None
+        raise BonsaiError(f"cannot pack a [{out_features}, {in_features}] matrix as {kind}: {e}; "
+                          "choose another --group-size") from None
+    e = KINDS[kind].per_word
+    return PackedWeight(kind, torch.empty(in_features // e, out_features, dtype=torch.int32, device=device),
+                        torch.empty(in_features // group_size, out_features, dtype=torch.float16, device=device),
+                        out_features, in_features, group_size)
+
+
+def _rtn(w: torch.Tensor, kind: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     if kind == "tri":
-        codes, scales = grids.ternary_rtn(w, group_size)
-    elif kind == "bin":
-        codes, scales = grids.binary_rtn(w, group_size)
-    else:
-        codes, scales = grids.int_rtn(w, 4 if kind == "int4" else 8, group_size)
-    return pack(kind, codes, scales, group_size)
+        return grids.ternary_rtn(w, group_size)
+    if kind == "bin":
+        return grids.binary_rtn(w, group_size)
+    return grids.int_rtn(w, 4 if kind == "int4" else 8, group_size)
+
+
+def quantize_rows(pw: PackedWeight, row0: int, w: torch.Tensor) -> None:
+    """Round rows row0 .. row0 + R of pw's matrix, given as floats w [R, K] (any device), onto the
+    kind's grid (RTN, quant.grids) and pack them into pw's columns, QUANTIZE_SLICE_ELEMENTS at a time.
+    Rounding is per row (groups run along K), so the result is that of rounding the whole matrix."""
+    assert w.shape[1] == pw.in_features and row0 + w.shape[0] <= pw.out_features, (tuple(w.shape), row0)
+    step = quantize_slice_rows(pw.in_features)
+    for r0 in range(0, w.shape[0], step):
+        part = w[r0:r0 + step].to(pw.words.device)  # [r, K]
+        codes, scales = _rtn(part, pw.kind, pw.group_size)
+        packed = pack(pw.kind, codes, scales, pw.group_size)
+        del part, codes, scales
+        n0 = row0 + r0
+        pw.words[:, n0:n0 + packed.out_features].copy_(packed.words)  # [K/E, r]
+        pw.scales[:, n0:n0 + packed.out_features].copy_(packed.scales)  # [K/G, r]
+
+
+def quantize_weight(w: torch.Tensor, kind: str, group_size: int, device: torch.device | str | None = None
+                    ) -> PackedWeight:
+    """Round a float matrix [N, K] to the kind's grid (RTN, quant.grids) and pack it (on `device`,
+    default w's), a slice of rows at a time."""
+    n, k = w.shape
+    pw = empty_packed(kind, n, k, group_size, device if device is not None else w.device)
+    quantize_rows(pw, 0, w)
+    return pw
 
 
 def packed_targets(config, fmt: WeightFormat) -> list[tuple[str, str]]:
@@ -170,8 +222,9 @@ def packed_targets(config, fmt: WeightFormat) -> list[tuple[str, str]]:
 def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed: int = 0,
                  device: torch.device | None = None) -> None:
     """Swap the model's block Linear layers (and the output layer if fmt.head_type says so) for
-    PackedLinear: rounded from the loaded float weights, or random packed codes (dummy) made
-    directly on `device` (default: the weights' device; dummy layers may have meta weights)."""
+    PackedLinear: rounded from the loaded float weights, or random packed codes (dummy), made
+    directly on `device` (default: the weights' device; dummy layers may have meta weights, a tied
+    output layer's weight may be a host embedding table)."""
     from engine.model import Linear
     generator = None
     targets = []
@@ -194,7 +247,7 @@ def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed:
             n, k = module.weight.shape
             pw = random_packed(kind, n, k, fmt.group_size, device=where, generator=generator)
         else:
-            pw = quantize_weight(module.weight.data, kind, fmt.group_size)
+            pw = quantize_weight(module.weight.data, kind, fmt.group_size, device)
         bias = module.bias.data if module.bias is not None else None
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(pw, bias))

@@ -52,6 +52,7 @@ class QuantizeOptions:
     calib_samples: int = 128
     calib_seq_len: int = 512
     gsq_steps: int = 200  # learned-rounding steps per layer (method gsq)
+    scale_refits: int = 1  # gptq / gsq: rounds of least-squares group scales (quant.gptq.gptq_with_refits)
     lora: Path | None = None
     gguf: Path | None = None
     device: str = "cpu"
@@ -66,6 +67,8 @@ class QuantizeOptions:
             raise BonsaiError("--calib-samples must be >= 1 and --calib-seq-len >= 2")
         if self.gsq_steps < 1:
             raise BonsaiError(f"--gsq-steps must be >= 1, got {self.gsq_steps}")
+        if self.scale_refits < 0:
+            raise BonsaiError(f"--scale-refits must be >= 0, got {self.scale_refits}")
 
 
 @dataclass
@@ -367,7 +370,8 @@ def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSp
                 loaded.model.load_tensor(canonical_name(name), adapter.merge(name, w).float())
     from quant.gsq import GSQOptions
     options = calibration.CalibrationOptions(samples=opts.calib_samples, seq_len=opts.calib_seq_len,
-                                             device=opts.device, gsq=GSQOptions(steps=opts.gsq_steps))
+                                             scale_refits=opts.scale_refits, device=opts.device,
+                                             gsq=GSQOptions(steps=opts.gsq_steps))
     results = {}
     for name, codes, scales, spec in calibration.quantize_with_calibration(
             loaded, calib_ids, recipes.calibration_plan(specs), opts.method, options, progress=message):

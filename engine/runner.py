@@ -19,13 +19,16 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, num_slots: int = 1,
                  prefill_chunk_size: int = 512, fast_decode: bool | None = None, kv_type: str = "bf16",
                  kv_offload: bool = False, host_kv_bytes: int | None = None,
-                 offload_layers: Iterable[int] | None = None):
+                 offload_layers: Iterable[int] | None = None, prefill_graphs: bool | None = None):
         """fast_decode: one-token steps through the fused decode step (CUDA-graphed on a GPU);
         default on for CUDA devices. kv_type: the KV cache's element type (bf16 = the model's
         dtype, int8, int4, k8v4: quant/kv_format.py). kv_offload: the KV pool lives in host memory
         (engine.kv_offload; host_kv_bytes: the memory granted to it, None: what it needs).
         offload_layers: weight offload (engine.weight_offload) of these blocks, and the embedding
-        table on the host; None: off. With either offload, steps run eagerly (no CUDA graph)."""
+        table on the host; None: off. With either offload, steps run eagerly (no CUDA graph).
+        prefill_graphs: full prefill chunks replayed from CUDA graphs (engine.cuda_graphs.PrefillGraphs;
+        their pool keeps one chunk's activations reserved), where the decode step is graphed. Off by
+        default until measured on a GPU (tests/perf/gpu_prefill.sh; docs/perf.md, session 5)."""
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -58,6 +61,12 @@ class ModelRunner:
             self.decoder = self._make_decoder()
         # the attention prologue kernel also serves prefill where the fused step runs (same shapes)
         self.model.use_fused_prologue(self.decoder is not None and self.decoder.ops.fast)
+        self.prefill_graphs = None
+        graphed = self.decoder is not None and self.decoder.graph is not None
+        from engine.host_embedding import HostEmbedding
+        if graphed and prefill_graphs and not isinstance(self.model.embed, HostEmbedding):
+            from engine.cuda_graphs import PrefillGraphs
+            self.prefill_graphs = PrefillGraphs(self.model, self.cache, prefill_chunk_size)
 
     def _make_decoder(self):
         from engine.cuda_graphs import DecodeStepRunner
@@ -84,6 +93,10 @@ class ModelRunner:
             logits = self.decoder.run(tokens, [start], [slot.index])  # [1, V]
             slot.tokens.extend(tokens)
             return logits.clone()
+        if self.prefill_graphs is not None and self.prefill_graphs.handles(start, t, num_logits):
+            logits = self.prefill_graphs.run(slot.index, start, tokens)  # [1, V]
+            slot.tokens.extend(tokens)
+            return logits
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         batch = CacheBatch.make([slot.index], [start], t, self.device)
         logits = self.model(ids, batch, self.cache, start + t, num_logits)  # [1, n, V]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from engine.host_copies import CopyStream, HostAllocator
+from engine.host_embedding import HostEmbedding
 
 RING = 2
 ALIGN = 256  # bytes: every tensor in a flat buffer starts aligned (a dtype view needs it)
@@ -61,29 +62,6 @@ def _view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     return flat[offset:offset + nbytes].view(like.dtype).view(like.shape)
 
 
-class HostEmbedding(nn.Module):
-    """The embedding table in host memory: the rows of the current tokens are gathered on the host
-    and copied to the device (through a small pinned staging buffer on a GPU)."""
-
-    def __init__(self, weight: torch.Tensor, device: torch.device, allocator: HostAllocator):
-        super().__init__()
-        self.weight = weight  # [V, H] host memory (a plain attribute: model.to() leaves it there)
-        self.device = device
-        self.allocator = allocator
-        self._staging: torch.Tensor | None = None  # [n, H] pinned
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        ids = tokens.reshape(-1).cpu()  # [N] on the host: on a GPU one sync (offloaded passes run eagerly)
-        if self.device.type != "cuda":
-            return self.weight.index_select(0, ids).view(*tokens.shape, -1)  # [.., H]
-        n = ids.numel()
-        if self._staging is None or self._staging.shape[0] < n:
-            # the .cpu() above waited for the device: no copy from the previous staging is in flight
-            self._staging = self.allocator.empty((max(n, 64), self.weight.shape[1]), self.weight.dtype)
-        rows = torch.index_select(self.weight, 0, ids, out=self._staging[:n])  # [N, H]
-        return rows.to(self.device, non_blocking=True).view(*tokens.shape, -1)  # [.., H]
-
-
 class WeightStreamer:
     """Streams the weights of the blocks in `layers` from host memory into two GPU staging buffers;
     `model.weight_stream` is set to it, and the model calls `begin_pass` before the embedding and
@@ -121,8 +99,9 @@ class WeightStreamer:
                     module._parameters[name] = nn.Parameter(view, requires_grad=False)
                 else:
                     module._buffers[name] = view
-        self.embedding_on_host = embedding and model.lm_head is not None
-        if self.embedding_on_host:
+        already = isinstance(model.embed, HostEmbedding)  # memory.embedding_on_host: loaded there
+        self.embedding_on_host = already or (embedding and model.lm_head is not None)
+        if self.embedding_on_host and not already:
             table = model.embed.weight
             host_table = torch.empty(table.shape, dtype=table.dtype)  # pageable: rows are gathered on the CPU
             host_table.copy_(table)

@@ -69,7 +69,8 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> tuple[torch.Te
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size: int = 128, damp: float = 0.01,
-                  block_size: int = 128, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_size: int = 128, act_order: bool = False, scales: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float32, hessian [K, K] = Σ xᵀx of the layer's inputs. grid: "tri" | "tri-dense" | "bin" |
     "int4" | "int8". Returns codes int8 [N, K] on the grid and scales float32 [N, K/G] (value = code *
     scale of its group).
@@ -79,6 +80,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size:
     the block in one matmul. A group's scale is chosen by the grid's own rule (quant.grids) on the
     error-updated weights of the group when its first column is reached; with act_order the groups
     stay contiguous in the original order and their scales are fixed up front from w ("static groups").
+    Given `scales` [N, K/G] (e.g. from `refit_scales`), only the codes are chosen, for those scales.
     """
     check_grid(grid)
     n, k = w.shape
@@ -92,11 +94,16 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size:
     hinv, dead = inverse_hessian_factor(hessian.to(w.device), damp)
     hinv = hinv.float()  # [K, K] upper
     work[:, dead] = 0.0
-    scales = torch.zeros(n, k // group_size, dtype=torch.float32, device=w.device)  # [N, K/G]
+    fixed = scales is not None or act_order  # scales set up front ("static groups")
+    if scales is not None:
+        scales = scales.detach().float().to(w.device).clone()  # [N, K/G]
+    elif act_order:
+        _, scales = rtn(work, grid, group_size)  # static groups, from the unquantized weights
+    else:
+        scales = torch.zeros(n, k // group_size, dtype=torch.float32, device=w.device)  # [N, K/G]
     order = torch.arange(k, device=w.device)
     if act_order:
         order = torch.argsort(torch.diag(hessian).to(w.device), descending=True, stable=True)
-        _, scales = rtn(work, grid, group_size)  # static groups, from the unquantized weights
         work = work[:, order]
         hinv, _ = inverse_hessian_factor(hessian.to(w.device)[order][:, order], damp)
         hinv = hinv.float()
@@ -109,7 +116,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size:
         for j in range(b1 - b0):
             col = int(order[b0 + j])
             group = col // group_size
-            if not act_order and col % group_size == 0:
+            if not fixed and col % group_size == 0:
                 # the group starts here: its scale from the current (error-updated) weights; columns
                 # past this block still owe the lazy update of the block's columns done so far
                 end = b0 + j + group_size
@@ -126,3 +133,67 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size:
     if act_order:
         codes = codes[:, torch.argsort(order)]
     return codes.to(torch.int8), scales
+
+
+def refit_scales(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, hessian: torch.Tensor,
+                 group_size: int, damp: float = 0.01, rows_per_chunk: int = 256) -> torch.Tensor:
+    """Given the codes, the group scales that minimise the layer's output error on the calibration
+    inputs, per row: min_s (w − V s)ᵀ H (w − V s), V [K, K/G] holding the row's code values by group.
+    The normal equations (Vᵀ H V) s = Vᵀ H w are one small (K/G)² system per row (H damped as GPTQ
+    damps it). A row keeps its old scales where the solution is not better, not finite, or makes a
+    scale ≤ 0 (codes and their signs are left as they are). w [N, K], codes [N, K], scales [N, K/G]
+    → scales float32 [N, K/G]."""
+    n, k = w.shape
+    groups = k // group_size
+    h = hessian.double().to(w.device).clone()  # [K, K]
+    h[torch.arange(k), torch.arange(k)] += damp * float(torch.diag(h).mean())
+    hg = h.view(groups, group_size, k)  # [G, g, K]
+    out = scales.detach().float().clone()  # [N, G]
+    for r0 in range(0, n, rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, n)
+        v = codes[r0:r1].double()  # [R, K] code values
+        wr = w[r0:r1].double()  # [R, K]
+        q = torch.einsum("rgi,gik->rgk", v.view(-1, groups, group_size), hg)  # [R, G, K]: Σ_i∈g v_i H_i,:
+        a = torch.einsum("rghj,rhj->rgh", q.view(-1, groups, groups, group_size),
+                         v.view(-1, groups, group_size))  # [R, G, G] = Vᵀ H V
+        b = torch.einsum("rgk,rk->rg", q, wr)  # [R, G] = Vᵀ H w
+        empty = torch.diagonal(a, dim1=1, dim2=2) <= 0  # [R, G]: groups whose codes are all 0
+        old = out[r0:r1].double()  # [R, G]
+        a = a + torch.diag_embed(empty.double())  # an empty group keeps its scale: a row s_g = old_g
+        b = torch.where(empty, old, b)
+        new = torch.linalg.solve(a, b.unsqueeze(-1)).squeeze(-1)  # [R, G]
+
+        def error(s: torch.Tensor) -> torch.Tensor:  # [R]: (w − V s)ᵀ H (w − V s)
+            d = wr - v * s.repeat_interleave(group_size, dim=1)  # [R, K]
+            return torch.einsum("rk,kj,rj->r", d, h, d)
+        ok = torch.isfinite(new).all(1) & (new > 0).all(1) & (error(new) < error(old))  # [R]
+        out[r0:r1] = torch.where(ok[:, None], new, old).float()
+    return out
+
+
+def row_errors(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, hessian: torch.Tensor,
+               group_size: int) -> torch.Tensor:
+    """Each row's output error on the calibration inputs, (w − ŵ)ᵀ H (w − ŵ): float64 [N]."""
+    d = w.double() - codes.double() * scales.double().repeat_interleave(group_size, dim=1)  # [N, K]
+    return ((d @ hessian.double().to(w.device)) * d).sum(1)
+
+
+def gptq_with_refits(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size: int = 128, damp: float = 0.01,
+                     block_size: int = 128, act_order: bool = False, refits: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ, then `refits` rounds of least-squares scales for the codes (`refit_scales`), each round
+    after the first starting with GPTQ codes for the current scales. Each row keeps the best codes and
+    scales it has seen, so the result is never worse than plain GPTQ on the calibration inputs."""
+    codes, scales = gptq_quantize(w, hessian, grid, group_size, damp, block_size, act_order)
+    best = row_errors(w, codes, scales, hessian, group_size)  # [N]
+    trial_codes = codes
+    for refit in range(refits):
+        if refit:
+            trial_codes, _ = gptq_quantize(w, hessian, grid, group_size, damp, block_size, act_order, scales=trial)
+        trial = refit_scales(w, trial_codes, scales if refit == 0 else trial, hessian, group_size, damp)
+        err = row_errors(w, trial_codes, trial, hessian, group_size)
+        better = err < best  # [N]
+        codes = torch.where(better[:, None], trial_codes, codes)
+        scales = torch.where(better[:, None], trial, scales)
+        best = torch.minimum(best, err)
+    return codes, scales

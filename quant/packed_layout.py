@@ -132,19 +132,38 @@ def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Te
     return w.reshape(pw.out_features, pw.in_features).to(dtype)
 
 
+GENERATE_SLICE_WORDS = 1 << 22  # ternary fix-up of generated words: this many int32 words at a time (16 MiB)
+
+
 def random_packed(kind_name: str, out_features: int, in_features: int, group_size: int,
                   device: torch.device | str = "cpu", std: float = 0.02,
                   generator: torch.Generator | None = None) -> PackedWeight:
     """Random weights of the right format and size, made directly in the packed layout on `device`
-    (`load_format: dummy`): uniform codes, scales ≈ std of a float layer of that fan-in."""
+    (`load_format: dummy`): uniform codes, scales ≈ std of a float layer of that fan-in. The words
+    are drawn in place in their final buffer; the ternary fix-up runs on column slices of at most
+    GENERATE_SLICE_WORDS words, so the temporaries stay small (`random_packed_transient`)."""
     kind = layout_kind(kind_name)
     check_packable(kind_name, out_features, in_features, group_size)
     e = kind.per_word
-    words = torch.randint(-2 ** 31, 2 ** 31, (in_features // e, out_features), dtype=torch.int64,
-                          device=device, generator=generator).to(torch.int32)  # [K/E, N]
+    words = torch.empty(in_features // e, out_features, dtype=torch.int32, device=device)  # [K/E, N]
+    words.random_(-2 ** 31, 2 ** 31, generator=generator)
     if kind.name == "tri":  # a 2-bit field of 3 is not a ternary code: map 3 → 2 in every field
-        hi, lo = (words >> 1) & 0x55555555, words & 0x55555555
-        words = words & ~(hi & lo)  # fields 11 → 10
+        cols = max(1, GENERATE_SLICE_WORDS // words.shape[0])
+        for n0 in range(0, out_features, cols):
+            part = words[:, n0:n0 + cols]  # [K/E, cols] view
+            hi, lo = (part >> 1) & 0x55555555, part & 0x55555555
+            part &= ~(hi & lo)  # fields 11 → 10
+            del hi, lo
     scale = std * (1.0 if kind.name in ("tri", "bin") else 1.0 / (2 ** (kind.bits - 1)))
     scales = torch.full((in_features // group_size, out_features), scale, dtype=torch.float16, device=device)
     return PackedWeight(kind_name, words, scales, out_features, in_features, group_size)
+
+
+def random_packed_transient(kind_name: str, out_features: int, in_features: int) -> int:
+    """Peak bytes of random_packed's temporaries beyond its result: for ternary words, the slice's
+    two masks, their product and its complement (int32 each); none for the other kinds."""
+    if kind_name != "tri":
+        return 0
+    rows = in_features // layout_kind(kind_name).per_word
+    cols = min(out_features, max(1, GENERATE_SLICE_WORDS // rows))
+    return 4 * rows * cols * 4

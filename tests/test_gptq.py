@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from quant.grids import dequantize
-from quant.gptq import GRIDS, code_range, gptq_quantize, round_with_scale, rtn
+from quant.gptq import (GRIDS, code_range, gptq_quantize, gptq_with_refits, refit_scales, round_with_scale,
+                        row_errors, rtn)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,3 +94,40 @@ def test_bad_arguments():
         gptq_quantize(w, torch.eye(64), "tri", group_size=48)
     with pytest.raises(ValueError, match="Hessian has shape"):
         gptq_quantize(w, torch.eye(32), "tri", group_size=32)
+
+
+@pytest.mark.parametrize("grid", ["tri", "bin", "int4"])
+def test_refit_scales_is_the_least_squares_solution_and_never_worse(grid):
+    x = correlated_inputs(512, 64, seed=3)
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
+    h = x.T @ x
+    codes, scales = gptq_quantize(w, h, grid, 16, damp=1e-6)
+    new = refit_scales(w, codes, scales, h, 16, damp=1e-6)
+    before = output_error(x, w, dequantize(codes, scales, 16))
+    after = output_error(x, w, dequantize(codes, new, 16))
+    assert after < before
+    for row in range(3):  # each row's scales solve min ||X (w − V s)||² (V: the row's code values by group)
+        v = torch.zeros(64, 4, dtype=torch.float64)
+        for g in range(4):
+            v[g * 16:(g + 1) * 16, g] = codes[row, g * 16:(g + 1) * 16].double()
+        best = torch.linalg.lstsq(x.double() @ v, (x.double() @ w[row].double())[:, None]).solution[:, 0]
+        assert torch.allclose(new[row].double(), best, rtol=1e-3, atol=1e-6)
+    codes2, kept = gptq_quantize(w, h, grid, 16, damp=1e-6, scales=new)  # GPTQ for given scales keeps them
+    assert torch.equal(kept, new) and not torch.equal(codes2, codes)
+    for refits in (1, 3):  # rounds of refit + GPTQ: every row at least as good as plain GPTQ's, the layer better
+        c, sc = gptq_with_refits(w, h, grid, 16, damp=1e-6, refits=refits)
+        assert (row_errors(w, c, sc, h, 16) <= row_errors(w, codes, scales, h, 16) * (1 + 1e-9)).all()
+        assert output_error(x, w, dequantize(c, sc, 16)) <= after * (1 + 1e-6)
+
+
+def test_refit_scales_keeps_rows_it_cannot_improve():
+    x = correlated_inputs(256, 32, seed=5)
+    w = torch.randn(4, 32, generator=torch.Generator().manual_seed(6))
+    h = x.T @ x
+    codes, scales = gptq_quantize(w, h, "tri", 16)
+    codes[0, :16] = 0  # an empty group: its scale is left as it was
+    new = refit_scales(w, codes, scales, h, 16)
+    assert new[0, 0] == scales[0, 0]
+    assert torch.equal(refit_scales(w, codes, new, h, 16)[1:], refit_scales(w, codes, new, h, 16)[1:])
+    flipped = -codes  # codes pointing the wrong way: a better fit needs negative scales, which are refused
+    assert torch.equal(refit_scales(w, flipped, scales, h, 16), scales)

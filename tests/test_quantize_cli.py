@@ -199,6 +199,7 @@ BAD = [
     (["--sensitive-layers", "qproj"], "matches no layer; the layers are"),
     (["--embed-bits", "3"], "3 bits is not a format"),
     (["--device", "tpu"], "unsupported device"),
+    (["--scale-refits", "-1"], "--scale-refits must be >= 0"),
 ]
 
 
@@ -261,16 +262,16 @@ def test_calibration_methods_go_through_engine_calibration(tiny, tmp_path, monke
 
     def spy(loaded, token_ids, plan_of, method, options, progress=None):
         calls.update(method=method, ids=token_ids, samples=options.samples, seq_len=options.seq_len,
-                     steps=options.gsq.steps)
+                     steps=options.gsq.steps, refits=options.scale_refits)
         yield from real(loaded, token_ids, plan_of, method, options, progress)
     monkeypatch.setattr(calibration, "quantize_with_calibration", spy)
     calib = tmp_path / "calib.txt"
     calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     report = quantize(tiny.gguf, tmp_path / "ckpt", QuantizeOptions(Recipe(QuantSpec("tri", 128)), method="gsq",
                                                                     calib=calib, calib_samples=3, calib_seq_len=32,
-                                                                    gsq_steps=3))
+                                                                    gsq_steps=3, scale_refits=2))
     assert calls["method"] == "gsq" and len(calls["ids"]) == 3 and all(len(s) == 32 for s in calls["ids"])
-    assert (calls["samples"], calls["seq_len"], calls["steps"]) == (3, 32, 3)
+    assert (calls["samples"], calls["seq_len"], calls["steps"], calls["refits"]) == (3, 32, 3, 2)
     assert report.by_format()["tri g128"]["tensors"] == 14
     assert report.error_by_class()["mlp.up_proj"] > 0.1
 

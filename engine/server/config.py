@@ -35,6 +35,7 @@ class ModelSection:
     path: str
     quant_type: str = "bf16"  # run-time format of the block matrices (a bonsai checkpoint's own codes are kept)
     group_size: int = 128
+    head_type: str = "bf16"  # run-time format of the output layer (int4: a quarter of a bf16 head's bytes)
     max_context: int | None = None  # tokens one conversation may use (≤ runtime.max_seq_len)
     kv_cache_quant: bool | None = None  # the users' seed keys: true + kv_cache_bits 8 | 4 → int8 | int4
     kv_cache_bits: int | None = None
@@ -50,6 +51,8 @@ class ModelSection:
             _fail("model.path", "is empty; give a model path or a pulled name such as smollm2-135m")
         if self.quant_type not in WEIGHT_TYPES:
             _fail("model.quant_type", f"'{self.quant_type}' is not one of {', '.join(WEIGHT_TYPES)}")
+        if self.head_type not in WEIGHT_TYPES:
+            _fail("model.head_type", f"'{self.head_type}' is not one of {', '.join(WEIGHT_TYPES)}")
         if self.group_size not in (32, 64, 128, 256):
             _fail("model.group_size", f"{self.group_size} is not one of 32, 64, 128, 256")
         if self.max_context is not None and self.max_context < 2:
@@ -97,7 +100,7 @@ class RuntimeSection:
     device: str = "cpu"
     max_batch_size: int = 1  # slots: requests decoded together in one batched step
     max_seq_len: int | None = None  # KV positions allocated per slot (default: max_context, else 4096)
-    prefill_chunk_size: int = 512
+    prefill_chunk_size: int | None = None  # default 512, smaller when memory.max_gpu_memory needs it
     decode_algorithm: str = "standard"
     draft_model: str | None = None  # "none": draftless (n-gram) speculation; a path: a draft model
     weight_dtype: str = "auto"  # auto: on the CPU float16 for one slot (gemv), float32 for several (GEMM)
@@ -113,7 +116,7 @@ class RuntimeSection:
             _fail("runtime.max_batch_size", f"must be in 1..64, got {self.max_batch_size}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             _fail("runtime.max_seq_len", f"must be >= 2, got {self.max_seq_len}")
-        if self.prefill_chunk_size < 1:
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
             _fail("runtime.prefill_chunk_size", f"must be >= 1, got {self.prefill_chunk_size}")
         if self.decode_algorithm not in DECODE_ALGORITHMS:
             _fail("runtime.decode_algorithm", f"'{self.decode_algorithm}' is not one of {', '.join(DECODE_ALGORITHMS)}")
@@ -131,6 +134,8 @@ class MemorySection:
     pipeline_parallel: bool = False
     kv_offload: bool = False  # the KV pool in pinned host RAM, each layer's rows streamed in ahead of use
     host_kv_mib: int | None = None  # host memory granted to the offloaded KV pool (default: what it needs)
+    # the embedding table in host memory, the decode step still CUDA-graphed (default: when max_gpu_memory needs it)
+    embedding_on_host: bool | None = None
 
     @property
     def max_gpu_memory_bytes(self) -> int | None:
@@ -144,6 +149,9 @@ class MemorySection:
                 _fail("memory.host_kv_mib", "only applies with memory.kv_offload: true; remove it")
             if self.host_kv_mib < 1:
                 _fail("memory.host_kv_mib", f"must be >= 1, got {self.host_kv_mib}")
+        if self.weight_offload and self.embedding_on_host is False:
+            _fail("memory.embedding_on_host", "false contradicts memory.weight_offload: true, which keeps the table "
+                  "in host memory; remove one of them")
         if self.activation_checkpoint:
             _fail("memory.activation_checkpoint", "is a training option (inference keeps no activations); "
                   "set it to false")

@@ -69,8 +69,10 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
     budget = planned.limit
     if budget is not None:
         limit_device_memory(budget, rt.device)
+    for choice in planned.choices:
+        log.info("to fit memory.max_gpu_memory: %s", choice.line)
     with within_limit(budget, "loading the model"):
-        loaded, tokenizer, path = _load_model(config, progress, architecture)
+        loaded, tokenizer, path = _load_model(config, progress, architecture, planned.settings.embedding_on_host)
     check_usage(budget, loaded.device, "loading the model", planned.plan.category("weights"))
     if m.chat_template:
         template = Path(m.chat_template).expanduser()
@@ -86,7 +88,7 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
     with within_limit(budget, stage):
         mem = config.memory
         runner = ModelRunner(loaded, max_seq_len=config.seq_len, num_slots=rt.max_batch_size,
-                             prefill_chunk_size=rt.prefill_chunk_size, kv_type=m.kv_type_name,
+                             prefill_chunk_size=planned.settings.prefill_chunk_size, kv_type=m.kv_type_name,
                              kv_offload=mem.kv_offload,
                              host_kv_bytes=mem.host_kv_mib * 2**20 if mem.host_kv_mib else None,
                              offload_layers=offloaded_layers(config, loaded.config.num_layers))
@@ -108,19 +110,21 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
     return Served(engine.start(), m.name or path.stem, config)
 
 
-def _load_model(config: ServeConfig, progress: Callable[[str, float], None], architecture):
+def _load_model(config: ServeConfig, progress: Callable[[str, float], None], architecture,
+                embedding_on_host: bool = False):
     """(LoadedModel, tokenizer, path) of the config's model: generated (dummy) or read."""
     from engine import store
     from engine.loader import load_dummy, load_model
     from engine.packed_linear import WeightFormat
 
     m, rt = config.model, config.runtime
-    fmt = WeightFormat(quant_type=m.quant_type, group_size=m.group_size)
+    fmt = WeightFormat(quant_type=m.quant_type, group_size=m.group_size, head_type=m.head_type)
     if m.load_format == "dummy":
         assert architecture is not None, "the command passes the architecture of a dummy model"
         path = Path(m.path)
         progress(f"generating {path.stem} ({m.quant_type}) on {rt.device}", 0.05)
-        loaded = load_dummy(architecture, path.stem, device=rt.device, weight_format=fmt)
+        loaded = load_dummy(architecture, path.stem, device=rt.device, weight_format=fmt,
+                            embedding_on_host=embedding_on_host)
         tokenizer = tokenizer_of(m.tokenizer)
         if tokenizer.vocab_size > architecture.vocab_size:
             raise BonsaiError(f"config model.tokenizer: its {tokenizer.vocab_size} tokens do not fit the "
@@ -129,5 +133,6 @@ def _load_model(config: ServeConfig, progress: Callable[[str, float], None], arc
     progress("finding the model", 0.02)
     path = store.resolve_model(m.path)
     progress(f"loading {path.name} on {rt.device}", 0.05)
-    loaded = load_model(path, device=rt.device, weight_dtype=weight_dtype_for(config), weight_format=fmt)
+    loaded = load_model(path, device=rt.device, weight_dtype=weight_dtype_for(config), weight_format=fmt,
+                        embedding_on_host=embedding_on_host)
     return loaded, loaded.require_tokenizer(), path

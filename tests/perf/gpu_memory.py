@@ -4,12 +4,16 @@
                                                     # then the 27B under max_gpu_memory 6GB
     python tests/perf/gpu_memory.py --only dense-27b  # one architecture (each case takes a minute or two)
     python tests/perf/gpu_memory.py --cpu-smoke     # a tiny config on the CPU (no allocator statistics)
+    python tests/perf/gpu_memory.py --case configs/models/dense-27b.yaml bin cuda:0 6GB --kv-type int8
+                                                    # one case (the issue's: 27B 1-bit, 4K context, under 6 GB)
+    python tests/perf/gpu_memory.py --case configs/models/dense-27b.yaml bin cuda:0 6GB --context 32768 --kv-offload
 
 Each case runs in its own process (the allocator's peaks and its memory fraction are per process):
 plan (engine.memory_plan) → load (dummy weights) → runner (KV cache, CUDA-graph capture) →
 prefill of --prompt random tokens (several 512-token chunks: the masked attention of later chunks) → a
 --decode-token greedy decode (prompt + decode fill the context: the last prefill chunk attends over
-almost all of it, the plan's worst case). Printed per stage: torch.cuda.max_memory_allocated /
+almost all of it, the plan's worst case). Under a limit the plan may put the embedding table in host memory and shrink the
+prefill chunk (its "chosen" choices, used for the run). Printed per stage: torch.cuda.max_memory_allocated /
 max_memory_reserved (peaks since the previous stage), and the plan's total and categories. A plan
 over the limit prints its one-line refusal instead ("refused"); under a limit, the case then runs
 again at the largest context the refusal says would fit (the limit enforced on a real run).
@@ -28,12 +32,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+PCIE_BYTES_PER_SECOND = 55e9  # pinned host → H200, measured (docs/perf.md, field notes §8)
 TINY = ("architectures: [Qwen3ForCausalLM]\nvocab_size: 4096\nhidden_size: 256\nintermediate_size: 512\n"
         "num_hidden_layers: 2\nnum_attention_heads: 4\nnum_key_value_heads: 2\nhead_dim: 64\n")
 
 
 def run_case(arch: str, weights: str, head: str, device: str, ctx: int, prompt: int, decode: int,
-             limit: str | None) -> dict:
+             limit: str | None, kv_type: str = "bf16", kv_offload: bool = False) -> dict:
     import torch
 
     from bonsai_cli.gpu_budget import plan_cli_run
@@ -44,12 +49,14 @@ def run_case(arch: str, weights: str, head: str, device: str, ctx: int, prompt: 
     from engine.runner import ModelRunner
 
     case = {"arch": Path(arch).stem, "weights": weights, "head_weights": head, "device": device, "context": ctx,
-            "max_gpu_memory": limit}
+            "max_gpu_memory": limit, "kv_type": kv_type, "kv_offload": kv_offload}
     try:
-        budget = plan_cli_run(arch, device, ctx, limit, load_format="dummy", weights=weights, head_weights=head)
+        budget = plan_cli_run(arch, device, ctx, limit, load_format="dummy", weights=weights, head_weights=head,
+                              kv_type=kv_type, kv_offload=kv_offload)
     except BonsaiError as e:
         return {**case, "refused": str(e)}
-    case.update(plan_bytes=budget.plan.total, plan=budget.plan.categories(), stages={})
+    case.update(plan_bytes=budget.plan.total, plan=budget.plan.categories(), stages={},
+                chosen={c.key: c.value for c in budget.choices})
     cuda = device.startswith("cuda")
 
     def stage(name: str) -> None:
@@ -66,16 +73,23 @@ def run_case(arch: str, weights: str, head: str, device: str, ctx: int, prompt: 
     try:
         with within_limit(budget.limit, "loading"):
             loaded = load_dummy(config, path.stem, device=device,
-                                weight_format=WeightFormat(weights, 128, head_type=head))
+                                weight_format=WeightFormat(weights, 128, head_type=head),
+                                embedding_on_host=budget.settings.embedding_on_host)
         stage("load")
         with within_limit(budget.limit, "capturing"):
-            runner = ModelRunner(loaded, max_seq_len=ctx)
+            runner = ModelRunner(loaded, max_seq_len=ctx, kv_type=kv_type, kv_offload=kv_offload,
+                                 prefill_chunk_size=budget.settings.prefill_chunk_size)
+        case["cuda_graph"] = getattr(runner.decoder, "graph", None) is not None
         stage("runner_and_graph")
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, config.vocab_size, (prompt,), generator=g).tolist()
         slot = runner.slot(0)
+        start = time.perf_counter()
         with within_limit(budget.limit, "prefill"):
             logits = runner.prefill(slot, tokens)
+        if cuda:
+            torch.cuda.synchronize()
+        case["prefill_seconds"] = time.perf_counter() - start
         stage("prefill")
         start = time.perf_counter()
         with within_limit(budget.limit, "decode"):
@@ -84,6 +98,11 @@ def run_case(arch: str, weights: str, head: str, device: str, ctx: int, prompt: 
         if cuda:
             torch.cuda.synchronize()
         case["decode_tokens_per_second"] = decode / (time.perf_counter() - start)
+        if runner.cache.streamed:  # KV offload: the rows that cross PCIe per token, and the bound at 55 GB/s
+            per_token = runner.cache.transfer_bytes(prompt + decode // 2)
+            case["kv_host_to_device_bytes_per_token"] = per_token
+            case["pcie_bound_tokens_per_second"] = PCIE_BYTES_PER_SECOND / per_token
+            case["share_of_pcie_bound"] = case["decode_tokens_per_second"] / case["pcie_bound_tokens_per_second"]
         stage("decode")
     except BonsaiError as e:
         case["error"] = str(e)
@@ -104,12 +123,15 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--only", default="", help="comma list of architectures to run (qwen3-8b, dense-27b); "
                     "each case takes a minute or two, all of them may pass a 10-minute limit")
+    ap.add_argument("--kv-type", default="bf16")
+    ap.add_argument("--kv-offload", action="store_true", help="the KV cache in host memory (streamed per layer)")
     ap.add_argument("--case", nargs=4, metavar=("ARCH", "WEIGHTS", "DEVICE", "LIMIT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
         arch, weights, device, limit = args.case
-        print(json.dumps(run_case(arch, weights, args.head_weights, device, args.context, args.prompt, args.decode,
-                                  None if limit == "-" else limit)), flush=True)
+        prompt = args.prompt or max(1, args.context - args.decode - 8)
+        print(json.dumps(run_case(arch, weights, args.head_weights, device, args.context, prompt, args.decode,
+                                  None if limit == "-" else limit, args.kv_type, args.kv_offload)), flush=True)
         return
     if args.cpu_smoke:
         tmp = Path(tempfile.mkdtemp()) / "tiny.yaml"

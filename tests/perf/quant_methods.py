@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--gsq-scale-lr", type=float, default=1e-3)
     ap.add_argument("--model", type=Path, help="the GGUF (default: the pulled SmolLM2)")
     ap.add_argument("--act-order", action="store_true")
+    ap.add_argument("--scale-refits", type=int, default=0, help="rounds of least-squares scales + GPTQ codes")
     ap.add_argument("--rotate", action="store_true")
     ap.add_argument("--no-online-hadamard", action="store_true")
     ap.add_argument("--device", default="cpu")
@@ -151,6 +152,7 @@ def main() -> None:
     print(f"calibration: {len(calib_ids)} tokens of stdlib docstrings, {len(sequences)} x {args.seq_len} used; "
           f"eval: {len(eval_ids)} tokens of pydoc topics", file=sys.stderr)
     options = CalibrationOptions(samples=args.samples, seq_len=args.seq_len, act_order=args.act_order,
+                                 scale_refits=args.scale_refits,
                                  device=args.device, gsq_tokens=args.gsq_tokens,
                                  gsq=GSQOptions(steps=args.gsq_steps, batch_size=args.gsq_batch, lr=args.gsq_lr,
                                                 scale_lr=args.gsq_scale_lr))
