@@ -118,7 +118,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
         if stream is not None:
             stream.enter(i)
         att, ffn = block.attention, block.feed_forward
-        scales = cache.layer_scales(i)  # a quantized cache's scale / min tensors (none for bf16)
+        scales = cache.layer_read_args(i)  # a quantized cache's scale / min tensors, v_rotate (none for bf16)
         qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv)  # [M, Q + 2KV]
         kv = cache.layer(i)  # {name: [slots, KV, S, D]} (KV offload: the layer's streamed-in rows)
         q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, kv["k"], kv["v"],

@@ -8,6 +8,14 @@ model's dtype as they are read; the fused decode step's kernels read the codes d
 Quantized keys are stored minus a fixed per-(layer, kv head) vector, `key_offset`: every key of a
 query shifts its score by the same q·offset, so attention is unchanged, while the keys' large
 shared component (most of their norm in Llama-family models) no longer takes the quantization range.
+Then, with `key_rotation`, they are rotated by the orthonormal Hadamard matrix H over head_dim
+(quant/kv_quant.py): a key's outlier channels are spread over all of its elements before the row is
+quantized. Attention over rotated keys takes queries rotated alike ((qH)·(kH) = q·k): every reader of
+a quantized cache gets its queries through `key_space` (the plain path) or from the rope / KV-write
+kernel, which rotates q when it is given `k_rotate` (`layer_write_args`: the fused prefill prologue,
+the decode step). Keys read back (`read`) are the stored ones: centred and rotated.
+int4 values are rotated alike (`value_rotation`); the attention kernels then rotate their output back
+(`layer_read_args` gives them `v_rotate`), and `read` returns the stored, rotated values.
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ import torch
 from engine.errors import BonsaiError
 from engine.model_config import ModelConfig
 from quant.kv_format import KV_TYPES, KVType
-from quant.kv_quant import dequantize_rows, quantize_rows, row_parts
+from quant.kv_quant import dequantize_rows, quantize_rows, row_parts, transform_queries
 
 
 @dataclass
@@ -108,6 +116,13 @@ class KVCache:
         # minus it: the same attention). A constant of the model (engine/kv_calibration.py), not
         # state of a sequence: set once before the first write, never moved with the rows.
         self.key_offset: torch.Tensor | None = None
+        # quantized keys are stored rotated by H (needs a power-of-two head_dim; the fast Hadamard
+        # transform); a property of the cache's layout, fixed at construction
+        d = config.head_dim
+        self.key_rotation = self.kv_type.key != "float" and d & (d - 1) == 0
+        # int4 values are stored rotated by H too, and attention outputs rotated back (o = H·Σ p·(H v));
+        # int8 values are near-lossless as they are (docs/quality.md)
+        self.value_rotation = self.kv_type.value == "int4" and d & (d - 1) == 0
         self.device = torch.device(device)  # where attention reads the cache
         # per layer, views of every storage tensor: {name: [slots, kv_heads, S, X]} (made once: no
         # per-step view creation on the decode path)
@@ -122,12 +137,30 @@ class KVCache:
         the keyword arguments the KV kernels take next to the code tensors."""
         return {name: t for name, t in self.layer(layer).items() if name not in ("k", "v")}
 
-    def layer_write_args(self, layer: int) -> dict[str, torch.Tensor]:
-        """`layer_scales` plus the layer's key offset [KV, D] if any: what the KV-write kernel takes."""
-        args = self.layer_scales(layer)
+    def layer_write_args(self, layer: int) -> dict:
+        """`layer_scales` plus the layer's key offset [KV, D] if any and `k_rotate` if keys are rotated:
+        what the rope / KV-write kernel takes (it then returns q rotated alike, ready for attention)."""
+        args: dict = self.layer_scales(layer)
         if self.key_offset is not None:
             args["k_offset"] = self.key_offset[layer]
+        if self.key_rotation:
+            args["k_rotate"] = True
+        if self.value_rotation:
+            args["v_rotate"] = True
         return args
+
+    def layer_read_args(self, layer: int) -> dict:
+        """`layer_scales` plus `v_rotate` if values are rotated: what the attention kernels take (they then
+        rotate their output back)."""
+        args: dict = self.layer_scales(layer)
+        if self.value_rotation:
+            args["v_rotate"] = True
+        return args
+
+    def key_space(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries [.., D] as attention over this cache's stored keys needs them: rotated by H where the
+        keys are (the key offset needs nothing: it shifts all of a query's scores alike)."""
+        return transform_queries(q, self.key_rotation)
 
     @property
     def k(self) -> torch.Tensor:
@@ -155,7 +188,8 @@ class KVCache:
         """Store keys/values of new tokens: k, v [B, kv_heads, T, D] at batch.positions [B, T]."""
         for name, rows in (("k", k), ("v", v)):
             offset = self.key_offset[layer][:, None] if name == "k" and self.key_offset is not None else None
-            parts = quantize_rows(self.elements[name], rows, self.dtype, offset)  # each [B, kv_heads, T, X]
+            parts = quantize_rows(self.elements[name], rows, self.dtype, offset,
+                                  rotate=self.key_rotation if name == "k" else self.value_rotation)
             for part, values in parts.items():
                 store = self.layer(layer)[self._name(name, part)]  # [slots, kv_heads, S, X]
                 if len(batch.slots) == 1:

@@ -95,13 +95,18 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         if self.fused_prologue is not None:
-            q = self._fused_prologue(x, cache, batch)  # [B, H, T, D]; K/V written
+            q = self._fused_prologue(x, cache, batch)  # [B, H, T, D]; K/V written, q in the keys' space
         else:
             q, k, v = self.project(x, cos, sin)
             cache.write(self.layer, batch, k, v)
-        keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]
-        causal = mask is None and t > 1  # a fresh single sequence: the flash kernel's own causal mask
-        out = attention(q, keys, values, mask, causal, cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
+            q = cache.key_space(q)  # [B, H, T, D] rotated where the stored keys are
+        if cache.kv_type.quantized:  # read the codes of the positions in use, causal by position
+            kernel = self.fused_prologue is not None or (q.is_cuda and kernels_usable(q.device))
+            out = quantized_cache_attention(q, cache, self.layer, batch, kernel)  # [B, H, T, D]
+        else:
+            keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]
+            causal = mask is None and t > 1  # a fresh single sequence: the flash kernel's own causal mask
+            out = attention(q, keys, values, mask, causal, cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
         return self.wo(out.transpose(1, 2).reshape(b, t, cfg.q_size))
 
 
@@ -207,6 +212,33 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mb)  # [B, KV, g·rows, D]
         out[:, :, t0:t1] = ob.reshape(b, h, t1 - t0, d)  # the output may come back strided
     return out
+
+
+def kernels_usable(device: torch.device) -> bool:
+    from engine.packed_linear import kernels_usable as usable
+    return usable(device)
+
+
+def quantized_cache_attention(q: torch.Tensor, cache: KVCache, layer: int, batch: CacheBatch,
+                              kernel: bool) -> torch.Tensor:
+    """Attention of q [B, H, T, D] (in the cache's key space, KVCache.key_space) over a quantized cache
+    whose layer already holds the T new rows of each sequence: query t of row b attends to positions
+    0..starts[b] + t; rotated values are rotated back. kernel: the prefill kernel reads the codes tile by
+    tile (on CUDA; where the fused prologue runs); else (or for shapes it does not take) its reference
+    dequantizes the positions in use, and only those."""
+    from engine.kernels import UnsupportedKernelShape
+    from engine.kernels.attention_prefill import prefill_attention_reference
+    kv = cache.layer(layer)  # {name: [slots, KV, S, X]}
+    scales = cache.layer_read_args(layer)  # scale / min tensors, v_rotate
+    starts = batch.positions[:, 0]  # [B]
+    args = (q, kv["k"], kv["v"], batch.slot_ids, starts, q.shape[-1] ** -0.5)
+    if kernel:
+        from engine.kernels.attention_prefill import prefill_attention
+        try:
+            return prefill_attention(*args, **scales)
+        except UnsupportedKernelShape:
+            pass
+    return prefill_attention_reference(*args, **scales)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

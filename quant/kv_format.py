@@ -7,6 +7,9 @@ plan. Per (layer, slot, kv_head, position) a key row and a value row of `head_di
 - int4: asymmetric per group of `INT4_GROUP` elements along head_dim, two codes per byte (low
   nibble first), a float16 scale and a float16 minimum per group (x ≈ q · scale + min, q in 0..15).
 - k8v4: keys as int8, values as int4 (keys decide which positions matter: they keep more bits).
+What is quantized is a transformed row (engine/kv_cache.py, quant/kv_quant.py): quantized keys minus a
+calibrated mean key, rotated by the orthonormal Hadamard matrix over head_dim (queries are rotated alike
+when they read them); the formats above do not change.
 """
 from __future__ import annotations
 

@@ -86,17 +86,50 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Te
     return (groups * scale.float()[..., None] + minimum.float()[..., None]).flatten(-2).to(dtype)
 
 
+def hadamard_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [.., D] (D a power of two) → x·H in float32, H the orthonormal Sylvester Hadamard matrix
+    (symmetric, H·H = I). Butterflies (a + b, a − b) on pairs (i, i + h) for h = D/2, D/4, .., 1, then
+    × D^-1/2: the order of operations of the Triton kernels (engine/kernels/rope_cache.py), so both
+    give the same float32 bits."""
+    d = x.shape[-1]
+    assert d > 0 and d & (d - 1) == 0, f"the Hadamard rotation needs a power-of-two head_dim, got {d}"
+    y = x.float()
+    h = d // 2
+    while h >= 1:
+        pairs = y.unflatten(-1, (d // (2 * h), 2, h))  # [.., D/2h, 2, h]
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).flatten(-3)  # [.., D]
+        h //= 2
+    return y * d ** -0.5
+
+
+def transform_keys(k: torch.Tensor, offset: torch.Tensor | None, rotate: bool) -> torch.Tensor:
+    """Keys [.., D] as a quantized cache stores them, in float32: (k − offset), then ·H if rotate.
+    Attention is unchanged when queries get the same rotation (`transform_queries`): every score of a
+    query shifts by the same q·offset, and (qH)·(kH) = q·k."""
+    y = k.float()
+    if offset is not None:
+        y = y - offset.float()
+    return hadamard_rows(y) if rotate else y
+
+
+def transform_queries(q: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """Queries [.., D] in the space of keys stored by `transform_keys` (q·H if rotate), in q's dtype."""
+    return hadamard_rows(q).to(q.dtype) if rotate else q
+
+
 def quantize_rows(element: str, x: torch.Tensor, float_dtype: torch.dtype,
-                  offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  offset: torch.Tensor | None = None, rotate: bool = False) -> dict[str, torch.Tensor]:
     """x [.., D] → the stored parts of its rows (names as in row_parts). The rows are first rounded
     to float_dtype: a quantized cache quantizes the values a float cache would hold. offset
-    (float32, broadcast to x): subtracted in float32 before quantizing (see KVCache.key_offset)."""
+    (float32, broadcast to x): subtracted in float32 before quantizing (see KVCache.key_offset);
+    rotate: then rotated by the Hadamard matrix (`transform_keys`)."""
     x = x.to(float_dtype)
     if element == "float":
-        assert offset is None, "a float cache stores its rows as they are"
+        assert offset is None and not rotate, "a float cache stores its rows as they are"
         return {"": x}
-    if offset is not None:
-        x = x.float() - offset.float()
+    if offset is not None or rotate:
+        x = transform_keys(x, offset, rotate)
     if element == "int8":
         codes, scale = quantize_int8(x)
         return {"": codes, "scale": scale}

@@ -8,7 +8,7 @@ import torch
 from engine.errors import BonsaiError
 from engine.kv_cache import CacheBatch, KVCache
 from quant.kv_format import KV_TYPES, kv_bytes_per_token
-from quant.kv_quant import dequantize_rows, quantize_rows
+from quant.kv_quant import dequantize_rows, hadamard_rows, quantize_rows
 from tests.test_kv_cache import TINY, run, tiny_model
 
 QUANTIZED = ["int8", "int4", "k8v4"]
@@ -46,10 +46,15 @@ def test_write_quantizes_and_read_dequantizes_on_both_paths(kv_type, one_thread)
     for name in single.tensors:
         assert torch.equal(single.tensors[name], batched.tensors[name]), name
     keys, values = single.read(1, CacheBatch.make([1], [7], 1, "cpu"), 7)  # [1, KV, 7, D]
-    for got, x, element in ((keys, k, KV_TYPES[kv_type].key), (values, v, KV_TYPES[kv_type].value)):
-        want = dequantize_rows(element, quantize_rows(element, x[0], torch.float32), torch.float32)
+    assert single.key_rotation  # quantized keys are stored rotated by H, int4 values too
+    assert single.value_rotation == (KV_TYPES[kv_type].value == "int4")
+    for got, x, element, rotate in ((keys, k, KV_TYPES[kv_type].key, True),
+                                    (values, v, KV_TYPES[kv_type].value, single.value_rotation)):
+        want = dequantize_rows(element, quantize_rows(element, x[0], torch.float32, rotate=rotate), torch.float32)
         assert torch.equal(got[0, :, 4:7], want) and (got[0, :, :4] == 0).all()
         assert not torch.equal(got[0, :, 4:7], x[0])  # quantized, not stored as given
+        back = hadamard_rows(got[0, :, 4:7]) if rotate else got[0, :, 4:7]  # H·H = I
+        torch.testing.assert_close(back, x[0], atol=0.6 if element == "int4" else 0.05, rtol=0)
     keys, _ = single.read(1, CacheBatch.make([1, 0], [7, 5], 1, "cpu"), 7)  # [2, KV, 7, D]
     assert torch.equal(keys[0], single.read(1, CacheBatch.make([1], [7], 1, "cpu"), 7)[0][0])
 

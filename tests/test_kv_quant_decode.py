@@ -23,10 +23,10 @@ CFG = ModelConfig("qwen3", vocab_size=256, hidden_size=128, intermediate_size=25
 TOKENS = list(range(3, 15))
 
 
-def close(got: torch.Tensor, want: torch.Tensor) -> None:
+def close(got: torch.Tensor, want: torch.Tensor, atol: float = 3e-3) -> None:
     # int8 activations of the fused step: a last-bit difference can move one activation a step (on
     # these generated weights that moves a logit by up to 2.6e-3 of the largest)
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=3e-3 * want.abs().max().item())
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=atol * want.abs().max().item())
 
 
 @pytest.fixture(scope="module")
@@ -77,4 +77,6 @@ def test_kernels_on_verify_rows_and_another_slot_of_an_int4_cache(loaded):
     got = step.run([TOKENS[6], TOKENS[7], TOKENS[7]], [6, 7, 7], [0, 0, 1])  # [3, V]
     close(got[0], want[0])
     close(got[1], want[1])
-    close(got[2], want[1])
+    # slot 1 was prefilled in one pass, slot 0 token by token: a last-bit difference of a key can move
+    # one of its (rotated) int4 codes a step
+    close(got[2], want[1], atol=4e-3)

@@ -37,10 +37,12 @@ def ints(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
-def quantized(kv_type: str, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
-    """Codes of k and v [slots, KV, S, D] in the kv type's formats, and the scale tensors by name."""
+def quantized(kv_type: str, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, v_rotate: bool = False):
+    """Codes of k and v [slots, KV, S, D] in the kv type's formats (values rotated by H if v_rotate), and
+    the scale tensors by name."""
     elements = {"int8": ("int8", "int8"), "int4": ("int4", "int4"), "k8v4": ("int8", "int4")}[kv_type]
-    kp, vp = (quantize_rows(e, x, dtype) for e, x in zip(elements, (k, v)))
+    kp = quantize_rows(elements[0], k, dtype)
+    vp = quantize_rows(elements[1], v, dtype, rotate=v_rotate)
     scales = {f"k_{n}": t for n, t in kp.items() if n} | {f"v_{n}": t for n, t in vp.items() if n}
     return kp[""], vp[""], scales
 
@@ -56,6 +58,7 @@ def test_rope_write_quantizes_like_the_reference(kv_type, dtype):
     positions, slots = torch.tensor([0, 5, 8], device=DEVICE), ints([1, 0, 1])  # 8: past the cache, dropped
     got, want = (KVCache(CFG, 8, num_slots=2, dtype=dtype, device=DEVICE, kv_type=kv_type) for _ in range(2))
     got.key_offset = want.key_offset = torch.randn(1, kv, d, generator=g).to(DEVICE)  # [L, KV, D]
+    got.value_rotation = want.value_rotation = kv_type != "int8"  # int4 values rotated too
     q = qk_norm_rope_write(qkv, positions, slots, inv_freq, got.k[0], got.v[0], h, kv, d, *weights,
                            out_dtype=dtype, **got.layer_write_args(0))
     q_ref = qk_norm_rope_write_reference(qkv, positions, slots, inv_freq, want.k[0], want.v[0], h, kv, d, *weights,
@@ -86,12 +89,16 @@ def test_decode_attention_reads_the_codes(kv_type):
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(2, 2, kv, s, d, generator=g).to(DEVICE)  # [slots, KV, S, D] each
     q = (2 * torch.randn(3, h, d, generator=g)).to(DEVICE)  # [M, H, D]
-    k_codes, v_codes, scales = quantized(kv_type, k, v, torch.float32)
+    v_rotate = kv_type != "int8"  # int4 values stored rotated, the output rotated back
+    k_codes, v_codes, scales = quantized(kv_type, k, v, torch.float32, v_rotate)
+    scales_only = dict(scales)
+    if v_rotate:
+        scales["v_rotate"] = True
     slot_ids, lens = ints([1, 0, 1]), ints([150, 37, 65])
-    for name, t in scales.items():  # poison every scale past each row's length: never read
+    for name, t in scales_only.items():  # poison every scale past each row's length: never read
         t[1, :, 150:] = float("nan")
         t[0, :, 37:] = float("nan")
-    for splits in (1, 2):
+    for splits in (1, 2):  # one split and v_rotate: the combine kernel runs anyway, to rotate back
         got = decode_attention(q, k_codes, v_codes, slot_ids, lens, d ** -0.5, splits, **scales)
         want = decode_attention_reference(q, k_codes, v_codes, slot_ids, lens, d ** -0.5, **scales)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -123,3 +130,42 @@ def test_quantized_cache_shapes_are_checked():
                          v_scale=scales["v_scale"])
     with pytest.raises(UnsupportedKernelShape, match="float k cache takes no scale"):
         decode_attention(q, k, v_codes, one, one, 1.0, 1, **scales)
+
+
+@pytest.mark.parametrize("kv_type", ["int8", "int4"])
+def test_model_on_a_rotated_cache_kernels_equal_plain_torch(kv_type):
+    """Every path over a quantized cache with centred, rotated keys: the plain prologue (KVCache.write,
+    key_space, the prefill reference) against the fused one (the rope / KV-write kernel rotating k and
+    q, the prefill kernel reading the codes), on a prefill then batched rows of two slots. Both close to
+    the float cache; forgetting to rotate q on either path would not be."""
+    from engine.model import Transformer
+    from engine.kv_cache import CacheBatch
+    cfg = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model = model.to(DEVICE)
+    tokens = torch.randint(0, 64, (2, 6), device=DEVICE)
+    offset = torch.randn(cfg.num_layers, cfg.num_kv_heads, 64, device=DEVICE)  # [L, KV, D]
+    results = {}
+    for name, fused in (("float", False), ("plain", False), ("fused", True)):
+        model.use_fused_prologue(fused)
+        cache = KVCache(cfg, 16, num_slots=2, dtype=torch.float32, device=DEVICE,
+                        kv_type="bf16" if name == "float" else kv_type)
+        if name != "float":
+            cache.key_offset = offset
+            cache.value_rotation = kv_type == "int4"
+            assert cache.key_rotation
+        with torch.no_grad():
+            first = model(tokens[:1], CacheBatch.make([1], [0], 6, DEVICE), cache, 6, None)  # [1, 6, V]
+            model(tokens[1:, :3], CacheBatch.make([0], [0], 3, DEVICE), cache, 3, None)
+            both = model(tokens[:, :1], CacheBatch.make([1, 0], [6, 3], 1, DEVICE), cache, 7, None)  # [2, 1, V]
+        results[name] = torch.cat([first[0], both[:, 0]])  # [8, V]
+    model.use_fused_prologue(False)
+    top = results["float"].abs().max().item()
+    torch.testing.assert_close(results["fused"], results["plain"], rtol=0, atol=(2e-4 if kv_type == "int8" else 2e-2) * top)
+    error = (results["plain"] - results["float"]).abs().max().item() / top
+    assert 0 < error < (0.02 if kv_type == "int8" else 0.2), error

@@ -20,7 +20,9 @@ from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
 from quant.kernels import pdl_options
 
 from engine.kernels import UnsupportedKernelShape, next_power_of_2
+from engine.kernels.hadamard import fwht
 from engine.kernels.kv_codes import FLOAT, cache_format, dequantize_layer, scale_strides
+from quant.kv_quant import hadamard_rows
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -32,7 +34,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_tile(base, scale_base, min_base, keys, key_ok, stride_t, stride_st, dtype,
+def load_tile(base, scale_base, min_base, keys, key_ok, stride_t, stride_st, dtype,
                FMT: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Rows `keys` [BLOCK_S] of one (slot, kv head) of a cache as [BLOCK_S, D] values in dtype:
     loaded as they are (FMT 0), or as int8 codes × the row's scale (1), or int4 codes unpacked from
@@ -96,9 +98,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
     for s0 in range(start, end, BLOCK_S):
         keys = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
         key_ok = keys < end
-        k = _load_tile(k_base, k_scale_ptr + k_scales, k_min_ptr + k_scales, keys, key_ok, stride_kt, stride_kst,
+        k = load_tile(k_base, k_scale_ptr + k_scales, k_min_ptr + k_scales, keys, key_ok, stride_kt, stride_kst,
                        q_ptr.dtype.element_ty, K_FMT, D, BLOCK_S)  # [BLOCK_S, D]
-        v = _load_tile(v_base, v_scale_ptr + v_scales, v_min_ptr + v_scales, keys, key_ok, stride_vt, stride_vst,
+        v = load_tile(v_base, v_scale_ptr + v_scales, v_min_ptr + v_scales, keys, key_ok, stride_vt, stride_vst,
                        q_ptr.dtype.element_ty, V_FMT, D, BLOCK_S)  # [BLOCK_S, D], issued with K: one round trip
         if DOT_F32:
             k = k.to(tl.float32)
@@ -129,7 +131,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
 @triton.jit
 def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, xq_ptr, sx_ptr, sumx_ptr, stride_om, stride_oh, num_heads,
                            NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                           D: tl.constexpr, QUANT: tl.constexpr, USE_PDL: tl.constexpr):
+                           D: tl.constexpr, QUANT: tl.constexpr, V_ROTATE: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
         gdc_launch_dependents()
         gdc_wait()
@@ -151,7 +153,11 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, xq_ptr, sx_ptr, sumx_ptr,
                        other=0.0)  # [CHUNK, D]
         acc += tl.sum(part * tl.exp2(chunk_lse - top)[:, None], 0)
     total = tl.where(total > 0, total, 1.0)
-    o = (acc / total).to(out_ptr.dtype.element_ty)  # [D] rounded as the unfused path stores it
+    o = acc / total  # [D] float32
+    if V_ROTATE:  # values are stored rotated by H: rotate the output back (H·H = I)
+        norm: tl.constexpr = D ** -0.5
+        o = fwht(o, D) * norm
+    o = o.to(out_ptr.dtype.element_ty)  # rounded as the unfused path stores it
     if QUANT:  # int8 with one scale per head (group = head_dim), exactly as quantize_activations
         y = o.to(tl.float32)
         sx = tl.max(tl.abs(y), 0) / 127.0
@@ -231,12 +237,13 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_i
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int,
-                     out: torch.Tensor | None = None, **scales: torch.Tensor) -> torch.Tensor:
+                     out: torch.Tensor | None = None, v_rotate: bool = False, **scales: torch.Tensor) -> torch.Tensor:
     """q [M, H, D]; caches [slots, KV, S, D] (or the codes of a quantized cache, with its k_scale /
     k_min / v_scale / v_min: engine/kernels/kv_codes.py); slot_ids [M] int32; seq_lens [M] int32 = number
     of valid keys of each row (keys 0..seq_len-1 of its slot; a causal verify row passes position + 1;
-    values above S are clamped to S). Query head h reads kv head h // (H // KV). Returns out [M, H, D] in
-    q's dtype. Raises UnsupportedKernelShape (a ValueError) for shapes it cannot handle."""
+    values above S are clamped to S). Query head h reads kv head h // (H // KV). v_rotate: the values are
+    stored rotated by the Hadamard matrix (KVCache.layer_read_args), the output is rotated back. Returns
+    out [M, H, D] in q's dtype. Raises UnsupportedKernelShape (a ValueError) for shapes it cannot handle."""
     formats = _check(q, k_cache, v_cache, slot_ids, seq_lens, num_splits, scales)
     m, h, d = q.shape
     if out is None:
@@ -247,13 +254,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # The interpreter multiplies bfloat16 tiles as raw uint16 integers: on the CPU the dots widen their
     # inputs to float32 first (on a GPU, tf32 holds bf16/fp16 values exactly, so the maths is the same).
     _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, out,
-            dot_f32=q.device.type == "cpu", block_s=block_size(d), scales=scales, formats=formats)
+            dot_f32=q.device.type == "cpu", block_s=block_size(d), scales=scales, formats=formats, v_rotate=v_rotate)
     return out
 
 
 def decode_attention_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                          seq_lens: torch.Tensor, scale: float, num_splits: int, **scales: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          seq_lens: torch.Tensor, scale: float, num_splits: int, v_rotate: bool = False,
+                          **scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`decode_attention` whose output goes straight to int8 activations with one scale per head
     (group size = head_dim), as `quantize_activations(out.reshape(M, H * D), D)` would make them:
     (xq [M, H * D] int8, sx [M, H] float32, sumx [M, H] int32). One kernel less per layer."""
@@ -264,27 +271,30 @@ def decode_attention_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
              torch.empty(m, h, dtype=torch.float32, device=q.device),
              torch.empty(m, h, dtype=torch.int32, device=q.device))
     _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, out,
-            dot_f32=q.device.type == "cpu", block_s=block_size(d), quant=quant, scales=scales, formats=formats)
+            dot_f32=q.device.type == "cpu", block_s=block_size(d), quant=quant, scales=scales, formats=formats,
+            v_rotate=v_rotate)
     return quant
 
 
 def decode_attention_int8_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                     slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                    num_splits: int = 1, **scales: torch.Tensor
+                                    num_splits: int = 1, v_rotate: bool = False, **scales: torch.Tensor
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from quant.kernels.act_quant import quantize_activations_reference
     m, h, d = q.shape
-    out = decode_attention_reference(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, **scales)
+    out = decode_attention_reference(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, v_rotate=v_rotate,
+                                     **scales)
     return quantize_activations_reference(out.reshape(m, h * d), d)
 
 
 def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: int, out: torch.Tensor,
-            dot_f32: bool, block_s: int, num_warps: int = 4, quant=None, scales=None, formats=(FLOAT, FLOAT)) -> None:
+            dot_f32: bool, block_s: int, num_warps: int = 4, quant=None, scales=None, formats=(FLOAT, FLOAT),
+            v_rotate: bool = False) -> None:
     m, h, d = q.shape
     kv, s_max = k_cache.shape[1], k_cache.shape[2]
     group = h // kv
     split_len = triton.cdiv(triton.cdiv(s_max, num_splits), block_s) * block_s  # split_length() for block_s
-    partial_outputs = num_splits > 1 or quant is not None
+    partial_outputs = num_splits > 1 or quant is not None or v_rotate  # the combine kernel rotates back
     if partial_outputs:
         partials = torch.empty(m, h, num_splits, d, dtype=torch.float32, device=q.device)  # [M, H, NS, D]
         lse = torch.empty(m, h, num_splits, dtype=torch.float32, device=q.device)  # [M, H, NS]
@@ -308,15 +318,17 @@ def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: i
         _combine_splits_kernel[(m, h)](
             partials, lse, out, xq, sx, sumx, *(out.stride()[:2] if out.dim() == 3 else (0, 0)), h,
             NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_power_of_2(num_splits)),
-            CHUNK=max(2, min(16, next_power_of_2(num_splits))), D=d, QUANT=quant is not None, num_warps=4, **pdl_options(q.device))
+            CHUNK=max(2, min(16, next_power_of_2(num_splits))), D=d, QUANT=quant is not None, V_ROTATE=v_rotate,
+            num_warps=4, **pdl_options(q.device))
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
-                               out: torch.Tensor | None = None, **scales: torch.Tensor) -> torch.Tensor:
+                               out: torch.Tensor | None = None, v_rotate: bool = False,
+                               **scales: torch.Tensor) -> torch.Tensor:
     """Plain torch, row by row in float32: softmax(q kᵀ * scale) v over the first seq_len keys of the
-    row's slot (a quantized cache dequantized to q's dtype first, as KVCache.read does). num_splits is
-    accepted for a matching signature and does not change the maths."""
+    row's slot (a quantized cache dequantized to q's dtype first, as KVCache.read does), rotated back by
+    H if v_rotate. num_splits is accepted for a matching signature and does not change the maths."""
     m, h, d = q.shape
     group = h // k_cache.shape[1]
     result = torch.empty(m, h, d, dtype=q.dtype, device=q.device)  # [M, H, D]
@@ -329,7 +341,8 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         values = values.float().repeat_interleave(group, dim=0)  # [H, L, D]
         scores = torch.einsum("hd,hld->hl", q[row].float(), keys) * scale  # [H, L]
         probs = torch.softmax(scores, dim=-1) if length else scores  # [H, L]
-        result[row] = torch.einsum("hl,hld->hd", probs, values).to(q.dtype)
+        o = torch.einsum("hl,hld->hd", probs, values)  # [H, D] float32
+        result[row] = (hadamard_rows(o) if v_rotate else o).to(q.dtype)
     if out is not None:
         out.copy_(result)
         return out

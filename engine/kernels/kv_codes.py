@@ -63,14 +63,16 @@ def dequantize_layer(codes: torch.Tensor, scale: torch.Tensor | None, minimum: t
 
 
 def write_rows(codes: torch.Tensor, scale: torch.Tensor | None, minimum: torch.Tensor | None,
-               index: tuple, rows: torch.Tensor, dtype: torch.dtype, offset: torch.Tensor | None = None) -> None:
-    """Quantize rows [.., D] (rounded to dtype first, minus offset broadcast to them) into a layer's
-    cache at index (slots, heads, positions): the torch reference of the write kernel."""
+               index: tuple, rows: torch.Tensor, dtype: torch.dtype, offset: torch.Tensor | None = None,
+               rotate: bool = False) -> None:
+    """Quantize rows [.., D] (rounded to dtype first, minus offset broadcast to them, rotated by the
+    Hadamard matrix if rotate) into a layer's cache at index (slots, heads, positions): the torch
+    reference of the write kernel."""
     element = "int8" if codes.dtype == torch.int8 else "int4" if codes.dtype == torch.uint8 else "float"
     if element == "float":
         codes.index_put_(index, rows.to(dtype).to(codes.dtype))
         return
-    parts = quantize_rows(element, rows.to(dtype), dtype, offset)
+    parts = quantize_rows(element, rows.to(dtype), dtype, offset, rotate)
     for part, target in (("", codes), ("scale", scale), ("min", minimum)):
         if part in parts:
             target.index_put_(index, parts[part])

@@ -6,7 +6,11 @@ a v head is copied to the v cache. The maths and roundings are those of engine/m
 float32 rounded to the activation dtype, then the half-split (NeoX / HF) rotary in float32 rounded again.
 A quantized cache (int8 or int4 codes with float16 scales, engine/kernels/kv_codes.py) gets the row
 rounded to the model's dtype (q's output dtype) and quantized in the same program, as quant/kv_quant.py does;
-quantized keys have the layer's key offset (KVCache.key_offset) subtracted first, in float32.
+quantized keys have the layer's key offset (KVCache.key_offset) subtracted first, in float32, and with
+`k_rotate` they are then rotated by the orthonormal Hadamard matrix H over head_dim (a fast Walsh-Hadamard
+transform in registers, engine/kernels/hadamard.py), and so is q (rounded
+to the model's dtype, rotated in float32, rounded again): attention then reads rotated keys with
+rotated queries, (qH)·(kH) = q·k.
 """
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
 from quant.kernels import pdl_options
 
 from engine.kernels import UnsupportedKernelShape
+from engine.kernels.hadamard import hadamard_halves
 from engine.kernels.kv_codes import FLOAT, INT4, INT8, cache_format, scale_strides, write_rows
+from quant.kv_quant import transform_queries
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -73,7 +79,8 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
                                stride_kss, stride_ksh, stride_kst, stride_vss, stride_vsh, stride_vst, max_seq, eps,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                HAS_NORM: tl.constexpr, ZERO_INPUT: tl.constexpr, K_FMT: tl.constexpr,
-                               V_FMT: tl.constexpr, HAS_K_OFFSET: tl.constexpr, USE_PDL: tl.constexpr):
+                               V_FMT: tl.constexpr, HAS_K_OFFSET: tl.constexpr, ROTATE: tl.constexpr,
+                               V_ROTATE: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # programmatic dependent launch: let the next kernel start, wait for the previous one
         gdc_launch_dependents()
         gdc_wait()
@@ -97,8 +104,11 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
         if V_FMT == 0:
             _store_row(v_dst, v_scale_ptr, v_min_ptr, x1, x2, cols, pos, max_seq, V_FMT, HALF)
         else:
-            _store_row(v_dst, v_scale_ptr + v_scale, v_min_ptr + v_scale, x1.to(model_dtype).to(tl.float32),
-                       x2.to(model_dtype).to(tl.float32), cols, pos, max_seq, V_FMT, HALF)
+            v1 = x1.to(model_dtype).to(tl.float32)
+            v2 = x2.to(model_dtype).to(tl.float32)
+            if V_ROTATE:
+                v1, v2 = hadamard_halves(v1, v2, HALF)
+            _store_row(v_dst, v_scale_ptr + v_scale, v_min_ptr + v_scale, v1, v2, cols, pos, max_seq, V_FMT, HALF)
     else:
         a1 = x1.to(tl.float32)
         a2 = x2.to(tl.float32)
@@ -120,6 +130,9 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
         r2 = (a2 * cos + a1 * sin).to(in_dtype)
         if head < NUM_HEADS:
             q_dst = q_out_ptr + row * stride_qo_m + head * stride_qo_h
+            if ROTATE:  # q in the rotated keys' space: rounded to the model's dtype, rotated, rounded
+                r1, r2 = hadamard_halves(r1.to(model_dtype).to(tl.float32), r2.to(model_dtype).to(tl.float32),
+                                          HALF)
             tl.store(q_dst + cols, r1.to(q_out_ptr.dtype.element_ty))
             tl.store(q_dst + HALF + cols, r2.to(q_out_ptr.dtype.element_ty))
         else:
@@ -134,6 +147,8 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
                     offset = k_offset_ptr + (head - NUM_HEADS) * (2 * HALF)
                     k1 -= tl.load(offset + cols)
                     k2 -= tl.load(offset + HALF + cols)
+                if ROTATE:
+                    k1, k2 = hadamard_halves(k1, k2, HALF)
                 _store_row(k_dst, k_scale_ptr + k_scale, k_min_ptr + k_scale, k1, k2, cols, pos, max_seq, K_FMT, HALF)
 
 
@@ -191,12 +206,14 @@ def qk_norm_rope_write(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: tor
                        out_dtype: torch.dtype | None = None, zero_input: bool = False,
                        k_scale: torch.Tensor | None = None, k_min: torch.Tensor | None = None,
                        v_scale: torch.Tensor | None = None, v_min: torch.Tensor | None = None,
-                       k_offset: torch.Tensor | None = None) -> torch.Tensor:
+                       k_offset: torch.Tensor | None = None, k_rotate: bool = False,
+                       v_rotate: bool = False) -> torch.Tensor:
     """qkv [M, (H + 2*KV) * D] (rows = tokens; q heads, then k heads, then v heads), positions [M] int
     (absolute), slot_ids [M] int, inv_freq [D/2] float32, k_cache/v_cache [slots, KV, S, D] (or the
     codes of a quantized cache with their k_scale / k_min / v_scale / v_min, engine/kernels/kv_codes.py:
     rows are rounded to out_dtype and quantized as they are written; k_offset [KV, D] float32 is
-    subtracted from quantized keys first).
+    subtracted from quantized keys first; k_rotate: quantized keys are then rotated by the Hadamard
+    matrix, and the returned q too; v_rotate: quantized values are rotated, KVCache.layer_write_args).
     Applies the optional per-head RMSNorm (Qwen3 q_norm/k_norm, in float32) to q and k, the half-split
     rotary with angle = float(position) * inv_freq, writes k and v to the caches at [slot, :, position, :]
     (a position >= S is not written) and returns q [M, H, D] in qkv's dtype (or out_dtype). zero_input:
@@ -226,7 +243,8 @@ def qk_norm_rope_write(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), *scale_strides(k_fmt, k_scale), *scale_strides(v_fmt, v_scale), k_cache.shape[2], eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm,
-        ZERO_INPUT=zero_input, K_FMT=k_fmt, V_FMT=v_fmt, HAS_K_OFFSET=k_offset is not None, num_warps=1,
+        ZERO_INPUT=zero_input, K_FMT=k_fmt, V_FMT=v_fmt, HAS_K_OFFSET=k_offset is not None, ROTATE=k_rotate,
+        V_ROTATE=v_rotate, num_warps=1,
         **pdl_options(qkv.device))
     return q
 
@@ -238,9 +256,9 @@ def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slo
                                  eps: float = 1e-6, out_dtype: torch.dtype | None = None,
                                  zero_input: bool = False, k_scale: torch.Tensor | None = None,
                                  k_min: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                                 v_min: torch.Tensor | None = None, k_offset: torch.Tensor | None = None
-                                 ) -> torch.Tensor:
-    """Plain torch, the maths of engine/model.py (RMSNorm, apply_rotary, KVCache.write)."""
+                                 v_min: torch.Tensor | None = None, k_offset: torch.Tensor | None = None,
+                                 k_rotate: bool = False, v_rotate: bool = False) -> torch.Tensor:
+    """Plain torch, the maths of engine/model.py (RMSNorm, apply_rotary, KVCache.write, KVCache.key_space)."""
     m = qkv.shape[0]
     heads = qkv.view(m, num_heads + 2 * num_kv_heads, head_dim)  # [M, H + 2KV, D]
     q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)  # [M, H|KV, D]
@@ -259,9 +277,10 @@ def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slo
     rows = (slot_ids[keep, None], torch.arange(num_kv_heads, device=qkv.device)[None, :], positions[keep, None])
     model_dtype = out_dtype or qkv.dtype
     write_rows(k_cache, k_scale, k_min, rows, k[keep], model_dtype if k_scale is not None else k_cache.dtype,
-               k_offset)
-    write_rows(v_cache, v_scale, v_min, rows, v[keep], model_dtype if v_scale is not None else v_cache.dtype)
-    q = q.to(out_dtype or qkv.dtype).contiguous()
+               k_offset, k_rotate)
+    write_rows(v_cache, v_scale, v_min, rows, v[keep], model_dtype if v_scale is not None else v_cache.dtype,
+               rotate=v_rotate)
+    q = transform_queries(q.to(model_dtype), k_rotate).contiguous()
     if zero_input:
         qkv.zero_()
     return q

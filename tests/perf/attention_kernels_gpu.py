@@ -96,7 +96,7 @@ def quantized_case(h, kv, d, cache_len, n, reps, kv_type):
     cache.write(0, CacheBatch.make([0], [0], cache_len, DEVICE), rows, torch.randn_like(rows))
     q = torch.randn(1, h, d, device=DEVICE, dtype=torch.bfloat16)  # [1, H, D]
     slot_ids, lens = (torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in ([0], [n]))
-    scales = cache.layer_scales(0)
+    scales = cache.layer_read_args(0)
     splits = default_num_splits(cache_len, num_kv_heads=kv, head_dim=d)
     want = decode_attention_reference(q, cache.k[0], cache.v[0], slot_ids, lens, d ** -0.5, **scales)
     got = decode_attention(q, cache.k[0], cache.v[0], slot_ids, lens, d ** -0.5, splits, **scales)
@@ -106,6 +106,41 @@ def quantized_case(h, kv, d, cache_len, n, reps, kv_type):
     nbytes = n * kv_bytes_per_token(kv_type_of(kv_type), 1, kv, d)
     print(f"KV {kv_type:5} H={h} KV={kv} D={d} cache={cache_len} len={n} splits={splits}: {us:8.2f} us  "
           f"{nbytes / us / 1e3:7.0f} GB/s  max|err| {err:.1e}")
+
+
+def prefill_case(h, kv, d, cached, chunk, reps, kv_type):
+    """Attention of a `chunk`-token prefill chunk after `cached` rows (causal within the chunk): the prefill
+    kernel reading the codes (engine/kernels/attention_prefill.py), against what the model did before it
+    (KVCache.read dequantizing every row in use, then SDPA with a mask; for bf16: the rows as they are)."""
+    from engine.kernels.attention_prefill import prefill_attention, prefill_attention_reference
+    from engine.kv_cache import CacheBatch, KVCache
+    from engine.model import attention
+    from engine.model_config import ModelConfig
+    cfg = ModelConfig("qwen3", vocab_size=8, hidden_size=h * d, intermediate_size=8, num_layers=1, num_heads=h,
+                      num_kv_heads=kv, head_dim=d)
+    n = cached + chunk
+    cache = KVCache(cfg, n, 1, dtype=torch.bfloat16, device=DEVICE, kv_type=kv_type)
+    rows = torch.randn(1, kv, n, d, device=DEVICE, dtype=torch.bfloat16)  # [1, KV, S, D]
+    cache.write(0, CacheBatch.make([0], [0], n, DEVICE), rows, torch.randn_like(rows))
+    q = torch.randn(1, chunk, h, d, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)  # [1, H, T, D] as the model's
+    batch = CacheBatch.make([0], [cached], chunk, DEVICE)
+    args = (q, cache.k[0], cache.v[0], batch.slot_ids, batch.positions[:, 0], d ** -0.5)
+    flops = 4 * h * d * (chunk * cached + chunk * (chunk + 1) // 2)  # q·k and p·v over the keys each query sees
+    label = f"prefill {kv_type:5} H={h} KV={kv} D={d} chunk={chunk} after {cached}"
+    scales = cache.layer_read_args(0)
+    got = prefill_attention(*args, **scales)  # bf16 too: the kernel on a float cache, against SDPA below
+    want = prefill_attention_reference(*args, **scales)
+    err = (got.float() - want.float()).abs().max().item()
+    us = graph_time_us(lambda: prefill_attention(*args, **scales), reps)
+    print(f"{label} kernel: {us:9.1f} us  {flops / us / 1e6:6.1f} TFLOP/s  max|err| {err:.1e}")
+    key_pos = torch.arange(n, device=DEVICE)
+    mask = key_pos[None, None, None, :] <= batch.positions[:, None, :, None]  # [1, 1, T, S]
+
+    def read_then_sdpa():
+        keys, values = cache.read(0, batch, n)  # [1, KV, S, D] dequantized
+        attention(q, keys, values, mask, False, h != kv)
+    us = graph_time_us(read_then_sdpa, reps)
+    print(f"{label} read + SDPA: {us:9.1f} us  {flops / us / 1e6:6.1f} TFLOP/s")
 
 
 def rope_case(h, kv, d, m, reps, max_seq=32768):
@@ -143,6 +178,8 @@ def main() -> None:
         for kv_type in ("int8", "int4", "k8v4"):
             quantized_case(4, 2, 64, 300, 299, 1, kv_type)
         rope_case(4, 2, 64, 3, 1, max_seq=64)
+        for kv_type in ("bf16", "int8", "k8v4"):
+            prefill_case(6, 2, 64, 40, 24, 1, kv_type)
         return
     print(torch.cuda.get_device_name(), "SMs:", torch.cuda.get_device_properties(0).multi_processor_count)
     for cache, n in ((4096, 4096), (32768, 32768), (32768, 4096), (32768, 512)):
@@ -155,6 +192,9 @@ def main() -> None:
             quantized_case(32, 8, 128, cache, n, args.reps, kv_type)
     for m in (1, 16):
         rope_case(32, 8, 128, m, args.reps)
+    for cached in (4096, 32768):
+        for kv_type in ("bf16", "int8", "k8v4", "int4"):
+            prefill_case(32, 8, 128, cached, 512, max(3, args.reps // 20), kv_type)
 
 
 if __name__ == "__main__":
