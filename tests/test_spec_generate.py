@@ -34,6 +34,9 @@ class TinyTokenizer:
     def id_to_token(self, i: int) -> str:
         return f"t{i}"
 
+    def is_byte_token(self, i: int) -> bool:  # engine.tokenizer.Tokenizer's: no byte-fallback tokens here
+        return False
+
 
 def tiny_loaded(vocab: int = TINY.vocab_size, seed: int = 0, scale: float = 0.3, layers: int = 2) -> LoadedModel:
     cfg = replace(TINY, vocab_size=vocab, num_layers=layers)
