@@ -103,9 +103,9 @@ class PrefillGraphs:
     def __init__(self, model: Transformer, cache: KVCache, chunk: int, max_graphs: int = 64):
         self.model, self.cache, self.chunk, self.max_graphs = model, cache, chunk, max_graphs
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: OrderedDict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = \
-            OrderedDict()  # (slot, start) → (graph, tokens [1, T], logits [1, 1, V]); kept alive with its batch
-        self._batches: dict[tuple[int, int], CacheBatch] = {}
+        # (slot, start) → (graph, tokens [1, T], logits [1, 1, V], the batch its positions come from)
+        self.graphs: OrderedDict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, CacheBatch]] \
+            = OrderedDict()
 
     def handles(self, start: int, num_tokens: int, num_logits: int | None) -> bool:
         return num_tokens == self.chunk and start % self.chunk == 0 and num_logits == 1
@@ -117,7 +117,7 @@ class PrefillGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             return self._capture(key, tokens)
-        graph, ids, logits = entry
+        graph, ids, logits, _ = entry
         self.graphs.move_to_end(key)
         ids.copy_(torch.tensor([tokens], dtype=torch.long), non_blocking=True)
         graph.replay()
@@ -140,8 +140,6 @@ class PrefillGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.model(ids, batch, self.cache, kv_len, 1)  # [1, 1, V]
         while len(self.graphs) >= self.max_graphs:
-            old, _ = self.graphs.popitem(last=False)
-            self._batches.pop(old, None)
-        self.graphs[key] = (graph, ids, logits)
-        self._batches[key] = batch
+            self.graphs.popitem(last=False)
+        self.graphs[key] = (graph, ids, logits, batch)
         return out
