@@ -186,11 +186,11 @@ def gptq_with_refits(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_si
     scales it has seen, so the result is never worse than plain GPTQ on the calibration inputs."""
     codes, scales = gptq_quantize(w, hessian, grid, group_size, damp, block_size, act_order)
     best = row_errors(w, codes, scales, hessian, group_size)  # [N]
-    trial_codes = codes
+    trial_codes, trial = codes, scales
     for refit in range(refits):
         if refit:
             trial_codes, _ = gptq_quantize(w, hessian, grid, group_size, damp, block_size, act_order, scales=trial)
-        trial = refit_scales(w, trial_codes, scales if refit == 0 else trial, hessian, group_size, damp)
+        trial = refit_scales(w, trial_codes, trial, hessian, group_size, damp)
         err = row_errors(w, trial_codes, trial, hessian, group_size)
         better = err < best  # [N]
         codes = torch.where(better[:, None], trial_codes, codes)
