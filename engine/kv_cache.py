@@ -41,6 +41,12 @@ class KVSlot:
     def length(self) -> int:
         return len(self.tokens)
 
+    def check_room(self, n: int) -> None:
+        """One clear error if n more tokens do not fit the slot's context."""
+        if self.length + n > self.capacity:
+            raise BonsaiError(f"the sequence needs {self.length + n} positions but the context holds "
+                              f"{self.capacity}: shorten the prompt or raise max_seq_len")
+
     def rewind(self, n: int) -> None:
         """Forget the last n tokens (their cache rows are overwritten by later writes)."""
         assert 0 <= n <= self.length, (n, self.length)

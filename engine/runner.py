@@ -85,10 +85,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None = 1) -> torch.Tensor:
         """Run `tokens` after the slot's content, append them to it; logits [n, V] of the last n."""
+        slot.check_room(len(tokens))
         start, t = slot.length, len(tokens)
-        if start + t > slot.capacity:
-            raise BonsaiError(f"the sequence needs {start + t} positions but the context holds "
-                              f"{slot.capacity}: shorten the prompt or raise max_seq_len")
         if t == 1 and self.decoder is not None:
             logits = self.decoder.run(tokens, [start], [slot.index])  # [1, V]
             slot.tokens.extend(tokens)
@@ -112,9 +110,7 @@ class ModelRunner:
         if len(slots) == 1:
             return self.forward(slots[0], tokens, num_logits=1)
         for slot in slots:
-            if slot.length + 1 > slot.capacity:
-                raise BonsaiError(f"the sequence needs {slot.length + 1} positions but the context holds "
-                                  f"{slot.capacity}: shorten the prompt or raise max_seq_len")
+            slot.check_room(1)
         starts = [s.length for s in slots]
         if self.decoder is not None and len(slots) <= MAX_STEP_ROWS:
             logits = self.step_rows(tokens, starts, [s.index for s in slots])  # [B, V]
@@ -134,10 +130,8 @@ class ModelRunner:
         The caller rewinds the slot past the rejected rows (`slot.rewind`). Without hidden states,
         where a decode step runs fused, the rows run through the same fused step (CUDA-graphed per
         row count), so each row's logits are those plain decoding would compute."""
+        slot.check_room(len(tokens))
         start, t = slot.length, len(tokens)
-        if start + t > slot.capacity:
-            raise BonsaiError(f"the sequence needs {start + t} positions but the context holds "
-                              f"{slot.capacity}: shorten the prompt or raise max_seq_len")
         if not hidden_layers and 1 < t <= MAX_STEP_ROWS and self.decoder is not None:
             # each verified token is one row of the fused step: row i attends to keys 0..start+i
             logits = self.step_rows(tokens, list(range(start, start + t)), [slot.index] * t)  # [T, V]

@@ -60,15 +60,10 @@ class PipelineRunner:
         slot.rewind(slot.length - common)
         return common
 
-    def _check_room(self, slot: KVSlot, n: int) -> None:
-        if slot.length + n > slot.capacity:
-            raise BonsaiError(f"the sequence needs {slot.length + n} positions but the context holds "
-                              f"{slot.capacity}: shorten the prompt or raise max_seq_len")
-
     @torch.inference_mode()
     def forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None = 1) -> torch.Tensor:
         """Run `tokens` after the slot's content, append them to it; logits [n, V] of the last n."""
-        self._check_room(slot, len(tokens))
+        slot.check_room(len(tokens))
         if len(tokens) == 1 and self.decoder is not None:
             [logits] = self._passes([(Command(ROWS, (slot.index,), (slot.length,)), tokens)])  # [1, V]
         else:
@@ -82,7 +77,7 @@ class PipelineRunner:
     def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
         """Feed tokens in chunks, all in flight at once; logits [V] after the last one."""
         assert tokens
-        self._check_room(slot, len(tokens))
+        slot.check_room(len(tokens))
         size, start = self.prefill_chunk_size, slot.length
         passes = []
         for i in range(0, len(tokens), size):
@@ -100,7 +95,7 @@ class PipelineRunner:
         if len(slots) == 1:
             return self.forward(slots[0], tokens, num_logits=1)
         for slot in slots:
-            self._check_room(slot, 1)
+            slot.check_room(1)
         logits = self.step_rows(tokens, [s.length for s in slots], [s.index for s in slots])
         for slot, token in zip(slots, tokens):
             slot.tokens.append(token)
@@ -113,7 +108,7 @@ class PipelineRunner:
         if hidden_layers:
             raise BonsaiError("drafters that read the target's hidden states (mtp, dflash) are not available "
                               "with pipeline parallelism; use ngram or draft:PATH")
-        self._check_room(slot, len(tokens))
+        slot.check_room(len(tokens))
         t = len(tokens)
         if 1 < t <= MAX_STEP_ROWS and self.decoder is not None:
             logits = self.step_rows(tokens, list(range(slot.length, slot.length + t)), [slot.index] * t)
