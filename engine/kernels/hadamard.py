@@ -11,25 +11,26 @@ import triton.language as tl
 
 
 @triton.jit
-def fwht(x, N: tl.constexpr):
-    """x [N] float32 → x·H_N, unnormalized (Sylvester's ±1 matrix)."""
-    for stage in tl.static_range(N.bit_length() - 1):
-        h: tl.constexpr = N >> (stage + 1)
-        pairs = tl.permute(tl.reshape(x, [N // (2 * h), 2, h]), (0, 2, 1))  # [N/2h, h, 2]
-        a, b = tl.split(pairs)  # [N/2h, h] each
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [N])
-    return x
+def _butterflies(x, R: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
+    """One stage on x [R, N]: pairs (i, i + H) inside each block of 2H become (a + b, a − b). H is a
+    parameter, not a name bound in the caller's loop: Triton forbids rebinding a constexpr."""
+    pairs = tl.permute(tl.reshape(x, [R, N // (2 * H), 2, H]), (0, 1, 3, 2))  # [R, N/2H, H, 2]
+    a, b = tl.split(pairs)  # [R, N/2H, H] each
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [R, N])
 
 
 @triton.jit
 def fwht_rows(x, R: tl.constexpr, N: tl.constexpr):
-    """x [R, N] float32 → each row times H_N, unnormalized."""
+    """x [R, N] float32 → each row times H_N, unnormalized (Sylvester's ±1 matrix)."""
     for stage in tl.static_range(N.bit_length() - 1):
-        h: tl.constexpr = N >> (stage + 1)
-        pairs = tl.permute(tl.reshape(x, [R, N // (2 * h), 2, h]), (0, 1, 3, 2))  # [R, N/2h, h, 2]
-        a, b = tl.split(pairs)  # [R, N/2h, h] each
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [R, N])
+        x = _butterflies(x, R, N, N >> (stage + 1))
     return x
+
+
+@triton.jit
+def fwht(x, N: tl.constexpr):
+    """x [N] float32 → x·H_N, unnormalized."""
+    return tl.reshape(fwht_rows(tl.reshape(x, [1, N]), 1, N), [N])
 
 
 @triton.jit
