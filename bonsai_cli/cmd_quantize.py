@@ -29,6 +29,9 @@ def quantize(
     gsq_steps: int = typer.Option(200, "--gsq-steps", help="gsq: learned-rounding steps per layer"),
     scale_refits: int = typer.Option(1, "--scale-refits", help="gptq / gsq: rounds of least-squares group scales "
                                      "for GPTQ's codes (0: GPTQ's own scales)"),
+    tune_scales: int = typer.Option(0, "--tune-scales", help="gptq / gsq: then train every group scale end to end "
+                                    "(KL to the float model on the calibration text, codes fixed) for this many steps"),
+    tune_lr: float = typer.Option(2e-3, "--tune-lr", help="--tune-scales: Adam step of log(scale)"),
     rotate: bool = typer.Option(False, "--rotate", help="fold the norms and a randomized Hadamard rotation of the "
                                 "residual stream into the weights before quantizing (QuaRot-style)"),
     online_hadamard: bool = typer.Option(True, "--online-hadamard/--no-online-hadamard",
@@ -55,7 +58,8 @@ def quantize(
                          where=str(recipe) if recipe else "the recipe")
     resolve_device(device)
     opts = QuantizeOptions(recipe=built, method=method, calib=calib, calib_samples=calib_samples,
-                           calib_seq_len=calib_seq_len, gsq_steps=gsq_steps, scale_refits=scale_refits, lora=lora, gguf=gguf, device=device,
+                           calib_seq_len=calib_seq_len, gsq_steps=gsq_steps, scale_refits=scale_refits,
+                           tune_steps=tune_scales, tune_lr=tune_lr, lora=lora, gguf=gguf, device=device,
                            force=force, rotate=rotate, online_hadamard=online_hadamard)
     path = store.resolve_model(src)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed run removes its temporary files too
@@ -99,6 +103,12 @@ def print_report(report) -> None:  # noqa: ANN001
     for name, err in report.error_by_class().items():
         errors.add_row(name, f"{err:.4f}")
     console.print(errors)
+    tuning = report.scale_tuning
+    if tuning:
+        verdict = "kept" if tuning["kept"] else "not kept: it did not lower the held-out KL, GPTQ/GSQ scales written"
+        console.print(f"scale tuning, {tuning['steps']} steps on {tuning['train_sequences']} sequences: mean KL to the "
+                      f"float model on {tuning['held_out_sequences']} held-out sequences {tuning['kl_before']:.4f} → "
+                      f"{tuning['kl_after']:.4f} ({verdict})")
     kept = sum(t.kept for t in report.tensors)
     if kept:
         console.print(f"{kept} tensors kept as the source stored them (no requantization)")

@@ -15,7 +15,7 @@ import math
 import resource
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -53,6 +53,8 @@ class QuantizeOptions:
     calib_seq_len: int = 512
     gsq_steps: int = 200  # learned-rounding steps per layer (method gsq)
     scale_refits: int = 1  # gptq / gsq: rounds of least-squares group scales (quant.gptq.gptq_with_refits)
+    tune_steps: int = 0  # gptq / gsq: end-to-end scale tuning steps afterwards (engine.scale_tuning)
+    tune_lr: float = 2e-3
     lora: Path | None = None
     gguf: Path | None = None
     device: str = "cpu"
@@ -69,6 +71,10 @@ class QuantizeOptions:
             raise BonsaiError(f"--gsq-steps must be >= 1, got {self.gsq_steps}")
         if self.scale_refits < 0:
             raise BonsaiError(f"--scale-refits must be >= 0, got {self.scale_refits}")
+        if self.tune_steps < 0 or not self.tune_lr > 0:
+            raise BonsaiError(f"--tune-scales must be >= 0 and --tune-lr > 0, got {self.tune_steps} and {self.tune_lr}")
+        if self.tune_steps and self.method == "rtn":
+            raise BonsaiError("--tune-scales trains on calibration text: use it with --method gptq or gsq and --calib")
 
 
 @dataclass
@@ -91,6 +97,7 @@ class QuantizeReport:
     peak_rss_bytes: int = 0
     gguf: GGUFExportReport | None = None
     rotation: dict | None = None  # the checkpoint's bonsai.rotation metadata
+    scale_tuning: dict | None = None  # engine.scale_tuning's report (held-out KL before / after)
 
     @property
     def params(self) -> int:
@@ -128,7 +135,7 @@ class QuantizeReport:
                 "bytes": self.nbytes, "bits_per_weight": self.bits_per_weight, "seconds": self.seconds,
                 "peak_rss_bytes": self.peak_rss_bytes, "formats": self.by_format(), "rotation": self.rotation,
                 "relative_error": self.error_by_class(), "kept_from_source": sum(t.kept for t in self.tensors),
-                "gguf": self.gguf.as_dict() if self.gguf else None}
+                "scale_tuning": self.scale_tuning, "gguf": self.gguf.as_dict() if self.gguf else None}
 
 
 def _check_paths(src: Path, out: Path, gguf: Path | None, force: bool) -> None:
@@ -345,17 +352,15 @@ def _write_tensors(source: Any, config: ModelConfig, shapes: dict[str, tuple[int
         else:
             pending.add(name)
     if pending:
-        _write_calibrated(source, config, specs, inputs, opts, calib_ids or [], writer, record, pending,
-                          lambda message: progress(message, len(report.tensors), total))
+        tuning = _write_calibrated(source, config, specs, inputs, opts, calib_ids or [], writer, record, pending,
+                                   lambda message: progress(message, len(report.tensors), total))
+        report.scale_tuning = asdict(tuning) if tuning is not None else None
 
 
-def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSpec],
-                      inputs: tuple[FloatStream, LoraAdapter | None, Rotation | None], opts: QuantizeOptions,
-                      calib_ids: list[list[int]], writer: CheckpointWriter, record: Callable, pending: set[str],
-                      message: Callable[[str], None]) -> None:
-    """gptq / gsq through engine.calibration (the float model: LoRA merged, rotated), then the errors."""
+def _float_model(source: Any, config: ModelConfig, inputs: tuple[FloatStream, LoraAdapter | None, Rotation | None],
+                 opts: QuantizeOptions) -> LoadedModel:
+    """The float32 model that calibration quantizes (LoRA merged, rotated) on opts.device."""
     from engine.loader import load_model, resolve_device
-    from engine import calibration
     floats, adapter, rotation = inputs
     if rotation is None:
         loaded = load_model(source.path, device=opts.device, dtype=torch.float32, weight_dtype=torch.float32)
@@ -368,15 +373,39 @@ def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSp
         for name, w in _iter_float(source, config, frozenset()):
             if name in adapter.pairs:
                 loaded.model.load_tensor(canonical_name(name), adapter.merge(name, w).float())
+    return loaded
+
+
+def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSpec],
+                      inputs: tuple[FloatStream, LoraAdapter | None, Rotation | None], opts: QuantizeOptions,
+                      calib_ids: list[list[int]], writer: CheckpointWriter, record: Callable, pending: set[str],
+                      message: Callable[[str], None]):
+    """gptq / gsq through engine.calibration, then (tune_steps > 0) end-to-end scale tuning against a
+    second float copy of the model, then the errors. Returns the tuning's report or None."""
+    from engine import calibration
+    from engine.scale_tuning import ScaleTuningOptions, tune_scales
     from quant.gsq import GSQOptions
+    floats = inputs[0]
+    loaded = _float_model(source, config, inputs, opts)
     options = calibration.CalibrationOptions(samples=opts.calib_samples, seq_len=opts.calib_seq_len,
                                              scale_refits=opts.scale_refits, device=opts.device,
                                              gsq=GSQOptions(steps=opts.gsq_steps))
-    results = {}
+    quantized = {}
     for name, codes, scales, spec in calibration.quantize_with_calibration(
             loaded, calib_ids, recipes.calibration_plan(specs), opts.method, options, progress=message):
-        results[name] = (spec, codes.cpu(), scales.cpu(), writer.write_quantized(name, spec, codes.cpu(), scales.cpu()))
+        codes, scales = codes.cpu(), scales.cpu()  # kept for the error report; written now unless tuned later
+        quantized[name] = (codes, scales, spec, None if opts.tune_steps else writer.write_quantized(name, spec, codes, scales))
+    tuning = None
+    if opts.tune_steps:
+        teacher = _float_model(source, config, inputs, opts)
+        sequences = [list(s[:opts.calib_seq_len]) for s in calib_ids[:opts.calib_samples]]
+        tuned, tuning = tune_scales(loaded.model, teacher.model, sequences, {n: q[:3] for n, q in quantized.items()},
+                                    ScaleTuningOptions(steps=opts.tune_steps, lr=opts.tune_lr), loaded.device, message)
+        del teacher
+        quantized = {name: (codes, tuned[name], spec, writer.write_quantized(name, spec, codes, tuned[name]))
+                     for name, (codes, _, spec, _) in quantized.items()}
     del loaded
+    results = {name: (spec, codes, scales, nbytes) for name, (codes, scales, spec, nbytes) in quantized.items()}
     missing = pending - set(results)
     if missing:
         raise BonsaiError(f"calibration returned no codes for {sorted(missing)[0]} ({len(missing)} tensors)")
@@ -384,4 +413,5 @@ def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSp
         if name in results:
             spec, codes, scales, nbytes = results.pop(name)
             record(name, f"{spec.quant_type} g{spec.group_size}", nbytes, relative_error(w, codes, scales, spec.group_size))
+    return tuning
 

@@ -200,6 +200,8 @@ BAD = [
     (["--embed-bits", "3"], "3 bits is not a format"),
     (["--device", "tpu"], "unsupported device"),
     (["--scale-refits", "-1"], "--scale-refits must be >= 0"),
+    (["--tune-scales", "-1"], "--tune-scales must be >= 0"),
+    (["--tune-scales", "5"], "--tune-scales trains on calibration text: use it with --method gptq or gsq"),
 ]
 
 
@@ -274,6 +276,29 @@ def test_calibration_methods_go_through_engine_calibration(tiny, tmp_path, monke
     assert (calls["samples"], calls["seq_len"], calls["steps"], calls["refits"]) == (3, 32, 3, 2)
     assert report.by_format()["tri g128"]["tensors"] == 14
     assert report.error_by_class()["mlp.up_proj"] > 0.1
+
+
+def test_scale_tuning_through_the_command(tiny, tmp_path, capsys):
+    """--tune-scales after gptq: the report gives the held-out KL before and after, and the checkpoint holds
+    the tuned scales (its weights differ from the untuned run's, its codes do not)."""
+    calib = tmp_path / "calib.txt"
+    calib.write_text(("The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. "
+                      "A list is a mutable sequence; a tuple is an immutable one. ") * 60)
+    common = ["--quant-type", "tri", "--group-size", "32", "--method", "gptq", "--calib", str(calib),
+              "--calib-samples", "16", "--calib-seq-len", "32", "--json"]
+    code, stdout, err = cli(capsys, "quantize", str(tiny.gguf), str(tmp_path / "plain"), *common)
+    assert code == 0, err
+    code, stdout, err = cli(capsys, "quantize", str(tiny.gguf), str(tmp_path / "tuned"), *common,
+                            "--tune-scales", "30", "--tune-lr", "0.01")
+    assert code == 0, err
+    tuning = json.loads(stdout)["scale_tuning"]
+    assert tuning["steps"] == 30 and tuning["held_out_sequences"] == 2 and tuning["train_sequences"] == 14
+    assert tuning["kept"] and tuning["kl_after"] < tuning["kl_before"], tuning
+    plain = dict(BonsaiCheckpoint(tmp_path / "plain").iter_canonical_tensors(None))
+    tuned = dict(BonsaiCheckpoint(tmp_path / "tuned").iter_canonical_tensors(None))
+    w0, w1 = plain["layers.1.down_proj.weight"], tuned["layers.1.down_proj.weight"]
+    assert not torch.equal(w0, w1) and torch.equal(w0 != 0, w1 != 0)  # same ternary support, new scales
+    assert torch.equal(torch.sign(w0), torch.sign(w1))
 
 
 def test_sigterm_removes_the_partial_output(smollm2_gguf, tmp_path):
