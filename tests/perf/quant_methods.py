@@ -127,6 +127,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="the GGUF (default: the pulled SmolLM2)")
     ap.add_argument("--act-order", action="store_true")
     ap.add_argument("--scale-refits", type=int, default=0, help="rounds of least-squares scales + GPTQ codes")
+    ap.add_argument("--tune-steps", type=int, default=0, help="end-to-end scale tuning steps after gptq / gsq")
+    ap.add_argument("--tune-lr", default="2e-3", help="comma-separated: one tuned row each, from the same start")
+    ap.add_argument("--tune-batch", type=int, default=4, help="sequences per tuning step")
     ap.add_argument("--rotate", action="store_true")
     ap.add_argument("--no-online-hadamard", action="store_true")
     ap.add_argument("--device", default="cpu")
@@ -141,6 +144,7 @@ def main() -> None:
     from engine.loader import load_model
     from engine.rotation import load_rotated
     from engine.runner import ModelRunner
+    from engine.scale_tuning import ScaleTuningOptions, tune_scales
     from quant.gsq import GSQOptions
 
     path = args.model or store.find_pulled(store.DEFAULT_MODEL)
@@ -157,32 +161,56 @@ def main() -> None:
                                  gsq=GSQOptions(steps=args.gsq_steps, batch_size=args.gsq_batch, lr=args.gsq_lr,
                                                 scale_lr=args.gsq_scale_lr))
     results = []
+
+    def score(loaded, label: str, recipe: str, method: str, wall: float, cpu: float, tuning=None) -> None:
+        loaded.model.to("cpu")
+        r = evaluate(ModelRunner(loaded, max_seq_len=512), reference, eval_ids, 512)
+        results.append({"recipe": recipe, "method": method, "rotate": args.rotate, "samples": len(sequences),
+                        "online_hadamard": args.rotate and not args.no_online_hadamard, "ppl": r.perplexity,
+                        "ref_ppl": r.reference_perplexity, "kl_mean": r.kl_mean, "kl_p99": r.kl_p99,
+                        "same_top": r.same_top, "tokens": r.tokens, "wall_s": wall, "cpu_s": cpu,
+                        "device": args.device, "scale_tuning": tuning})
+        print(f"{label:24s} ppl {r.perplexity:10.3f} (ref {r.reference_perplexity:.3f})  KL {r.kl_mean:.4f} "
+              f"p99 {r.kl_p99:.3f}  same-top {100 * r.same_top:.1f}%  {wall:.1f} s wall, {cpu:.0f} s cpu"
+              + (f"  (held-out KL {tuning['kl_before']:.4f} -> {tuning['kl_after']:.4f})" if tuning else ""),
+              flush=True)
+        if args.json:  # after every row: a run stopped by a time limit keeps what it measured
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                             "results": results}, indent=1))
+
+    def synced_clock() -> tuple[float, float]:
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter(), time.process_time()
+
     for row in args.rows.split(","):
         recipe, method = row.split(":")
         loaded = (load_rotated(path, online=not args.no_online_hadamard) if args.rotate
                   else load_model(path, weight_dtype=torch.float32))
         plan = plan_for(recipe)
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu = synced_clock()
+        quantized = {}
         if method == "rtn":
             quantize_rtn(loaded, plan)
         else:
-            for name, _, _, _ in quantize_with_calibration(loaded, sequences, plan, method, options):
-                pass
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        if args.device != "cpu":
-            loaded.model.to("cpu")
-        r = evaluate(ModelRunner(loaded, max_seq_len=512), reference, eval_ids, 512)
-        results.append({"recipe": recipe, "method": method, "rotate": args.rotate,
-                        "online_hadamard": args.rotate and not args.no_online_hadamard, "ppl": r.perplexity, "ref_ppl": r.reference_perplexity,
-                        "kl_mean": r.kl_mean, "kl_p99": r.kl_p99, "same_top": r.same_top, "tokens": r.tokens,
-                        "wall_s": wall, "cpu_s": cpu})
-        print(f"{row:12s} ppl {r.perplexity:10.3f} (ref {r.reference_perplexity:.3f})  KL {r.kl_mean:.4f} "
-              f"p99 {r.kl_p99:.3f}  same-top {100 * r.same_top:.1f}%  {wall:.0f} s wall, {cpu:.0f} s cpu",
-              flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
-                                        indent=1))
-
+            quantized = {name: (codes, scales, spec) for name, codes, scales, spec in
+                         quantize_with_calibration(loaded, sequences, plan, method, options)}
+        done, done_cpu = synced_clock()
+        score(loaded, row, recipe, method, done - wall, done_cpu - cpu)
+        if not (args.tune_steps and quantized):
+            continue
+        start = {n: t.clone() for n, t in loaded.model.state_dict().items()}  # the calibrated model, on the CPU
+        teacher = load_model(path, weight_dtype=torch.float32, device=args.device).model
+        for lr in (float(x) for x in args.tune_lr.split(",")):
+            loaded.model.load_state_dict(start)
+            wall, cpu = synced_clock()
+            _, report = tune_scales(loaded.model.to(args.device), teacher, sequences, quantized,
+                                    ScaleTuningOptions(steps=args.tune_steps, lr=lr, batch_sequences=args.tune_batch),
+                                    torch.device(args.device), lambda m: print(m, file=sys.stderr, flush=True))
+            done, done_cpu = synced_clock()
+            score(loaded, f"{row}+tune lr={lr:g}", recipe, f"{method}+tune", done - wall, done_cpu - cpu,
+                  {**vars(report), "lr": lr})
+        del teacher
 
 if __name__ == "__main__":
     main()
