@@ -53,7 +53,8 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
         loaded = load_for_cli(model, device, embedding_on_host=budget.settings.embedding_on_host, **load)
     with within_limit(budget.limit, "allocating the KV cache and capturing the decode step"):
         runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type,
-                             prefill_chunk_size=budget.settings.prefill_chunk_size, **(offload or {}))
+                             prefill_chunk_size=budget.settings.prefill_chunk_size, prefill_graphs=budget.limit is None,
+                             **(offload or {}))
     _bench_runner(report, loaded, runner, budget, tests, prompts, suite, repetitions, save, spec_config, vs_plain)
 
 

@@ -91,7 +91,7 @@ def generate(
     with contextlib.closing(runner) if runner is not None else contextlib.nullcontext():  # a pipeline's workers end
         _generate(loaded, runner, prompt_ids(loaded, prompt, chat, system), request, spec_config,
                   lambda: ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, prefill_chunk_size=chunk,
-                                      **offload), max_seq_len, budget, json_out)
+                                      prefill_graphs=limit is None, **offload), max_seq_len, budget, json_out)
 
 
 def prompt_ids(loaded, prompt: str, chat: bool, system: Optional[str]) -> list[int]:

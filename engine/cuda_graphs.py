@@ -40,7 +40,8 @@ class DecodeStepRunner:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         streamed = cache.streamed or model.weight_stream is not None  # offloaded KV or weights: eager
-        if use_graph and device.type == "cuda" and not streamed:
+        # the plain-torch references (kernels off) index with masks, which sync: not capturable, eager
+        if use_graph and device.type == "cuda" and not streamed and self.ops.fast:
             self._capture()
 
     def _eager(self) -> torch.Tensor:

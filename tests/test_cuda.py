@@ -65,8 +65,9 @@ def test_graphed_prefill_chunks_match_eager_prefill():
                          summary=TensorSummary("test", 0, 0, 0), device=torch.device("cuda"),
                          dtype=torch.float32, weight_dtype=torch.float32)
     graphed = ModelRunner(loaded, max_seq_len=64, num_slots=2, prefill_chunk_size=8, prefill_graphs=True)
-    eager = ModelRunner(loaded, max_seq_len=64, num_slots=2, prefill_chunk_size=8)
+    eager = ModelRunner(loaded, max_seq_len=64, num_slots=2, prefill_chunk_size=8, prefill_graphs=False)
     assert graphed.prefill_graphs is not None and eager.prefill_graphs is None
+    assert ModelRunner(loaded, max_seq_len=64).prefill_graphs is not None  # on by default where decode is graphed
     gen = torch.Generator().manual_seed(0)
     for prompt_len in (21, 16, 21):  # a capture, then replays with other tokens (and a partial last chunk)
         for slot in (0, 1):

@@ -37,9 +37,13 @@ def test_smollm2_gpu_decode_agrees_with_cpu_reference(smollm2_gguf, weights, dty
         logits = runner.forward(slot, [ids[i]])[0].cpu()
         agree += int(logits.argmax() == ref[i].argmax())
         total += 1
-    # Measured on an H200 (docs/perf.md): bf16 weights 66/66; packed formats 62-65/66 in bfloat16 and
+    # Measured on an H200 (docs/perf.md): bf16 weights 66/66 in float32, 65-66/66 in bfloat16 (bfloat16
+    # activations against the float32 reference: one near-tie); packed formats 62-65/66 in bfloat16 and
     # 64-66/66 in float32 — int8 activations are rounded from a differently-summed float (fused
     # RMSNorm→int8 vs F.rms_norm then quantize), and a value near a rounding boundary moves a near-tie.
     # A broken kernel gives far less (a wrong split, position or scale: < 50%).
-    floor = 0.99 if weights == "bf16" else 0.95 if dtype == torch.float32 else 0.93
+    if weights == "bf16":
+        floor = 0.99 if dtype == torch.float32 else 0.97
+    else:
+        floor = 0.95 if dtype == torch.float32 else 0.93
     assert agree / total >= floor, f"{weights}: top-1 agreement {agree}/{total}"

@@ -31,7 +31,9 @@ def close(got: torch.Tensor, want: torch.Tensor, atol: float = 3e-3) -> None:
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"), dtype=torch.float32)
+    # on a GPU machine the kernels run compiled, so the model must be there (CPU tensors: interpreter only)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_dummy(CFG, "tiny", device, weight_format=WeightFormat("tri", 64, "int4"), dtype=torch.float32)
 
 
 def plain_logits(loaded, kv_type: str, prompt: int) -> list[torch.Tensor]:

@@ -94,7 +94,8 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
                              prefill_chunk_size=planned.settings.prefill_chunk_size, kv_type=m.kv_type_name,
                              kv_offload=mem.kv_offload,
                              host_kv_bytes=mem.host_kv_mib * 2**20 if mem.host_kv_mib else None,
-                             offload_layers=offloaded_layers(config, loaded.config.num_layers))
+                             offload_layers=offloaded_layers(config, loaded.config.num_layers),
+                             prefill_graphs=planned.limit is None)
         th = config.thinking
         spec = config.spec_config
         if spec is not None:

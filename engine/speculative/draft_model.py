@@ -38,7 +38,7 @@ class DraftModelDrafter:
     def __init__(self, loaded: LoadedModel, target_vocab_size: int, max_seq_len: int,
                  sampling: SamplingParams | None = None):
         self.loaded = loaded
-        self.runner = ModelRunner(loaded, max_seq_len=max_seq_len)
+        self.runner = ModelRunner(loaded, max_seq_len=max_seq_len, prefill_graphs=False)  # its memory is planned without them
         self.vocab_size = target_vocab_size
         self.sampling = sampling or SamplingParams()
         self.generator: torch.Generator | None = None
