@@ -62,6 +62,26 @@ def load_tile(base, scale_base, min_base, keys, key_ok, stride_t, stride_st, dty
 
 
 @triton.jit
+def softmax_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys/values [BLOCK_S, D] folded into the online softmax of queries q [R, D]:
+    scores where `visible` [R, BLOCK_S] (else -inf), running max m_i [R], sum l_i [R], output acc [R, D]
+    (float32). Returns the updated (m_i, l_i, acc)."""
+    if DOT_F32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [R, BLOCK_S]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # [R, BLOCK_S]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_ptr, out_ptr,
                          k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
                          stride_qm, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
@@ -102,19 +122,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
                        q_ptr.dtype.element_ty, K_FMT, D, BLOCK_S)  # [BLOCK_S, D]
         v = load_tile(v_base, v_scale_ptr + v_scales, v_min_ptr + v_scales, keys, key_ok, stride_vt, stride_vst,
                        q_ptr.dtype.element_ty, V_FMT, D, BLOCK_S)  # [BLOCK_S, D], issued with K: one round trip
-        if DOT_F32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_S]
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [G_PAD, BLOCK_S]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = softmax_tile(q, k, v, key_ok[None, :], m_i, l_i, acc, scale_log2, DOT_F32,
+                                     PRECISION)  # [G_PAD], [G_PAD], [G_PAD, D]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not PARTIALS:
         o_ptrs = out_ptr + row * stride_om + heads[:, None] * stride_oh + dims[None, :]

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import UnsupportedKernelShape
-from engine.kernels.attention_decode import LOG2E, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, load_tile
+from engine.kernels.attention_decode import LOG2E, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, load_tile, softmax_tile
 from engine.kernels.hadamard import fwht_rows
 from engine.kernels.kv_codes import FLOAT, cache_format, dequantize_layer, scale_strides
 from quant.kv_quant import hadamard_rows
@@ -63,19 +63,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, k_scale_p
                       q_ptr.dtype.element_ty, K_FMT, D, BLOCK_S)  # [BLOCK_S, D]
         v = load_tile(v_base, v_scale_ptr + v_scales, v_min_ptr + v_scales, keys, key_ok, stride_vt, stride_vst,
                       q_ptr.dtype.element_ty, V_FMT, D, BLOCK_S)  # [BLOCK_S, D]
-        if DOT_F32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_S]
-        s = tl.where(key_ok[None, :] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite from the first tile on: key 0 is every row's
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_S]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # causal: the max is finite from the first tile on (key 0 is visible to every row)
+        m_i, l_i, acc = softmax_tile(q, k, v, key_ok[None, :] & (keys[None, :] <= pos[:, None]), m_i, l_i, acc,
+                                     scale_log2, DOT_F32, PRECISION)  # [BLOCK_M], [BLOCK_M], [BLOCK_M, D]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_M, D] float32
     if V_ROTATE:  # values are stored rotated by H: rotate the output back (H·H = I)
