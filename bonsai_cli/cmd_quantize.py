@@ -31,7 +31,7 @@ def quantize(
                                      "for GPTQ's codes (0: GPTQ's own scales)"),
     tune_scales: int = typer.Option(0, "--tune-scales", help="gptq / gsq: then train every group scale end to end "
                                     "(KL to the float model on the calibration text, codes fixed) for this many steps"),
-    tune_lr: float = typer.Option(2e-3, "--tune-lr", help="--tune-scales: Adam step of log(scale)"),
+    tune_lr: float = typer.Option(5e-4, "--tune-lr", help="--tune-scales: Adam step of log(scale)"),
     rotate: bool = typer.Option(False, "--rotate", help="fold the norms and a randomized Hadamard rotation of the "
                                 "residual stream into the weights before quantizing (QuaRot-style)"),
     online_hadamard: bool = typer.Option(True, "--online-hadamard/--no-online-hadamard",

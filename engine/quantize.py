@@ -54,7 +54,7 @@ class QuantizeOptions:
     gsq_steps: int = 200  # learned-rounding steps per layer (method gsq)
     scale_refits: int = 1  # gptq / gsq: rounds of least-squares group scales (quant.gptq.gptq_with_refits)
     tune_steps: int = 0  # gptq / gsq: end-to-end scale tuning steps afterwards (engine.scale_tuning)
-    tune_lr: float = 2e-3
+    tune_lr: float = 5e-4
     lora: Path | None = None
     gguf: Path | None = None
     device: str = "cpu"

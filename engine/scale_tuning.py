@@ -34,7 +34,7 @@ from engine.model import Transformer
 @dataclass(frozen=True)
 class ScaleTuningOptions:
     steps: int = 0  # optimizer steps; 0: no tuning
-    lr: float = 2e-3  # Adam step of θ = log(scale / start scale), cosine-decayed to 0
+    lr: float = 5e-4  # Adam step of θ = log(scale / start scale), cosine-decayed to 0 (SmolLM2: docs/quality-methods.md)
     batch_sequences: int = 4  # calibration sequences per step
     held_out: float = 0.125  # fraction of the sequences kept aside to check that tuning helped
     seed: int = 0

@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--act-order", action="store_true")
     ap.add_argument("--scale-refits", type=int, default=0, help="rounds of least-squares scales + GPTQ codes")
     ap.add_argument("--tune-steps", type=int, default=0, help="end-to-end scale tuning steps after gptq / gsq")
-    ap.add_argument("--tune-lr", default="2e-3", help="comma-separated: one tuned row each, from the same start")
+    ap.add_argument("--tune-lr", default="5e-4", help="comma-separated: one tuned row each, from the same start")
     ap.add_argument("--tune-batch", type=int, default=4, help="sequences per tuning step")
     ap.add_argument("--rotate", action="store_true")
     ap.add_argument("--no-online-hadamard", action="store_true")
