@@ -8,6 +8,7 @@ Without CUDA (or with graphs off) the same step runs eagerly.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import torch
@@ -16,6 +17,8 @@ from engine.decode_step import StepInputs, Workspace, decode_step, make_ops
 from engine.host_embedding import HostEmbedding
 from engine.kv_cache import CacheBatch, KVCache
 from engine.model import Transformer
+
+log = logging.getLogger(__name__)
 
 
 class DecodeStepRunner:
@@ -107,9 +110,10 @@ class PrefillGraphs:
         # (slot, start) → (graph, tokens [1, T], logits [1, 1, V], the batch its positions come from)
         self.graphs: OrderedDict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, CacheBatch]] \
             = OrderedDict()
+        self.failed = False  # a capture failed: every chunk runs eagerly from then on
 
     def handles(self, start: int, num_tokens: int, num_logits: int | None) -> bool:
-        return num_tokens == self.chunk and start % self.chunk == 0 and num_logits == 1
+        return not self.failed and num_tokens == self.chunk and start % self.chunk == 0 and num_logits == 1
 
     @torch.inference_mode()
     def run(self, slot: int, start: int, tokens: list[int]) -> torch.Tensor:
@@ -138,8 +142,14 @@ class PrefillGraphs:
             out = self.model(ids, batch, self.cache, kv_len, 1)[0].clone()  # [1, V]
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model(ids, batch, self.cache, kv_len, 1)  # [1, 1, V]
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.model(ids, batch, self.cache, kv_len, 1)  # [1, 1, V]
+        except RuntimeError as e:  # a step that syncs the host cannot be captured: stay correct, eager
+            self.failed = True
+            self.graphs.clear()
+            log.warning("prefill chunks run eagerly: capturing one failed (%s)", str(e).splitlines()[0])
+            return out  # the eager run above computed this chunk and wrote its K/V
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
         self.graphs[key] = (graph, ids, logits, batch)

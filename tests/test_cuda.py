@@ -78,3 +78,30 @@ def test_graphed_prefill_chunks_match_eager_prefill():
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
             assert torch.allclose(graphed.cache.k[:, slot, :, :prompt_len], eager.cache.k[:, slot, :, :prompt_len])
     assert set(graphed.prefill_graphs.graphs) == {(0, 0), (0, 8), (1, 0), (1, 8)}
+
+
+def test_a_prefill_chunk_that_cannot_be_captured_runs_eagerly(monkeypatch):
+    """A step that syncs the host cannot be captured: the chunk's logits are still right, its K/V are
+    written, and every later chunk runs eagerly."""
+    from pathlib import Path
+
+    from engine.loader import LoadedModel, TensorSummary
+    model = tiny_model().to("cuda", torch.float32)
+    model.inv_freq = rotary_inverse_frequencies(TINY).cuda()
+    loaded = LoadedModel(model=model, tokenizer=None, config=TINY, path=Path("tiny"),
+                         summary=TensorSummary("test", 0, 0, 0), device=torch.device("cuda"),
+                         dtype=torch.float32, weight_dtype=torch.float32)
+    eager = ModelRunner(loaded, max_seq_len=64, prefill_chunk_size=8, prefill_graphs=False)
+    tokens = list(range(3, 19))
+    want = eager.prefill(eager.slot(0), tokens)
+    graphed = ModelRunner(loaded, max_seq_len=64, prefill_chunk_size=8, prefill_graphs=True)
+    norm_forward = type(model.norm).forward
+
+    def syncing(self, x):
+        torch.cuda.synchronize() if not torch.cuda.is_current_stream_capturing() else x.sum().item()
+        return norm_forward(self, x)
+    monkeypatch.setattr(type(model.norm), "forward", syncing)
+    got = graphed.prefill(graphed.slot(0), tokens)
+    assert graphed.prefill_graphs.failed and not graphed.prefill_graphs.graphs
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(graphed.cache.k[:, 0, :, :16], eager.cache.k[:, 0, :, :16])
