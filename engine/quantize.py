@@ -405,13 +405,12 @@ def _write_calibrated(source: Any, config: ModelConfig, specs: dict[str, QuantSp
         quantized = {name: (codes, tuned[name], spec, writer.write_quantized(name, spec, codes, tuned[name]))
                      for name, (codes, _, spec, _) in quantized.items()}
     del loaded
-    results = {name: (spec, codes, scales, nbytes) for name, (codes, scales, spec, nbytes) in quantized.items()}
-    missing = pending - set(results)
+    missing = pending - set(quantized)
     if missing:
         raise BonsaiError(f"calibration returned no codes for {sorted(missing)[0]} ({len(missing)} tensors)")
     for name, w in floats(frozenset()):
-        if name in results:
-            spec, codes, scales, nbytes = results.pop(name)
+        if name in quantized:
+            codes, scales, spec, nbytes = quantized.pop(name)
             record(name, f"{spec.quant_type} g{spec.group_size}", nbytes, relative_error(w, codes, scales, spec.group_size))
     return tuning
 
