@@ -4,7 +4,6 @@ interpreter on a CPU: small shapes. The `gpu` test runs the real shapes (Qwen3-8
 chunk after 4K cached rows)."""
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -19,20 +18,11 @@ from engine.kernels import UnsupportedKernelShape  # noqa: E402
 from engine.kernels.attention_prefill import prefill_attention, prefill_attention_reference  # noqa: E402
 from engine.kernels.kv_codes import dequantize_layer  # noqa: E402
 from quant.kv_quant import hadamard_rows  # noqa: E402
-from tests.test_kernels_attention import interpreter_like_gpu  # noqa: E402
+# the module's autouse fixture (Triton's interpreter rounding like a GPU) and helper, shared
+from tests.test_kernels_attention import _interpreter_like_gpu, ints  # noqa: E402,F401
 from tests.test_kv_quant_kernels import quantized  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_like_gpu():
-    with interpreter_like_gpu() if DEVICE == "cpu" else contextlib.nullcontext():
-        yield
-
-
-def ints(values):
-    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
 def cache_of(kv_type: str, kv: int, s: int, d: int, dtype: torch.dtype, seed: int, v_rotate: bool = False):

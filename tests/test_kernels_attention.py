@@ -346,9 +346,9 @@ def test_qk_norm_rope_write_qwen3_shape_long_positions(h):
     assert torch.equal(k_cache == -3, k_ref == -3) and torch.equal(v_cache, v_ref)
 
 
-def test_model_forward_with_the_fused_prologue_matches_the_plain_one():
-    """Transformer.use_fused_prologue (what ModelRunner turns on with the GPU fast path): prefill and
-    batched rows of several slots give the same logits and cache as the plain prologue."""
+def random_qwen3_model():
+    """A 2-layer qwen3-style Transformer (q/k norms, GQA 4:2, head_dim 64) with N(0, 0.2²) weights on
+    DEVICE, seeded (torch's global generator, seed 0: the test's later draws follow from it)."""
     from engine.model import Transformer
     cfg = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
@@ -357,7 +357,13 @@ def test_model_forward_with_the_fused_prologue_matches_the_plain_one():
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
-    model = model.to(DEVICE)
+    return cfg, model.to(DEVICE)
+
+
+def test_model_forward_with_the_fused_prologue_matches_the_plain_one():
+    """Transformer.use_fused_prologue (what ModelRunner turns on with the GPU fast path): prefill and
+    batched rows of several slots give the same logits and cache as the plain prologue."""
+    cfg, model = random_qwen3_model()
     tokens = torch.randint(0, 64, (2, 5), device=DEVICE)
     logits = []
     for fused in (False, True):

@@ -3,7 +3,6 @@ KV-write kernel quantizes what the reference quantizes, decode attention reads t
 reference reads the dequantized rows. Under Triton's interpreter on a CPU: tiny shapes, few cases."""
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -20,21 +19,12 @@ from engine.kernels.rope_cache import qk_norm_rope_write, qk_norm_rope_write_ref
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from quant.kv_quant import quantize_rows  # noqa: E402
-from tests.test_kernels_attention import interpreter_like_gpu  # noqa: E402
+# the module's autouse fixture (Triton's interpreter rounding like a GPU) and helpers, shared
+from tests.test_kernels_attention import _interpreter_like_gpu, ints, random_qwen3_model  # noqa: E402,F401
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CFG = ModelConfig(architecture="qwen3", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
                   num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_like_gpu():
-    with interpreter_like_gpu() if DEVICE == "cpu" else contextlib.nullcontext():
-        yield
-
-
-def ints(values):
-    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
 def quantized(kv_type: str, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, v_rotate: bool = False):
@@ -138,16 +128,8 @@ def test_model_on_a_rotated_cache_kernels_equal_plain_torch(kv_type):
     key_space, the prefill reference) against the fused one (the rope / KV-write kernel rotating k and
     q, the prefill kernel reading the codes), on a prefill then batched rows of two slots. Both close to
     the float cache; forgetting to rotate q on either path would not be."""
-    from engine.model import Transformer
     from engine.kv_cache import CacheBatch
-    cfg = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    model = model.to(DEVICE)
+    cfg, model = random_qwen3_model()
     tokens = torch.randint(0, 64, (2, 6), device=DEVICE)
     offset = torch.randn(cfg.num_layers, cfg.num_kv_heads, 64, device=DEVICE)  # [L, KV, D]
     results = {}
