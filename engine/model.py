@@ -101,7 +101,7 @@ class Attention(nn.Module):
             cache.write(self.layer, batch, k, v)
             q = cache.key_space(q)  # [B, H, T, D] rotated where the stored keys are
         if cache.kv_type.quantized:  # read the codes of the positions in use, causal by position
-            kernel = self.fused_prologue is not None or (q.is_cuda and kernels_usable(q.device))
+            kernel = self.fused_prologue is not None or kernels_usable(q.device)
             out = quantized_cache_attention(q, cache, self.layer, batch, kernel)  # [B, H, T, D]
         else:
             keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]

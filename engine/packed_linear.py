@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -45,11 +46,18 @@ class WeightFormat:
 MIN_CAPABILITY = (8, 0)  # bf16 tensor cores and the dp4a/atomic paths the kernels were checked on
 
 
-@functools.lru_cache(maxsize=None)
 def kernels_usable(device: torch.device) -> bool:
-    """Whether the Triton kernels run on `device`; when a GPU cannot, say why once and use the references."""
-    if device.type != "cuda":
-        return False
+    """Whether the Triton kernels run on `device`; when a GPU cannot, say why once and use the references.
+    On CPU tensors only when asked (BONSAI_KERNELS_ON_CPU=1): the whole engine then runs its kernel paths
+    in Triton's interpreter (TRITON_INTERPRET=1), or compiles them without running (tests/kernel_compile.py)."""
+    if device.type == "cpu":
+        from quant.kernels import triton_available
+        return os.environ.get("BONSAI_KERNELS_ON_CPU", "0") == "1" and triton_available()
+    return device.type == "cuda" and _gpu_kernels_usable(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_kernels_usable(device: torch.device) -> bool:
     from quant.kernels import triton_available
     if not triton_available():
         log.warning("triton is not installed: packed layers run through the slow reference path "

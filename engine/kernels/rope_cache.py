@@ -128,13 +128,16 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
         sin = tl.sin(angle)
         r1 = (a1 * cos - a2 * sin).to(in_dtype)
         r2 = (a2 * cos + a1 * sin).to(in_dtype)
+        # r1/r2 keep one dtype on both sides of the runtime branch below (Triton refuses a variable that a
+        # branch redefines with another dtype; the interpreter does not): each side uses its own names
         if head < NUM_HEADS:
             q_dst = q_out_ptr + row * stride_qo_m + head * stride_qo_h
+            q1 = r1.to(model_dtype).to(tl.float32)  # exact: model_dtype is q's output dtype
+            q2 = r2.to(model_dtype).to(tl.float32)
             if ROTATE:  # q in the rotated keys' space: rounded to the model's dtype, rotated, rounded
-                r1, r2 = hadamard_halves(r1.to(model_dtype).to(tl.float32), r2.to(model_dtype).to(tl.float32),
-                                          HALF)
-            tl.store(q_dst + cols, r1.to(q_out_ptr.dtype.element_ty))
-            tl.store(q_dst + HALF + cols, r2.to(q_out_ptr.dtype.element_ty))
+                q1, q2 = hadamard_halves(q1, q2, HALF)
+            tl.store(q_dst + cols, q1.to(q_out_ptr.dtype.element_ty))
+            tl.store(q_dst + HALF + cols, q2.to(q_out_ptr.dtype.element_ty))
         else:
             k_dst = k_cache_ptr + slot * stride_ks + (head - NUM_HEADS) * stride_kh + pos * stride_kt
             k_scale = slot * stride_kss + (head - NUM_HEADS) * stride_ksh + pos * stride_kst

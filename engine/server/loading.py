@@ -134,7 +134,7 @@ def _load_pipelined(config: ServeConfig, metrics: Metrics | None, progress: Call
     if config.seq_len > limit:
         raise BonsaiError(f"config runtime.max_seq_len {config.seq_len} exceeds the model's {limit} positions; "
                           f"lower it to {limit} or less")
-    fmt = WeightFormat(quant_type=m.quant_type, group_size=m.group_size)
+    fmt = WeightFormat(quant_type=m.quant_type, group_size=m.group_size, head_type=m.head_type)
     if m.load_format == "dummy":
         path = Path(m.path)
         source = ModelSource(architecture=architecture, name=path.stem, weight_format=fmt)
@@ -145,7 +145,7 @@ def _load_pipelined(config: ServeConfig, metrics: Metrics | None, progress: Call
         tokenizer = None
     split = ", ".join(f"{s.device}: {s.label}" for s in pp.stages)
     progress(f"loading {path.name} in {len(pp.stages)} pipeline stages ({split})", 0.05)
-    runner = open_pipeline(source, pp, config.seq_len, rt.max_batch_size, rt.prefill_chunk_size, m.kv_type_name,
+    runner = open_pipeline(source, pp, config.seq_len, rt.max_batch_size, planned.settings.prefill_chunk_size, m.kv_type_name,
                            planned.limit)
     try:
         tokenizer = tokenizer or runner.loaded.require_tokenizer()
