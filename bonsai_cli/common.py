@@ -42,8 +42,8 @@ WEIGHTS_HELP = ("run-time weight format of the block matrices: bf16 (as loaded) 
                 "(rounded to nearest at load, or generated with --load-format dummy), run by the packed kernels")
 KV_TYPE_HELP = ("KV-cache element type: bf16 (the model's dtype), int8 (per-row scale), int4 (groups of 32, "
                 "scale + min) or k8v4 (int8 keys, int4 values); quality vs bf16 in docs/quality.md")
-SPEC_HELP = ("speculative decoding: ngram | draft:PATH | mtp[:PATH] | dflash[:PATH] | mix:ngram,draft:PATH,... "
-             "(same output at temperature 0, same distribution above)")
+SPEC_HELP = ("speculative decoding: ngram | draft:PATH|NAME (e.g. draft:qwen2.5-coder-0.5b) | mtp[:PATH] | "
+             "dflash[:PATH] | mix:ngram,draft:PATH,... (same output at temperature 0, same distribution above)")
 DRAFT_TOKENS_HELP = "most tokens drafted per step (k); with one drafter or a mix the length adapts up to it"
 
 

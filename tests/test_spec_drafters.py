@@ -216,6 +216,25 @@ def test_factory_refuses_missing_drafter_files_and_k_above_a_block_size(tmp_path
         build_drafter(SpeculativeConfig.from_spec(f"dflash:{drafter_file}", num_draft_tokens=12), None, 64)
 
 
+def test_a_draft_model_is_a_path_or_a_pulled_name(tmp_path, monkeypatch):
+    """draft:NAME resolves through the store (the built-in qwen2.5-coder-0.5b once pulled); an unpulled
+    name says how to pull it, for the loader and for the memory plan alike."""
+    from engine import store
+    from engine.memory_budget import draft_model_plan
+    from engine.speculative.draft_model import resolve_draft_model
+    monkeypatch.setenv("BONSAI_HOME", str(tmp_path / "home"))
+    with pytest.raises(BonsaiError, match=r"draft model: model 'qwen2.5-coder-0.5b' is not in the store .*"
+                                          r"bonsai pull qwen2.5-coder-0.5b"):
+        build_drafter(SpeculativeConfig.from_spec("draft:qwen2.5-coder-0.5b"), target=None, max_seq_len=64)
+    with pytest.raises(BonsaiError, match="draft model: model 'qwen2.5-coder-0.5b' is not in the store"):
+        draft_model_plan("qwen2.5-coder-0.5b", None, 4)
+    stored = store.builtin_model_path("qwen2.5-coder-0.5b")
+    stored.parent.mkdir(parents=True)
+    stored.write_bytes(b"GGUF")
+    assert resolve_draft_model("qwen2.5-coder-0.5b") == stored
+    assert resolve_draft_model(str(stored)) == stored
+
+
 def test_joint_draft_lengths_weigh_the_whole_pass():
     from engine.speculative.planner import TargetCost, joint_draft_lengths
     flat = TargetCost({1: 1.0, 16: 1.0})  # rows are free: keep every draft

@@ -8,6 +8,8 @@ as q, which verification needs to stay lossless (penalties are left to the targe
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from engine.errors import BonsaiError
@@ -16,6 +18,16 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities
 from engine.speculative.drafter import Draft, Feedback
 from engine.tokenizer import Tokenizer
+
+
+def resolve_draft_model(spec: str) -> Path:
+    """The file or directory of `draft:SPEC`: a path, or a model name known to the store (a pulled
+    built-in like qwen2.5-coder-0.5b, or a pulled hub repo id)."""
+    from engine import store
+    try:
+        return store.resolve_model(spec)
+    except BonsaiError as e:
+        raise BonsaiError(f"draft model: {e}") from None
 
 
 def check_same_tokenizer(draft: Tokenizer | None, target: Tokenizer | None, draft_path: str) -> None:
