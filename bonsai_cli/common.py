@@ -25,7 +25,8 @@ def print_json(obj: Any) -> None:
 
 WEIGHT_DTYPE_HELP = ("matrix storage: auto (on CPU float16 matrices: ~1.75x faster decode, mean KL 2e-6 vs "
                      "float32, greedy output may differ at exact near-ties; on GPU the compute dtype), "
-                     "float32 (exact), float16, bfloat16")
+                     "float32 (exact), float16, bfloat16 (on a CPU with AVX512-BF16: one bf16 GEMM at every row "
+                     "count, so a speculative verify pass costs about one decode step; plain decode ~1.3x slower)")
 
 
 def parse_weight_dtype(name: str):

@@ -171,11 +171,13 @@ def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel
 
 def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts: dict[str, LoadedModel]) -> Drafter:
     from engine.loader import load_model
-    from engine.speculative.draft_model import DraftModelDrafter, check_same_tokenizer, resolve_draft_model
+    from engine.speculative.draft_model import (DraftModelDrafter, check_same_tokenizer, narrow_output_layer,
+                                                resolve_draft_model)
     loaded = loaded_drafts.get(path)
     if loaded is None:
         loaded = load_model(resolve_draft_model(path), device=target.device, dtype=target.dtype)
         check_same_tokenizer(loaded.tokenizer, target.tokenizer, path)
+        narrow_output_layer(loaded)
         loaded_drafts[path] = loaded
     return DraftModelDrafter(loaded, target.config.vocab_size, max_seq_len)
 

@@ -30,6 +30,16 @@ def resolve_draft_model(spec: str) -> Path:
         raise BonsaiError(f"draft model: {e}") from None
 
 
+def narrow_output_layer(loaded: LoadedModel) -> None:
+    """On the CPU, a draft model's output layer in its matrices' dtype (float16) instead of float32:
+    a drafter's logits need not be exact (verification keeps the output exact), and at 0.5B the
+    float32 output layer is as many bytes per token as all the other matrices."""
+    weight = getattr(loaded.model.lm_head, "weight", None)  # None: tied, or packed
+    if loaded.device.type == "cpu" and weight is not None and weight.dtype == torch.float32 \
+            and loaded.weight_dtype != torch.float32:
+        weight.data = weight.data.to(loaded.weight_dtype)
+
+
 def check_same_tokenizer(draft: Tokenizer | None, target: Tokenizer | None, draft_path: str) -> None:
     """One line if the draft model cannot draft for the target (its token ids mean other text)."""
     if draft is None or target is None:
