@@ -142,6 +142,27 @@ def test_mix_stops_asking_a_model_member_that_is_rejected_and_extends_with_ngram
     assert draft.tokens[:3] == [6, 4, 5] and draft.sources[:3] == ["draft", "ngram", "ngram"]
 
 
+def test_a_draft_models_catch_up_on_plain_steps_is_not_counted_as_drafting_cost(monkeypatch):
+    """A model member that drafts after plain steps first feeds them (seconds apart from drafting):
+    counted, one probe would price its tokens at those steps' cost and the planner never ask again."""
+    import engine.speculative.mix as mix_module
+    clock = [0.0]
+    monkeypatch.setattr(mix_module.time, "perf_counter", lambda: clock[0])
+
+    class CatchingUp(FixedDrafter):
+        def propose(self, context, k):
+            self.catch_up_seconds = 10.0  # a long gap fed first
+            clock[0] += 10.0 + 0.5 * min(k, len(self.tokens))
+            return super().propose(context, k)
+
+    mix = MixDrafter([CatchingUp("draft", [4, 5, 6], draftless=False)])
+    mix.target.observe(1, 1.0)
+    mix.target.observe(4, 1.1)  # wide passes cost little
+    draft = mix.propose([1, 2, 3], 3)
+    assert draft.tokens
+    assert mix.members[0].cost.per_token == pytest.approx(0.5)
+
+
 def test_stats_count_per_position_and_per_drafter():
     s = SpecStats("mix")
     s.record(["ngram"] * 3, 2)

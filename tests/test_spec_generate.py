@@ -147,6 +147,11 @@ def test_a_cpu_draft_model_runs_its_output_layer_narrow_and_still_drafts(one_thr
     _, ids, _, stats = generate_text(ModelRunner(target, 96), TinyTokenizer(), PROMPT, request, drafter=drafter,
                                      num_draft_tokens=4)
     assert ids == plain_ids and stats.speculative.accepted > 0
+    fresh = DraftModelDrafter(draft, target.config.vocab_size, 96)
+    first = fresh.propose(PROMPT, 3).tokens
+    assert fresh.catch_up_seconds > 0  # the whole prompt was fed: not a cost of these 3 tokens
+    fresh.propose(PROMPT + first[:2], 3)  # as after a step that kept 1 draft + the bonus
+    assert fresh.catch_up_seconds == 0.0
 
 
 def test_cache_after_accept_and_reject_equals_a_cache_of_the_accepted_tokens(one_thread):

@@ -8,6 +8,7 @@ as q, which verification needs to stay lossless (penalties are left to the targe
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -52,7 +53,12 @@ def check_same_tokenizer(draft: Tokenizer | None, target: Tokenizer | None, draf
                           f"{len(theirs)} tokens, {differ} differ): use a draft model of the same family")
 
 
+STEADY_CATCH_UP = 2  # tokens a draft model feeds before drafting when it drafted the step before
+
+
 class DraftModelDrafter:
+    """catch_up_seconds: of the last proposal, the time spent feeding a gap longer than one step's
+    (the planner leaves it out of the cost per drafted token)."""
     name = "draft"
     hidden_layers: tuple[int, ...] = ()
     draftless = False
@@ -65,6 +71,7 @@ class DraftModelDrafter:
         self.sampling = sampling or SamplingParams()
         self.generator: torch.Generator | None = None
         self._pending: tuple[int, list[int]] | None = None  # (context length, tokens) of the last draft
+        self.catch_up_seconds = 0.0
 
     def set_sampling(self, params: SamplingParams) -> None:
         """The request's sampling parameters; a seeded request drafts reproducibly."""
@@ -95,7 +102,11 @@ class DraftModelDrafter:
             return Draft([], source=self.name)
         common = min(slot.common_prefix(context), len(context) - 1)
         slot.rewind(slot.length - common)
+        start = time.perf_counter()
         logits = self._fit(self.runner.prefill(slot, context[common:]))  # [V]
+        # drafting every step leaves at most two tokens to catch up (its last draft and the bonus); a
+        # longer gap is the prompt or plain steps the planner chose, not a cost of the tokens drafted now
+        self.catch_up_seconds = time.perf_counter() - start if len(context) - common > STEADY_CATCH_UP else 0.0
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         params = self.sampling
