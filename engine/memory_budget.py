@@ -255,9 +255,9 @@ def check_budget(plan: MemoryPlan, limit: int | None, weights: ModelWeights, s: 
 def draft_model_plan(path: str | Path, target_settings: RunSettings, num_draft_tokens: int) -> MemoryPlan:
     """A draft model (--spec draft:PATH) loaded on the target's device: its own weights, a KV cache of
     the target's context + k + 1, its own one-row decode step (engine.speculative.config)."""
-    from engine import store
     from engine.loader import open_model_source
-    source = open_model_source(store.resolve_model(str(path)))
+    from engine.speculative.draft_model import resolve_draft_model
+    source = open_model_source(resolve_draft_model(str(path)))
     config = source.model_config()
     weights = model_formats(source, config, keep_codes=target_settings.cuda)
     s = dataclasses.replace(target_settings, max_seq_len=target_settings.max_seq_len + num_draft_tokens + 1, slots=1,
