@@ -15,3 +15,7 @@ class ModelFileError(BonsaiError):
 
 class UnsupportedModelError(BonsaiError):
     """The model's architecture or one of its options is not supported."""
+
+
+class ServiceUnavailable(BonsaiError):
+    """The server cannot take the request now (shutting down, or its engine stopped): HTTP 503."""

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import BonsaiError
+from engine.errors import BonsaiError, ServiceUnavailable
 from engine.server import protocol as P
 from engine.server.config import ServeConfig
 from engine.server.loading import Served
@@ -67,6 +67,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 def _from_exception(e: BonsaiError) -> JSONResponse:
     if isinstance(e, P.RequestError):
         return _error(e.status, str(e), e.kind, e.param, e.code, e.headers)
+    if isinstance(e, ServiceUnavailable):
+        return _error(503, str(e), "unavailable_error", code=503)
     return _error(400, str(e))
 
 
@@ -111,6 +113,9 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
     async def health():
         if state.served is None:
             return _loading_response(state)
+        engine = state.served.engine
+        if not engine.alive:  # stopped by a failure, or shutting down: truthfully not serving
+            return _error(503, engine.failure or "the server is shutting down", "unavailable_error", code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -213,6 +218,18 @@ def _make_job(served: Served, req: Any, chat: bool) -> ServeRequest:
                         split_reasoning=chat, top_logprobs=top)
 
 
+async def _next_event(served: Served, queue: asyncio.Queue) -> Any:
+    """The request's next engine event, or None after half a second without one; a Failed (503)
+    when the engine is no longer alive, so no request ever waits on a stopped engine."""
+    try:
+        return await asyncio.wait_for(queue.get(), timeout=0.5)
+    except asyncio.TimeoutError:
+        engine = served.engine
+        if not engine.alive and queue.empty():
+            return Failed(engine.failure or "the server is shutting down", 503)
+        return None
+
+
 async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta: tuple, chat: bool,
                   include_usage: bool) -> AsyncIterator[str]:
     rid, model, created = meta
@@ -221,7 +238,9 @@ async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta:
         if chat:
             yield sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
         while True:
-            event = await queue.get()
+            event = await _next_event(served, queue)
+            if event is None:
+                continue
             if isinstance(event, Delta):
                 if chat:
                     delta = {k: v for k, v in (("reasoning_content", event.reasoning), ("content", event.content)) if v}
@@ -255,9 +274,8 @@ async def _collect(served: Served, request: Request, job: ServeRequest, queue: a
     reasoning, content, logprobs = [], [], []
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
+            event = await _next_event(served, queue)
+            if event is None:
                 if await request.is_disconnected():
                     return Response(status_code=499)
                 continue

@@ -10,7 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine.errors import BonsaiError
 from engine.sampling import SamplingParams
 
-STRICT = ConfigDict(extra="forbid", strict=True)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# every number a request carries has both bounds (tests/test_engine_guard.py checks it): a value
+# past them is a 400 here, never an error inside the engine
+MAX_COUNT = 2**31 - 1  # token counts and limits (far above any context)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+PENALTY_MIN, PENALTY_MAX = 0.01, 100.0  # repetition_penalty: logits / p or * p stay finite in float32
 
 
 class TextPart(BaseModel):
@@ -46,17 +51,17 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = STRICT
     model: str | None = None  # one model is served: any name reaches it
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=MAX_COUNT)
     min_p: float = Field(0.0, ge=0, lt=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
-    seed: int | None = None
+    repetition_penalty: float = Field(1.0, ge=PENALTY_MIN, le=PENALTY_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Union[str, list[str], None] = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_COUNT)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user label, logged with the request
@@ -84,10 +89,10 @@ class _Common(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    thinking_budget: int | None = Field(None, ge=0)  # tokens of thought before the answer is forced
+    thinking_budget: int | None = Field(None, ge=0, le=MAX_COUNT)  # tokens of thought before the answer is forced
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
