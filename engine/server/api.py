@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import logging
 import threading
 import uuid
@@ -158,7 +157,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
         except BonsaiError as e:
             return _from_exception(e)
         log.info("request %s: %d prompt tokens, max_tokens %d, stream %s%s", job.id, len(job.prompt_ids),
-                 job.max_tokens, req.stream, f", user {req.user}" if req.user else "")
+                 job.max_tokens, req.stream, f", user {ascii(req.user)}" if req.user else "")
         meta = (job.id, served.model_id, P.now())
         if req.stream:
             return StreamingResponse(_stream(served, job, queue, meta, chat, req.include_usage()),
@@ -188,10 +187,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise P.RequestError(f"the request body is larger than the {limit} bytes allowed", status=413)
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise P.RequestError(f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
+    return P.decode_body(b"".join(chunks))
 
 
 def _make_job(served: Served, req: Any, chat: bool) -> ServeRequest:

@@ -2,6 +2,7 @@
 response objects we build, including llama.cpp's `timings`."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal, Union
 
@@ -16,6 +17,8 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 MAX_COUNT = 2**31 - 1  # token counts and limits (far above any context)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 PENALTY_MIN, PENALTY_MAX = 0.01, 100.0  # repetition_penalty: logits / p or * p stay finite in float32
+MAX_DEPTH = 16  # nesting of a body: ours needs 4 ({"messages": [{"content": [{"text": ...}]}]})
+MAX_STOP_CHARS = 256  # per stop string: the matcher's work per token grows with its square
 
 
 class TextPart(BaseModel):
@@ -75,6 +78,8 @@ class _Common(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 16:
             raise RequestError("stop takes at most 16 strings", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise RequestError(f"a stop string has more than {MAX_STOP_CHARS} characters; shorten it", "stop")
         return tuple(s for s in stops if s)
 
     def include_usage(self) -> bool:
@@ -128,6 +133,61 @@ class RequestError(BonsaiError):
                  kind: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.param, self.status, self.kind, self.code, self.headers = param, status, kind, code, headers or {}
+
+
+def decode_body(raw: bytes) -> Any:
+    """The one decoding of a request body: JSON (RFC 8259: no NaN or Infinity, no number beyond a
+    double) nested at most MAX_DEPTH deep, every string valid Unicode (no lone surrogate, which no
+    tokenizer, log or response encoder takes). Anything else is a RequestError (400) that says what."""
+    try:
+        data = json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
+    except RecursionError:
+        raise RequestError(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
+    _check_tree(data)
+    return data
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _check_tree(data: Any) -> None:
+    """Depth and Unicode of a decoded body, walked without recursion; the path of the first problem."""
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise RequestError(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, path, "a key")
+                stack.append((item, (*path, key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i), depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, path, "a string")
+
+
+def _check_text(text: str, path: tuple, what: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "the body"
+        bad = ascii(text[e.start:e.end])
+        field = where.split(".")[0].split("[")[0] or None
+        raise RequestError(f"{what} in '{ascii(where)[1:-1]}' holds a lone surrogate ({bad[1:-1]}), which is not "
+                           "valid Unicode; send UTF-8 text", field) from None
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
