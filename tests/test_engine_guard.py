@@ -14,14 +14,14 @@ import torch
 from engine.sampling import SamplingParams, probabilities, sample
 from engine.server import protocol as P
 from engine.server.sequence import Failed, Finished
-from tests.test_serve_engine import PROMPTS, collect, make_engine, submit, tiny_loaded
+from tests.test_serve_engine import PROMPTS, collect, make_engine, submit
 
 QUESTION = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def loaded(smollm2_tok):
-    return tiny_loaded(smollm2_tok.vocab_size)
+def loaded(tiny_engine_model):
+    return tiny_engine_model
 
 
 def test_a_request_failing_at_admission_ends_alone_and_the_engine_serves_on(loaded, smollm2_tok, one_thread,

@@ -13,14 +13,13 @@ import pytest
 
 from engine.server import protocol as P
 from tests.serve_inproc import call, tiny_server
-from tests.test_serve_engine import tiny_loaded
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 
 
 @pytest.fixture(scope="module")
-def app(smollm2_tok):
-    app, engine = tiny_server(tiny_loaded(smollm2_tok.vocab_size), smollm2_tok, max_body_bytes=1 << 20)
+def app(tiny_engine_model, smollm2_tok):
+    app, engine = tiny_server(tiny_engine_model, smollm2_tok, max_body_bytes=1 << 20)
     yield app
     engine.stop()
     assert engine.failure is None

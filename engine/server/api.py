@@ -145,6 +145,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
         try:
             body = await _read_json(request, cfg.server.max_body_bytes)
             req = P.parse(P.ChatRequest if chat else P.CompletionRequest, body)
+            req.check_size(cfg.server.max_messages, cfg.server.max_prompt_chars)
             loop = asyncio.get_running_loop()
             job = await loop.run_in_executor(None, _make_job, served, req, chat)  # template + tokenizer off the loop
             queue: asyncio.Queue = asyncio.Queue()

@@ -34,11 +34,12 @@ class Message(BaseModel):
     name: str | None = None
     reasoning_content: str | None = None  # a thought sent back in the history (templates may show it)
 
-    def as_dict(self) -> dict[str, Any]:
+    def text(self) -> str:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
-        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        return "".join(p.text for p in content) if isinstance(content, list) else content or ""
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
         if self.reasoning_content is not None:
@@ -102,6 +103,14 @@ class ChatRequest(_Common):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def check_size(self, max_messages: int, max_chars: int) -> None:
+        """The caps on one request's work, checked before any template or tokenizer runs."""
+        if len(self.messages) > max_messages:
+            raise RequestError(f"the conversation has {len(self.messages)} messages, more than the {max_messages} "
+                               "this server takes (server.max_messages); send fewer", "messages")
+        chars = sum(len(m.text()) + len(m.reasoning_content or "") + len(m.name or "") for m in self.messages)
+        _check_chars(chars, max_chars, "messages")
+
     def top_logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -115,6 +124,12 @@ class CompletionRequest(_Common):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
+    def check_size(self, max_messages: int, max_chars: int) -> None:
+        """The cap on one request's work (a prompt of token ids is bounded by the context instead)."""
+        p = self.prompt
+        _check_chars(len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str)), max_chars,
+                     "prompt")
+
     def prompt_input(self) -> str | list[int]:
         p = self.prompt
         if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
@@ -124,6 +139,12 @@ class CompletionRequest(_Common):
         if not p:
             raise RequestError("the prompt is empty", "prompt")
         return p
+
+
+def _check_chars(chars: int, limit: int, param: str) -> None:
+    if chars > limit:
+        raise RequestError(f"the request has {chars} characters of {param}, more than the {limit} this server "
+                           "takes (server.max_prompt_chars); send less", param)
 
 
 class RequestError(BonsaiError):
