@@ -19,3 +19,15 @@ class UnsupportedModelError(BonsaiError):
 
 class ServiceUnavailable(BonsaiError):
     """The server cannot take the request now (shutting down, or its engine stopped): HTTP 503."""
+
+
+class GroupSizeError(BonsaiError):
+    """A matrix cannot be packed in groups of the size asked for; the message names the setting
+    where that size came from (a CLI flag by default, `for_setting` names a config key instead)."""
+
+    def __init__(self, problem: str, setting: str = "--group-size"):
+        super().__init__(f"{problem}; choose another {setting}")
+        self.problem = problem
+
+    def for_setting(self, setting: str) -> "GroupSizeError":
+        return GroupSizeError(self.problem, setting)
