@@ -1,6 +1,12 @@
 """User-facing errors: one line that says what is wrong and how to fix it."""
 
 
+def one_line(text: str) -> str:
+    """The text as one printable line: newlines, escapes and other control characters spelled out
+    (a name holding a newline or a terminal escape is printed, not obeyed)."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(text))
+
+
 class BonsaiError(Exception):
     """An error caused by the user's input or environment (bad file, bad config, no network).
 

