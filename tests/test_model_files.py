@@ -238,3 +238,34 @@ def test_the_good_files_still_load(good_gguf, good_hf, capsys):
     for path in (good_gguf, good_hf):
         proc = bonsai_in_process(capsys, "info", str(path))
         assert proc.returncode == 0, proc.stderr
+
+
+# -- quantize into a place it cannot write -------------------------------------------------------------------
+@pytest.fixture
+def read_only_dir():
+    import os
+    import tempfile
+    root = Path("/sys")  # read-only even for root (chmod does not stop root)
+    try:
+        fd, probe = tempfile.mkstemp(dir=root)
+    except OSError:
+        return root
+    os.close(fd)
+    os.remove(probe)
+    pytest.skip("no read-only directory on this machine")
+
+
+@pytest.mark.parametrize("where", ["out", "gguf"])
+def test_quantize_into_a_read_only_place_fails_before_the_work(good_hf, files, capsys, read_only_dir, monkeypatch,
+                                                                where):
+    import engine.quantize
+
+    def work(*args, **kwargs):
+        raise AssertionError("the quantization ran before the output place was checked")
+
+    monkeypatch.setattr(engine.quantize, "quantize", work)
+    out = read_only_dir / "bonsai-out" if where == "out" else files / "q-out"
+    extra = ["--gguf", str(read_only_dir / "bonsai.gguf")] if where == "gguf" else []
+    proc = bonsai_in_process(capsys, "quantize", str(good_hf), str(out), "--group-size", "64", *extra)
+    assert_one_line_error(proc, "is not writable")
+    assert str(read_only_dir) in proc.stderr and "internal error" not in proc.stderr
