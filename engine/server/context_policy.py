@@ -9,8 +9,9 @@ The answer is the fewest whole turns whose dropping brings the prompt under the 
 dropping them one by one and counting again after each would give, when dropping more never makes
 the prompt longer). It is found without rendering the whole history after each drop: an estimate
 of each message's tokens, summed from the newest back, guesses where to cut; renders of the
-conversation from a cut on then check it, galloping from the guess and halving, so a good guess
-costs two renders of about the threshold's size and a poor one O(log n) renders.
+conversation from a cut on then check it (the estimates rescaled once to the first render's
+count), galloping from the guess and halving: a few renders of about the threshold's size when
+the guess is close, O(log n) when it is not, never one per dropped turn.
 """
 from __future__ import annotations
 
@@ -56,7 +57,21 @@ def fit_conversation(messages: list[dict[str, Any]], count_tokens: Callable[[lis
             counts[k] = count_tokens(messages if k == 0 else system + history[starts[k]:])
         return counts[k] <= threshold
 
-    k = _first_fitting(fits, _guess(system, history, starts, threshold, estimate), len(starts) - 1)
+    guess = 0
+    if estimate is not None:
+        cache: dict[int, int] = {}  # history index → its estimate
+
+        def share(i: int) -> int:
+            if i not in cache:
+                cache[i] = estimate(history[i])
+            return cache[i]
+
+        base = sum(estimate(m) for m in system)
+        guess = _guess(base, share, len(history), starts, threshold, 1.0)
+        fits(guess)  # measured once: the estimates scaled to it point close to the answer
+        estimated = base + sum(share(i) for i in range(starts[guess], len(history)))
+        guess = _guess(base, share, len(history), starts, threshold, counts[guess] / max(estimated, 1))
+    k = _first_fitting(fits, guess, len(starts) - 1)
     n = counts[k]
     if n > threshold and n >= context:
         raise BonsaiError(f"the prompt has {n} tokens (system messages and the last message alone) but a slot's "
@@ -70,17 +85,15 @@ def fit_conversation(messages: list[dict[str, Any]], count_tokens: Callable[[lis
     return Fitted(system + history[dropped:], n, dropped)
 
 
-def _guess(system: list[dict[str, Any]], history: list[dict[str, Any]], starts: list[int], threshold: int,
-           estimate: Callable[[dict[str, Any]], int] | None) -> int:
-    """The index into `starts` the estimates point to: the longest kept history they say fits.
-    Only the newest messages are estimated (until the sum passes the threshold)."""
-    if estimate is None:
-        return 0
-    total = sum(estimate(m) for m in system)
-    first = len(history)  # the oldest message still inside the estimated budget
-    while first > 0 and total + estimate(history[first - 1]) <= threshold:
+def _guess(base: int, share: Callable[[int], int], n: int, starts: list[int], threshold: int, scale: float) -> int:
+    """The index into `starts` of the longest kept history whose estimate (system messages `base`,
+    history message i `share(i)`, all times `scale`) fits the threshold. Only the newest messages are
+    estimated (until the sum passes the threshold)."""
+    total = base * scale
+    first = n  # the oldest history message still inside the estimated budget
+    while first > 0 and total + share(first - 1) * scale <= threshold:
         first -= 1
-        total += estimate(history[first])
+        total += share(first) * scale
     return next((k for k, s in enumerate(starts) if s >= first), len(starts) - 1)
 
 
