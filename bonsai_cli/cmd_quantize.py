@@ -49,6 +49,7 @@ def quantize(
     from bonsai_cli.recipe_file import build_recipe, read_recipe_file
     from engine import store
     from engine.loader import resolve_device
+    from engine.paths import check_writable
     from engine.quantize import QuantizeOptions
     from engine.quantize import quantize as run_quantize
 
@@ -62,6 +63,7 @@ def quantize(
                            tune_steps=tune_scales, tune_lr=tune_lr, lora=lora, gguf=gguf, device=device,
                            force=force, rotate=rotate, online_hadamard=online_hadamard)
     path = store.resolve_model(src)
+    check_writable(out, gguf)  # a read-only place fails here, not after the work
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed run removes its temporary files too
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:

@@ -15,7 +15,9 @@ import torch
 
 from engine.errors import ModelFileError, UnsupportedModelError
 from engine.gguf_reader import GGUFFormatError, TensorExtent, read_gguf, tensor_bytes
+from engine.model_check import check_tensors, in_file
 from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
 from quant import gguf_codec, gguf_types
 
 _GGUF_MAGIC = b"GGUF"
@@ -71,8 +73,11 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelFileError(f"model file not found: {self.path}")
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
+        try:
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise ModelFileError(f"cannot read {self.path}: {e.strerror or e}; check its permissions") from None
         if magic != _GGUF_MAGIC:
             raise ModelFileError(f"{self.path} is not a GGUF file (it does not start with 'GGUF'); "
                                  "give a .gguf file, a Hugging Face model directory or a bonsai checkpoint")
@@ -89,7 +94,19 @@ class GGUFFile:
         return set(self._tensors)
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names)
+        """The architecture its metadata declares, checked against its tensors (engine.model_check)."""
+        config = in_file(self.path, lambda: ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names))
+        used = {name: t for t in self._tensors.values() if (name := canonical_name(t.name)) is not None}
+        check_tensors(self.path, config, {name: (t.name, t.shape) for name, t in used.items()}, gguf_name,
+                      f"{config.architecture}.block_count")
+        for t in used.values():
+            if t.type_id not in gguf_types.DECODABLE_TYPES | gguf_types.CODEC_TYPES:
+                raise UnsupportedModelError(f"{self.path}: tensor {t.name} is {gguf_types.type_name(t.type_id)}, "
+                                            "a type bonsai does not decode; use a GGUF of another type")
+        return config
+
+    def tokenizer(self) -> Tokenizer:
+        return in_file(self.path, lambda: Tokenizer.from_gguf_metadata(self.metadata))
 
     def tensor_info(self) -> list[tuple[str, str, tuple[int, ...], int]]:
         """(name, type name, torch-order shape, bytes) of every tensor, in file order."""

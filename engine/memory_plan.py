@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import BonsaiError
+from engine.errors import BonsaiError, GroupSizeError
 from engine.host_embedding import check_embedding_on_host
 from engine.model import attention_block_rows
 from engine.model_config import ModelConfig
@@ -162,7 +162,7 @@ def _require_packable(kind: str, n: int, k: int, group: int) -> None:
     try:
         check_packable(kind, n, k, group)
     except ValueError as e:
-        raise BonsaiError(f"cannot pack a [{n}, {k}] matrix as {kind}: {e}; choose another --group-size") from None
+        raise GroupSizeError(f"cannot pack a [{n}, {k}] matrix as {kind}: {e}") from None
 
 
 def linear_formats(config: ModelConfig, quant_type: str = "bf16", group_size: int = 128, head_type: str = "bf16",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.errors import BonsaiError
+from engine.errors import BonsaiError, GroupSizeError
 from quant import grids
 from quant.packed_layout import KINDS, PackedWeight, check_packable, pack, random_packed
 
@@ -177,8 +177,7 @@ def empty_packed(kind: str, out_features: int, in_features: int, group_size: int
     try:
         check_packable(kind, out_features, in_features, group_size)
     except ValueError as e:
-        raise BonsaiError(f"cannot pack a [{out_features}, {in_features}] matrix as {kind}: {e}; "
-                          "choose another --group-size") from None
+        raise GroupSizeError(f"cannot pack a [{out_features}, {in_features}] matrix as {kind}: {e}") from None
     e = KINDS[kind].per_word
     return PackedWeight(kind, torch.empty(in_features // e, out_features, dtype=torch.int32, device=device),
                         torch.empty(in_features // group_size, out_features, dtype=torch.float16, device=device),

