@@ -202,6 +202,7 @@ def quantize_with_calibration(loaded: LoadedModel, token_ids: list[list[int]], p
             say(f"model.embed_tokens.weight: rtn {embed_spec.quant_type} g{embed_spec.group_size}")
             weight = model.embed.weight
             codes, scales = rtn(weight.float(), embed_spec.quant_type, embed_spec.group_size)
+            scales = fp16_scales(scales)  # as stored
             weight.copy_(dequantize(codes, scales, embed_spec.group_size).to(weight.dtype))
             yield "model.embed_tokens.weight", codes.cpu(), scales.cpu(), embed_spec
         # chunks of consecutive sequences of one length, embedded: the residual stream

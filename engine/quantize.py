@@ -165,7 +165,7 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
              announce: Callable[[dict[str, int]], None] = lambda parts: None) -> QuantizeReport:
     """Quantize `src` into the checkpoint directory `out` (and opts.gguf); nothing is left on error.
     `announce` receives the predicted peak memory (predict_peak's terms) before the work starts."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     src, out = Path(src), Path(out)
     _check_paths(src, out, opts.gguf, opts.force)
     source = open_model_source(src)
@@ -229,7 +229,7 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
                                       tokenizer_dir=tmp, allow_lossy=opts.allow_lossy_gguf)
             if inside:
                 report.gguf.path = opts.gguf
-        report.seconds = time.perf_counter() - start
+        report.seconds, report.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         report.peak_rss_bytes = peak_rss_bytes()
         if report.quality is not None:
             (tmp / QUALITY_FILE).write_text(json.dumps(_quality_file(report), indent=1))
@@ -251,7 +251,7 @@ def _settings(opts: QuantizeOptions, calib_ids: list[list[int]]) -> dict[str, An
 
 def _quality_file(report: QuantizeReport) -> dict[str, Any]:
     return {"quality": report.quality, "settings": report.settings, "bits_per_weight": report.bits_per_weight,
-            "seconds": report.seconds, "peak_rss_bytes": report.peak_rss_bytes}
+            "seconds": report.seconds, "cpu_seconds": report.cpu_seconds, "peak_rss_bytes": report.peak_rss_bytes}
 
 
 def _calibration_options(opts: QuantizeOptions):

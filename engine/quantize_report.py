@@ -49,6 +49,7 @@ class QuantizeReport:
     method: str
     tensors: list[TensorRecord] = field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time (all threads): wall time on an idle machine ≈ it / threads
     peak_rss_bytes: int = 0
     predicted_peak_bytes: int = 0
     gguf: GGUFExportReport | None = None
@@ -92,6 +93,7 @@ class QuantizeReport:
     def as_dict(self) -> dict[str, Any]:
         return {"out": str(self.out), "method": self.method, "tensors": len(self.tensors), "parameters": self.params,
                 "bytes": self.nbytes, "bits_per_weight": self.bits_per_weight, "seconds": self.seconds,
+                "cpu_seconds": self.cpu_seconds,
                 "peak_rss_bytes": self.peak_rss_bytes, "predicted_peak_bytes": self.predicted_peak_bytes,
                 "formats": self.by_format(), "rotation": self.rotation, "settings": self.settings,
                 "relative_error": self.error_by_class(), "kept_from_source": sum(t.kept for t in self.tensors),
