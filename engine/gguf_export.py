@@ -101,13 +101,12 @@ def lossy_tensors(checkpoint: Checkpoint) -> list[tuple[str, str]]:
     return out
 
 
-def _refuse_lossy(checkpoint: Checkpoint, config: ModelConfig, lossy: list[tuple[str, str]]) -> None:
+def lossy_message(lossy: list[tuple[str, str]], error: float | None = None) -> str:
     name, how = lossy[0]
-    _, record = _export_tensor(checkpoint, name, config)
-    raise BonsaiError(f"--gguf: {len(lossy)} tensors have no llama.cpp type that holds their codes exactly, e.g. "
-                      f"{name} ({how}, relative weight error {record.relative_error:.4f}): quantize with a group "
-                      "size that is a multiple of 64 (ternary), 128 (1-bit) or 32 (int4/int8), or pass "
-                      "--allow-lossy-gguf")
+    cost = f", relative weight error {error:.4f}" if error is not None else ""
+    return (f"--gguf: {len(lossy)} tensors have no llama.cpp type that holds their codes exactly, e.g. {name} "
+            f"({how}{cost}): quantize with a group size that is a multiple of 64 (ternary), 128 (1-bit) or 32 "
+            "(int4/int8), or pass --allow-lossy-gguf")
 
 
 def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, source_gguf: GGUFFile | None,
@@ -119,7 +118,7 @@ def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, sourc
                           "checkpoint: quantize with --rotate --no-online-hadamard to export it")
     lossy = lossy_tensors(checkpoint)
     if lossy and not allow_lossy:
-        _refuse_lossy(checkpoint, config, lossy)
+        raise BonsaiError(lossy_message(lossy, _export_tensor(checkpoint, lossy[0][0], config)[1].relative_error))
     out = Path(out)
     report = GGUFExportReport(path=out)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.partial-", dir=out.parent)
@@ -135,7 +134,11 @@ def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, sourc
         writer.add_quantization_version(2)
         names = [n for n in checkpoint.entries if canonical_name(n) is not None]
         for name in names:  # the header first, from the metadata alone: then tensors stream one at a time
-            type_id, shape, dtype, nbytes = _export_layout(checkpoint.entries[name])
+            entry = checkpoint.entries[name]
+            type_id, shape, dtype, nbytes = _export_layout(entry)
+            if type_id == gguf_codec.Q2_0_ID:  # not in the gguf package's enum (0.19): id and element shape as they are
+                writer.add_tensor_info(gguf_name(canonical_name(name)), entry.shape, np.float32, nbytes, raw_dtype=type_id)
+                continue
             writer.add_tensor_info(gguf_name(canonical_name(name)), shape, dtype, nbytes,
                                    raw_dtype=T(type_id) if dtype == np.uint8 else None)
         writer.write_header_to_file()
@@ -199,4 +202,4 @@ def _export_tensor(checkpoint: Checkpoint, name: str, config: ModelConfig) -> tu
         err, ref = rounding_error(w, torch.float16)
         return w.to(torch.float16).numpy(), GGUFTensorExport(name, spec.quant_type, "F16", err, ref)
     raw, err, ref = gguf_codec.encode(codes, scales, spec.group_size, type_id)
-    return raw, GGUFTensorExport(name, spec.quant_type, T(type_id).name, err, ref)
+    return raw, GGUFTensorExport(name, spec.quant_type, gguf_types.type_name(type_id), err, ref)

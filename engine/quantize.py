@@ -33,6 +33,7 @@ from engine.quant_source import FloatSource
 from engine.quantize_report import QuantizeReport, TensorRecord, peak_rss_bytes, predict_peak
 from engine.rotation import Rotation, plan_rotation, rotated_config
 from engine.tokenizer import Tokenizer
+from quant import gguf_codec, gguf_types
 from quant import recipe as recipes
 from quant.checkpoint import Checkpoint, CheckpointWriter
 from quant.formats import CODE_RANGE, QuantSpec
@@ -185,6 +186,8 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
         raise BonsaiError(str(e)) from None
     if adapter is not None:
         adapter.check_fits(shapes)
+    if opts.gguf is not None and not opts.allow_lossy_gguf:
+        _check_exportable(specs, shapes)
     tokenizer_files = _tokenizer_files(source)
     tokenizer = _tokenizer(source)
     calibrated = opts.method != "rtn"
@@ -238,6 +241,19 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
         if writer.tmp.exists():  # an error or an interruption: nothing is left behind
             writer.abort()
     return report
+
+
+def _check_exportable(specs: dict[str, QuantSpec], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse --gguf before any work when some tensor would have no llama.cpp type holding it exactly."""
+    from engine.gguf_export import lossy_message
+    lossy = []
+    for name, spec in specs.items():
+        if not spec.is_float:
+            type_id, exact = gguf_codec.export_type(spec.quant_type, shapes[name][1], spec.group_size)
+            if not exact:
+                lossy.append((name, f"{spec.quant_type} g{spec.group_size} → {gguf_types.type_name(type_id)}"))
+    if lossy:
+        raise BonsaiError(lossy_message(lossy))
 
 
 def _settings(opts: QuantizeOptions, calib_ids: list[list[int]]) -> dict[str, Any]:
