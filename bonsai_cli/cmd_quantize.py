@@ -16,7 +16,8 @@ def quantize(
     out: Path = typer.Argument(..., help="the checkpoint directory to write"),
     quant_type: Optional[str] = typer.Option(None, "--quant-type", help="tri | tri-dense | bin | int4 | int8 (default tri)"),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="weights per scale along the input dimension (default 128)"),
-    method: str = typer.Option("rtn", "--method", help="rtn | gptq | gsq"),
+    method: str = typer.Option("gptq", "--method", help="gptq (default: error feedback on calibration text) | "
+                               "gsq (learned rounding, ~5x gptq's time) | rtn (round to nearest: the fast path)"),
     sensitive_layers: Optional[str] = typer.Option(None, "--sensitive-layers",
                                                    help="comma-separated names or regexes kept at --sensitive-bits (e.g. q_proj,k_proj,v_proj,o_proj)"),
     sensitive_bits: int = typer.Option(4, "--sensitive-bits", help="bits of the sensitive layers: 8, 4, 2 or 1"),
@@ -26,19 +27,21 @@ def quantize(
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="YAML recipe with ordered pattern rules"),
     calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text (UTF-8) for gptq / gsq (default: "
                                          "docstrings of Python's standard library)"),
-    calib_samples: int = typer.Option(128, "--calib-samples", help="calibration sequences"),
-    calib_seq_len: int = typer.Option(512, "--calib-seq-len", help="tokens per calibration sequence"),
+    calib_samples: int = typer.Option(32, "--calib-samples", help="calibration sequences"),
+    calib_seq_len: int = typer.Option(256, "--calib-seq-len", help="tokens per calibration sequence"),
     gsq_steps: int = typer.Option(200, "--gsq-steps", help="gsq: learned-rounding steps per layer"),
     scale_refits: int = typer.Option(1, "--scale-refits", help="gptq / gsq: rounds of least-squares group scales "
                                      "for GPTQ's codes (0: GPTQ's own scales)"),
     tune_scales: int = typer.Option(0, "--tune-scales", help="gptq / gsq: then train every group scale end to end "
                                     "(KL to the float model on the calibration text, codes fixed) for this many steps"),
     tune_lr: float = typer.Option(5e-4, "--tune-lr", help="--tune-scales: Adam step of log(scale)"),
-    rotate: bool = typer.Option(False, "--rotate", help="fold the norms and a randomized Hadamard rotation of the "
-                                "residual stream into the weights before quantizing (QuaRot-style)"),
-    online_hadamard: bool = typer.Option(True, "--online-hadamard/--no-online-hadamard",
-                                         help="with --rotate: also a Hadamard on down_proj's input, applied at run "
-                                         "time (llama.cpp cannot: --gguf needs --no-online-hadamard)"),
+    rotate: Optional[bool] = typer.Option(None, "--rotate/--no-rotate", help="fold the norms and a randomized "
+                                          "Hadamard rotation of the residual stream into the weights before "
+                                          "quantizing (QuaRot-style; default: on for gptq / gsq where the hidden size "
+                                          "has a Hadamard matrix)"),
+    online_hadamard: Optional[bool] = typer.Option(None, "--online-hadamard/--no-online-hadamard",
+                                                   help="with --rotate: also a Hadamard on down_proj's input, applied "
+                                                   "at run time (default: on, off with --gguf: llama.cpp cannot apply it)"),
     lora: Optional[Path] = typer.Option(None, "--lora", help="PEFT LoRA adapter directory merged into the weights first"),
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="also write a GGUF llama.cpp reads (every tensor in "
                                         "a type that holds its codes exactly, or refused)"),
@@ -80,6 +83,10 @@ def quantize(
     if threads is not None and threads < 1:
         raise BonsaiError(f"--threads must be >= 1, got {threads}")
     torch.set_num_threads(threads or os.cpu_count() or 1)
+    if rotate is None:
+        rotate = method != "rtn" and default_rotation(store.resolve_model(src))
+    if online_hadamard is None:
+        online_hadamard = gguf is None
     opts = QuantizeOptions(recipe=built, method=method, calib=calib, calib_samples=calib_samples,
                            calib_seq_len=calib_seq_len, gsq_steps=gsq_steps, scale_refits=scale_refits,
                            tune_steps=tune_scales, tune_lr=tune_lr, lora=lora, gguf=gguf, device=device,
@@ -103,6 +110,14 @@ def quantize(
         print_json(report.as_dict())
         return
     print_report(report)
+
+
+def default_rotation(path) -> bool:  # noqa: ANN001
+    """Whether the default --rotate applies: the model's hidden size has a Hadamard matrix."""
+    from engine.loader import open_model_source
+    from quant.rotation import has_hadamard
+    source = open_model_source(path)
+    return has_hadamard(source.model_config().hidden_size) and not getattr(source, "rotation", None)
 
 
 def peak_line(parts: dict[str, int]) -> str:

@@ -52,8 +52,8 @@ class QuantizeOptions:
     recipe: recipes.Recipe
     method: str = "rtn"
     calib: Path | None = None  # None: the built-in text (docstrings of Python's standard library)
-    calib_samples: int = 128
-    calib_seq_len: int = 512
+    calib_samples: int = 32
+    calib_seq_len: int = 256
     gsq_steps: int = 200  # learned-rounding steps per layer (method gsq)
     scale_refits: int = 1  # gptq / gsq: rounds of least-squares group scales (quant.gptq.gptq_with_refits)
     tune_steps: int = 0  # gptq / gsq: end-to-end scale tuning steps afterwards (engine.scale_tuning)

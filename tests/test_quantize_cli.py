@@ -120,7 +120,7 @@ def test_yaml_recipe_and_its_errors(tmp_path):
 
 def test_gguf_source_end_to_end(tiny, tmp_path, capsys):
     out = tmp_path / "ckpt"
-    code, stdout, err = cli(capsys, "quantize", str(tiny.gguf), str(out), "--group-size", "128",
+    code, stdout, err = cli(capsys, "quantize", str(tiny.gguf), str(out), "--method", "rtn", "--group-size", "128",
                             "--sensitive-layers", "q_proj,k_proj", "--json")
     assert code == 0, err
     report = json.loads(stdout)
@@ -164,7 +164,8 @@ def test_hf_source_files_copied_byte_for_byte(tiny, tmp_path, capsys):
     (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     (src / "special_tokens_map.json").write_text('{"bos_token": "<|im_start|>"}\n')
     out = tmp_path / "ckpt"
-    code, _, err = cli(capsys, "quantize", str(src), str(out), "--quant-type", "int8", "--group-size", "32")
+    code, _, err = cli(capsys, "quantize", str(src), str(out), "--method", "rtn", "--no-eval", "--quant-type", "int8",
+                       "--group-size", "32")
     assert code == 0, err
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                  "chat_template.jinja", "special_tokens_map.json"):
@@ -209,7 +210,7 @@ BAD = [
     (["--device", "tpu"], "unsupported device"),
     (["--scale-refits", "-1"], "--scale-refits must be >= 0"),
     (["--tune-scales", "-1"], "--tune-scales must be >= 0"),
-    (["--tune-scales", "5"], "--tune-scales trains on calibration text: use it with --method gptq or gsq"),
+    (["--method", "rtn", "--tune-scales", "5"], "--tune-scales trains on calibration text: use it with --method gptq or gsq"),
 ]
 
 
@@ -313,7 +314,7 @@ def test_scale_tuning_through_the_command(tiny, tmp_path, capsys):
 def test_sigterm_removes_the_partial_output(smollm2_gguf, tmp_path):
     out = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "-m", "bonsai_cli", "quantize", str(smollm2_gguf), str(out),
-                             "--group-size", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             "--method", "rtn", "--group-size", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
     while time.time() < deadline and not any(p.name.startswith(".ckpt.partial") for p in tmp_path.iterdir()):
         time.sleep(0.2)
