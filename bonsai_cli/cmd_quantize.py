@@ -181,5 +181,11 @@ def print_report(report) -> None:  # noqa: ANN001
             table.add_row(name, str(row["tensors"]), f"{row['relative_error']:.5f}")
         console.print(table)
         if not report.gguf.lossless:
-            console.print(f"[yellow]the GGUF export is lossy: relative weight error {g['relative_error']:.5f} against "
-                          "the checkpoint (scales merged into the GGUF types' blocks, or float16 rounding)[/yellow]")
+            cost = ""
+            if report.gguf_quality and report.quality:
+                q, c = report.gguf_quality, report.quality
+                cost = (f"; against the source: mean KL {q['kl_mean']:.4f} (checkpoint {c['kl_mean']:.4f}), ppl "
+                        f"{q['perplexity']:.3f} (checkpoint {c['perplexity']:.3f})")
+            console.print(f"[yellow]the GGUF export is lossy (--allow-lossy-gguf): relative weight error "
+                          f"{g['relative_error']:.5f} against the checkpoint (scales merged into the GGUF types' "
+                          f"blocks){cost}[/yellow]")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint_file import BonsaiCheckpoint
 from engine.evaluate import EvalResult
 from engine.model_config import ModelConfig
 from engine.quant_source import EMBED, HEAD, FloatSource
@@ -87,13 +86,15 @@ def score_outputs(ref_states: torch.Tensor, states: torch.Tensor, targets: torch
 
 def evaluate_written(checkpoint_dir: Path, config: ModelConfig, windows: list[list[int]], ref_states: torch.Tensor,
                      reference: FloatSource, device: str, down_block: int) -> EvalResult:
-    """Run the windows through the checkpoint in `checkpoint_dir` (as written, one layer at a time) and
+    """Run the windows through the checkpoint in `checkpoint_dir` (or a GGUF exported from it: as written,
+    one layer at a time) and
     score its next-token distributions against the reference's final-norm states ref_states [positions, H]
     (engine.layerwise.quantize_layers' return) with the reference's output layer."""
     from engine.layerwise import (EVAL_BATCH, Batches, batches_of, embed_batches, free_block, load_block, run_block,
                                   skeleton)
+    from engine.loader import open_model_source
     dev = torch.device(device)
-    source = FloatSource(BonsaiCheckpoint(checkpoint_dir), config)
+    source = FloatSource(open_model_source(checkpoint_dir), config)
     model = skeleton(config, source, dev)
     ids = batches_of(windows, EVAL_BATCH)
     states = Batches(ids, embed_batches(source, ids, None, dev))

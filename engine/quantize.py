@@ -232,6 +232,12 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
                                       tokenizer_dir=tmp, allow_lossy=opts.allow_lossy_gguf)
             if inside:
                 report.gguf.path = opts.gguf
+            if not report.gguf.lossless and ref_states is not None:  # what the lossy tensors cost, end to end
+                from engine.quant_eval import evaluate_written
+                gguf_file = tmp / opts.gguf.name if inside else opts.gguf
+                result = evaluate_written(gguf_file, out_config, eval_ids, ref_states, floats, opts.device,
+                                          job.down_block)
+                report.gguf_quality = result.as_dict()
         report.seconds, report.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         report.peak_rss_bytes = peak_rss_bytes()
         if report.quality is not None:

@@ -56,6 +56,7 @@ class QuantizeReport:
     rotation: dict | None = None  # the checkpoint's bonsai.rotation metadata
     scale_tuning: dict | None = None  # engine.scale_tuning's report (held-out KL before / after)
     quality: dict | None = None  # engine.quant_eval's scores against the source (None: --no-eval)
+    gguf_quality: dict | None = None  # the same for a lossy GGUF export (--allow-lossy-gguf)
     group_fallbacks: dict[int, list[str]] = field(default_factory=dict)  # group used → tensor classes
     settings: dict[str, Any] = field(default_factory=dict)  # the options that made it
 
@@ -98,7 +99,7 @@ class QuantizeReport:
                 "formats": self.by_format(), "rotation": self.rotation, "settings": self.settings,
                 "relative_error": self.error_by_class(), "kept_from_source": sum(t.kept for t in self.tensors),
                 "group_fallbacks": {str(g): v for g, v in self.group_fallbacks.items()},
-                "scale_tuning": self.scale_tuning, "quality": self.quality,
+                "scale_tuning": self.scale_tuning, "quality": self.quality, "gguf_quality": self.gguf_quality,
                 "gguf": self.gguf.as_dict() if self.gguf else None}
 
 
