@@ -44,6 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json")
 QUALITY_FILE = "quality.json"
 EVAL_CONTEXT = 512
+MIN_EVAL_TOKENS = 128
 Progress = Callable[[str, int, int], None]  # (message, done, total)
 
 
@@ -82,8 +83,8 @@ class QuantizeOptions:
             raise BonsaiError(f"--tune-scales must be >= 0 and --tune-lr > 0, got {self.tune_steps} and {self.tune_lr}")
         if self.tune_steps and self.method == "rtn":
             raise BonsaiError("--tune-scales trains on calibration text: use it with --method gptq or gsq")
-        if self.eval_tokens < 2 * EVAL_CONTEXT // 8:
-            raise BonsaiError(f"--eval-tokens must be at least {2 * EVAL_CONTEXT // 8}, got {self.eval_tokens}")
+        if self.eval_tokens < MIN_EVAL_TOKENS:
+            raise BonsaiError(f"--eval-tokens must be at least {MIN_EVAL_TOKENS}, got {self.eval_tokens}")
 
 
 def _check_paths(src: Path, out: Path, gguf: Path | None, force: bool) -> None:
