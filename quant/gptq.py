@@ -159,10 +159,11 @@ def refit_scales(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, hes
     damps it). A row keeps its old scales where the solution is not better, not finite, or makes a
     scale ≤ 0 (codes and their signs are left as they are). w [N, K], codes [N, K], scales [N, K/G]
     → scales float32 [N, K/G]. Rows go in chunks whose [rows, K/G, K] products stay under chunk_bytes;
-    the maths runs in hessian_dtype(K)."""
+    the products run in float32 (in float64 they cost more than GPTQ itself), the small systems are
+    solved in float64."""
     n, k = w.shape
     groups = k // group_size
-    dtype = hessian_dtype(k)
+    dtype = torch.float32
     h = hessian.to(device=w.device, dtype=dtype, copy=True)  # [K, K]
     h.diagonal().add_(damp * float(h.diagonal().mean()))
     hg = h.view(groups, group_size, k)  # [G, g, K]
@@ -194,8 +195,8 @@ def refit_scales(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, hes
 def row_errors(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, hessian: torch.Tensor,
                group_size: int, chunk_rows: int = 1024) -> torch.Tensor:
     """Each row's output error on the calibration inputs, (w − ŵ)ᵀ H (w − ŵ): float64 [N] (computed in
-    hessian_dtype(K), chunk_rows rows at a time)."""
-    dtype = hessian_dtype(w.shape[1])
+    float32, chunk_rows rows at a time)."""
+    dtype = torch.float32
     h = hessian.to(device=w.device, dtype=dtype)  # [K, K] (no copy when it is already that)
     out = []
     for r0 in range(0, w.shape[0], chunk_rows):
