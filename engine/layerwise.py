@@ -28,11 +28,11 @@ from engine.checkpoint_file import hf_name
 from engine.model import Transformer, rotary_inverse_frequencies
 from engine.model_config import ModelConfig
 from engine.quant_source import EMBED, HEAD, FloatSource
+from engine.quantize_report import GPTQ_SLICE_BYTES, SLICE_BYTES
 from quant.checkpoint import CheckpointWriter
 from quant.formats import QuantSpec, fp16_scales, quantize_rtn, relative_error, rounding_error
 from quant.gptq import gptq_with_refits
 
-SLICE_BYTES = 256 << 20  # float32 bytes of one slice of rows of the embedding / output layer
 EVAL_BATCH = 1  # evaluation windows per forward pass (a CPU's attention holds [B, heads, T, T] scores)
 Record = Callable[..., None]  # (HF name, format label, bytes, (Σ err², Σ w²)) of each tensor written
 
@@ -125,6 +125,8 @@ def write_rows_tensor(source: FloatSource, name: str, spec: QuantSpec | None, wr
     n, k = source.shapes[name]
     hf = "model.embed_tokens.weight" if name == EMBED else "lm_head.weight"
     rows = _slice_rows((n, k))
+    if hessian is not None:
+        rows = max(1, min(rows, GPTQ_SLICE_BYTES // (4 * k)))
     err = ref = 0.0
     floats = spec is None or spec.is_float
     if floats:  # filled slice by slice: never a float32 copy of the whole table

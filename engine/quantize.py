@@ -30,7 +30,7 @@ from engine.layerwise import LayerwiseInputs, quantize_layers
 from engine.loader import open_model_source
 from engine.lora import load_adapter
 from engine.quant_source import FloatSource
-from engine.quantize_report import QuantizeReport, TensorRecord, peak_rss_bytes, predict_peak
+from engine.quantize_report import QuantizeReport, TensorRecord, peak_rss_bytes, predict_peak, return_freed_memory
 from engine.rotation import Rotation, plan_rotation, rotated_config
 from engine.tokenizer import Tokenizer
 from quant import gguf_codec, gguf_types
@@ -168,6 +168,7 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     """Quantize `src` into the checkpoint directory `out` (and opts.gguf); nothing is left on error.
     `announce` receives the predicted peak memory (predict_peak's terms) before the work starts."""
     start, cpu_start = time.perf_counter(), time.process_time()
+    return_freed_memory()
     src, out = Path(src), Path(out)
     _check_paths(src, out, opts.gguf, opts.force)
     source = open_model_source(src)

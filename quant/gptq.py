@@ -45,6 +45,7 @@ def round_with_scale(w: torch.Tensor, scale: torch.Tensor, grid: str) -> torch.T
     return torch.where(scale > 0, torch.clamp(torch.round(w / safe), lo, hi), torch.zeros_like(w))
 
 
+REFIT_CHUNK_BYTES = 32 << 20  # refit_scales: float32 bytes of one chunk's [rows, K/G, K] products
 HESSIAN_FLOAT64_MAX = 8192  # inputs up to which Hessians are kept and factored in float64 (512 MB at most)
 
 
@@ -152,7 +153,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size:
 
 
 def refit_scales(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, hessian: torch.Tensor,
-                 group_size: int, damp: float = 0.01, chunk_bytes: int = 256 << 20) -> torch.Tensor:
+                 group_size: int, damp: float = 0.01, chunk_bytes: int = REFIT_CHUNK_BYTES) -> torch.Tensor:
     """Given the codes, the group scales that minimise the layer's output error on the calibration
     inputs, per row: min_s (w − V s)ᵀ H (w − V s), V [K, K/G] holding the row's code values by group.
     The normal equations (Vᵀ H V) s = Vᵀ H w are one small (K/G)² system per row (H damped as GPTQ
