@@ -39,8 +39,9 @@ def write_random(config_path: Path, layers: int, out: Path, tokenizer_gguf: Path
     from engine.gguf_file import GGUFFile
     from engine.model_config import ModelConfig
     from engine.tokenizer import Tokenizer
-    hf = {**yaml.safe_load(config_path.read_text()), "num_hidden_layers": layers, "torch_dtype": "bfloat16",
-          "model_type": "qwen3"}
+    hf = yaml.safe_load(config_path.read_text())
+    hf = {"model_type": "qwen2" if "Qwen2ForCausalLM" in hf.get("architectures", ()) else "qwen3", **hf,
+          "num_hidden_layers": layers, "torch_dtype": "bfloat16"}
     cfg = ModelConfig.from_hf_config(hf)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf, indent=1))
@@ -66,6 +67,9 @@ def write_random(config_path: Path, layers: int, out: Path, tokenizer_gguf: Path
         for part, (rows, cols) in cfg.linear_shapes().items():
             section = "self_attn." if part in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp."
             tensors[p + section + part + ".weight"] = rand(rows, cols)
+        if cfg.attention_bias:  # qwen2: q/k/v biases
+            for part in ("q_proj", "k_proj", "v_proj"):
+                tensors[p + f"self_attn.{part}.bias"] = rand(cfg.linear_shapes()[part][0])
         if cfg.qk_norm:
             for n in ("q_norm", "k_norm"):
                 tensors[p + f"self_attn.{n}.weight"] = torch.ones(cfg.head_dim, dtype=torch.bfloat16)
