@@ -241,7 +241,14 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
                 ) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y.
     variant (for M > 1; default by row count): "2d" (the M = 1 tiles once per row), "3d" (broadcast
-    over rows), "rows" (the word-row loop, from ROW_LOOP_FROM rows)."""
+    over rows), "rows" (the word-row loop, from ROW_LOOP_FROM rows), "mma" (tensor cores:
+    quant.kernels.packed_mma, its own config). A tri5 matrix runs quant.kernels.tri5_gemv (its config)."""
+    if pw.kind == "tri5":
+        from quant.kernels.tri5_gemv import tri5_gemv
+        return tri5_gemv(xq, sx, sumx, pw, out, accumulate, config)
+    if variant == "mma":
+        from quant.kernels.packed_mma import packed_mma
+        return packed_mma(xq, sx, sumx, pw, out, accumulate, config)
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous()
     variant = variant or ("2d" if m <= ROWS_2D_MAX else "rows" if m >= ROW_LOOP_FROM else "3d")
