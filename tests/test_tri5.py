@@ -13,12 +13,16 @@ import torch
 from quant.kernels.act_quant import quantize_activations
 from quant.kernels.packed_dequant import dequantize_t
 from quant.kernels.packed_gemv import packed_gemv
-from quant.kernels.tri5_gemv import tri5_gemv, tri5_gemv_reference
+from quant.kernels.tri5_dequant import dequantize_tri5_t_reference
+from quant.kernels.tri5_gemv import tri5_gemv, tri5_gemv_reference, tri5_launch_config
 from quant.packed_layout import (LAYOUTS, PackedWeight, check_packable, dequantize, pack, packed_nbytes,
                                  random_packed, unpack_codes)
 from quant.tri5_layout import tri5_from_tq1_0, tri5_from_tri
+from tests.perf.gpu_kern import SHAPES as REAL_SHAPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# REAL_SHAPES: the projections of the models these kernels serve (Qwen3-8B and the 27B-class model). Their launch
+# configs split K unevenly: 20 super-blocks in splits of 3 (the last has 2), 68 in 23 splits of 3.
 
 
 def _codes(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -111,6 +115,23 @@ def test_gemv_matches_reference(group, rows, k, config):
     assert (got - dense).abs().max() < 0.05 * dense.abs().max()
 
 
+@pytest.mark.parametrize("shape,group,rows", [("27b o", 64, 1), ("27b qkv", 128, 1), ("8b o", 64, 1),
+                                              ("27b down", 128, 1), ("8b gate_up", 64, 8),
+                                              ("27b gate_up", 128, 16)])
+def test_gemv_at_real_shapes(shape, group, rows):
+    """The real K with the split-K partition the real matrix launches (a shorter last split for the 27B
+    shapes), on 24 of its columns in one block of 32 (a ragged column block): the interpreter's cost is
+    per program and step, so the full width runs in tests/perf/gpu_kern.py's checks on the GPU."""
+    n, k = REAL_SHAPES[shape]
+    _, split, warps = tri5_launch_config(n, k // 256, rows)
+    pw = _packed(n=24, k=k, group=group, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k + rows)).to(DEVICE)
+    xq = quantize_activations(x, group)
+    got = tri5_gemv(*xq, pw, config=(32, split, warps))
+    want = tri5_gemv_reference(*xq, pw)  # K/G float32 terms in another order: tolerance ∝ output size
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_gemv_accumulates_through_packed_gemv(rows):
     pw = _packed(group=128, k=256)
@@ -121,19 +142,26 @@ def test_gemv_accumulates_through_packed_gemv(rows):
     torch.testing.assert_close(out, residual + tri5_gemv_reference(*xq, pw), rtol=1e-5, atol=1e-4)
 
 
-def test_gemv_comparison_catches_a_layout_bug():
-    """Planted: the five-trit tiles a = 0 and a = 1 swapped in the words; the kernel must disagree."""
+@pytest.mark.parametrize("m", [1, 4])
+def test_gemv_comparison_catches_a_layout_bug(m):
+    """Planted: the five-trit tiles a = 0 and a = 1 swapped in the words; both kernels must disagree."""
     pw = _packed(k=256)
     rows = torch.arange(13)
     rows[0:4], rows[4:8] = torch.arange(4, 8), torch.arange(0, 4)
     bad = PackedWeight("tri5", pw.words[rows.to(pw.words.device)].contiguous(), pw.scales, 40, 256, 128)
-    xq = quantize_activations(torch.randn(1, 256, device=DEVICE), 128)
+    xq = quantize_activations(torch.randn(m, 256, device=DEVICE), 128)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(tri5_gemv(*xq, bad, config=(64, 1, 1)), tri5_gemv_reference(*xq, pw))
 
 
-def test_dequantize_kernel_matches_reference():
-    pw = _packed(n=72, k=256, group=64)
-    got = dequantize_t(pw, torch.float32, config=(64, 4))
-    assert got.shape == (256, 72)
-    torch.testing.assert_close(got, dequantize(pw).t(), rtol=0, atol=0)
+@pytest.mark.parametrize("n,k,group,dtype", [(72, 256, 64, torch.float32), (40, 5120, 128, torch.bfloat16),
+                                             (24, 4096, 64, torch.float16)])
+def test_dequantize_kernel_matches_reference(n, k, group, dtype):
+    pw = _packed(n=n, k=k, group=group)
+    got = dequantize_t(pw, dtype, config=(64, 4))  # 64 columns a program: the last block ragged
+    assert got.shape == (k, n) and got.dtype == dtype
+    want = dequantize_tri5_t_reference(pw, dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    else:  # one rounding of the same float32 value (the interpreter's bf16 cast truncates: a unit apart)
+        torch.testing.assert_close(got, want)

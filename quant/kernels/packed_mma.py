@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from quant.kernels import interpreting, pdl_options
-from quant.kernels.packed_gemv import packed_gemv_reference
+from quant.kernels.packed_gemv import _program_tile, _write_out, packed_gemv_reference, result_buffer, split_k
 from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
 from quant.packed_layout import PackedWeight, layout_kind
 
@@ -43,13 +43,19 @@ def packed_mma_reference(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor,
     return packed_gemv_reference(xq, sx, sumx, pw, out, accumulate)
 
 
-def mma_supported(kind: str, group_size: int) -> bool:
-    """Whether packed_mma takes this layout and group size (else the dp4a kernels do the rows)."""
-    lk = layout_kind(kind)
-    if lk.base3:
+def groups_per_tile(kind: str, group_size: int) -> int:
+    """R: the groups of one 32-byte tile when a group has fewer than 32 bytes of codes, else 1."""
+    group_bytes = group_size * layout_kind(kind).bits // 8
+    return max(32, group_bytes) // group_bytes
+
+
+def mma_supported(kind: str, group_size: int, in_features: int | None = None) -> bool:
+    """Whether packed_mma takes this layout and group size (else the dp4a kernels do the rows), and, given
+    in_features, whether its groups fill whole tiles (a tile never straddles the end of K)."""
+    if layout_kind(kind).base3 or group_size > 256:
         return False
-    group_bytes = group_size * lk.bits // 8
-    return group_size <= 256 and max(32, group_bytes) // group_bytes <= MAX_GROUPS_PER_TILE
+    r = groups_per_tile(kind, group_size)
+    return r <= MAX_GROUPS_PER_TILE and (in_features is None or (in_features // group_size) % r == 0)
 
 
 @triton.jit
@@ -95,12 +101,8 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
     GB: tl.constexpr = GROUP * BITS // 8  # bytes of codes per column per group
     KD: tl.constexpr = 32 if GB < 32 else GB  # bytes per tile (the MMA's K is 32 for int8)
     R: tl.constexpr = KD // GB  # groups per tile
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)  # [BM]
-    m_mask = offs_m < M
+    offs_m, m_mask, offs_n, n_mask = _program_tile(M, N, BLOCK_M, BLOCK_N)  # [BM], [BN]
     p = tl.arange(0, KD)  # byte of the tile
     n_tiles = NG // R
     t_start = pid_k * tiles_per_split
@@ -131,13 +133,13 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
             for r in tl.static_range(R):
                 x = tl.load(xq_ptr + x_offs, mask=m_mask[None, :] & ((p // GB) == r)[:, None], other=0)  # [KD, BM]
                 if r == 0:
-                    d0 = tl.dot(a, x, d0)
+                    d0 = tl.dot(a, x, d0, out_dtype=tl.int32)
                 elif r == 1:
-                    d1 = tl.dot(a, x, d1)
+                    d1 = tl.dot(a, x, d1, out_dtype=tl.int32)
                 elif r == 2:
-                    d2 = tl.dot(a, x, d2)
+                    d2 = tl.dot(a, x, d2, out_dtype=tl.int32)
                 else:
-                    d3 = tl.dot(a, x, d3)
+                    d3 = tl.dot(a, x, d3, out_dtype=tl.int32)
         g = t * R
         acc = _group_epilogue(acc, d0, g, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
                               MULT, OFFSET, EXACT_MAGIC)
@@ -149,14 +151,7 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
                                   MULT, OFFSET, EXACT_MAGIC)
             acc = _group_epilogue(acc, d3, g + 3, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
                                   MULT, OFFSET, EXACT_MAGIC)
-    out_offs = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM]: y[m, n]
-    mask = n_mask[:, None] & m_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptr + out_offs, acc, mask=mask)
-    else:
-        if ACCUMULATE:
-            acc += tl.load(out_ptr + out_offs, mask=mask, other=0.0)
-        tl.store(out_ptr + out_offs, acc, mask=mask)
+    _write_out(out_ptr, tl.trans(acc), offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)  # y [BM, BN]
 
 
 def mma_launch_config(n: int, tiles: int, rows: int) -> tuple[int, int, int, int]:
@@ -164,11 +159,7 @@ def mma_launch_config(n: int, tiles: int, rows: int) -> tuple[int, int, int, int
     per half), split-K until ~1024 programs with at least two tiles each. A prediction, to be replaced by
     tests/perf/gpu_kernel_variants.py's measurement."""
     block_n, warps, stages = 128, 4, 3
-    blocks = triton.cdiv(n, block_n)
-    split = 1
-    while blocks * split < 1024 and split < 32 and split * 2 <= tiles // 2:
-        split *= 2
-    return block_n, split, warps, stages
+    return block_n, split_k(triton.cdiv(n, block_n), tiles, 1024), warps, stages
 
 
 def packed_mma(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
@@ -177,17 +168,12 @@ def packed_mma(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Packe
     """y = x Wᵀ for M ≤ 16 rows of int8 activations on tensor cores → float32 [M, N]; with accumulate,
     out += y. Same results as packed_gemv (the same integer sums; float sums in another order)."""
     m, k = xq.shape
-    assert m <= 16 and k == pw.in_features and xq.is_contiguous() and mma_supported(pw.kind, pw.group_size)
+    assert m <= 16 and k == pw.in_features and xq.is_contiguous() and mma_supported(pw.kind, pw.group_size, k)
     kind = layout_kind(pw.kind)
     ng = k // pw.group_size
-    group_bytes = pw.group_size * kind.bits // 8
-    per_tile = max(32, group_bytes) // group_bytes
-    tiles = ng // per_tile
+    tiles = ng // groups_per_tile(pw.kind, pw.group_size)
     block_n, split, warps, stages = config or mma_launch_config(pw.out_features, tiles, m)
-    if out is None:
-        out = torch.zeros(m, pw.out_features, dtype=torch.float32, device=xq.device)
-    elif not accumulate and split > 1:
-        out.zero_()
+    out = result_buffer(out, m, pw.out_features, xq.device, accumulate, split)
     per_split = triton.cdiv(tiles, split)
     grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(tiles, per_split))
     max_code = 128 if kind.signed else (1 << kind.bits) - 1

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from quant.kernels import interpreting, pdl_options
-from quant.kernels.packed_gemv import _dot4, _write_out, packed_gemv_reference
+from quant.kernels.packed_gemv import (_dot4, _dot4_bytes, _program_tile, _write_out, packed_gemv_reference,
+                                       result_buffer, split_k)
 from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
 from quant.packed_layout import PackedWeight
 
@@ -49,19 +50,6 @@ def _high_bytes(pe, po, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _dot4u(a, b, acc, USE_ASM: tl.constexpr):
-    """acc + Σ over the four bytes of a (unsigned) times the four signed bytes of b (dp4a.u32.s32)."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        r = acc
-        for byte in tl.static_range(4):
-            r += ((a >> (8 * byte)) & 0xFF) * ((b << (24 - 8 * byte)) >> 24)
-        return r
-
-
-@triton.jit
 def _five_trit_sums(w, x_ptrs, qa, qb, USE_ASM: tl.constexpr):
     """Q-sums of one tile of five-trit words w [4, BN] against the activation words x_ptrs[h] + n:
     qa += Σ_n Q_n·x_n, qb += Σ_{n<4} Q_n·x_{n+1} (so Σ t·x = qa − 3·qb)."""
@@ -70,10 +58,10 @@ def _five_trit_sums(w, x_ptrs, qa, qb, USE_ASM: tl.constexpr):
     xn = tl.broadcast_to(tl.load(x_ptrs)[:, None], w.shape)
     for n in tl.static_range(5):
         q = _high_bytes(pe, po, USE_ASM)  # [4, BN]: Q_n of the four lanes
-        qa = _dot4u(q, xn, qa, USE_ASM)
+        qa = _dot4_bytes(q, xn, qa, True, USE_ASM)
         if n < 4:
             xn = tl.broadcast_to(tl.load(x_ptrs + n + 1)[:, None], w.shape)
-            qb = _dot4u(q, xn, qb, USE_ASM)
+            qb = _dot4_bytes(q, xn, qb, True, USE_ASM)
             pe = pe * 3
             po = po * 3
     return qa, qb
@@ -98,10 +86,8 @@ def _tri5_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, N, NG, NS
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr,
                       USE_ASM: tl.constexpr, USE_PDL: tl.constexpr):
     NGS: tl.constexpr = 256 // GROUP  # groups per super-block
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = offs_n < N
+    offs_m, m_mask, offs_n, n_mask = _program_tile(1, N, 1, BLOCK_N)  # [1], [BN]
     h = tl.arange(0, 4)  # segment of the super-block
     s_start = pid_k * supers_per_split
     s_end = tl.minimum(s_start + supers_per_split, NS)
@@ -130,30 +116,26 @@ def _tri5_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, N, NG, NS
         sw = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(tl.float32)
         acc += (isum - sumx[:, None]).to(tl.float32) * sx[:, None] * sw
     total = tl.sum(acc, axis=0)[None, :]  # [1, BN]
-    offs_m = tl.arange(0, 1)
-    _write_out(out_ptr, total, offs_m, offs_n, offs_m < 1, n_mask, N, ATOMIC, ACCUMULATE)
+    _write_out(out_ptr, total, offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)
+
+
+@triton.jit
+def _next_trit(pe, po, USE_ASM: tl.constexpr):
+    """(the next trit of the four lanes, as bytes; the halves for the one after): the remainders of the
+    halves kept, ×3 moves the next trit into byte 1 / byte 3."""
+    pe = (pe & 0x00FF00FF) * 3
+    po = (po & 0x00FF00FF) * 3
+    return _high_bytes(pe, po, USE_ASM), pe, po
 
 
 @triton.jit
 def _trits(w, USE_ASM: tl.constexpr):
     """The five trit words of a five-trit word row w [BN]: trit n of each lane as bytes (0..2)."""
-    ve = w & 0x00FF00FF  # remainders b·3^n mod 256 of the even lanes, in 16-bit halves
-    vo = (w >> 8) & 0x00FF00FF
-    pe = ve * 3
-    po = vo * 3
-    t0 = _high_bytes(pe, po, USE_ASM)
-    pe = (pe & 0x00FF00FF) * 3
-    po = (po & 0x00FF00FF) * 3
-    t1 = _high_bytes(pe, po, USE_ASM)
-    pe = (pe & 0x00FF00FF) * 3
-    po = (po & 0x00FF00FF) * 3
-    t2 = _high_bytes(pe, po, USE_ASM)
-    pe = (pe & 0x00FF00FF) * 3
-    po = (po & 0x00FF00FF) * 3
-    t3 = _high_bytes(pe, po, USE_ASM)
-    pe = (pe & 0x00FF00FF) * 3
-    po = (po & 0x00FF00FF) * 3
-    t4 = _high_bytes(pe, po, USE_ASM)
+    t0, pe, po = _next_trit(w, w >> 8, USE_ASM)  # even / odd lanes: remainders b·3^n mod 256 in 16-bit halves
+    t1, pe, po = _next_trit(pe, po, USE_ASM)
+    t2, pe, po = _next_trit(pe, po, USE_ASM)
+    t3, pe, po = _next_trit(pe, po, USE_ASM)
+    t4, pe, po = _next_trit(pe, po, USE_ASM)
     return t0, t1, t2, t3, t4
 
 
@@ -165,63 +147,71 @@ def _rows_dot(codes, x_ptrs, m_mask, isum, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _load_segment(w_ptr, seg, seg_end, offs_n, n_mask, N):
+    """The three five-trit word rows [BN] of segment seg (= 4·s + h) and its super-block's tail word row."""
+    ok = n_mask & ((offs_n * 0 + seg) < seg_end)
+    row = 13 * (seg // 4) + seg % 4
+    w0 = tl.load(w_ptr + row * N + offs_n, mask=ok, other=0, eviction_policy="evict_first")
+    w1 = tl.load(w_ptr + (row + 4) * N + offs_n, mask=ok, other=0, eviction_policy="evict_first")
+    w2 = tl.load(w_ptr + (row + 8) * N + offs_n, mask=ok, other=0, eviction_policy="evict_first")
+    tail = tl.load(w_ptr + (13 * (seg // 4) + 12) * N + offs_n, mask=ok, other=0)  # read again by each segment (L1)
+    return w0, w1, w2, tail
+
+
+@triton.jit
+def _segment_dot(w, x_ptrs, m_mask, isum, USE_ASM: tl.constexpr):
+    """isum [BM, BN] + the five trit words of the five-trit word row w against x_ptrs + n (every row)."""
+    t0, t1, t2, t3, t4 = _trits(w, USE_ASM)
+    isum = _rows_dot(t0, x_ptrs, m_mask, isum, USE_ASM)
+    isum = _rows_dot(t1, x_ptrs + 1, m_mask, isum, USE_ASM)
+    isum = _rows_dot(t2, x_ptrs + 2, m_mask, isum, USE_ASM)
+    isum = _rows_dot(t3, x_ptrs + 3, m_mask, isum, USE_ASM)
+    return _rows_dot(t4, x_ptrs + 4, m_mask, isum, USE_ASM)
+
+
+@triton.jit
 def _tri5_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, NS, supers_per_split,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
                       ACCUMULATE: tl.constexpr, USE_ASM: tl.constexpr, USE_PDL: tl.constexpr):
-    NGS: tl.constexpr = 256 // GROUP
     SEGS: tl.constexpr = GROUP // 64  # segments per group
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)  # [BM]
-    m_mask = offs_m < M
+    offs_m, m_mask, offs_n, n_mask = _program_tile(M, N, BLOCK_M, BLOCK_N)  # [BM], [BN]
     x_words = K // 4
-    s_start = pid_k * supers_per_split
-    s_end = tl.minimum(s_start + supers_per_split, NS)
-    ok = n_mask & ((offs_n * 0 + s_start) < s_end)
-    tail_first = tl.load(w_ptr + (13 * s_start + 12) * N + offs_n, mask=ok, other=0, eviction_policy="evict_first")
+    seg_start = 4 * pid_k * supers_per_split
+    seg_end = 4 * tl.minimum(pid_k * supers_per_split + supers_per_split, NS)
+    # segment by segment (three five-trit word rows and the tail's step), the next one's words in flight;
+    # the first segment's words need nothing from the previous kernel: with PDL, loaded before the wait
+    w0n, w1n, w2n, tn = _load_segment(w_ptr, seg_start, seg_end, offs_n, n_mask, N)
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     isum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    tail = tail_first
-    for s in range(s_start, s_end):
-        x_ptrs = xq_ptr + offs_m * x_words + 64 * s  # [BM]
-        for h in tl.static_range(4):  # segment h: three five-trit word rows, then the tail's step h
-            for a in tl.static_range(3):
-                w = tl.load(w_ptr + (13 * s + 4 * a + h) * N + offs_n, mask=n_mask, other=0,
-                            eviction_policy="evict_first")  # [BN]
-                t0, t1, t2, t3, t4 = _trits(w, USE_ASM)
-                base = x_ptrs + 16 * h + 5 * a
-                isum = _rows_dot(t0, base, m_mask, isum, USE_ASM)
-                isum = _rows_dot(t1, base + 1, m_mask, isum, USE_ASM)
-                isum = _rows_dot(t2, base + 2, m_mask, isum, USE_ASM)
-                isum = _rows_dot(t3, base + 3, m_mask, isum, USE_ASM)
-                isum = _rows_dot(t4, base + 4, m_mask, isum, USE_ASM)
-            isum = _rows_dot((tail >> (2 * h)) & 0x03030303, x_ptrs + 16 * h + 15, m_mask, isum, USE_ASM)
-            if h % SEGS == SEGS - 1:  # the group is complete: scale it into the float sums
-                g = s * NGS + h // SEGS
-                sumx = tl.load(sumx_ptr + offs_m * NG + g, mask=m_mask, other=0)  # [BM]
-                sx = tl.load(sx_ptr + offs_m * NG + g, mask=m_mask, other=0.0)  # [BM]
-                sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
-                acc += (isum - sumx[:, None]).to(tl.float32) * sx[:, None] * sw[None, :]
-                isum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        tail = tl.load(w_ptr + (13 * s + 25) * N + offs_n, mask=n_mask & ((offs_n * 0 + s + 1) < s_end), other=0,
-                       eviction_policy="evict_first")  # the next super-block's tail word
+    for seg in range(seg_start, seg_end):
+        w0, w1, w2, tail = w0n, w1n, w2n, tn
+        w0n, w1n, w2n, tn = _load_segment(w_ptr, seg + 1, seg_end, offs_n, n_mask, N)
+        x_ptrs = xq_ptr + offs_m * x_words + 16 * seg  # [BM]: activation word 64s + 16h of every row
+        isum = _segment_dot(w0, x_ptrs, m_mask, isum, USE_ASM)
+        isum = _segment_dot(w1, x_ptrs + 5, m_mask, isum, USE_ASM)
+        isum = _segment_dot(w2, x_ptrs + 10, m_mask, isum, USE_ASM)
+        isum = _rows_dot((tail >> (2 * (seg % 4))) & 0x03030303, x_ptrs + 15, m_mask, isum, USE_ASM)
+        if seg % SEGS == SEGS - 1:  # the group is complete: scale it into the float sums
+            g = seg // SEGS
+            sumx = tl.load(sumx_ptr + offs_m * NG + g, mask=m_mask, other=0)  # [BM]
+            sx = tl.load(sx_ptr + offs_m * NG + g, mask=m_mask, other=0.0)  # [BM]
+            sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
+            acc += (isum - sumx[:, None]).to(tl.float32) * sx[:, None] * sw[None, :]
+            isum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     _write_out(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)
 
 
 def tri5_launch_config(n: int, supers: int, rows: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, split_k, num_warps): packed_gemv's rule (one warp of 128 columns, split-K until ~4096
-    programs, at least two super-blocks a split); not yet measured for tri5 (tests/perf/gpu_kernel_variants.py)."""
-    block_n, warps = 128, 1
-    blocks = triton.cdiv(n, block_n)
-    split = 1
-    while blocks * split < 4096 and split < 32 and split * 2 <= supers // 2:
-        split *= 2
-    return block_n, split, warps
+    """(BLOCK_N, split_k, num_warps): packed_gemv's rule (128 columns a program, split-K until ~4096
+    programs, at least two super-blocks a split), one warp for one row; for the row loop 2 warps up to 8
+    rows and 4 above (one warp spills at 16 rows: 255 registers + 344 bytes of stack on sm_90). Not yet
+    measured for tri5 (tests/perf/gpu_kernel_variants.py)."""
+    block_n, warps = 128, 1 if rows == 1 else 2 if rows <= 8 else 4
+    return block_n, split_k(triton.cdiv(n, block_n), supers, 4096), warps
 
 
 def tri5_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
@@ -233,10 +223,7 @@ def tri5_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Packed
     assert pw.kind == "tri5" and m <= 16 and k == pw.in_features and xq.is_contiguous()
     ng, ns = k // pw.group_size, k // 256
     block_n, split, warps = config or tri5_launch_config(pw.out_features, ns, m)
-    if out is None:
-        out = torch.zeros(m, pw.out_features, dtype=torch.float32, device=xq.device)
-    elif not accumulate and split > 1:
-        out.zero_()
+    out = result_buffer(out, m, pw.out_features, xq.device, accumulate, split)
     per_split = triton.cdiv(ns, split)
     grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(ns, per_split))
     common = dict(GROUP=pw.group_size, BLOCK_N=block_n, ATOMIC=split > 1, ACCUMULATE=accumulate,
