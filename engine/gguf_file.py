@@ -119,15 +119,25 @@ class GGUFFile:
             name = canonical_name(t.name)
             if name is None or name in skip:
                 continue
-            try:
-                tensor = gguf_types.dequantize(tensor_bytes(self._data, t), t.type_id, t.shape)
-            except gguf_types.UnsupportedTensorType as e:
-                raise UnsupportedModelError(f"{self.path.name}: tensor {t.name}: {e}") from None
-            if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-                tensor = _unpermute_rotary(tensor, config.num_heads)
-            elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-                tensor = _unpermute_rotary(tensor, config.num_kv_heads)
-            yield name, tensor
+            yield name, self.read_tensor(name, config)
+
+    def read_tensor(self, name: str, config: ModelConfig, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor by canonical name as float32 (llama q/k rows un-permuted); `rows` (start, stop): only
+        those rows of a 2-D tensor are decoded (not for llama q/k, whose rows are permuted)."""
+        t = self._tensors[gguf_name(name)]
+        raw, shape = tensor_bytes(self._data, t), t.shape
+        if rows is not None:
+            assert len(shape) == 2 and not name.endswith(("q_proj.weight", "k_proj.weight"))
+            raw, shape = raw[rows[0]:rows[1]], (rows[1] - rows[0], shape[1])
+        try:
+            tensor = gguf_types.dequantize(raw, t.type_id, shape)
+        except gguf_types.UnsupportedTensorType as e:
+            raise UnsupportedModelError(f"{self.path.name}: tensor {t.name}: {e}") from None
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = _unpermute_rotary(tensor, config.num_heads)
+        elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = _unpermute_rotary(tensor, config.num_kv_heads)
+        return tensor
 
 
     def iter_quantized_tensors(self, config: ModelConfig
