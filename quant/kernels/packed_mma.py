@@ -156,8 +156,8 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
 
 def mma_launch_config(n: int, tiles: int, rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, split_k, num_warps, num_stages): 128 columns over 4 warps (one warpgroup: a 64-row wgmma
-    per half), split-K until ~1024 programs with at least two tiles each. A prediction, to be replaced by
-    tests/perf/gpu_kernel_variants.py's measurement."""
+    per half), split-K until ~1024 programs with at least two tiles each. A prediction, not swept yet
+    (tests/perf/gpu_kern.py times this default)."""
     block_n, warps, stages = 128, 4, 3
     return block_n, split_k(triton.cdiv(n, block_n), tiles, 1024), warps, stages
 

@@ -208,8 +208,8 @@ def _tri5_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, 
 def tri5_launch_config(n: int, supers: int, rows: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, split_k, num_warps): packed_gemv's rule (128 columns a program, split-K until ~4096
     programs, at least two super-blocks a split), one warp for one row; for the row loop 2 warps up to 8
-    rows and 4 above (one warp spills at 16 rows: 255 registers + 344 bytes of stack on sm_90). Not yet
-    measured for tri5 (tests/perf/gpu_kernel_variants.py)."""
+    rows and 4 above (one warp spills at 16 rows: 255 registers + 344 bytes of stack on sm_90). Not swept
+    yet for tri5 (tests/perf/gpu_kern.py times this default)."""
     block_n, warps = 128, 1 if rows == 1 else 2 if rows <= 8 else 4
     return block_n, split_k(triton.cdiv(n, block_n), supers, 4096), warps
 
