@@ -16,12 +16,18 @@ Stored code u and its value (value of a weight = value(u) * scale of its group):
   int8 (8 bits): u = the signed byte itself
 i.e. value = MULT * u - OFFSET with (MULT, OFFSET) below; integer dot products are corrected once
 per group: Σ value·x = MULT·Σ u·x − OFFSET·Σ x.
+
+Besides these word layouts (KINDS, the engine's weight types), LAYOUTS holds the base-3 ternary layout
+  tri5 (five trits per byte, 1.625 bits): u = c + 1 ∈ {0, 1, 2}, words [13·K/256, N] (quant/tri5_layout.py)
+which PackedWeight carries the same way (words [rows, N], scales [K/G, N]).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from quant import tri5_layout
 
 
 @dataclass(frozen=True)
@@ -31,9 +37,11 @@ class LayoutKind:
     mult: int
     offset: int
     signed: bool  # the stored byte is a signed code (int8) rather than an unsigned one
+    base3: bool = False  # five trits per byte (tri5), not `per_word` codes of `bits` bits
 
     @property
     def per_word(self) -> int:
+        assert not self.base3, "tri5 words hold 20 or 16 codes: use word_rows()"
         return 32 // self.bits
 
     @property
@@ -49,10 +57,25 @@ KINDS = {
 }
 
 
+LAYOUTS = {**KINDS, "tri5": LayoutKind("tri5", 2, 1, 1, False, base3=True)}
+
+
 def layout_kind(name: str) -> LayoutKind:
-    if name not in KINDS:
-        raise ValueError(f"no packed runtime layout for '{name}' (known: {', '.join(KINDS)})")
-    return KINDS[name]
+    if name not in LAYOUTS:
+        raise ValueError(f"no packed runtime layout for '{name}' (known: {', '.join(LAYOUTS)})")
+    return LAYOUTS[name]
+
+
+def word_rows(kind: str, in_features: int) -> int:
+    """Rows of a packed matrix's words tensor [rows, N]."""
+    if layout_kind(kind).base3:
+        return tri5_layout.word_rows(in_features)
+    return in_features // layout_kind(kind).per_word
+
+
+def packed_nbytes(kind: str, out_features: int, in_features: int, group_size: int) -> int:
+    """Bytes of a packed [N, K] matrix: int32 words + float16 scales (PackedWeight.nbytes before it exists)."""
+    return word_rows(kind, in_features) * out_features * 4 + in_features // group_size * out_features * 2
 
 
 @dataclass
@@ -76,6 +99,8 @@ class PackedWeight:
 
 def check_packable(kind: str, out_features: int, in_features: int, group_size: int) -> None:
     k = layout_kind(kind)
+    if k.base3:
+        return tri5_layout.check_tri5(out_features, in_features, group_size)
     if group_size % k.per_word or group_size % 4:
         raise ValueError(f"group size {group_size} must be a multiple of {max(k.per_word, 4)} for {kind}")
     if in_features % group_size:
@@ -97,6 +122,9 @@ def pack(kind_name: str, codes: torch.Tensor, scales: torch.Tensor, group_size: 
     kind = layout_kind(kind_name)
     n, k = codes.shape
     check_packable(kind_name, n, k, group_size)
+    if kind.base3:
+        return PackedWeight(kind_name, tri5_layout.pack_tri5_words(codes),
+                            scales.to(torch.float16).t().contiguous(), n, k, group_size)
     e, steps = kind.per_word, 8 // kind.bits
     u = _stored_codes(kind, codes).reshape(n, k // e, steps, 4)  # [N, K/E, j, b]
     shifts = (8 * torch.arange(4, device=codes.device)[None, :]
@@ -110,6 +138,8 @@ def pack(kind_name: str, codes: torch.Tensor, scales: torch.Tensor, group_size: 
 def unpack_codes(pw: PackedWeight) -> torch.Tensor:
     """PackedWeight → grid codes int8 [N, K] (exact inverse of `pack`)."""
     kind = layout_kind(pw.kind)
+    if kind.base3:
+        return tri5_layout.unpack_tri5_codes(pw.words, pw.out_features, pw.in_features)
     e, steps = kind.per_word, 8 // kind.bits
     w = pw.words.t().to(torch.int64) & 0xFFFFFFFF  # [N, K/E]
     shifts = (8 * torch.arange(4, device=w.device)[None, :]
@@ -144,6 +174,10 @@ def random_packed(kind_name: str, out_features: int, in_features: int, group_siz
     GENERATE_SLICE_WORDS words, so the temporaries stay small (`random_packed_transient`)."""
     kind = layout_kind(kind_name)
     check_packable(kind_name, out_features, in_features, group_size)
+    if kind.base3:
+        scales = torch.full((in_features // group_size, out_features), std, dtype=torch.float16, device=device)
+        return PackedWeight(kind_name, tri5_layout.random_tri5_words(out_features, in_features, device, generator),
+                            scales, out_features, in_features, group_size)
     e = kind.per_word
     words = torch.empty(in_features // e, out_features, dtype=torch.int32, device=device)  # [K/E, N]
     words.random_(-2 ** 31, 2 ** 31, generator=generator)
@@ -161,7 +195,10 @@ def random_packed(kind_name: str, out_features: int, in_features: int, group_siz
 
 def random_packed_transient(kind_name: str, out_features: int, in_features: int) -> int:
     """Peak bytes of random_packed's temporaries beyond its result: for ternary words, the slice's
-    two masks, their product and its complement (int32 each); none for the other kinds."""
+    two masks, their product and its complement (int32 each); for tri5, `random_tri5_transient`; none
+    for the other kinds."""
+    if kind_name == "tri5":
+        return tri5_layout.random_tri5_transient(out_features, in_features)
     if kind_name != "tri":
         return 0
     rows = in_features // layout_kind(kind_name).per_word

@@ -41,7 +41,11 @@ def _dequant_t_kernel(w_ptr, s_ptr, out_ptr, N, BITS: tl.constexpr, MULT: tl.con
 
 def dequantize_t(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
                  config: tuple[int, int] = (128, 4)) -> torch.Tensor:
-    """Wᵀ [K, N] in dtype, same values as `dequantize_t_reference` (up to the dtype's rounding)."""
+    """Wᵀ [K, N] in dtype, same values as `dequantize_t_reference` (up to the dtype's rounding). A tri5
+    matrix runs quant.kernels.tri5_dequant (config: its BLOCK_N, num_warps)."""
+    if pw.kind == "tri5":
+        from quant.kernels.tri5_dequant import dequantize_tri5_t
+        return dequantize_tri5_t(pw, dtype, out, config)
     kind = layout_kind(pw.kind)
     k, n = pw.in_features, pw.out_features
     if out is None:

@@ -52,13 +52,27 @@ def packed_gemv_reference(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor
 @triton.jit
 def _dot4(a, b, acc, USE_ASM: tl.constexpr):
     """acc + Σ over the four signed bytes of a·b (dp4a)."""
+    return _dot4_bytes(a, b, acc, False, USE_ASM)
+
+
+@triton.jit
+def _dot4_bytes(a, b, acc, A_UNSIGNED: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc + Σ over the four bytes of a (signed, or unsigned: dp4a.u32.s32) times the four signed bytes of b."""
     if USE_ASM:
-        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+        if A_UNSIGNED:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+                                             dtype=tl.int32, is_pure=True, pack=1)
     else:
         r = acc
         for byte in tl.static_range(4):
-            r += ((a << (24 - 8 * byte)) >> 24) * ((b << (24 - 8 * byte)) >> 24)
+            if A_UNSIGNED:
+                a_byte = (a >> (8 * byte)) & 0xFF
+            else:
+                a_byte = (a << (24 - 8 * byte)) >> 24
+            r += a_byte * ((b << (24 - 8 * byte)) >> 24)
         return r
 
 
@@ -99,6 +113,33 @@ def _group_dot(w, xq_ptr, g, offs_m, m_mask, M, rows, x_words, BITS: tl.constexp
 
 
 @triton.jit
+def _program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows and columns (its K split is program_id(1)): offs_m [BM], m_mask, offs_n [BN], n_mask."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    return offs_m, offs_m < M, offs_n, offs_n < N
+
+
+def split_k(blocks: int, steps: int, programs: int) -> int:
+    """Splits of K: doubled until the grid holds `programs` programs, at most 32, at least two K steps
+    (groups, super-blocks, tiles) each."""
+    split = 1
+    while blocks * split < programs and split < 32 and split * 2 <= steps // 2:
+        split *= 2
+    return split
+
+
+def result_buffer(out: torch.Tensor | None, m: int, n: int, device, accumulate: bool, split: int) -> torch.Tensor:
+    """The float32 [m, n] result: a new zeroed buffer, or out (zeroed first when split-K programs add into it
+    and it is not accumulated into)."""
+    if out is None:
+        return torch.zeros(m, n, dtype=torch.float32, device=device)
+    if not accumulate and split > 1:
+        out.zero_()
+    return out
+
+
+@triton.jit
 def _write_out(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, N, ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr):
     """The program's [BM, BN] sums into out: added with atomics (split-K), added in place, or stored."""
     out_offs = offs_m[:, None] * N + offs_n[None, :]
@@ -119,12 +160,8 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
                         ROWS_2D: tl.constexpr, USE_PDL: tl.constexpr):
     GW: tl.constexpr = GROUP * BITS // 32  # words per group (per column)
     DEEP: tl.constexpr = GW <= 8  # two groups in flight when their words fit in registers (≤ 2-bit)
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)  # [BM]
-    m_mask = offs_m < M
+    offs_m, m_mask, offs_n, n_mask = _program_tile(M, N, BLOCK_M, BLOCK_N)  # [BM], [BN]
     rows = tl.arange(0, GW)  # [GW]
     x_words = K // 4
     g_start = pid_k * groups_per_split
@@ -180,12 +217,8 @@ def _packed_gemv_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M,
                              USE_ASM: tl.constexpr, USE_PDL: tl.constexpr):
     STEPS: tl.constexpr = 8 // BITS  # shift steps per word
     GW: tl.constexpr = GROUP * BITS // 32  # word rows per group
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)  # [BM]
-    m_mask = offs_m < M
+    offs_m, m_mask, offs_n, n_mask = _program_tile(M, N, BLOCK_M, BLOCK_N)  # [BM], [BN]
     x_words = K // 4
     g_start = pid_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, NG)
@@ -228,11 +261,7 @@ def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -
     so per-group sums stay inside the thread) and split-K until the grid holds ~4096 programs (at
     most 32 splits, at least two groups each) beat wider programs at every Qwen3-8B shape."""
     block_n, warps = 128, 1
-    blocks = triton.cdiv(n, block_n)
-    split = 1
-    while blocks * split < 4096 and split < 32 and split * 2 <= num_groups // 2:
-        split *= 2
-    return block_n, split, warps
+    return block_n, split_k(triton.cdiv(n, block_n), num_groups, 4096), warps
 
 
 def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
@@ -241,7 +270,14 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
                 ) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y.
     variant (for M > 1; default by row count): "2d" (the M = 1 tiles once per row), "3d" (broadcast
-    over rows), "rows" (the word-row loop, from ROW_LOOP_FROM rows)."""
+    over rows), "rows" (the word-row loop, from ROW_LOOP_FROM rows), "mma" (tensor cores:
+    quant.kernels.packed_mma, its own config). A tri5 matrix runs quant.kernels.tri5_gemv (its config)."""
+    if pw.kind == "tri5":
+        from quant.kernels.tri5_gemv import tri5_gemv
+        return tri5_gemv(xq, sx, sumx, pw, out, accumulate, config)
+    if variant == "mma":
+        from quant.kernels.packed_mma import packed_mma
+        return packed_mma(xq, sx, sumx, pw, out, accumulate, config)
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous()
     variant = variant or ("2d" if m <= ROWS_2D_MAX else "rows" if m >= ROW_LOOP_FROM else "3d")
@@ -249,10 +285,7 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
     kind = layout_kind(pw.kind)
     ng = k // pw.group_size
     block_n, split, warps = config or gemv_launch_config(pw.out_features, ng, pw.kind, num_sms)
-    if out is None:
-        out = torch.zeros(m, pw.out_features, dtype=torch.float32, device=xq.device)
-    elif not accumulate and split > 1:
-        out.zero_()
+    out = result_buffer(out, m, pw.out_features, xq.device, accumulate, split)
     per_split = triton.cdiv(ng, split)
     grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(ng, per_split))
     kernel, extra = ((_packed_gemv_rows_kernel, {}) if row_loop

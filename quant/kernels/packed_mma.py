@@ -1,0 +1,186 @@
+"""Packed-weight product for 2..16 rows on tensor cores: int8 × int8 → int32 MMA, weight bytes the only cost.
+
+Same contract as `packed_gemv` (xq, sx, sumx, PackedWeight of kind tri/bin/int4/int8, out, accumulate;
+split-K programs add with atomics; PDL), and the same integer sums per group, so the engine can switch
+between the two per row count. Why int8 and not bf16: the activations are already int8 (no conversion),
+a code plane comes out of the packed bytes as int8 directly (bf16 would need an integer → float convert
+per code, a quarter-rate instruction on Hopper), int8 MMA has twice bf16's rate, and the int32 sums are
+bit-identical to the dp4a kernels'.
+
+The product is computed transposed, y[m, n] = (W xᵀ)[n, m]: the weight is the MMA's big operand (its
+M = BLOCK_N columns of W, so Hopper can use wgmma), the rows are the small one (N = BLOCK_M, padded in
+registers: masked rows load zeros and are never stored). The program loads the packed bytes of a tile
+of BLOCK_N columns × KD bytes (one group, or R = 32 / bytes-per-group groups when a group has fewer
+than 32 bytes of codes) as int8 [BLOCK_N, KD], and for each bit plane j (shift BITS·j) takes
+    A_j = (bytes >> BITS·j) & field mask          (one shift and one and per four codes: `_plane`)
+which is elementwise on the packed bytes, so it is right in whatever register layout Triton gives the
+MMA operand. Byte p of word w, plane j holds input k = E·w + 4j + p % 4 (E codes per word): the
+activations are gathered in that order, [KD, BLOCK_M], zero outside the group being summed; each group's
+int32 sums are scaled once into the float accumulator, as in packed_gemv:
+    y[m, n] += sw[g, n] · sx[m, g] · (MULT · Σ u·x − OFFSET · sumx[m, g]).
+The int32 → float conversion is exact and cheap: bitcast(d + 0x4B400000) = 12582912 + d for |d| < 2^22.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quant.kernels import interpreting, pdl_options
+from quant.kernels.packed_gemv import _program_tile, _write_out, packed_gemv_reference, result_buffer, split_k
+from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
+from quant.packed_layout import PackedWeight, layout_kind
+
+MAGIC = 0x4B400000  # float32 bits of 2^23 + 2^22
+MAGIC_F = 12582912.0
+MAX_GROUPS_PER_TILE = 4  # R; 1-bit codes in groups of 32 (R = 8) stay on the dp4a kernels
+_FIELD = {1: 0x01010101, 2: 0x03030303, 4: 0x0F0F0F0F}
+
+
+def packed_mma_reference(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
+                         out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """The same maths in plain torch: packed_gemv_reference (exact integer sums)."""
+    return packed_gemv_reference(xq, sx, sumx, pw, out, accumulate)
+
+
+def groups_per_tile(kind: str, group_size: int) -> int:
+    """R: the groups of one 32-byte tile when a group has fewer than 32 bytes of codes, else 1."""
+    group_bytes = group_size * layout_kind(kind).bits // 8
+    return max(32, group_bytes) // group_bytes
+
+
+def mma_supported(kind: str, group_size: int, in_features: int | None = None) -> bool:
+    """Whether packed_mma takes this layout and group size (else the dp4a kernels do the rows), and, given
+    in_features, whether its groups fill whole tiles (a tile never straddles the end of K)."""
+    if layout_kind(kind).base3 or group_size > 256:
+        return False
+    r = groups_per_tile(kind, group_size)
+    return r <= MAX_GROUPS_PER_TILE and (in_features is None or (in_features // group_size) % r == 0)
+
+
+@triton.jit
+def _plane(t, SHIFT: tl.constexpr, FIELD: tl.constexpr, USE_ASM: tl.constexpr):
+    """Codes of bit plane SHIFT of the packed bytes t (int8, any shape): (t >> SHIFT) & field, four bytes
+    per instruction pair."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("{ .reg .b32 r; shr.b32 r, $1, $2; and.b32 $0, r, $6; }",
+                                         "=r,r,r,r,r,r,r,r,r,r",
+                                         [t, tl.full(t.shape, SHIFT, tl.int32), tl.full(t.shape, FIELD, tl.int32)],
+                                         dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return (t >> SHIFT) & (FIELD & 0xFF)
+
+
+@triton.jit
+def _group_epilogue(acc, d, g, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
+                    MULT: tl.constexpr, OFFSET: tl.constexpr, EXACT_MAGIC: tl.constexpr):
+    """acc [BN, BM] + group g's int32 sums d [BN, BM], corrected and scaled."""
+    sumx = tl.load(sumx_ptr + offs_m * NG + g, mask=m_mask, other=0).to(tl.float32)  # [BM]
+    sx = tl.load(sx_ptr + offs_m * NG + g, mask=m_mask, other=0.0)  # [BM]
+    sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
+    if EXACT_MAGIC:
+        f = (d + 0x4B400000).to(tl.float32, bitcast=True)  # 12582912 + d, exactly
+        if MULT == 1:  # 12582912 + OFFSET·sumx < 2^24: an exact float, one subtraction
+            v = f - (12582912.0 + OFFSET * sumx)[None, :]
+        else:
+            v = (f - 12582912.0) * MULT - (OFFSET * sumx)[None, :]
+    else:
+        v = d.to(tl.float32) * MULT - (OFFSET * sumx)[None, :]
+    return acc + v * sx[None, :] * sw[:, None]
+
+
+@triton.jit
+def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, tiles_per_split,
+                       BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, SIGNED: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
+                       ACCUMULATE: tl.constexpr, EXACT_MAGIC: tl.constexpr, USE_ASM: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    E: tl.constexpr = 32 // BITS  # codes per word
+    STEPS: tl.constexpr = 8 // BITS  # bit planes per byte
+    FIELD: tl.constexpr = 0x01010101 if BITS == 1 else (0x03030303 if BITS == 2 else 0x0F0F0F0F)
+    GB: tl.constexpr = GROUP * BITS // 8  # bytes of codes per column per group
+    KD: tl.constexpr = 32 if GB < 32 else GB  # bytes per tile (the MMA's K is 32 for int8)
+    R: tl.constexpr = KD // GB  # groups per tile
+    pid_k = tl.program_id(1)
+    offs_m, m_mask, offs_n, n_mask = _program_tile(M, N, BLOCK_M, BLOCK_N)  # [BM], [BN]
+    p = tl.arange(0, KD)  # byte of the tile
+    n_tiles = NG // R
+    t_start = pid_k * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
+    w_bytes = w_ptr.to(tl.pointer_type(tl.int8))
+    byte_offs = (p // 4)[None, :] * (4 * N) + (p % 4)[None, :] + 4 * offs_n[:, None]  # [BN, KD]
+    if USE_PDL:  # the weights need nothing from the previous kernel: bring the first tile into L2 meanwhile
+        first = w_ptr + (t_start * (KD // 4) + tl.arange(0, KD // 4))[:, None] * N + offs_n[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [first], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        gdc_launch_dependents()
+        gdc_wait()
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for t in range(t_start, t_end):
+        codes = tl.load(w_bytes + t * (KD // 4) * (4 * N) + byte_offs, mask=n_mask[:, None], other=0,
+                        eviction_policy="evict_first")  # [BN, KD] packed bytes
+        k_of = E * (t * (KD // 4) + p // 4) + p % 4  # [KD]: input of plane 0 of each byte
+        d0 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+        d1 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+        d2 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+        d3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+        for j in tl.static_range(STEPS):
+            if SIGNED:
+                a = codes
+            else:
+                a = _plane(codes, BITS * j, FIELD, USE_ASM)  # [BN, KD] int8 codes
+            x_offs = offs_m[None, :] * K + (k_of + 4 * j)[:, None]  # [KD, BM]
+            for r in tl.static_range(R):
+                x = tl.load(xq_ptr + x_offs, mask=m_mask[None, :] & ((p // GB) == r)[:, None], other=0)  # [KD, BM]
+                if r == 0:
+                    d0 = tl.dot(a, x, d0, out_dtype=tl.int32)
+                elif r == 1:
+                    d1 = tl.dot(a, x, d1, out_dtype=tl.int32)
+                elif r == 2:
+                    d2 = tl.dot(a, x, d2, out_dtype=tl.int32)
+                else:
+                    d3 = tl.dot(a, x, d3, out_dtype=tl.int32)
+        g = t * R
+        acc = _group_epilogue(acc, d0, g, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
+                              MULT, OFFSET, EXACT_MAGIC)
+        if R > 1:
+            acc = _group_epilogue(acc, d1, g + 1, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
+                                  MULT, OFFSET, EXACT_MAGIC)
+        if R > 2:
+            acc = _group_epilogue(acc, d2, g + 2, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
+                                  MULT, OFFSET, EXACT_MAGIC)
+            acc = _group_epilogue(acc, d3, g + 3, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
+                                  MULT, OFFSET, EXACT_MAGIC)
+    _write_out(out_ptr, tl.trans(acc), offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)  # y [BM, BN]
+
+
+def mma_launch_config(n: int, tiles: int, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, split_k, num_warps, num_stages): 128 columns over 4 warps (one warpgroup: a 64-row wgmma
+    per half), split-K until ~1024 programs with at least two tiles each. A prediction, not swept yet
+    (tests/perf/gpu_kern.py times this default)."""
+    block_n, warps, stages = 128, 4, 3
+    return block_n, split_k(triton.cdiv(n, block_n), tiles, 1024), warps, stages
+
+
+def packed_mma(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
+               out: torch.Tensor | None = None, accumulate: bool = False,
+               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """y = x Wᵀ for M ≤ 16 rows of int8 activations on tensor cores → float32 [M, N]; with accumulate,
+    out += y. Same results as packed_gemv (the same integer sums; float sums in another order)."""
+    m, k = xq.shape
+    assert m <= 16 and k == pw.in_features and xq.is_contiguous() and mma_supported(pw.kind, pw.group_size, k)
+    kind = layout_kind(pw.kind)
+    ng = k // pw.group_size
+    tiles = ng // groups_per_tile(pw.kind, pw.group_size)
+    block_n, split, warps, stages = config or mma_launch_config(pw.out_features, tiles, m)
+    out = result_buffer(out, m, pw.out_features, xq.device, accumulate, split)
+    per_split = triton.cdiv(tiles, split)
+    grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(tiles, per_split))
+    max_code = 128 if kind.signed else (1 << kind.bits) - 1
+    _packed_mma_kernel[grid](
+        xq, sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
+        BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, SIGNED=kind.signed, GROUP=pw.group_size,
+        BLOCK_M=16 if m > 8 else 8, BLOCK_N=block_n, ATOMIC=split > 1, ACCUMULATE=accumulate,
+        EXACT_MAGIC=pw.group_size * max_code * 127 < 2 ** 22, USE_ASM=not interpreting(),
+        num_warps=warps, num_stages=stages, **pdl_options(xq.device))
+    return out
