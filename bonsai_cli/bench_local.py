@@ -19,8 +19,8 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
     from bonsai_cli.gpu_budget import plan_cli_run
     from engine.bench import model_bench
     from engine.bench.suites import load_suite
-    from engine.memory_limit import within_limit
-    from engine.runner import ModelRunner
+    from engine.memory.limit import within_limit
+    from engine.runtime.runner import ModelRunner
 
     prompts = None
     if suite:
@@ -63,7 +63,7 @@ def _bench_runner(report, loaded, runner, budget, tests, prompts, suite, repetit
     """The bench of a ready runner (ModelRunner, or a PipelineRunner: stage 0's device and plan)."""
     from bonsai_cli.gpu_budget import memory_report
     from engine.bench.environment import describe_environment
-    from engine.memory_limit import check_usage, within_limit
+    from engine.memory.limit import check_usage, within_limit
     check_usage(budget.limit, loaded.device, "loading", budget.plan.total)
     report["memory"] = memory_report(budget, loaded.device)
     report["environment"] = describe_environment(loaded.device)

@@ -93,7 +93,7 @@ def bench(
     if repetitions < 1:
         raise BonsaiError("-r (repetitions) must be >= 1")
     spec_config = speculative_config(spec, draft_tokens)
-    from engine.kv_cache import kv_type_of
+    from engine.runtime.kv_cache import kv_type_of
     kv_type_of(kv_type)  # an unknown name fails before loading
     if kv_type != "bf16" and url:
         raise BonsaiError("--kv-type sets a local MODEL's cache; a server sets its own in its config (model.kv_type)")

@@ -38,11 +38,11 @@ def chat(
     """Chat with a model in the terminal; the conversation stays in the KV cache between turns."""
     from rich.console import Console
 
-    from engine.chat_session import ChatSession
+    from engine.decoding.chat import ChatSession
     from engine.errors import BonsaiError
-    from engine.generate import GenerationRequest
-    from engine.kv_cache import kv_type_of
-    from engine.runner import ModelRunner
+    from engine.decoding.generate import GenerationRequest
+    from engine.runtime.kv_cache import kv_type_of
+    from engine.runtime.runner import ModelRunner
     from engine.speculative.config import build_drafter
 
     console = Console()
@@ -157,7 +157,7 @@ def _chat_with_config(path: Path, system: Optional[str], max_tokens: int, sampli
     """The chat loop over the server's engine: thoughts are shown dimmed before the answer."""
     from bonsai_cli.cmd_serve import architecture_of, read_serve_config
     from engine.errors import BonsaiError
-    from engine.server.loading import load_engine
+    from engine.run.builder import load_engine
     from engine.server.local_chat import EngineChat
 
     cfg = read_serve_config(path)

@@ -25,8 +25,8 @@ def eval_command(
     from rich.table import Table
 
     from engine.errors import BonsaiError
-    from engine.evaluate import check_same_tokenizer, evaluate, read_eval_text
-    from engine.runner import ModelRunner
+    from engine.quantization.evaluate import check_same_tokenizer, evaluate, read_eval_text
+    from engine.runtime.runner import ModelRunner
 
     if max_tokens < 2:
         raise BonsaiError("--max-tokens must be at least 2")

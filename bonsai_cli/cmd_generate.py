@@ -17,7 +17,7 @@ from bonsai_cli.pipeline_options import DEVICE_HELP, PIPELINE_HELP, open_cli_pip
 def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
                           repeat_penalty: float, presence_penalty: float, frequency_penalty: float,
                           seed: Optional[int]):
-    from engine.sampling import SamplingParams
+    from engine.decoding.sampling import SamplingParams
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                           repetition_penalty=repeat_penalty, presence_penalty=presence_penalty,
                           frequency_penalty=frequency_penalty, seed=seed)
@@ -54,10 +54,10 @@ def generate(
 ) -> None:
     """Generate a continuation (or a chat answer with --chat), streamed to stdout."""
     from engine.errors import BonsaiError
-    from engine.generate import GenerationRequest
-    from engine.kv_cache import kv_type_of
-    from engine.memory_limit import within_limit
-    from engine.runner import ModelRunner
+    from engine.decoding.generate import GenerationRequest
+    from engine.runtime.kv_cache import kv_type_of
+    from engine.memory.limit import within_limit
+    from engine.runtime.runner import ModelRunner
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -106,8 +106,8 @@ def prompt_ids(loaded, prompt: str, chat: bool, system: Optional[str]) -> list[i
 def _generate(loaded, runner, ids: list[int], request, spec_config, make_runner, max_seq_len: int, budget,
               json_out: bool) -> None:
     """Stream the generation (runner: a started pipeline, or None: make_runner() makes one)."""
-    from engine.generate import stream_generate
-    from engine.memory_limit import check_usage, within_limit
+    from engine.decoding.generate import stream_generate
+    from engine.memory.limit import check_usage, within_limit
     from engine.speculative.config import build_drafter
 
     tok, limit = loaded.tokenizer, budget.limit if budget else None

@@ -24,9 +24,9 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
     from rich.console import Console
     from rich.table import Table
 
-    from engine import store
+    from engine.sources import store
     from engine.errors import BonsaiError
-    from engine.loader import open_model_source, summarize
+    from engine.weights.loader import open_model_source, summarize
 
     if plan is not None:
         _info_plan(model, plan, json_out)
@@ -79,8 +79,8 @@ def _info_plan(model: Optional[str], plan_file: Path, json_out: bool) -> None:
     from bonsai_cli.cmd_serve import architecture_of, read_serve_config
     from bonsai_cli.plan_table import plan_dict, print_plan
     from engine.errors import BonsaiError
-    from engine.memory_budget import SERVE_KEYS, check_budget
-    from engine.server.memory import serve_plan
+    from engine.memory.budget import SERVE_KEYS, check_budget
+    from engine.run.plan import serve_plan
 
     cfg = read_serve_config(plan_file, {"model.path": model})
     planned = serve_plan(cfg, architecture_of(cfg))
@@ -143,8 +143,8 @@ def _info_dummy(model: str, weights: str, group_size: int, head_weights: str, js
     from rich.table import Table
 
     from bonsai_cli.common import _dummy_config
-    from engine.memory_budget import dummy_formats, run_settings
-    from engine.memory_plan import weight_tensors
+    from engine.memory.budget import dummy_formats, run_settings
+    from engine.memory.plan import weight_tensors
 
     config, path = _dummy_config(model)
     formats = dummy_formats(config, weights, group_size, head_weights).formats

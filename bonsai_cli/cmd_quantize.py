@@ -47,10 +47,10 @@ def quantize(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from bonsai_cli.recipe_file import build_recipe, read_recipe_file
-    from engine import store
-    from engine.loader import resolve_device
-    from engine.quantize import QuantizeOptions
-    from engine.quantize import quantize as run_quantize
+    from engine.sources import store
+    from engine.weights.loader import resolve_device
+    from engine.quantization.quantize import QuantizeOptions
+    from engine.quantization.quantize import quantize as run_quantize
 
     file_data = read_recipe_file(recipe) if recipe else None
     built = build_recipe(file_data, quant_type=quant_type, group_size=group_size, sensitive_layers=sensitive_layers,

@@ -14,7 +14,7 @@ def read_serve_config(path: Path, overrides: dict[str, Any] | None = None):
     import yaml
 
     from engine.errors import BonsaiError
-    from engine.server.config import ServeConfig
+    from engine.run.config import ServeConfig
     if not path.is_file():
         raise BonsaiError(f"config file not found: {path}")
     try:
@@ -63,7 +63,7 @@ def serve(
 
     from engine.errors import BonsaiError
     from engine.server.api import ServerState, create_app
-    from engine.server.loading import load_engine
+    from engine.run.builder import load_engine
 
     cfg = read_serve_config(config, {"server.host": host, "server.port": port, "server.api_key": api_key,
                                      "runtime.max_batch_size": slots, "runtime.device": device})

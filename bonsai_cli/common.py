@@ -82,7 +82,7 @@ MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
 
 def weight_format_from_options(weights: str, group_size: int, head_weights: str):
-    from engine.packed_linear import WeightFormat
+    from engine.weights.packed_linear import WeightFormat
     return WeightFormat(quant_type=weights, group_size=group_size, head_type=head_weights)
 
 
@@ -91,7 +91,7 @@ def _dummy_config(model: str | None):
     import yaml
 
     from engine.errors import BonsaiError
-    from engine.model_config import ModelConfig
+    from engine.sources.model_config import ModelConfig
     if not model:
         raise BonsaiError("--load-format dummy needs MODEL: an architecture YAML such as configs/models/qwen3-8b.yaml")
     path = Path(model)
@@ -117,9 +117,9 @@ def load_for_cli(model: str | None, device: str, quiet: bool = False, auto_pull:
                  head_weights: str = "bf16", load_format: str = "auto", embedding_on_host: bool = False):
     """Resolve MODEL (path or pulled name; the default model when None) and load it (the embedding
     table in host memory with embedding_on_host)."""
-    from engine import store
+    from engine.sources import store
     from engine.errors import BonsaiError
-    from engine.loader import load_dummy, load_model
+    from engine.weights.loader import load_dummy, load_model
 
     wdtype = parse_weight_dtype(weight_dtype)
     fmt = weight_format_from_options(weights, group_size, head_weights)

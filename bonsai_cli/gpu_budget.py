@@ -14,9 +14,9 @@ EMBEDDING_ON_HOST_HELP = ("keep the embedding table in host memory (each step co
 @dataclass
 class Budget:
     limit: int | None  # bytes, None: no limit
-    plan: Any  # engine.memory_plan.MemoryPlan
-    settings: Any  # engine.memory_plan.RunSettings
-    choices: list = field(default_factory=list)  # engine.memory_budget.FitChoice: what the plan chose to fit
+    plan: Any  # engine.memory.plan.MemoryPlan
+    settings: Any  # engine.memory.plan.RunSettings
+    choices: list = field(default_factory=list)  # engine.memory.budget.FitChoice: what the plan chose to fit
 
 
 def plan_cli_run(model: Optional[str], device: str, max_seq_len: int, limit_text: Optional[str],
@@ -29,12 +29,12 @@ def plan_cli_run(model: Optional[str], device: str, max_seq_len: int, limit_text
     refuse a plan still over it (one line with what would fit) and cap the CUDA allocator at it.
     Reads metadata only."""
     from bonsai_cli.common import _dummy_config, parse_weight_dtype, weight_format_from_options
-    from engine import store
-    from engine.memory_budget import (CLI_KEYS, check_budget, drafter_plan, dummy_formats, fit_to_budget, model_formats,
+    from engine.sources import store
+    from engine.memory.budget import (CLI_KEYS, check_budget, drafter_plan, dummy_formats, fit_to_budget, model_formats,
                                       run_settings)
-    from engine.memory_limit import limit_device_memory
-    from engine.memory_plan import make_plan
-    from engine.server.config import parse_bytes
+    from engine.memory.limit import limit_device_memory
+    from engine.memory.plan import make_plan
+    from engine.run.config import parse_bytes
 
     from engine.errors import BonsaiError
     weight_format_from_options(weights, group_size, head_weights)  # the options' own one-line errors first
@@ -47,7 +47,7 @@ def plan_cli_run(model: Optional[str], device: str, max_seq_len: int, limit_text
         mw = dummy_formats(config, weights, group_size, head_weights, name=path.stem)
         wbytes = None
     else:
-        from engine.loader import open_model_source
+        from engine.weights.loader import open_model_source
         source = open_model_source(store.resolve_model(model or store.DEFAULT_MODEL, auto_pull=auto_pull))
         mw = model_formats(source, source.model_config(), weights, group_size, head_weights, keep_codes=cuda)
         wdtype = parse_weight_dtype(weight_dtype)
@@ -74,7 +74,7 @@ def memory_report(budget: Budget, device) -> dict[str, Any]:
     """Planned bytes against the allocator's peaks (the bench report's 'memory' entry)."""
     import torch
 
-    from engine.memory_limit import usage
+    from engine.memory.limit import usage
     cuda = torch.device(device).type == "cuda"
     used = usage(device)
     return {"planned_bytes": budget.plan.total, "planned_by_category": budget.plan.categories(),

@@ -34,11 +34,11 @@ def open_cli_pipeline(model: Optional[str], devices: list[str], max_seq_len: int
     checked against --max-gpu-memory per device, then started. load: load_for_cli's options."""
     from bonsai_cli.common import _dummy_config, parse_weight_dtype, weight_format_from_options
     from bonsai_cli.gpu_budget import Budget
-    from engine import store
-    from engine.memory_budget import dummy_formats, model_formats, run_settings
+    from engine.sources import store
+    from engine.memory.budget import dummy_formats, model_formats, run_settings
     from engine.pipeline.launch import ModelSource
     from engine.pipeline.setup import check_pipeline_budget, open_pipeline, plan_pipeline
-    from engine.server.config import parse_bytes
+    from engine.run.config import parse_bytes
 
     load = {"weight_dtype": "auto", "weights": "bf16", "group_size": 128, "head_weights": "bf16",
             "load_format": "auto", **load}
@@ -52,7 +52,7 @@ def open_cli_pipeline(model: Optional[str], devices: list[str], max_seq_len: int
         weights = dummy_formats(config, load["weights"], load["group_size"], load["head_weights"], name=path.stem)
         source = ModelSource(architecture=config, name=path.stem, weight_format=fmt)
     else:
-        from engine.loader import open_model_source
+        from engine.weights.loader import open_model_source
         path = store.resolve_model(model or store.DEFAULT_MODEL, auto_pull=auto_pull or model is None)
         src = open_model_source(path)
         weights = model_formats(src, src.model_config(), load["weights"], load["group_size"], load["head_weights"],

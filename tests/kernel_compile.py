@@ -60,8 +60,8 @@ def attention_cases():
     from engine.kernels.attention_decode import decode_attention, decode_attention_int8
     from engine.kernels.attention_prefill import prefill_attention
     from engine.kernels.rope_cache import qk_norm_rope_write
-    from engine.kv_cache import KVCache
-    from engine.model_config import ModelConfig
+    from engine.runtime.kv_cache import KVCache
+    from engine.sources.model_config import ModelConfig
     h, kv, d = 4, 2, 64
     cfg = ModelConfig(architecture="qwen3", vocab_size=8, hidden_size=h * d, intermediate_size=8, num_layers=1,
                       num_heads=h, num_kv_heads=kv, head_dim=d, qk_norm=True)

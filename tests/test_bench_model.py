@@ -10,8 +10,8 @@ from engine.bench.model_bench import (BenchTest, decode_bytes_per_token, fresh_t
                                       plan_tests, run_model_bench)
 from engine.bench.records import Measurement, mean_std, percentile
 from engine.errors import BonsaiError
-from engine.loader import LoadedModel, TensorSummary
-from engine.runner import ModelRunner
+from engine.weights.loader import LoadedModel, TensorSummary
+from engine.runtime.runner import ModelRunner
 from tests.test_kv_cache import TINY, tiny_model
 
 

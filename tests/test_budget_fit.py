@@ -9,8 +9,8 @@ import pytest
 
 from bonsai_cli.common import _dummy_config
 from engine.errors import BonsaiError
-from engine.memory_budget import SERVE_KEYS, check_budget, dummy_formats, fit_to_budget, run_settings
-from engine.memory_plan import make_plan
+from engine.memory.budget import SERVE_KEYS, check_budget, dummy_formats, fit_to_budget, run_settings
+from engine.memory.plan import make_plan
 
 SERVE_27B = """model:
   path: dense-27b

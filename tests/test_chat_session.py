@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.chat_session import ChatSession
-from engine.generate import GenerationRequest, generate_text
-from engine.runner import ModelRunner
+from engine.decoding.chat import ChatSession
+from engine.decoding.generate import GenerationRequest, generate_text
+from engine.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 

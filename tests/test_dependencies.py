@@ -37,7 +37,7 @@ def test_only_the_cli_reads_yaml():
 
 def test_the_rule_catches_a_planted_violation(tmp_path):
     planted = tmp_path / "bad.py"
-    planted.write_text("from engine.model import Transformer\nimport bonsai_cli.main\n")
+    planted.write_text("from engine.runtime.model import Transformer\nimport bonsai_cli.main\n")
     assert {"engine", "bonsai_cli"} <= imported_top_modules(planted)
 
 

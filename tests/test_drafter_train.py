@@ -10,7 +10,7 @@ from engine.errors import BonsaiError
 from engine.speculative import dflash, mtp
 from engine.speculative.drafter_data import DrafterData, score_sequences
 from engine.speculative.drafter_file import read_drafter
-from engine.runner import ModelRunner
+from engine.runtime.runner import ModelRunner
 from engine.speculative.drafter_eval import greedy_continuation, measure_acceptance, teacher_forced_acceptance
 from engine.speculative.drafter_train import (TrainConfig, learning_rate, make_drafter, new_module,
                                               soft_cross_entropy, train_drafter)
@@ -113,7 +113,7 @@ def test_trained_drafter_is_accepted_and_teacher_forced_acceptance_equals_the_lo
     assert loop.accepted > loop.drafted // 4
     assert forced.as_dict() == loop.as_dict()
     # the generation core with --spec KIND:DIR: the file train_drafter wrote, greedy output unchanged
-    from engine.generate import GenerationRequest, generate_text
+    from engine.decoding.generate import GenerationRequest, generate_text
     from engine.speculative.config import SpeculativeConfig, build_drafter
     from tests.test_spec_generate import TinyTokenizer
     drafter = build_drafter(SpeculativeConfig.from_spec(f"{kind}:{tmp_path}", num_draft_tokens=3, adaptive=False),
@@ -200,7 +200,7 @@ def test_trained_mtp_beats_an_untrained_one_on_smollm2(smollm2_float32, smollm2_
 
 
 def test_text_file_data_windows_held_out_prompts_and_refusals(tmp_path, smollm2_gguf, one_thread):
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     from engine.speculative.drafter_data import text_file_data
     from tests.gguf_tiny import write_tiny_gguf
     loaded = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_gguf), "cpu")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine.errors import BonsaiError
-from engine.loader import LoadedModel, TensorSummary
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.weights.loader import LoadedModel, TensorSummary
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams
 from engine.speculative import dflash, mtp
 from engine.speculative.draft_layers import default_config, shared_logits
 from engine.speculative.drafter import Draft, Drafter

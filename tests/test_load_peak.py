@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from engine import packed_linear
-from engine.loader import load_dummy, load_model
-from engine.memory_budget import dummy_formats, model_formats, run_settings
-from engine.memory_plan import load_transient_bytes
-from engine.model_config import ModelConfig
-from engine.packed_linear import WeightFormat, pack_linears
+from engine.weights import packed_linear
+from engine.weights.loader import load_dummy, load_model
+from engine.memory.budget import dummy_formats, model_formats, run_settings
+from engine.memory.plan import load_transient_bytes
+from engine.sources.model_config import ModelConfig
+from engine.weights.packed_linear import WeightFormat, pack_linears
 from quant import packed_layout
 from tests.live_bytes import LiveBytes
 
@@ -49,7 +49,7 @@ def test_dummy_generation_peaks_one_slice_above_the_weights(one_thread, monkeypa
 @pytest.fixture(scope="module")
 def float_checkpoint(tmp_path_factory):
     """A bonsai checkpoint of CFG's shapes with every tensor float (bf16 matrices)."""
-    from engine.checkpoint_file import hf_config, hf_name
+    from engine.sources.checkpoint_file import hf_config, hf_name
     from quant.checkpoint import CheckpointWriter
     from tests.test_memory_plan import _tiny_tokenizer
     out = tmp_path_factory.mktemp("peak") / "float-ckpt"
@@ -85,7 +85,7 @@ def test_packing_at_load_matches_packing_after_and_never_holds_the_float_model(f
         torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
     # the peak: the weights, two float source tensors read from the file (host memory on a GPU), and
     # one slice's rounding temporaries, which the plan counts on the device
-    from engine.loader import open_model_source
+    from engine.weights.loader import open_model_source
     weights = model_formats(open_model_source(float_checkpoint), CFG, fmt.quant_type, fmt.group_size, fmt.head_type)
     planned = load_transient_bytes(CFG, weights.formats, run_settings(CFG, "cpu", 32))
     source = 512 * 128 * 4  # the largest tensor, as float32
@@ -97,7 +97,7 @@ def test_packing_at_load_matches_packing_after_and_never_holds_the_float_model(f
 def test_plan_counts_the_27b_items_by_hand():
     """The 27B-class model (configs/models/dense-27b.yaml), 1-bit blocks, int4 output layer, 4K context."""
     from bonsai_cli.common import _dummy_config
-    from engine.memory_plan import make_plan
+    from engine.memory.plan import make_plan
     config, _ = _dummy_config("dense-27b")
     formats = dummy_formats(config, "bin", 128, "int4").formats
     s = run_settings(config, "cuda:0", 4096, kv_type="int8", dummy=True)

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from engine.errors import BonsaiError
-from engine.memory_budget import SERVE_KEYS, check_budget, dummy_formats, run_settings
-from engine.memory_plan import make_plan
+from engine.memory.budget import SERVE_KEYS, check_budget, dummy_formats, run_settings
+from engine.memory.plan import make_plan
 from tests.test_memory_plan import QWEN3_8B
 from tests.test_serve_config import SEED, error, load
 
@@ -92,7 +92,7 @@ def _write_dummy_config(tmp_path, smollm2_gguf, limit: str, slots: int = 2) -> o
 def test_info_plan_json_and_table(tmp_path, smollm2_gguf, capsys, monkeypatch):
     from bonsai_cli.main import main
     monkeypatch.setenv("COLUMNS", "250")
-    from engine.server.memory import serve_plan
+    from engine.run.plan import serve_plan
     path = _write_dummy_config(tmp_path, smollm2_gguf, "1GB")
     main(["info", "--plan", str(path), "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -110,7 +110,7 @@ def test_info_plan_json_and_table(tmp_path, smollm2_gguf, capsys, monkeypatch):
 
 def test_serve_refuses_before_loading_and_loads_within_the_limit(tmp_path, smollm2_gguf, monkeypatch, one_thread):
     from bonsai_cli.cmd_serve import architecture_of, read_serve_config
-    from engine.server import loading
+    from engine.run import builder as loading
     cfg = read_serve_config(_write_dummy_config(tmp_path, smollm2_gguf, "18MB"))
     loads = []
     real = loading._load_model
@@ -150,8 +150,8 @@ def test_bench_reports_plan_and_limit(tmp_path, one_thread):
 
 def test_info_describes_a_dummy_model(tmp_path, capsys):
     from bonsai_cli.main import main
-    from engine.memory_plan import weight_tensors
-    from engine.model_config import ModelConfig
+    from engine.memory.plan import weight_tensors
+    from engine.sources.model_config import ModelConfig
     arch = tmp_path / "tiny.yaml"
     arch.write_text(TINY_ARCH)
     main(["info", str(arch), "--load-format", "dummy", "--weights", "bin", "--group-size", "32", "--json"])

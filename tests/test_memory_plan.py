@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from engine.memory_budget import dummy_formats, model_formats, run_settings
-from engine.memory_plan import (LinearFormat, RunSettings, decode_step_bytes, linear_formats, make_plan,
+from engine.memory.budget import dummy_formats, model_formats, run_settings
+from engine.memory.plan import (LinearFormat, RunSettings, decode_step_bytes, linear_formats, make_plan,
                                 packed_bytes, pool_segment_bytes)
-from engine.model_config import ModelConfig
+from engine.sources.model_config import ModelConfig
 from tests.test_kv_cache import TINY
 
 QWEN3_8B = ModelConfig(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -81,9 +81,9 @@ def test_pool_segments_model_the_caching_allocator():
 
 
 def test_dummy_load_allocates_what_the_plan_says(one_thread):
-    from engine.loader import load_dummy
-    from engine.packed_linear import WeightFormat
-    from engine.runner import ModelRunner
+    from engine.weights.loader import load_dummy
+    from engine.weights.packed_linear import WeightFormat
+    from engine.runtime.runner import ModelRunner
     tied = ModelConfig(**{**vars(TINY), "extra": {}, "tie_word_embeddings": True})
     for config, fmt in ((TINY, WeightFormat("tri", 32)), (TINY, WeightFormat("bin", 32, head_type="int8")),
                         (tied, WeightFormat("int4", 32, head_type="int8")), (TINY, WeightFormat())):
@@ -106,7 +106,7 @@ def _tiny_tokenizer(path) -> None:
 def tiny_checkpoint(tmp_path_factory):
     """A bonsai checkpoint of TINY's shapes: q/k/v tri, o_proj int4, gate tri + up bin (mixed: the
     fused gate/up stays float), down int8; embedding, norms and lm_head float."""
-    from engine.checkpoint_file import hf_config, hf_name
+    from engine.sources.checkpoint_file import hf_config, hf_name
     from quant.checkpoint import CheckpointWriter
     from quant.formats import QuantSpec, quantize_rtn
     out = tmp_path_factory.mktemp("plan") / "tiny-ckpt"
@@ -134,9 +134,9 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def test_checkpoint_load_allocates_what_the_plan_says(tiny_checkpoint, one_thread):
-    from engine.loader import load_model, open_model_source
-    from engine.packed_linear import WeightFormat
-    from engine.runner import ModelRunner
+    from engine.weights.loader import load_model, open_model_source
+    from engine.weights.packed_linear import WeightFormat
+    from engine.runtime.runner import ModelRunner
     source = open_model_source(tiny_checkpoint)
     for keep_codes, fmt in ((True, WeightFormat()), (True, WeightFormat("int8", 32)), (False, WeightFormat())):
         loaded = load_model(tiny_checkpoint, "cpu", keep_codes=keep_codes, weight_format=fmt)
@@ -153,7 +153,7 @@ def test_checkpoint_load_allocates_what_the_plan_says(tiny_checkpoint, one_threa
 
 def test_stored_codes_are_never_read_as_floats(tiny_checkpoint, monkeypatch, one_thread):
     """Layers packed from stored codes skip the float load (no float copy of a packed model)."""
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     from quant.checkpoint import Checkpoint
     read = []
     real = Checkpoint.read_dequantized
@@ -168,10 +168,10 @@ def test_stored_codes_are_never_read_as_floats(tiny_checkpoint, monkeypatch, one
 
 
 def test_decode_static_buffers_match_the_step_runner(one_thread):
-    from engine.cuda_graphs import DecodeStepRunner
-    from engine.kv_cache import KVCache
-    from engine.loader import load_dummy
-    from engine.packed_linear import WeightFormat
+    from engine.runtime.cuda_graphs import DecodeStepRunner
+    from engine.runtime.kv_cache import KVCache
+    from engine.weights.loader import load_dummy
+    from engine.weights.packed_linear import WeightFormat
     loaded = load_dummy(TINY, "tiny", weight_format=WeightFormat("tri", 32))
     cache = KVCache(TINY, 32, 1)
     step = DecodeStepRunner(loaded.model, cache, rows=3, num_splits=1, use_graph=False, kernels=False)
@@ -185,7 +185,7 @@ def test_decode_static_buffers_match_the_step_runner(one_thread):
 
 def test_prefill_unpacks_in_column_slices(monkeypatch, one_thread):
     """A packed product of many rows unpacks W in column slices: same result as unpacking it whole."""
-    from engine import packed_linear
+    from engine.weights import packed_linear
     from quant.packed_layout import random_packed
     pw = random_packed("int4", 384, 256, 64, generator=torch.Generator().manual_seed(0))
     x = torch.randn(9, 256)

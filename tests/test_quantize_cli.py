@@ -14,13 +14,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from bonsai_cli.recipe_file import build_recipe, read_recipe_file
-from engine.checkpoint_file import BonsaiCheckpoint
+from engine.sources.checkpoint_file import BonsaiCheckpoint
 from engine.errors import BonsaiError
-from engine.gguf_file import GGUFFile
-from engine.hf_files import HFModelDir
-from engine.loader import load_model
-from engine.quantize import QuantizeOptions, quantize
-from engine.tokenizer import Tokenizer
+from engine.sources.gguf_file import GGUFFile
+from engine.sources.hf_files import HFModelDir
+from engine.weights.loader import load_model
+from engine.quantization.quantize import QuantizeOptions, quantize
+from engine.sources.tokenizer import Tokenizer
 from quant.formats import QuantSpec, quantize_rtn
 from quant.grids import dequantize
 from quant.recipe import Recipe, RecipeError, Rule, plan
@@ -164,7 +164,7 @@ def test_hf_source_files_copied_byte_for_byte(tiny, tmp_path, capsys):
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
     ours, ref = load_model(out, weight_dtype=torch.float32), load_model(src, weight_dtype=torch.float32)
     assert ours.tokenizer.chat_template == ref.tokenizer.chat_template
-    from engine.runner import ModelRunner
+    from engine.runtime.runner import ModelRunner
     ids = ref.tokenizer.encode(STRINGS[1])
     a, b = ModelRunner(ours, max_seq_len=32), ModelRunner(ref, max_seq_len=32)
     la, lb = a.forward(a.slot(), ids, None), b.forward(b.slot(), ids, None)
@@ -257,8 +257,8 @@ def test_force_replaces_and_an_interrupted_run_leaves_nothing(tiny, tmp_path):
 
 def test_calibration_methods_go_through_engine_calibration(tiny, tmp_path, monkeypatch):
     """gptq / gsq hand the loaded model, the calibration tokens (cut as asked) and the plan to
-    engine.calibration (the real one, watched by a spy) and write what it returns."""
-    import engine.calibration as calibration
+    engine.quantization.calibration (the real one, watched by a spy) and write what it returns."""
+    import engine.quantization.calibration as calibration
     calls = {}
     real = calibration.quantize_with_calibration
 
@@ -340,9 +340,9 @@ def test_peak_memory_stays_near_the_largest_tensor(tiny, tmp_path):
 
 def test_smollm2_int8_end_to_end(smollm2_gguf, tmp_path):
     """The real model: int8 rtn (group 64: 576 is not a multiple of 128) stays close to its source."""
-    from engine.evaluate import default_eval_text, evaluate
-    from engine.generate import GenerationRequest, generate_text
-    from engine.runner import ModelRunner
+    from engine.quantization.evaluate import default_eval_text, evaluate
+    from engine.decoding.generate import GenerationRequest, generate_text
+    from engine.runtime.runner import ModelRunner
     out = tmp_path / "smollm2-int8"
     report = quantize(smollm2_gguf, out, QuantizeOptions(Recipe(QuantSpec("int8", 64))))
     assert report.by_format()["int8 g64"]["tensors"] == 30 * 7 and report.bits_per_weight < 10

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from engine.errors import BonsaiError
-from engine.server.config import ServeConfig, parse_bytes
+from engine.run.config import ServeConfig, parse_bytes
 
 SEED = """
 model:
@@ -121,7 +121,7 @@ def test_wrong_types_and_values_give_the_key_path(tmp_path):
     cfg = load("model:\n  path: m\nruntime:\n  decode_algorithm: speculative\n  draft_model: ./small\n", tmp_path)
     assert cfg.spec_config.method == "draft" and cfg.spec_config.drafters[0].path == "./small"
     assert "speculative.drafter" in error("model:\n  path: m\nspeculative:\n  drafter: ngram\n", tmp_path)
-    from engine.server.config import SpeculativeSection
+    from engine.run.config import SpeculativeSection
     assert SpeculativeSection("mix:ngram,mtp", num_draft_tokens=6).as_spec_config().num_draft_tokens == 6
     with pytest.raises(BonsaiError, match="config speculative: unknown drafter 'ngarm'"):
         SpeculativeSection("ngarm")
@@ -179,5 +179,5 @@ def test_offload_keys(tmp_path):
     assert "memory.host_kv_mib" in error(base + "  host_kv_mib: 512\n", tmp_path)  # without kv_offload
     assert "memory.host_kv_mib" in error(base + "  kv_offload: true\n  host_kv_mib: 0\n", tmp_path)
     assert "host_kv_mib" in error(base + "  host_kv_mb: 512\n", tmp_path)  # the nearest key
-    from engine.server.loading import offloaded_layers
+    from engine.run.builder import offloaded_layers
     assert offloaded_layers(cfg, 3) == {0, 1, 2} and offloaded_layers(load("model:\n  path: m\n", tmp_path), 3) is None

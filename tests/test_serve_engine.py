@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, generate_text
-from engine.loader import LoadedModel, TensorSummary
-from engine.model import Transformer
-from engine.model_config import ModelConfig
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.server.engine_loop import EngineLoop
-from engine.server.sequence import Delta, Failed, Finished, ServeRequest, ThinkingRules
+from engine.decoding.generate import GenerationRequest, generate_text
+from engine.weights.loader import LoadedModel, TensorSummary
+from engine.runtime.model import Transformer
+from engine.sources.model_config import ModelConfig
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams
+from engine.decoding.engine import EngineLoop
+from engine.decoding.sequence import Delta, Failed, Finished, ServeRequest, ThinkingRules
 
 
 def tiny_loaded(vocab: int) -> LoadedModel:
@@ -178,7 +178,7 @@ def test_cancel_frees_the_slot_and_others_finish(loaded, smollm2_tok, one_thread
 
 
 def test_failing_request_is_reported_and_the_engine_goes_on(loaded, smollm2_tok, one_thread, monkeypatch):
-    from engine.server import sequence
+    from engine.decoding import sequence
     original = sequence.Sequence.on_logits
 
     def flaky(self, logits, room, choice=None):
@@ -217,7 +217,7 @@ def test_thinking_budget_inserts_the_end_tag_and_the_answer_follows(loaded, smol
 
 
 def test_a_model_that_ends_inside_its_thought_is_led_into_the_answer(smollm2_tok, one_thread):
-    from engine.server.sequence import Sequence
+    from engine.decoding.sequence import Sequence
     events: list = []
     tok = smollm2_tok
     req = ServeRequest(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append, thinking_at_start=True)
@@ -246,7 +246,7 @@ def test_a_model_that_ends_inside_its_thought_is_led_into_the_answer(smollm2_tok
 
 
 def test_a_model_that_stops_right_after_its_thought_is_led_once(smollm2_tok, one_thread):
-    from engine.server.sequence import Sequence
+    from engine.decoding.sequence import Sequence
     events: list = []
     tok = smollm2_tok
     req = ServeRequest(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append)
@@ -263,7 +263,7 @@ def test_a_model_that_stops_right_after_its_thought_is_led_once(smollm2_tok, one
 
 @pytest.mark.gpu
 def test_graphed_batched_decode_matches_the_graphed_single_row_step(smollm2_gguf):
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     loaded = load_model(smollm2_gguf, "cuda")
     runner = ModelRunner(loaded, max_seq_len=128, num_slots=4)
     assert runner.decoder is not None and runner.decoder.graph is not None
@@ -282,7 +282,7 @@ def test_graphed_batched_decode_matches_the_graphed_single_row_step(smollm2_gguf
 
 
 def test_ids_beyond_the_tokenizer_are_never_sampled(smollm2_tok, one_thread):
-    from engine.server.sequence import Sequence
+    from engine.decoding.sequence import Sequence
     tok = smollm2_tok
     events: list = []
     req = ServeRequest(id="v", prompt_ids=[1, 2], max_tokens=5, emit=events.append)

@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, generate_text
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.server.engine_loop import EngineLoop
-from engine.server.sequence import Finished, ThinkingRules
-from engine.server.spec_step import split_draft_budget
+from engine.decoding.generate import GenerationRequest, generate_text
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams
+from engine.decoding.engine import EngineLoop
+from engine.decoding.sequence import Finished, ThinkingRules
+from engine.decoding.spec_step import split_draft_budget
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.drafter import Draft
 from engine.speculative.planner import TargetCost
@@ -343,7 +343,7 @@ def test_drafters_reading_hidden_states_verify_per_slot_and_keep_greedy_output(l
 def test_graphed_speculative_steps_of_several_slots_match_plain_graphed_decoding(smollm2_gguf, monkeypatch):
     """On a GPU: 4 slots' [token + drafts] rows in one graphed step give plain graphed decoding's
     greedy tokens, with drafts accepted, and the widest step stays within 16 rows."""
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     loaded = load_model(smollm2_gguf, "cuda")
     tok = loaded.tokenizer
     prompts = [tok.encode(t) for t in ("1, 2, 3, 4, 5, 6,", "def add(a, b):\n    return a + b\n\ndef sub(a, b):",
@@ -390,7 +390,7 @@ class Fixed:
 def test_sampling_through_the_speculative_step_keeps_the_distribution(loaded, smollm2_tok, one_thread):
     """The first two tokens' joint distribution at T > 0 (top-k 3: 9 outcomes) equals plain
     sampling's when the second comes through verification of a one-hot draft (chi-square)."""
-    from engine.sampling import probabilities
+    from engine.decoding.sampling import probabilities
     params = SamplingParams(temperature=1.5, top_k=3)
     prompt = PROMPTS[2]
     runner = ModelRunner(loaded, max_seq_len=32)

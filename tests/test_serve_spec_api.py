@@ -41,9 +41,9 @@ def server(tiny_gguf, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_gguf):
     """Plain decoding of the same model in this process (float32, as the server's several slots)."""
-    from engine.generate import GenerationRequest, generate_text
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.decoding.generate import GenerationRequest, generate_text
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
     loaded = load_model(tiny_gguf, "cpu", weight_dtype=torch.float32)
     runner = ModelRunner(loaded, max_seq_len=192)
 
@@ -139,10 +139,10 @@ def test_a_draft_model_is_loaded_once_for_all_slots(tiny_gguf, reference, one_th
     one copy of the draft model's weights, a KV cache per slot, greedy output unchanged."""
     import queue
 
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
-    from engine.server.engine_loop import EngineLoop
-    from engine.server.sequence import Finished, ServeRequest
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
+    from engine.decoding.engine import EngineLoop
+    from engine.decoding.sequence import Finished, ServeRequest
     from engine.speculative.config import SpeculativeConfig
     loaded = load_model(tiny_gguf, "cpu", weight_dtype=torch.float32)
     spec = SpeculativeConfig.from_spec(f"draft:{tiny_gguf}", num_draft_tokens=3, adaptive=False)

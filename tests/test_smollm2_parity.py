@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, generate_text
-from engine.runner import ModelRunner
+from engine.decoding.generate import GenerationRequest, generate_text
+from engine.runtime.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

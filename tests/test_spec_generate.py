@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, generate_text
-from engine.loader import LoadedModel, TensorSummary
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, apply_penalties, probabilities
+from engine.decoding.generate import GenerationRequest, generate_text
+from engine.weights.loader import LoadedModel, TensorSummary
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams, apply_penalties, probabilities
 from engine.speculative.draft_model import DraftModelDrafter
 from engine.speculative.mix import MixDrafter
 from engine.speculative.ngram import NgramDrafter
@@ -34,7 +34,7 @@ class TinyTokenizer:
     def id_to_token(self, i: int) -> str:
         return f"t{i}"
 
-    def is_byte_token(self, i: int) -> bool:  # engine.tokenizer.Tokenizer's: no byte-fallback tokens here
+    def is_byte_token(self, i: int) -> bool:  # engine.sources.tokenizer.Tokenizer's: no byte-fallback tokens here
         return False
 
 
@@ -180,8 +180,8 @@ def test_verify_runs_the_fused_decode_step_and_matches_plain_fused_decoding(one_
     """Where decoding runs the fused step (a GPU; asked for here on the CPU), verify runs the same
     step over several rows: the greedy output equals plain fused decoding's, and making a step
     for a new row count leaves the cache as it was."""
-    from engine.loader import load_dummy
-    from engine.packed_linear import WeightFormat
+    from engine.weights.loader import load_dummy
+    from engine.weights.packed_linear import WeightFormat
     from tests.test_decode_step import CFG
     loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
     tok = TinyTokenizer()

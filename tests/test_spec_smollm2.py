@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, generate_text
-from engine.loader import load_model
-from engine.runner import ModelRunner
+from engine.decoding.generate import GenerationRequest, generate_text
+from engine.weights.loader import load_model
+from engine.runtime.runner import ModelRunner
 from engine.speculative.config import SpeculativeConfig, build_drafter
 from engine.speculative.draft_model import DraftModelDrafter
 from engine.speculative.mix import MixDrafter

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import store
+from engine.sources import store
 from engine.errors import BonsaiError
 
 

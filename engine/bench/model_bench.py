@@ -14,10 +14,10 @@ import torch
 
 from engine.bench.records import Measurement
 from engine.errors import BonsaiError
-from engine.model import Linear
-from engine.packed_linear import PackedLinear
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.runtime.model import Linear
+from engine.weights.packed_linear import PackedLinear
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams
 from engine.speculative.drafter import Drafter
 from engine.speculative.stats import SpecStats
 

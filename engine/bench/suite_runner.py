@@ -7,12 +7,12 @@ from typing import Callable
 from engine.bench.records import PromptResult, SuitePrompt, mean_std, percentile
 from engine.bench.suites import fresh_variant
 from engine.errors import BonsaiError
-from engine.generate import GenerationRequest, stream_generate
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.decoding.generate import GenerationRequest, stream_generate
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams
 from engine.speculative.drafter import Drafter
 from engine.speculative.stats import SpecStats
-from engine.tokenizer import Tokenizer
+from engine.sources.tokenizer import Tokenizer
 
 
 def run_prompt(runner: ModelRunner, tokenizer: Tokenizer, prompt: SuitePrompt,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import BonsaiError
-from engine.memory_plan import MemoryPlan, PlanLine, RunSettings, make_plan
+from engine.memory.plan import MemoryPlan, PlanLine, RunSettings, make_plan
 from engine.pipeline.devices import check_machine_devices
 from engine.pipeline.split import Stage, plan_stages
 
@@ -61,7 +61,7 @@ def plan_pipeline(config, formats, settings: RunSettings, devices: list[str], ba
 
 def check_pipeline_budget(pp: PipelinePlan, limit: int | None, option: str) -> None:
     """Refuse (one line) a stage whose share is over the per-device limit."""
-    from engine.memory_budget import format_bytes
+    from engine.memory.budget import format_bytes
     if limit is None:
         return
     for stage, plan in zip(pp.stages, pp.plans):

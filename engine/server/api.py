@@ -25,13 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import BonsaiError
 from engine.server import protocol as P
-from engine.server.config import ServeConfig
-from engine.server.loading import Served
-from engine.server.metrics import Metrics
-from engine.server.prompts import chat_prompt, completion_prompt
+from engine.run.config import ServeConfig
+from engine.run.builder import Served
+from engine.decoding.metrics import Metrics
+from engine.decoding.prompts import chat_prompt, completion_prompt
 from engine.server.relay import EventRelay
-from engine.server.scheduler import QueueFull
-from engine.server.sequence import Delta, Failed, Finished, ServeRequest
+from engine.decoding.scheduler import QueueFull
+from engine.decoding.sequence import Delta, Failed, Finished, ServeRequest
 from engine.server.sse import DONE, ChunkLines, sse
 
 log = logging.getLogger("bonsai.server")

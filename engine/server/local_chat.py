@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from engine.errors import BonsaiError
-from engine.sampling import SamplingParams
-from engine.server.loading import Served
-from engine.server.prompts import chat_prompt
-from engine.server.sequence import Delta, Failed, Finished, ServeRequest
+from engine.decoding.sampling import SamplingParams
+from engine.run.builder import Served
+from engine.decoding.prompts import chat_prompt
+from engine.decoding.sequence import Delta, Failed, Finished, ServeRequest
 
 
 @dataclass

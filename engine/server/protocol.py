@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import BonsaiError
-from engine.sampling import SamplingParams
+from engine.decoding.sampling import SamplingParams
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 

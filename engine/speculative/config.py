@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import BonsaiError
-from engine.loader import LoadedModel
+from engine.weights.loader import LoadedModel
 from engine.speculative.drafter import Drafter
 
 METHODS = ("ngram", "draft", "mtp", "dflash")
@@ -168,8 +168,8 @@ def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel
 
 
 def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts: dict[str, LoadedModel]) -> Drafter:
-    from engine import store
-    from engine.loader import load_model
+    from engine.sources import store
+    from engine.weights.loader import load_model
     from engine.speculative.draft_model import DraftModelDrafter, check_same_tokenizer
     loaded = loaded_drafts.get(path)
     if loaded is None:

@@ -1,6 +1,6 @@
 """The speculative decode loop: draft, verify in one target pass, keep the accepted run, rewind.
 
-`engine.generate.stream_generate` runs it after the prefill when given a drafter; the tokens it
+`engine.decoding.generate.stream_generate` runs it after the prefill when given a drafter; the tokens it
 produces go through the same sink as plain decoding (EOS, stop strings, max_tokens, context), so
 a run cut inside an accepted run ends exactly where plain decoding would have ended, with the
 target's cache holding what plain decoding's would hold.
@@ -12,9 +12,9 @@ from typing import Iterator, Protocol
 
 import torch
 
-from engine.kv_cache import KVSlot
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, apply_penalties, sample
+from engine.runtime.kv_cache import KVSlot
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams, apply_penalties, sample
 from engine.speculative.drafter import Draft, Drafter, Feedback
 from engine.speculative.stats import SpecStats
 from engine.speculative.verify import verify_draft

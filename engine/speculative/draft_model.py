@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from engine.errors import BonsaiError
-from engine.loader import LoadedModel
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, probabilities
+from engine.weights.loader import LoadedModel
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams, probabilities
 from engine.speculative.drafter import Draft, Feedback
-from engine.tokenizer import Tokenizer
+from engine.sources.tokenizer import Tokenizer
 
 
 def check_same_tokenizer(draft: Tokenizer | None, target: Tokenizer | None, draft_path: str) -> None:

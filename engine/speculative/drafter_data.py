@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from engine.errors import BonsaiError
-from engine.kv_cache import CacheBatch, KVCache
+from engine.runtime.kv_cache import CacheBatch, KVCache
 
 TRAIN_PROMPTS = [
     "Explain how a hash map works.", "Write a short poem about the sea.", "What causes the seasons on Earth?",

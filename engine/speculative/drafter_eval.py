@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.runner import ModelRunner
+from engine.runtime.runner import ModelRunner
 from engine.speculative.drafter import Drafter, Feedback
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from engine.errors import BonsaiError
-from engine.runner import ModelRunner
+from engine.runtime.runner import ModelRunner
 from engine.speculative import dflash, mtp
 from engine.speculative.draft_layers import DrafterConfig, default_config, shared_logits, to_target
 from engine.speculative.drafter_data import DrafterData

@@ -16,9 +16,9 @@ PROMPT = "The history of the printing press begins in the fifteenth century, whe
 
 
 def bench_ours(path, n_tokens: int, reps: int) -> list[float]:
-    from engine.generate import GenerationRequest, generate_text
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.decoding.generate import GenerationRequest, generate_text
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
 
     loaded = load_model(path)
     runner = ModelRunner(loaded, max_seq_len=512)
@@ -58,7 +58,7 @@ def bench_transformers(path, n_tokens: int, reps: int) -> list[float]:
 
 
 def main() -> None:
-    from engine import store
+    from engine.sources import store
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)

@@ -191,11 +191,11 @@ def step_rows_timing(dev) -> None:
     """The graphed decode step of the dummy 8B ternary model at 1..16 rows (batched slots)."""
     import yaml
 
-    from engine.cuda_graphs import DecodeStepRunner
-    from engine.kv_cache import KVCache
-    from engine.loader import load_dummy
-    from engine.model_config import ModelConfig
-    from engine.packed_linear import WeightFormat
+    from engine.runtime.cuda_graphs import DecodeStepRunner
+    from engine.runtime.kv_cache import KVCache
+    from engine.weights.loader import load_dummy
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.packed_linear import WeightFormat
     root = Path(__file__).resolve().parents[2]
     cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs" / "models" / "qwen3-8b.yaml").read_text()))
     loaded = load_dummy(cfg, "qwen3-8b", dev, WeightFormat("tri", 128, "int4"))
@@ -288,10 +288,10 @@ def section_prefill(dev, models: list[str]) -> None:
     """Where a 512-token prefill chunk spends its time, per kernel (the plain model path)."""
     import yaml
 
-    from engine.kv_cache import CacheBatch, KVCache
-    from engine.loader import load_dummy
-    from engine.model_config import ModelConfig
-    from engine.packed_linear import WeightFormat
+    from engine.runtime.kv_cache import CacheBatch, KVCache
+    from engine.weights.loader import load_dummy
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.packed_linear import WeightFormat
     from torch.profiler import ProfilerActivity, profile
     root = Path(__file__).resolve().parents[2]
     for spec in models:
@@ -313,7 +313,7 @@ def section_prefill(dev, models: list[str]) -> None:
         torch.cuda.synchronize()
         t = (time.perf_counter() - t0) / 5
         print(f"prefill {name} {weights}/{head} 512 tokens: {t * 1e3:.1f} ms = {512 / t:.0f} tok/s", flush=True)
-        from engine.cuda_graphs import PrefillGraphs  # the same chunk replayed from a CUDA graph (the runner's path)
+        from engine.runtime.cuda_graphs import PrefillGraphs  # the same chunk replayed from a CUDA graph (the runner's path)
         graphs, tokens = PrefillGraphs(loaded.model, cache, 512), ids[0].tolist()
         graphs.run(0, 0, tokens)  # capture
         graph_ms = []
@@ -347,12 +347,12 @@ def section_prefill(dev, models: list[str]) -> None:
 def section_step(dev, models: list[str]) -> None:
     import yaml
 
-    from engine.cuda_graphs import DecodeStepRunner
+    from engine.runtime.cuda_graphs import DecodeStepRunner
     from engine.kernels.attention_decode import default_num_splits
-    from engine.kv_cache import KVCache
-    from engine.loader import load_dummy
-    from engine.model_config import ModelConfig
-    from engine.packed_linear import WeightFormat
+    from engine.runtime.kv_cache import KVCache
+    from engine.weights.loader import load_dummy
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.packed_linear import WeightFormat
     root = Path(__file__).resolve().parents[2]
     for spec in models:  # name:weights:head
         name, weights, head = spec.split(":")

@@ -9,7 +9,7 @@
     python tests/perf/gpu_memory.py --case configs/models/dense-27b.yaml bin cuda:0 6GB --context 32768 --kv-offload
 
 Each case runs in its own process (the allocator's peaks and its memory fraction are per process):
-plan (engine.memory_plan) → load (dummy weights) → runner (KV cache, CUDA-graph capture) →
+plan (engine.memory.plan) → load (dummy weights) → runner (KV cache, CUDA-graph capture) →
 prefill of --prompt random tokens (several 512-token chunks: the masked attention of later chunks) → a
 --decode-token greedy decode (prompt + decode fill the context: the last prefill chunk attends over
 almost all of it, the plan's worst case). Under a limit the plan may put the embedding table in host memory and shrink the
@@ -43,10 +43,10 @@ def run_case(arch: str, weights: str, head: str, device: str, ctx: int, prompt: 
 
     from bonsai_cli.gpu_budget import plan_cli_run
     from engine.errors import BonsaiError
-    from engine.loader import load_dummy
-    from engine.memory_limit import usage, within_limit
-    from engine.packed_linear import WeightFormat
-    from engine.runner import ModelRunner
+    from engine.weights.loader import load_dummy
+    from engine.memory.limit import usage, within_limit
+    from engine.weights.packed_linear import WeightFormat
+    from engine.runtime.runner import ModelRunner
 
     case = {"arch": Path(arch).stem, "weights": weights, "head_weights": head, "device": device, "context": ctx,
             "max_gpu_memory": limit, "kv_type": kv_type, "kv_offload": kv_offload}

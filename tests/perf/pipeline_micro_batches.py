@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from bonsai_cli.common import _dummy_config  # noqa: E402
-from engine.memory_budget import dummy_formats, run_settings  # noqa: E402
-from engine.packed_linear import WeightFormat  # noqa: E402
+from engine.memory.budget import dummy_formats, run_settings  # noqa: E402
+from engine.weights.packed_linear import WeightFormat  # noqa: E402
 from engine.pipeline.launch import ModelSource  # noqa: E402
 from engine.pipeline.setup import open_pipeline, plan_pipeline  # noqa: E402
 

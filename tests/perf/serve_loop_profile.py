@@ -21,13 +21,13 @@ from types import SimpleNamespace
 
 import torch
 
-from engine import store
-from engine.loader import load_model
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sources import store
+from engine.weights.loader import load_model
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams
 from engine.server.api import _stream
-from engine.server.engine_loop import EngineLoop
-from engine.server.sequence import ServeRequest
+from engine.decoding.engine import EngineLoop
+from engine.decoding.sequence import ServeRequest
 
 QUESTIONS = ["Write a Python function that reverses a string.", "What is the capital of France?",
              "Explain photosynthesis in two sentences.", "List three prime numbers greater than 100.",
@@ -36,10 +36,10 @@ QUESTIONS = ["Write a Python function that reverses a string.", "What is the cap
 IDLE = ("acquire", "poll", "select")  # waiting for work (a lock, the event loop's selector)
 # parts of the engine thread's host work: (file suffix, function) whose cumulative CPU time is shown
 PARTS = {"Sequence.on_logits (token -> text -> events)": [("server/sequence.py", "on_logits")],
-         "  detokenizing (StreamDecoder.push)": [("engine/detokenize.py", "push")],
+         "  detokenizing (StreamDecoder.push)": [("engine/decoding/detokenize.py", "push")],
          "  events to the event loop": [("server/relay.py", "post"), ("serve_loop_profile.py", "emit"),
                                         ("profile_main.py", "emit")],
-         "picking the tokens (sample_rows)": [("engine/sampling.py", "sample_rows")]}
+         "picking the tokens (sample_rows)": [("engine/decoding/sampling.py", "sample_rows")]}
 
 
 def main() -> None:
