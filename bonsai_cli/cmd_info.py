@@ -142,12 +142,12 @@ def _info_dummy(model: str, weights: str, group_size: int, head_weights: str, js
     from rich.console import Console
     from rich.table import Table
 
-    from bonsai_cli.common import _dummy_config
+    from bonsai_cli.common import _dummy_config, weight_format_from_options
     from engine.memory.budget import dummy_formats, run_settings
     from engine.memory.plan import weight_tensors
 
     config, path = _dummy_config(model)
-    formats = dummy_formats(config, weights, group_size, head_weights).formats
+    formats = dummy_formats(config, weight_format_from_options(weights, group_size, head_weights)).formats
     nbytes = sum(size for _, _, size in weight_tensors(config, formats, run_settings(config, "cuda", 2)))
     params = config.num_parameters()
     arch = {k: v for k, v in vars(config).items() if k not in ("extra", "rope_scaling")}

@@ -82,7 +82,7 @@ MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
 
 def weight_format_from_options(weights: str, group_size: int, head_weights: str):
-    from engine.weights.packed_linear import WeightFormat
+    from engine.weights.formats import WeightFormat
     return WeightFormat(quant_type=weights, group_size=group_size, head_type=head_weights)
 
 

@@ -37,19 +37,19 @@ def plan_cli_run(model: Optional[str], device: str, max_seq_len: int, limit_text
     from engine.run.config import parse_bytes
 
     from engine.errors import BonsaiError
-    weight_format_from_options(weights, group_size, head_weights)  # the options' own one-line errors first
+    fmt = weight_format_from_options(weights, group_size, head_weights)  # the options' own one-line errors first
     if load_format not in ("auto", "dummy"):
         raise BonsaiError(f"unknown --load-format '{load_format}': use auto or dummy")
     limit = parse_bytes(limit_text, "--max-gpu-memory") if limit_text else None
     cuda = device.startswith("cuda")
     if load_format == "dummy":
         config, path = _dummy_config(model)
-        mw = dummy_formats(config, weights, group_size, head_weights, name=path.stem)
+        mw = dummy_formats(config, fmt, name=path.stem)
         wbytes = None
     else:
         from engine.weights.loader import open_model_source
         source = open_model_source(store.resolve_model(model or store.DEFAULT_MODEL, auto_pull=auto_pull))
-        mw = model_formats(source, source.model_config(), weights, group_size, head_weights, keep_codes=cuda)
+        mw = model_formats(source, source.model_config(), fmt, keep_codes=cuda)
         wdtype = parse_weight_dtype(weight_dtype)
         wbytes = None if wdtype is None else wdtype.itemsize
     rows = 1

@@ -49,14 +49,13 @@ def open_cli_pipeline(model: Optional[str], devices: list[str], max_seq_len: int
     wdtype = parse_weight_dtype(load["weight_dtype"])
     if dummy:
         config, path = _dummy_config(model)
-        weights = dummy_formats(config, load["weights"], load["group_size"], load["head_weights"], name=path.stem)
+        weights = dummy_formats(config, fmt, name=path.stem)
         source = ModelSource(architecture=config, name=path.stem, weight_format=fmt)
     else:
         from engine.weights.loader import open_model_source
         path = store.resolve_model(model or store.DEFAULT_MODEL, auto_pull=auto_pull or model is None)
         src = open_model_source(path)
-        weights = model_formats(src, src.model_config(), load["weights"], load["group_size"], load["head_weights"],
-                                keep_codes=cuda)
+        weights = model_formats(src, src.model_config(), fmt, keep_codes=cuda)
         source = ModelSource(path=str(path), weight_dtype=wdtype, weight_format=fmt)
     settings = run_settings(weights.config, devices[0], max_seq_len, kv_type=kv_type,
                             weight_dtype_bytes=None if wdtype is None else wdtype.itemsize,

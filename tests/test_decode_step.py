@@ -11,7 +11,7 @@ import torch
 from engine.runtime.cuda_graphs import DecodeStepRunner
 from engine.weights.loader import load_dummy
 from engine.sources.model_config import ModelConfig
-from engine.weights.packed_linear import WeightFormat
+from engine.weights.formats import WeightFormat
 from engine.runtime.runner import ModelRunner
 
 CFG = ModelConfig("qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.weights.loader import load_model
-from engine.weights.packed_linear import WeightFormat
+from engine.weights.formats import WeightFormat
 from engine.runtime.runner import ModelRunner
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "

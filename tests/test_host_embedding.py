@@ -12,7 +12,7 @@ import torch
 from engine.errors import BonsaiError
 from engine.memory.host_embedding import HostEmbedding
 from engine.weights.loader import load_dummy
-from engine.weights.packed_linear import WeightFormat
+from engine.weights.formats import WeightFormat
 from engine.runtime.runner import ModelRunner
 from tests.test_kv_cache import TINY
 
@@ -78,7 +78,7 @@ def test_a_tied_float_output_layer_refuses_a_host_table():
     assert "\n" not in message and "tied" in message and "--head-weights int4" in message
     from engine.memory.budget import dummy_formats, run_settings
     from engine.memory.plan import make_plan
-    weights = dummy_formats(TIED, "bin", 32)
+    weights = dummy_formats(TIED, WeightFormat("bin", 32))
     with pytest.raises(BonsaiError, match="tied"):
         make_plan(TIED, weights.formats, run_settings(TIED, "cpu", 32, embedding_on_host=True))
 

@@ -11,6 +11,7 @@ import pytest
 from engine.errors import BonsaiError
 from engine.memory.budget import SERVE_KEYS, check_budget, dummy_formats, run_settings
 from engine.memory.plan import make_plan
+from engine.weights.formats import WeightFormat
 from tests.test_memory_plan import QWEN3_8B
 from tests.test_serve_config import SEED, error, load
 
@@ -38,7 +39,7 @@ def total(weights, s, **changes) -> int:
 
 
 def test_refusal_says_which_context_kv_type_slots_or_offload_would_fit():
-    weights = dummy_formats(QWEN3_8B, "tri", 128, "int4")
+    weights = dummy_formats(QWEN3_8B, WeightFormat("tri", 128, "int4"))
     s = run_settings(QWEN3_8B, "cuda:0", 4096, slots=4)
     plan = make_plan(QWEN3_8B, weights.formats, s)
     check_budget(plan, plan.total, weights, s, SERVE_KEYS)  # exactly at the limit: accepted
@@ -60,7 +61,7 @@ def test_refusal_says_which_context_kv_type_slots_or_offload_would_fit():
 
 
 def test_weights_over_the_limit_suggest_weight_offload_or_nothing():
-    weights = dummy_formats(QWEN3_8B, "bf16")  # 16 GB of float weights
+    weights = dummy_formats(QWEN3_8B, WeightFormat("bf16"))  # 16 GB of float weights
     s = run_settings(QWEN3_8B, "cuda:0", 1024)
     message = refusal(6_000_000_000, s, weights)
     assert "memory.weight_offload: true" in message and "max_seq_len" not in message
@@ -159,7 +160,7 @@ def test_info_describes_a_dummy_model(tmp_path, capsys):
     config = ModelConfig.from_hf_config({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
                                          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                                          "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True})
-    formats = dummy_formats(config, "bin", 32).formats
+    formats = dummy_formats(config, WeightFormat("bin", 32)).formats
     assert out["format"] == "dummy" and out["parameters"] == config.num_parameters()
     assert out["bytes"] == sum(b for _, _, b in weight_tensors(config, formats, run_settings(config, "cuda", 2)))
     assert out["bytes"] - 49152 * 64 * 2 < 64 * 64 * 8  # past the bf16 embedding: 1-bit blocks, small

@@ -130,7 +130,7 @@ def tiny_pair():
     """A tiny generated model (ternary blocks, int4 head), one process vs a 2-stage gloo pipeline, both
     with the fused decode step (its CPU references), an int8 KV cache and 2 slots."""
     from engine.weights.loader import load_dummy
-    from engine.weights.packed_linear import WeightFormat
+    from engine.weights.formats import WeightFormat
     from engine.pipeline.launch import ModelSource
     from engine.runtime.runner import ModelRunner
     from tests.test_decode_step import CFG

@@ -14,7 +14,7 @@ from engine.sources.checkpoint_file import BonsaiCheckpoint
 from engine.runtime.cuda_graphs import DecodeStepRunner
 from engine.weights.loader import LoadedModel, load_dummy, load_model
 from engine.sources.model_config import ModelConfig
-from engine.weights.packed_linear import WeightFormat
+from engine.weights.formats import WeightFormat
 from engine.quantization.rotation import load_rotated
 from engine.runtime.runner import ModelRunner
 from quant.checkpoint import Checkpoint, CheckpointError, SafetensorsFile

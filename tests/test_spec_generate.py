@@ -181,7 +181,7 @@ def test_verify_runs_the_fused_decode_step_and_matches_plain_fused_decoding(one_
     step over several rows: the greedy output equals plain fused decoding's, and making a step
     for a new row count leaves the cache as it was."""
     from engine.weights.loader import load_dummy
-    from engine.weights.packed_linear import WeightFormat
+    from engine.weights.formats import WeightFormat
     from tests.test_decode_step import CFG
     loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
     tok = TinyTokenizer()

@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from engine.runtime.runner import MAX_STEP_ROWS, ModelRunner
+from engine.runtime.decode_step import MAX_STEP_ROWS
+from engine.runtime.runner import ModelRunner
 from engine.speculative.config import SpeculativeConfig, build_drafter
 from engine.speculative.drafter import Draft, Drafter, Feedback
 from engine.speculative.planner import Acceptance, TargetCost, joint_draft_lengths

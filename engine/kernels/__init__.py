@@ -7,8 +7,13 @@ without it. Import a kernel module (`engine.kernels.attention_decode`, ...) only
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import os
+
+log = logging.getLogger(__name__)
+MIN_CAPABILITY = (8, 0)  # bf16 tensor cores and the dp4a/atomic paths the kernels were checked on
 
 
 class UnsupportedKernelShape(ValueError):
@@ -24,6 +29,26 @@ def triton_available(device: str | None = None) -> bool:
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
     import torch
     return torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_usable(device) -> bool:
+    """Whether the Triton kernels run on `device` (a torch.device); when a GPU cannot, say why once
+    (the callers then run the plain-torch references)."""
+    if device.type != "cuda":
+        return False
+    if not triton_available():
+        log.warning("triton is not installed: packed layers run through the slow reference path "
+                    "(pip install triton)")
+        return False
+    import torch
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        log.warning("%s (compute capability %d.%d) lacks what the packed kernels need (sm_80+: bf16 tensor "
+                    "cores): packed layers run through the slow reference path",
+                    torch.cuda.get_device_name(device), *capability)
+        return False
+    return True
 
 
 def next_power_of_2(n: int) -> int:

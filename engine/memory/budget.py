@@ -20,10 +20,15 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import BonsaiError
-from engine.memory.plan import LinearFormat, MemoryPlan, RunSettings, linear_formats, make_plan
+from engine.memory.plan import MemoryPlan, PlanLine, RunSettings, make_plan
+from engine.runtime.decode_step import MAX_STEP_ROWS
+from engine.sources import store
 from engine.sources.model_config import ModelConfig
+from engine.speculative.draft_layers import DrafterConfig
+from engine.speculative.drafter_file import resolve_path
+from engine.weights.formats import LinearFormat, WeightFormat, linear_formats, stored_formats
+from engine.weights.loader import open_model_source
 
-MAX_STEP_ROWS = 16  # engine.runtime.runner.MAX_STEP_ROWS: row counts the fused decode step is captured for
 SMALLER_KV = {"bf16": ("int8", "k8v4", "int4"), "int8": ("k8v4", "int4"), "k8v4": ("int4",), "int4": ()}
 
 
@@ -44,46 +49,17 @@ class ModelWeights:
     name: str = ""
 
 
-def stored_formats(source, exact: bool = False) -> dict[str, tuple[str, int]]:
-    """canonical tensor name → (packed layout kind, group) of the tensors a source stores quantized
-    in a form the loader keeps packed (engine.weights.packed_load), read from metadata only. exact: leave
-    out GGUF Q2_0 tensors, whose layout (tri or int4) depends on their codes."""
-    from engine.sources.checkpoint_file import BonsaiCheckpoint, canonical_name
-    from engine.sources.gguf_file import GGUFFile
-    from engine.sources.gguf_file import canonical_name as gguf_canonical
-    from engine.weights.packed_load import LAYOUT_OF
-    out: dict[str, tuple[str, int]] = {}
-    if isinstance(source, BonsaiCheckpoint):
-        for name, entry in source.checkpoint.entries.items():
-            canon = canonical_name(name)
-            if canon is not None and not entry.is_float and entry.quant_type in LAYOUT_OF:
-                out[canon] = (LAYOUT_OF[entry.quant_type], entry.group_size)
-    elif isinstance(source, GGUFFile):
-        from quant import gguf_codec, gguf_types
-        # Q2_0 runs as tri or int4 depending on its codes (the data): planned as int4, the larger
-        importable = {gguf_types.type_name(i): ({"tri-dense": "tri", "q2_0": "int4"}.get(q, q), gguf_codec.BLOCKS[i][0])
-                      for i, q in gguf_codec.IMPORTABLE.items()}
-        for name, type_name, shape, _ in source.tensor_info():
-            canon = gguf_canonical(name)
-            if canon is not None and type_name in importable and len(shape) == 2:
-                if not (exact and type_name == gguf_types.type_name(gguf_codec.Q2_0_ID)):
-                    out[canon] = importable[type_name]
-    return out
-
-
-def model_formats(source, config: ModelConfig, quant_type: str = "bf16", group_size: int = 128,
-                  head_type: str = "bf16", keep_codes: bool = False) -> ModelWeights:
+def model_formats(source, config: ModelConfig, fmt: WeightFormat = WeightFormat(),
+                  keep_codes: bool = False) -> ModelWeights:
     """The run-time formats `engine.weights.loader.load_model` gives the source's layers."""
-    stored = stored_formats(source) if keep_codes else {}
-    formats = linear_formats(config, quant_type, group_size, head_type, stored, keep_codes)
+    formats = linear_formats(config, fmt, stored_formats(source) if keep_codes else None)
     rotation = getattr(source, "rotation", None) or {}
     return ModelWeights(config, formats, int(rotation.get("down_proj_hadamard", 0)), str(getattr(source, "path", "")))
 
 
-def dummy_formats(config: ModelConfig, quant_type: str = "bf16", group_size: int = 128,
-                  head_type: str = "bf16", name: str = "") -> ModelWeights:
+def dummy_formats(config: ModelConfig, fmt: WeightFormat = WeightFormat(), name: str = "") -> ModelWeights:
     """The run-time formats of `engine.weights.loader.load_dummy` (every layer generated in its format)."""
-    return ModelWeights(config, linear_formats(config, quant_type, group_size, head_type), 0, name)
+    return ModelWeights(config, linear_formats(config, fmt), 0, name)
 
 
 def decode_splits(config: ModelConfig, max_seq_len: int, cuda: bool) -> int:
@@ -255,8 +231,6 @@ def check_budget(plan: MemoryPlan, limit: int | None, weights: ModelWeights, s: 
 def draft_model_plan(path: str | Path, target_settings: RunSettings, num_draft_tokens: int) -> MemoryPlan:
     """A draft model (--spec draft:PATH) loaded on the target's device: its own weights, a KV cache of
     the target's context + k + 1, its own one-row decode step (engine.speculative.config)."""
-    from engine.sources import store
-    from engine.weights.loader import open_model_source
     source = open_model_source(store.resolve_model(str(path)))
     config = source.model_config()
     weights = model_formats(source, config, keep_codes=target_settings.cuda)
@@ -276,9 +250,6 @@ def hidden_drafter_plan(method: str, path: str, settings: RunSettings, num_draft
 
     from safetensors import safe_open
 
-    from engine.memory.plan import PlanLine
-    from engine.speculative.draft_layers import DrafterConfig
-    from engine.speculative.drafter_file import resolve_path
     resolved = resolve_path(path)
     with safe_open(str(resolved), framework="pt") as f:
         config = DrafterConfig.from_dict(json.loads((f.metadata() or {})["config"]))

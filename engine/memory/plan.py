@@ -1,7 +1,7 @@
 """The memory plan: every byte a run puts on its device, computed from shapes alone (no model loaded).
 
 Inputs are the architecture (ModelConfig), the run-time format of every linear layer (float or a
-packed layout, `linear_formats`) and the run settings (context, slots, KV type, ...). Each line
+packed layout, engine.weights.formats.linear_formats) and the run settings (context, slots, KV type, ...). Each line
 mirrors an allocation of the code:
 - weights: the parameters and buffers of `engine.runtime.model.Transformer` after loading / packing
   (engine.weights.loader, engine.weights.packed_load, engine.weights.packed_linear): float matrices in the weight dtype, the
@@ -38,9 +38,10 @@ from engine.errors import BonsaiError
 from engine.memory.host_embedding import check_embedding_on_host
 from engine.runtime.model import attention_block_rows
 from engine.sources.model_config import ModelConfig
+from engine.weights.formats import LinearFormat, linear_modules
 from engine.weights.packed_linear import GEMV_MAX_ROWS, quantize_transient, unpack_columns
 from quant.kv_format import KV_TYPES, kv_bytes_per_token
-from quant.packed_layout import check_packable, layout_kind, random_packed_transient
+from quant.packed_layout import layout_kind, random_packed_transient
 
 MIB = 1 << 20
 CUBLAS_WORKSPACES = 2 * 32 * MIB  # cuBLAS + cuBLASLt workspaces torch allocates on a Hopper GPU
@@ -56,21 +57,6 @@ class PlanLine:
     name: str
     bytes: int
     note: str = ""
-
-
-@dataclass(frozen=True)
-class LinearFormat:
-    """How one linear layer is held at run time: 'float' or a packed layout kind with its group."""
-    kind: str = "float"
-    group_size: int = 0
-
-    @property
-    def packed(self) -> bool:
-        return self.kind != "float"
-
-    @property
-    def label(self) -> str:
-        return f"{self.kind} g{self.group_size}" if self.packed else "float"
 
 
 @dataclass(frozen=True)
@@ -131,65 +117,6 @@ class MemoryPlan:
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def linear_modules(config: ModelConfig) -> list[tuple[str, int, int, list[str]]]:
-    """(module path, out_features, in_features, canonical tensor names it stacks) of every linear
-    layer of engine.runtime.model.Transformer (the output layer only when untied)."""
-    h, f, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
-    out = []
-    for i in range(config.num_layers):
-        p = f"layers.{i}"
-        out += [(f"{p}.attention.wqkv", q + 2 * kv, h, [f"{p}.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]),
-                (f"{p}.attention.wo", h, q, [f"{p}.o_proj.weight"]),
-                (f"{p}.feed_forward.w13", 2 * f, h, [f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]),
-                (f"{p}.feed_forward.w2", h, f, [f"{p}.down_proj.weight"])]
-    if not config.tie_word_embeddings:
-        out.append(("lm_head", config.vocab_size, h, ["lm_head.weight"]))
-    return out
-
-
-def _packable(kind: str, n: int, k: int, group: int) -> bool:
-    try:
-        check_packable(kind, n, k, group)
-    except ValueError:
-        return False
-    return True
-
-
-def _require_packable(kind: str, n: int, k: int, group: int) -> None:
-    """The loader's refusal (engine.weights.packed_linear.quantize_weight), raised before loading."""
-    try:
-        check_packable(kind, n, k, group)
-    except ValueError as e:
-        raise BonsaiError(f"cannot pack a [{n}, {k}] matrix as {kind}: {e}; choose another --group-size") from None
-
-
-def linear_formats(config: ModelConfig, quant_type: str = "bf16", group_size: int = 128, head_type: str = "bf16",
-                   stored: dict[str, tuple[str, int]] | None = None, keep_codes: bool = False
-                   ) -> dict[str, LinearFormat]:
-    """The run-time format of every linear layer, by the loader's rules: with keep_codes, a layer
-    whose stored parts are all quantized in one layout kind and group stays packed as stored
-    (engine.weights.packed_load); a layer still float is then packed as quant_type (head_type for the
-    output layer) unless that is bf16 (engine.weights.packed_linear.pack_linears). A tied output layer gets
-    its own packed copy when head_type is packed. stored: canonical name → (layout kind, group)."""
-    formats: dict[str, LinearFormat] = {}
-    for path, n, k, parts in linear_modules(config):
-        fmt = LinearFormat()
-        if keep_codes and stored:
-            found = [stored.get(p) for p in parts]
-            if all(found) and len({f for f in found}) == 1 and _packable(found[0][0], n, k, found[0][1]):
-                fmt = LinearFormat(*found[0])
-        if not fmt.packed:
-            kind = head_type if path == "lm_head" else quant_type
-            if kind != "bf16":
-                _require_packable(kind, n, k, group_size)
-                fmt = LinearFormat(kind, group_size)
-        formats[path] = fmt
-    if config.tie_word_embeddings and head_type != "bf16":
-        _require_packable(head_type, config.vocab_size, config.hidden_size, group_size)
-        formats["lm_head"] = LinearFormat(head_type, group_size)
-    return formats
 
 
 def packed_bytes(fmt: LinearFormat, out_features: int, in_features: int) -> int:

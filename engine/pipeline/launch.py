@@ -45,7 +45,7 @@ class ModelSource:
     architecture: object = None  # a ModelConfig: load_format dummy
     name: str = ""
     weight_dtype: torch.dtype | None = None
-    weight_format: object = None  # engine.weights.packed_linear.WeightFormat
+    weight_format: object = None  # engine.weights.formats.WeightFormat
     seed: int = 0
 
     def load(self, device: str, stage: Stage):

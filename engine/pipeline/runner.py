@@ -24,7 +24,8 @@ from engine.weights.loader import LoadedModel
 from engine.pipeline.launch import Links, ModelSource, RunSpec, start_workers, wait_ready
 from engine.pipeline.protocol import CALIBRATE, MAX_ROWS, PLAIN, PREPARE, ROWS, Command, micro_batches
 from engine.pipeline.split import Stage
-from engine.pipeline.stage import MAX_STEP_ROWS, StageExecutor
+from engine.pipeline.stage import StageExecutor
+from engine.runtime.decode_step import MAX_STEP_ROWS
 
 
 class PipelineRunner:

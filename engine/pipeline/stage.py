@@ -12,14 +12,14 @@ import logging
 
 import torch
 
-from engine.runtime.kv_cache import CacheBatch, KVCache
-from engine.weights.loader import LoadedModel
 from engine.pipeline.protocol import CALIBRATE, PLAIN, ROWS, Command
 from engine.pipeline.split import Stage
+from engine.runtime.decode_step import MAX_STEP_ROWS
+from engine.runtime.kv_cache import CacheBatch, KVCache
+from engine.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-MAX_STEP_ROWS = 16  # as engine.runtime.runner: the packed GEMV's limit
 
 
 class StageExecutor:

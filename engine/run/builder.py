@@ -120,7 +120,6 @@ def _load_pipelined(config: ServeConfig, metrics: Metrics | None, progress: Call
     """load_engine over several devices (memory.pipeline_parallel): the devices and each one's share
     of the plan are checked before anything loads; rank 0 (this process) runs stage 0 and the engine."""
     from engine.sources import store
-    from engine.weights.packed_linear import WeightFormat
     from engine.pipeline.launch import ModelSource
     from engine.pipeline.setup import check_pipeline_budget, open_pipeline, plan_pipeline
     from engine.run.plan import serve_plan
@@ -134,7 +133,7 @@ def _load_pipelined(config: ServeConfig, metrics: Metrics | None, progress: Call
     if config.seq_len > limit:
         raise BonsaiError(f"config runtime.max_seq_len {config.seq_len} exceeds the model's {limit} positions; "
                           f"lower it to {limit} or less")
-    fmt = WeightFormat(quant_type=m.quant_type, group_size=m.group_size)
+    fmt = m.weight_format
     if m.load_format == "dummy":
         path = Path(m.path)
         source = ModelSource(architecture=architecture, name=path.stem, weight_format=fmt)
@@ -178,10 +177,9 @@ def _load_model(config: ServeConfig, progress: Callable[[str, float], None], arc
     """(LoadedModel, tokenizer, path) of the config's model: generated (dummy) or read."""
     from engine.sources import store
     from engine.weights.loader import load_dummy, load_model
-    from engine.weights.packed_linear import WeightFormat
 
     m, rt = config.model, config.runtime
-    fmt = WeightFormat(quant_type=m.quant_type, group_size=m.group_size, head_type=m.head_type)
+    fmt = m.weight_format
     if m.load_format == "dummy":
         assert architecture is not None, "the command passes the architecture of a dummy model"
         path = Path(m.path)

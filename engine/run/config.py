@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import BonsaiError
-
-WEIGHT_TYPES = ("bf16", "tri", "bin", "int4", "int8")
+from engine.weights.formats import GROUP_SIZES, WEIGHT_TYPES, WeightFormat
 WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DECODE_ALGORITHMS = ("standard", "speculative")
 
@@ -48,8 +47,8 @@ class ModelSection:
             _fail("model.quant_type", f"'{self.quant_type}' is not one of {', '.join(WEIGHT_TYPES)}")
         if self.head_type not in WEIGHT_TYPES:
             _fail("model.head_type", f"'{self.head_type}' is not one of {', '.join(WEIGHT_TYPES)}")
-        if self.group_size not in (32, 64, 128, 256):
-            _fail("model.group_size", f"{self.group_size} is not one of 32, 64, 128, 256")
+        if self.group_size not in GROUP_SIZES:
+            _fail("model.group_size", f"{self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
         if self.max_context is not None and self.max_context < 2:
             _fail("model.max_context", f"must be >= 2, got {self.max_context}")
         if self.load_format not in ("auto", "dummy"):
@@ -63,6 +62,11 @@ class ModelSection:
         if self.kv_cache_async_dequant:
             _fail("model.kv_cache_async_dequant", "has nothing to overlap: decode attention reads the quantized KV "
                   "cache directly (dequantized in registers, tile by tile); set it to false")
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        """The run-time format asked for (engine.weights.formats: which layer gets which format)."""
+        return WeightFormat(self.quant_type, self.group_size, self.head_type)
 
     @property
     def kv_type_name(self) -> str:

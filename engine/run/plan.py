@@ -35,11 +35,11 @@ def serve_plan(config: ServeConfig, architecture: ModelConfig | None = None) -> 
     cuda = rt.device.startswith("cuda")
     if m.load_format == "dummy":
         assert architecture is not None, "the command passes the architecture of a dummy model"
-        weights = dummy_formats(architecture, m.quant_type, m.group_size, m.head_type, name=m.path)
+        weights = dummy_formats(architecture, m.weight_format, name=m.path)
         wbytes = None
     else:
         source = open_model_source(store.resolve_model(m.path))
-        weights = model_formats(source, source.model_config(), m.quant_type, m.group_size, m.head_type,
+        weights = model_formats(source, source.model_config(), m.weight_format,
                                 keep_codes=cuda)
         dtype = weight_dtype_for(config)
         wbytes = None if dtype is None else dtype.itemsize

@@ -16,9 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import kernels_usable
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.model import Transformer
-from engine.weights.packed_linear import PackedLinear, kernels_usable
+from engine.weights.packed_linear import PackedLinear
+
+MAX_STEP_ROWS = 16  # rows one fused step takes: the packed GEMV's limit (quant/kernels/packed_gemv.py)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from engine.kernels import kernels_usable
 from engine.runtime.kv_cache import CacheBatch, KVCache
 from engine.sources.model_config import ModelConfig
 from quant.rotation import block_hadamard, block_hadamard_factors
@@ -212,11 +213,6 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mb)  # [B, KV, g·rows, D]
         out[:, :, t0:t1] = ob.reshape(b, h, t1 - t0, d)  # the output may come back strided
     return out
-
-
-def kernels_usable(device: torch.device) -> bool:
-    from engine.weights.packed_linear import kernels_usable as usable
-    return usable(device)
 
 
 def quantized_cache_attention(q: torch.Tensor, cache: KVCache, layer: int, batch: CacheBatch,

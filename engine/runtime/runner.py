@@ -7,12 +7,12 @@ from typing import Iterable
 import torch
 
 from engine.errors import BonsaiError
+from engine.runtime.decode_step import MAX_STEP_ROWS
 from engine.runtime.kv_cache import CacheBatch, KVCache, KVSlot
 from engine.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-MAX_STEP_ROWS = 16  # rows one fused decode step takes (the packed GEMV's limit)
 
 
 class ModelRunner:

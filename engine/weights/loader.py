@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,17 +9,18 @@ from typing import Iterable
 
 import torch
 
-from engine.sources.checkpoint_file import BonsaiCheckpoint
 from engine.errors import BonsaiError, ModelFileError
+from engine.memory.host_embedding import HostEmbedding, check_embedding_on_host
+from engine.pipeline.naming import global_name, local_name, stage_holds
+from engine.runtime.model import Linear, Transformer, rotary_inverse_frequencies
+from engine.sources.checkpoint_file import BonsaiCheckpoint
 from engine.sources.gguf_file import GGUFFile
 from engine.sources.hf_files import HFModelDir
-from engine.memory.host_embedding import HostEmbedding, check_embedding_on_host
-from engine.runtime.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.sources.model_config import ModelConfig
-from engine.weights.packed_linear import (PackedLinear, WeightFormat, empty_packed, pack_linears, packed_targets,
-                                  quantize_rows)
-from engine.weights.packed_load import pack_stored_codes
 from engine.sources.tokenizer import Tokenizer
+from engine.weights.formats import WeightFormat, linear_formats, linear_modules, stored_formats
+from engine.weights.packed_linear import PackedLinear, empty_packed, pack_linears, quantize_rows, tensor_generator
+from engine.weights.packed_load import pack_stored_codes
 from quant.checkpoint import is_checkpoint
 from quant.packed_layout import PackedWeight
 
@@ -133,39 +133,6 @@ def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtyp
     return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
 
 
-def stage_holds(stage, config: ModelConfig, name: str) -> bool:
-    """Whether a pipeline stage (engine.pipeline.split.Stage; None: the whole model) holds the module
-    or canonical tensor `name` (global layer numbers): its blocks, the embedding on the first stage
-    (and, tied, the last: the output layer), the final norm and output layer on the last."""
-    if stage is None:
-        return True
-    part = name.split(".")[0]
-    if part == "layers" and name != "layers":
-        return stage.first <= int(name.split(".")[1]) < stage.end
-    if part in ("embed", "embed_tokens"):
-        return stage.takes_tokens or (stage.gives_logits and config.tie_word_embeddings)
-    if part in ("norm", "lm_head"):
-        return stage.gives_logits
-    return True  # the model itself (rotary frequencies), rope_freqs, the block list
-
-
-def global_name(name: str, first_layer: int) -> str:
-    """A stage model's module name with its layer number made global (layers.0 of a stage from layer 12
-    is layers.12)."""
-    if first_layer and name.startswith("layers.") and name != "layers":
-        _, index, *rest = name.split(".")
-        return ".".join(["layers", str(int(index) + first_layer), *rest])
-    return name
-
-
-def local_name(name: str, first_layer: int) -> str:
-    """The inverse of `global_name`: a model-wide name as a stage model's module name."""
-    if first_layer and name.startswith("layers.") and name != "layers":
-        _, index, *rest = name.split(".")
-        return ".".join(["layers", str(int(index) - first_layer), *rest])
-    return name
-
-
 def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype,
                  meta_weights: frozenset[str] = frozenset(), embedding_on_host: bool = False,
                  stage=None) -> Transformer:
@@ -197,7 +164,6 @@ def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, wei
 
 def _part_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     """canonical tensor name → (Linear module path, its first row in the module's fused matrix, its rows)."""
-    from engine.memory.plan import linear_modules
     sizes = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
              "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
     out = {}
@@ -212,7 +178,7 @@ def _part_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
 
 def _packed_shells(model: Transformer, targets: dict[str, str], group_size: int, dev: torch.device
                    ) -> dict[str, PackedWeight]:
-    """Swap the Linear layers in targets (module path → packed kind) for PackedLinear layers with
+    """Swap the Linear layers in targets (global module path → packed kind) for PackedLinear layers with
     empty packed buffers on `dev`, filled as their float tensors arrive (`quantize_rows`)."""
     out = {}
     for path, kind in targets.items():  # global names; a pipeline stage's layer i is first_layer + i
@@ -239,8 +205,8 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
     stage: build only this pipeline stage's part (tensors of other stages are passed over)."""
     meta_weights = meta_weights or {}
     fmt = weight_format or WeightFormat()
-    targets = {name: kind for name, kind in packed_targets(config, fmt)
-               if name not in meta_weights and (name != "lm_head" or not config.tie_word_embeddings)
+    targets = {name: f.kind for name, f in linear_formats(config, fmt).items()
+               if f.packed and name not in meta_weights and (name != "lm_head" or not config.tie_word_embeddings)
                and stage_holds(stage, config, name)}  # global module names
     model = _empty_model(config, dev, dtype, weight_dtype, meta_weights=frozenset(meta_weights) | frozenset(targets),
                          embedding_on_host=embedding_on_host, stage=stage)
@@ -343,12 +309,10 @@ def stored_packed_layers(source, config: ModelConfig) -> dict[str, list[str]]:
     """{Linear module name: its canonical tensors} of the layers `pack_stored_codes` will pack from
     the source's stored codes, known from metadata alone (GGUF Q2_0 layers, whose layout depends on
     their codes, are left out: they load as floats first)."""
-    from engine.memory.budget import stored_formats
-    from engine.memory.plan import linear_formats, linear_modules
     found = stored_formats(source, exact=True)
     if not found:
         return {}
-    formats = linear_formats(config, stored=found, keep_codes=True)
+    formats = linear_formats(config, stored=found)
     return {path: parts for path, _, _, parts in linear_modules(config) if formats[path].packed}
 
 
@@ -369,8 +333,8 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
         check_embedding_on_host(config.tie_word_embeddings, weight_format.head_type)
     # layers generated packed are never allocated as floats (a 27B model's float copy would not fit
     # the GPU memory its packed form is meant for)
-    packed = frozenset(name for name, kind in packed_targets(config, weight_format) if name != "lm_head" or
-                       not config.tie_word_embeddings)
+    packed = frozenset(name for name, f in linear_formats(config, weight_format).items()
+                       if f.packed and (name != "lm_head" or not config.tie_word_embeddings))
     model = _empty_model(config, dev, dtype, dtype, meta_weights=packed, embedding_on_host=embedding_on_host,
                          stage=stage)
     for param_name, p in model.named_parameters():
@@ -392,11 +356,6 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
     return LoadedModel(model=model, tokenizer=None, config=config, path=Path(name), summary=summary, device=dev,
                        dtype=dtype, weight_dtype=dtype, load_seconds=time.perf_counter() - start,
                        weight_format=weight_format)
-
-
-def tensor_generator(device: torch.device, seed: int, name: str) -> torch.Generator:
-    """The random generator of one generated (dummy) tensor: seeded by the run's seed and its name."""
-    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
 def _drop_unused_embedding(model: Transformer) -> None:

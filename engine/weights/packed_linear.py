@@ -6,62 +6,20 @@ GPU without Triton) the plain-torch references run the same maths, so every path
 """
 from __future__ import annotations
 
-import functools
-import logging
-from dataclasses import dataclass
+import zlib
 
 import torch
 from torch import nn
 
 from engine.errors import BonsaiError
+from engine.kernels import kernels_usable
+from engine.pipeline.naming import global_name
+from engine.runtime.model import Linear
+from engine.weights.formats import WeightFormat, rounded_format
 from quant import grids
 from quant.packed_layout import KINDS, PackedWeight, check_packable, pack, random_packed
 
-log = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 4  # measured on an H200: above this, unpack-to-bf16 + cuBLAS is faster than the GEMV
-WEIGHT_TYPES = ("bf16", *KINDS)
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """How the block matrices (and optionally the output layer) are held at run time."""
-    quant_type: str = "bf16"  # bf16 (the source's float weights) | tri | bin | int4 | int8
-    group_size: int = 128
-    head_type: str = "bf16"  # the output layer: bf16 | int4 | int8 | tri | bin
-
-    def __post_init__(self) -> None:
-        for key in ("quant_type", "head_type"):
-            if getattr(self, key) not in WEIGHT_TYPES:
-                raise BonsaiError(f"unknown weight type '{getattr(self, key)}' for {key}: "
-                                  f"use one of {', '.join(WEIGHT_TYPES)}")
-        if self.group_size not in (32, 64, 128, 256):
-            raise BonsaiError(f"group size {self.group_size} is not supported: use 32, 64, 128 or 256")
-
-    @property
-    def packed(self) -> bool:
-        return self.quant_type != "bf16" or self.head_type != "bf16"
-
-
-MIN_CAPABILITY = (8, 0)  # bf16 tensor cores and the dp4a/atomic paths the kernels were checked on
-
-
-@functools.lru_cache(maxsize=None)
-def kernels_usable(device: torch.device) -> bool:
-    """Whether the Triton kernels run on `device`; when a GPU cannot, say why once and use the references."""
-    if device.type != "cuda":
-        return False
-    from quant.kernels import triton_available
-    if not triton_available():
-        log.warning("triton is not installed: packed layers run through the slow reference path "
-                    "(pip install triton)")
-        return False
-    capability = torch.cuda.get_device_capability(device)
-    if capability < MIN_CAPABILITY:
-        log.warning("%s (compute capability %d.%d) lacks what the packed kernels need (sm_80+: bf16 tensor "
-                    "cores): packed layers run through the slow reference path",
-                    torch.cuda.get_device_name(device), *capability)
-        return False
-    return True
 
 
 class PackedLinear(nn.Module):
@@ -211,39 +169,33 @@ def quantize_weight(w: torch.Tensor, kind: str, group_size: int, device: torch.d
     return pw
 
 
-def packed_targets(config, fmt: WeightFormat) -> list[tuple[str, str]]:
-    """(module name, packed kind) of the Linear layers `pack_linears` packs in a model of `config`."""
-    names = [f"layers.{i}.{part}" for i in range(config.num_layers)
-             for part in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")]
-    out = [(name, fmt.quant_type) for name in names if fmt.quant_type != "bf16"]
-    return out + ([("lm_head", fmt.head_type)] if fmt.head_type != "bf16" else [])
+def tensor_generator(device: torch.device, seed: int, name: str) -> torch.Generator:
+    """The random generator of one generated (dummy) tensor: seeded by the run's seed and its name."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
 def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed: int = 0,
                  device: torch.device | None = None) -> None:
-    """Swap the model's block Linear layers (and the output layer if fmt.head_type says so) for
-    PackedLinear: rounded from the loaded float weights, or random packed codes (dummy), made
-    directly on `device` (default: the weights' device; dummy layers may have meta weights, a tied
-    output layer's weight may be a host embedding table)."""
-    from engine.runtime.model import Linear
-    targets = []
+    """Swap the model's float Linear layers for PackedLinear where the run's format rounds them
+    (engine.weights.formats.rounded_format; layers packed from stored codes are PackedLinear by now):
+    rounded from the loaded float weights, or random packed codes (dummy), made directly on `device`
+    (default: the weights' device; dummy layers may have meta weights, a tied output layer's weight
+    may be a host embedding table)."""
+    first = getattr(model, "first_layer", 0)  # a pipeline stage's model: its layers from first_layer
     gives_logits = getattr(model, "gives_logits", True)  # a pipeline stage before the last has no output layer
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear) or (name == "lm_head" and not gives_logits):
-            continue
-        kind = fmt.head_type if name == "lm_head" else fmt.quant_type
-        if kind != "bf16":
-            targets.append((name, module, kind))
-    if model.lm_head is None and fmt.head_type != "bf16" and gives_logits:  # tied: the output layer gets its own packed copy
-        emb = model.embed.weight
+    if model.lm_head is None and rounded_format("lm_head", fmt).packed and gives_logits:
+        emb = model.embed.weight  # tied: the output layer gets its own packed copy
         model.lm_head = Linear(emb.shape[1], emb.shape[0])
         model.lm_head.weight = emb
-        targets.append(("lm_head", model.lm_head, fmt.head_type))
+    targets = []
+    for name, module in model.named_modules():
+        target = rounded_format(name, fmt)
+        if isinstance(module, Linear) and target.packed and (name != "lm_head" or gives_logits):
+            targets.append((name, module, target.kind))
     for name, module, kind in targets:
         if dummy:  # each layer's codes depend on the seed and its (global) name only
-            from engine.weights.loader import global_name, tensor_generator
             where = device if device is not None else module.weight.device
-            generator = tensor_generator(where, seed, global_name(name, getattr(model, "first_layer", 0)))
+            generator = tensor_generator(where, seed, global_name(name, first))
             n, k = module.weight.shape
             pw = random_packed(kind, n, k, fmt.group_size, device=where, generator=generator)
         else:

@@ -11,25 +11,25 @@ import logging
 
 import torch
 
+from engine.pipeline.naming import local_name
 from engine.runtime.model import Linear, Transformer
+from engine.weights.formats import STORED_LAYOUT, linear_modules
 from engine.weights.packed_linear import PackedLinear
 from quant.packed_layout import check_packable, pack
 
 log = logging.getLogger(__name__)
-LAYOUT_OF = {"tri": "tri", "tri-dense": "tri", "bin": "bin", "int4": "int4", "int8": "int8"}
 
 
 def _targets(model: Transformer) -> list[tuple[str, list[str]]]:
-    """(module path, canonical tensor names whose rows it stacks)."""
+    """(module path in `model`, canonical tensor names whose rows it stacks) of the linear layers the
+    model holds (a pipeline stage's: its layers from first_layer, the output layer on the last)."""
+    first, end = model.first_layer, model.first_layer + len(model.layers)
     out = []
-    for i in range(len(model.layers)):  # a pipeline stage's layer i is the model's first_layer + i
-        p, g = f"layers.{i}", f"layers.{i + model.first_layer}"
-        out += [(f"{p}.attention.wqkv", [f"{g}.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]),
-                (f"{p}.attention.wo", [f"{g}.o_proj.weight"]),
-                (f"{p}.feed_forward.w13", [f"{g}.gate_proj.weight", f"{g}.up_proj.weight"]),
-                (f"{p}.feed_forward.w2", [f"{g}.down_proj.weight"])]
-    if model.lm_head is not None and model.gives_logits:
-        out.append(("lm_head", ["lm_head.weight"]))
+    for path, _, _, parts in linear_modules(model.config):
+        held = (first <= int(path.split(".")[1]) < end if path.startswith("layers.")
+                else model.lm_head is not None and model.gives_logits)
+        if held:
+            out.append((local_name(path, first), parts))
     return out
 
 
@@ -62,7 +62,7 @@ def pack_stored_codes(model: Transformer, source, config, device: torch.device |
 def _pack_layer(model: Transformer, path: str, parts: list[tuple], device: torch.device | None) -> bool:
     """Pack one layer from its parts' (quant type, group, codes [n, K], scales [n, K/G]) if they share
     a layout kind and group size and the shape is packable; else leave it float (and say why)."""
-    kinds = {LAYOUT_OF.get(p[0]) for p in parts}
+    kinds = {STORED_LAYOUT.get(p[0]) for p in parts}
     groups = {p[1] for p in parts}
     if len(kinds) != 1 or None in kinds or len(groups) != 1:
         log.info("%s: parts stored as %s; kept in float", path, sorted(str(p[0]) for p in parts))

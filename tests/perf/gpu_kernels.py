@@ -195,7 +195,7 @@ def step_rows_timing(dev) -> None:
     from engine.runtime.kv_cache import KVCache
     from engine.weights.loader import load_dummy
     from engine.sources.model_config import ModelConfig
-    from engine.weights.packed_linear import WeightFormat
+    from engine.weights.formats import WeightFormat
     root = Path(__file__).resolve().parents[2]
     cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs" / "models" / "qwen3-8b.yaml").read_text()))
     loaded = load_dummy(cfg, "qwen3-8b", dev, WeightFormat("tri", 128, "int4"))
@@ -291,7 +291,7 @@ def section_prefill(dev, models: list[str]) -> None:
     from engine.runtime.kv_cache import CacheBatch, KVCache
     from engine.weights.loader import load_dummy
     from engine.sources.model_config import ModelConfig
-    from engine.weights.packed_linear import WeightFormat
+    from engine.weights.formats import WeightFormat
     from torch.profiler import ProfilerActivity, profile
     root = Path(__file__).resolve().parents[2]
     for spec in models:
@@ -352,7 +352,7 @@ def section_step(dev, models: list[str]) -> None:
     from engine.runtime.kv_cache import KVCache
     from engine.weights.loader import load_dummy
     from engine.sources.model_config import ModelConfig
-    from engine.weights.packed_linear import WeightFormat
+    from engine.weights.formats import WeightFormat
     root = Path(__file__).resolve().parents[2]
     for spec in models:  # name:weights:head
         name, weights, head = spec.split(":")

@@ -45,7 +45,7 @@ def run_case(arch: str, weights: str, head: str, device: str, ctx: int, prompt: 
     from engine.errors import BonsaiError
     from engine.weights.loader import load_dummy
     from engine.memory.limit import usage, within_limit
-    from engine.weights.packed_linear import WeightFormat
+    from engine.weights.formats import WeightFormat
     from engine.runtime.runner import ModelRunner
 
     case = {"arch": Path(arch).stem, "weights": weights, "head_weights": head, "device": device, "context": ctx,

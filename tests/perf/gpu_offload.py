@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.memory.host_copies import HostAllocator  # noqa: E402
 from engine.weights.loader import load_dummy  # noqa: E402
 from engine.sources.model_config import ModelConfig  # noqa: E402
-from engine.weights.packed_linear import WeightFormat  # noqa: E402
+from engine.weights.formats import WeightFormat  # noqa: E402
 from engine.runtime.runner import ModelRunner  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
