@@ -7,9 +7,10 @@ from typing import Iterator, Optional
 
 import typer
 
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
-                               spec_summary, speculative_config)
 from bonsai_cli.cmd_generate import sampling_from_options
+from bonsai_cli.common import err_console, spec_summary
+from bonsai_cli.run_options import (DEVICE_HELP, DRAFT_TOKENS_HELP, KV_TYPE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP,
+                                    open_cli_run, run_config)
 
 HELP_TEXT = ("commands: /reset (forget the conversation), /system TEXT (set the system message; "
              "/system alone clears it), /stats (speed of the last answer), /exit")
@@ -25,24 +26,23 @@ def chat(
     min_p: float = typer.Option(0.05, "--min-p"),
     repeat_penalty: float = typer.Option(1.1, "--repeat-penalty"),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
-    weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
-    max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help=WEIGHT_DTYPE_HELP + " (default auto)"),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="context length to allocate "
+                                              "(default 4096, or the model's positions if fewer)"),
     kv_type: Optional[str] = typer.Option(None, "--kv-type", help=KV_TYPE_HELP + " (default bf16)"),
     plain: bool = typer.Option(False, "--plain", help="print raw text instead of rendered markdown"),
     config: Optional[Path] = typer.Option(None, "--config", help="serve.yaml: chat through the server's engine "
                                           "(its model, slots, thinking budget and context policy)"),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
-    draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help=DRAFT_TOKENS_HELP + " (default 4)"),
 ) -> None:
     """Chat with a model in the terminal; the conversation stays in the KV cache between turns."""
     from rich.console import Console
 
     from engine.decoding.chat import ChatSession
-    from engine.errors import BonsaiError
     from engine.decoding.generate import GenerationRequest
-    from engine.runtime.kv_cache import kv_type_of
-    from engine.runtime.runner import ModelRunner
+    from engine.errors import BonsaiError
     from engine.speculative.config import build_drafter
 
     console = Console()
@@ -56,13 +56,13 @@ def chat(
             raise BonsaiError("--kv-type does not combine with --config: set model.kv_type in the config")
         sampling = sampling_from_options(temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed)
         return _chat_with_config(config, system, max_tokens, sampling, console)
-    spec_config = speculative_config(spec, draft_tokens)
-    kv_type_of(kv_type or "bf16")  # an unknown name fails before loading
-    loaded = load_for_cli(model, device, weight_dtype=weight_dtype)
-    runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type or "bf16")
-    session = ChatSession(runner, loaded.tokenizer, system=system)
+    cfg = run_config(model, {"--device": device, "--weight-dtype": weight_dtype, "--max-seq-len": max_seq_len,
+                             "--kv-type": kv_type, "--spec": spec, "--draft-tokens": draft_tokens})
+    run = open_cli_run(cfg, auto_pull=model is None)
+    session = ChatSession(run.runner, run.tokenizer, system=system)
+    spec_config = cfg.spec_config
     if spec_config is not None:
-        session.drafter = build_drafter(spec_config, loaded, max_seq_len)
+        session.drafter = build_drafter(spec_config, run.loaded, run.runner.max_seq_len)
         session.num_draft_tokens = spec_config.num_draft_tokens
     request = GenerationRequest(max_tokens=max_tokens, sampling=sampling_from_options(
         temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed))
@@ -155,14 +155,15 @@ def _command(text: str, session, console) -> bool:
 
 def _chat_with_config(path: Path, system: Optional[str], max_tokens: int, sampling, console) -> None:
     """The chat loop over the server's engine: thoughts are shown dimmed before the answer."""
-    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
+    from bonsai_cli.cmd_serve import read_serve_config
+    from bonsai_cli.run_options import architecture_of
     from engine.errors import BonsaiError
-    from engine.run.builder import load_engine
+    from engine.server.engine_thread import start_serving
     from engine.server.local_chat import EngineChat
 
     cfg = read_serve_config(path)
     with err_console.status(f"loading {cfg.model.path} on {cfg.runtime.device}"):
-        served = load_engine(cfg, architecture=architecture_of(cfg))
+        served = start_serving(cfg, architecture=architecture_of(cfg))
     chat = EngineChat(served, system=system)
     console.print(f"[dim]{HELP_TEXT}[/dim]")
     try:

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import LOAD_FORMAT_HELP, WEIGHTS_HELP, print_json
+from bonsai_cli.common import print_json
+from bonsai_cli.run_options import LOAD_FORMAT_HELP, WEIGHTS_HELP
 
 
 def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model directory or a pulled name "
@@ -76,20 +77,21 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
 def _info_plan(model: Optional[str], plan_file: Path, json_out: bool) -> None:
     from rich.console import Console
 
-    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
     from bonsai_cli.plan_table import plan_dict, print_plan
+    from bonsai_cli.run_options import architecture_of, run_config
     from engine.errors import BonsaiError
     from engine.memory.budget import SERVE_KEYS, check_budget
-    from engine.run.plan import serve_plan
+    from engine.run.plan import plan_run
 
-    cfg = read_serve_config(plan_file, {"model.path": model})
-    planned = serve_plan(cfg, architecture_of(cfg))
+    cfg = run_config(model, {}, plan_file)
+    planned = plan_run(cfg, architecture_of(cfg))
     if cfg.memory.pipeline_parallel:
         _info_pipeline(cfg, planned, plan_file, json_out)
         return
     refusal = None
     try:
-        check_budget(planned.plan, planned.limit, planned.weights, planned.settings, SERVE_KEYS)
+        check_budget(planned.plan, planned.limit, planned.weights, planned.settings, SERVE_KEYS,
+                     drafter=planned.drafter)
     except BonsaiError as e:
         refusal = str(e)
     if json_out:
@@ -142,12 +144,13 @@ def _info_dummy(model: str, weights: str, group_size: int, head_weights: str, js
     from rich.console import Console
     from rich.table import Table
 
-    from bonsai_cli.common import _dummy_config, weight_format_from_options
+    from bonsai_cli.run_options import dummy_architecture
     from engine.memory.budget import dummy_formats, run_settings
     from engine.memory.plan import weight_tensors
+    from engine.weights.formats import WeightFormat
 
-    config, path = _dummy_config(model)
-    formats = dummy_formats(config, weight_format_from_options(weights, group_size, head_weights)).formats
+    config, path = dummy_architecture(model)
+    formats = dummy_formats(config, WeightFormat(weights, group_size, head_weights)).formats
     nbytes = sum(size for _, _, size in weight_tensors(config, formats, run_settings(config, "cuda", 2)))
     params = config.num_parameters()
     arch = {k: v for k, v in vars(config).items() if k not in ("extra", "rope_scaling")}

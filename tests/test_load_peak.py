@@ -97,9 +97,9 @@ def test_packing_at_load_matches_packing_after_and_never_holds_the_float_model(f
 
 def test_plan_counts_the_27b_items_by_hand():
     """The 27B-class model (configs/models/dense-27b.yaml), 1-bit blocks, int4 output layer, 4K context."""
-    from bonsai_cli.common import _dummy_config
+    from bonsai_cli.run_options import dummy_architecture
     from engine.memory.plan import make_plan
-    config, _ = _dummy_config("dense-27b")
+    config, _ = dummy_architecture("dense-27b")
     formats = dummy_formats(config, WeightFormat("bin", 128, "int4")).formats
     s = run_settings(config, "cuda:0", 4096, kv_type="int8", dummy=True)
     on_gpu = make_plan(config, formats, s)

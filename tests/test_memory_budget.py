@@ -93,13 +93,14 @@ def _write_dummy_config(tmp_path, smollm2_gguf, limit: str, slots: int = 2) -> o
 def test_info_plan_json_and_table(tmp_path, smollm2_gguf, capsys, monkeypatch):
     from bonsai_cli.main import main
     monkeypatch.setenv("COLUMNS", "250")
-    from engine.run.plan import serve_plan
+    from engine.run.plan import plan_run
     path = _write_dummy_config(tmp_path, smollm2_gguf, "1GB")
     main(["info", "--plan", str(path), "--json"])
     out = json.loads(capsys.readouterr().out)
-    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
+    from bonsai_cli.cmd_serve import read_serve_config
+    from bonsai_cli.run_options import architecture_of
     cfg = read_serve_config(path)
-    planned = serve_plan(cfg, architecture_of(cfg))
+    planned = plan_run(cfg, architecture_of(cfg))
     assert out["total_bytes"] == planned.plan.total and out["fits"] and out["refusal"] is None
     assert out["by_category"]["kv"] == 2 * 2 * 2 * 32 * 4 * 256 * 2  # layers, kv heads, k+v, f32 rows, 256 x 2 slots
     assert out["settings"]["slots"] == 2 and out["max_gpu_memory"] == 1_000_000_000
@@ -110,17 +111,19 @@ def test_info_plan_json_and_table(tmp_path, smollm2_gguf, capsys, monkeypatch):
 
 
 def test_serve_refuses_before_loading_and_loads_within_the_limit(tmp_path, smollm2_gguf, monkeypatch, one_thread):
-    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
-    from engine.run import builder as loading
+    from bonsai_cli.cmd_serve import read_serve_config
+    from bonsai_cli.run_options import architecture_of
+    from engine.run import builder
+    from engine.server.engine_thread import start_serving
     cfg = read_serve_config(_write_dummy_config(tmp_path, smollm2_gguf, "18MB"))
     loads = []
-    real = loading._load_model
-    monkeypatch.setattr(loading, "_load_model", lambda *a: loads.append(1) or real(*a))
+    real = builder.load_run_model
+    monkeypatch.setattr(builder, "load_run_model", lambda *a: loads.append(1) or real(*a))
     with pytest.raises(BonsaiError, match=r"memory.max_gpu_memory 18.00 MB: the memory plan needs .* would fit: "):
-        loading.load_engine(cfg, architecture=architecture_of(cfg))
+        start_serving(cfg, architecture=architecture_of(cfg))
     assert loads == []  # refused before anything was loaded
     cfg = read_serve_config(_write_dummy_config(tmp_path, smollm2_gguf, "50MB"))
-    served = loading.load_engine(cfg, architecture=architecture_of(cfg))
+    served = start_serving(cfg, architecture=architecture_of(cfg))
     try:
         assert loads == [1] and served.engine.runner.cache.nbytes == 2 * 2 * 2 * 32 * 4 * 256 * 2
     finally:

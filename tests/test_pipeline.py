@@ -82,7 +82,7 @@ def test_good_device_lists_pick_the_backend():
 
 
 def test_pipeline_refuses_what_it_cannot_run():
-    from engine.run.config import ServeConfig
+    from engine.server.config import ServeConfig
     base = {"model": {"path": "m"}, "runtime": {"device": "cpu,cpu"}, "memory": {"pipeline_parallel": True}}
     with pytest.raises(BonsaiError, match="memory.weight_offload"):
         ServeConfig.from_dict({**base, "memory": {"pipeline_parallel": True, "weight_offload": True}})

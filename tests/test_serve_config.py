@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from engine.errors import BonsaiError
-from engine.run.config import ServeConfig, parse_bytes
+from engine.run.config import parse_bytes
+from engine.server.config import ServeConfig
 
 SEED = """
 model:
@@ -163,12 +164,12 @@ def test_every_example_config_loads_or_is_refused_by_name(tmp_path):
             assert cfg.spec_config is not None and cfg.runtime.max_batch_size > 1
 
 
-def test_dummy_models_need_a_tokenizer(tmp_path):
+def test_served_dummy_models_need_a_tokenizer(tmp_path):
     assert "model.tokenizer" in error("model:\n  path: qwen3-8b\n  load_format: dummy\n", tmp_path)
     assert "model.tokenizer" in error("model:\n  path: m\n  tokenizer: smollm2-135m\n", tmp_path)
     cfg = load("model:\n  path: qwen3-8b\n  load_format: dummy\n  tokenizer: smollm2-135m\n  quant_type: tri\n",
                tmp_path)
-    from bonsai_cli.cmd_serve import architecture_of
+    from bonsai_cli.run_options import architecture_of
     assert architecture_of(cfg).hidden_size == 4096
 
 

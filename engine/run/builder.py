@@ -1,7 +1,12 @@
-"""From a ServeConfig to a running engine: model, tokenizer, runner with its slots, engine loop.
+"""From a run config to a running model: plan → cap → load → runner → check, on one device or a pipeline.
 
-`bonsai serve` runs this in a background thread (GET /health reports the stage meanwhile);
-`bonsai chat --config` runs it directly.
+`open_run` is the one way every command builds a run (generate, chat, bench and the server;
+`bonsai info --plan` stops after the plan): the memory plan is made from metadata and refused over
+memory.max_gpu_memory before anything loads, the CUDA allocator is capped at the limit, the model
+is loaded in its run-time weight formats, the runner allocates the KV cache of every slot (and
+captures the fused step), and the allocator's usage is checked after each stage. With several
+devices (memory.pipeline_parallel) the plan is split into stages, each checked against the limit,
+and the workers are started; this process runs stage 0.
 """
 from __future__ import annotations
 
@@ -11,189 +16,170 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import BonsaiError
-from engine.run.config import ServeConfig
-from engine.decoding.engine import EngineLoop
-from engine.decoding.metrics import Metrics
-from engine.decoding.sequence import ThinkingRules
+from engine.memory.budget import SERVE_KEYS, check_budget
+from engine.memory.limit import check_usage, limit_device_memory, within_limit
+from engine.pipeline.devices import check_machine_devices
+from engine.pipeline.launch import ModelSource
+from engine.pipeline.setup import PipelinePlan, check_pipeline_budget, open_pipeline, plan_pipeline
+from engine.run.config import RunConfig
+from engine.run.plan import RunPlan, model_path, plan_run
+from engine.runtime.runner import ModelRunner
+from engine.sources import store
+from engine.sources.gguf_file import GGUFFile
+from engine.sources.model_config import ModelConfig
+from engine.sources.tokenizer import Tokenizer
+from engine.weights.loader import LoadedModel, load_dummy, load_model
 
 log = logging.getLogger(__name__)
+Progress = Callable[[str, float], None]  # (stage, fraction done): the server's /health, the CLI's spinner
 
 
 @dataclass
-class Served:
-    engine: EngineLoop
-    model_id: str
-    config: ServeConfig
+class Run:
+    """A loaded model with its runner (ModelRunner, or a PipelineRunner driving the stages)."""
+    config: RunConfig
+    loaded: LoadedModel  # with a pipeline: stage 0's part (its config is the whole model's)
+    tokenizer: Tokenizer | None  # None: generated weights without model.tokenizer (token ids only)
+    runner: object  # engine.runtime.runner.Runner
+    plan: RunPlan  # of the first device
+    pipeline: PipelinePlan | None = None
+    name: str = ""  # model.name, else the model file's or directory's name
+
+    @property
+    def slot_context(self) -> int:
+        """Positions one conversation may use."""
+        return min(self.plan.slot_context, self.runner.max_seq_len)
+
+    def close(self) -> None:
+        """End the pipeline's workers (a no-op on one device); idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def weight_dtype_for(config: ServeConfig):
-    """runtime.weight_dtype as a torch dtype (None: the loader's default). On the CPU, auto picks
-    float32 when several slots decode together: a batched float16 matmul widens the whole weight
-    each step, float32 reads it once for every row."""
-    import torch
-    name = config.runtime.weight_dtype
-    if name == "auto":
-        cpu = config.runtime.first_device == "cpu"
-        return torch.float32 if cpu and config.runtime.max_batch_size > 1 else None
-    return getattr(torch, name)
+def tokenizer_of(spec: str) -> Tokenizer:
+    """The tokenizer of a model (path or pulled name) without loading its weights."""
+    path = store.resolve_model(spec)
+    return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata) if path.is_file() else Tokenizer.from_hf_dir(path)
 
 
-def offloaded_layers(config: ServeConfig, num_layers: int) -> frozenset[int] | None:
+def offloaded_layers(config: RunConfig, num_layers: int) -> frozenset[int] | None:
     """The blocks whose weights stay in host memory: with memory.weight_offload, every block (a memory
     plan that places some on the GPU narrows this); None: weight offload is off."""
     return frozenset(range(num_layers)) if config.memory.weight_offload else None
 
 
-def tokenizer_of(spec: str):
-    """The tokenizer of a model (path or pulled name) without loading its weights."""
-    from engine.sources import store
-    from engine.sources.gguf_file import GGUFFile
-    from engine.sources.tokenizer import Tokenizer
-    path = store.resolve_model(spec)
-    return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata) if path.is_file() else Tokenizer.from_hf_dir(path)
+def load_run_model(config: RunConfig, architecture: ModelConfig | None = None, embedding_on_host: bool = False,
+                   auto_pull: bool = False, progress: Progress = lambda stage, fraction: None
+                   ) -> tuple[LoadedModel, Tokenizer | None]:
+    """The config's model on its device, in its run-time formats, and its tokenizer (a dummy model's
+    from model.tokenizer, checked to fit its vocabulary). For a run, use open_run."""
+    m, device = config.model, config.runtime.first_device
+    if m.load_format == "dummy":
+        assert architecture is not None, "the command passes the architecture of a dummy model"
+        name = Path(m.path).stem
+        progress(f"generating {name} ({m.quant_type}) on {device}", 0.05)
+        loaded = load_dummy(architecture, name, device=device, weight_format=m.weight_format,
+                            embedding_on_host=embedding_on_host)
+        return loaded, _dummy_tokenizer(config, architecture)
+    path = model_path(config, auto_pull)
+    progress(f"loading {path.name} on {device}", 0.05)
+    loaded = load_model(path, device=device, weight_dtype=config.weight_dtype, weight_format=m.weight_format,
+                        embedding_on_host=embedding_on_host)
+    return loaded, _with_template(config, loaded.tokenizer)
 
 
-def load_engine(config: ServeConfig, metrics: Metrics | None = None,
-                progress: Callable[[str, float], None] = lambda stage, fraction: None,
-                architecture=None) -> Served:
-    """architecture: with model.load_format dummy, the ModelConfig read from model.path (the
-    command reads that YAML); the weights are generated and model.tokenizer gives the tokenizer.
-    The memory plan is checked against memory.max_gpu_memory before anything loads; on a GPU the
-    allocator is then capped at the limit (engine.memory.limit)."""
-    from engine.memory.limit import check_usage, limit_device_memory, within_limit
-    from engine.runtime.runner import ModelRunner
-    from engine.run.plan import check_serve_budget
-
-    m, rt = config.model, config.runtime
-    if config.memory.pipeline_parallel:
-        return _load_pipelined(config, metrics, progress, architecture)
+def open_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pull: bool = False,
+             progress: Progress = lambda stage, fraction: None, keys: dict[str, str | None] = SERVE_KEYS,
+             option: str = "config memory.max_gpu_memory") -> Run:
+    """The run of `config` (see the module doc). architecture: with model.load_format dummy, the
+    ModelConfig read from model.path (the command reads that YAML). keys / option: how the user
+    wrote each setting, for the refusal of a plan over the limit (flags or config keys)."""
+    backend = check_machine_devices(config.runtime.devices) if config.memory.pipeline_parallel else None
     progress("planning GPU memory", 0.01)
-    planned = check_serve_budget(config, architecture)  # refused here, before loading, when over the limit
-    budget = planned.limit
-    if budget is not None:
-        limit_device_memory(budget, rt.device)
+    planned = plan_run(config, architecture, auto_pull)
+    positions = planned.weights.config.max_position_embeddings
+    if planned.settings.max_seq_len > positions:
+        raise BonsaiError(f"config runtime.max_seq_len {planned.settings.max_seq_len} exceeds the model's "
+                          f"{positions} positions; lower it to {positions} or less")
+    if config.memory.pipeline_parallel:
+        return _open_pipeline(config, planned, architecture, progress, option, backend)
+    check_budget(planned.plan, planned.limit, planned.weights, planned.settings, keys, option, planned.drafter)
+    rt, limit = config.runtime, planned.limit
+    if limit is not None:
+        limit_device_memory(limit, rt.device)
     for choice in planned.choices:
         log.info("to fit memory.max_gpu_memory: %s", choice.line)
-    with within_limit(budget, "loading the model"):
-        loaded, tokenizer, path = _load_model(config, progress, architecture, planned.settings.embedding_on_host)
-    check_usage(budget, loaded.device, "loading the model", planned.plan.category("weights"))
-    if m.chat_template:
-        template = Path(m.chat_template).expanduser()
-        if not template.is_file():
-            raise BonsaiError(f"config model.chat_template: no file {template}; give a .jinja file")
-        tokenizer.chat_template = template.read_text(encoding="utf-8")
-    limit = loaded.config.max_position_embeddings
-    if config.seq_len > limit:
-        raise BonsaiError(f"config runtime.max_seq_len {config.seq_len} exceeds the model's {limit} positions; "
-                          f"lower it to {limit} or less")
-    stage = "allocating the KV cache" + (" and capturing CUDA graphs" if rt.device != "cpu" else "")
+    with within_limit(limit, "loading the model"):
+        loaded, tokenizer = load_run_model(config, architecture, planned.settings.embedding_on_host, auto_pull,
+                                           progress)
+    check_usage(limit, loaded.device, "loading the model", planned.plan.category("weights"))
+    stage = "allocating the KV cache" + (" and capturing CUDA graphs" if loaded.device.type == "cuda" else "")
     progress(stage, 0.85)
-    with within_limit(budget, stage):
-        mem = config.memory
-        runner = ModelRunner(loaded, max_seq_len=config.seq_len, num_slots=rt.max_batch_size,
-                             prefill_chunk_size=planned.settings.prefill_chunk_size, kv_type=m.kv_type_name,
-                             kv_offload=mem.kv_offload,
-                             host_kv_bytes=mem.host_kv_mib * 2**20 if mem.host_kv_mib else None,
+    mem = config.memory
+    with within_limit(limit, stage):
+        runner = ModelRunner(loaded, max_seq_len=planned.settings.max_seq_len, num_slots=rt.max_batch_size,
+                             prefill_chunk_size=planned.settings.prefill_chunk_size, kv_type=config.model.kv_type_name,
+                             kv_offload=mem.kv_offload, host_kv_bytes=mem.host_kv_mib * 2**20 if mem.host_kv_mib else None,
                              offload_layers=offloaded_layers(config, loaded.config.num_layers),
-                             prefill_graphs=planned.limit is None)
-        th = config.thinking
-        spec = config.spec_config
-        if spec is not None:
-            progress(f"building each slot's drafter ({spec.method})", 0.9)
-        engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
-                            ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, speculative=spec,
-                            prefill_budget=config.server.max_prefill_tokens_per_step)
-        if runner.decoder is not None:  # capture the fused step for every row count in use now, not mid-request
-            runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None else rt.max_batch_size)
-    check_usage(budget, loaded.device, stage, planned.plan.total)
-    log.info("serving %s: %d slots of %d tokens on %s (KV cache %s, %.1f MB%s)%s%s", path.name, rt.max_batch_size,
-             engine.slot_context, rt.device, runner.cache.kv_type.name, runner.cache.nbytes / 1e6,
-             " in host memory" if mem.kv_offload else "",
-             " with block weights streamed from host memory" if runner.weight_stream is not None else "",
-             f", speculative {spec.method} k={spec.num_draft_tokens} per slot" if spec is not None else "")
-    progress("ready", 1.0)
-    return Served(engine.start(), m.name or path.stem, config)
+                             prefill_graphs=limit is None)
+    check_usage(limit, loaded.device, stage, planned.plan.total)
+    return Run(config, loaded, tokenizer, runner, planned, name=_name(config, loaded))
 
 
-def _load_pipelined(config: ServeConfig, metrics: Metrics | None, progress: Callable[[str, float], None],
-                    architecture) -> Served:
-    """load_engine over several devices (memory.pipeline_parallel): the devices and each one's share
-    of the plan are checked before anything loads; rank 0 (this process) runs stage 0 and the engine."""
-    from engine.sources import store
-    from engine.pipeline.launch import ModelSource
-    from engine.pipeline.setup import check_pipeline_budget, open_pipeline, plan_pipeline
-    from engine.run.plan import serve_plan
-
+def _open_pipeline(config: RunConfig, planned: RunPlan, architecture, progress: Progress, option: str,
+                   backend: str) -> Run:
+    """open_run over several devices: the devices and each one's share of the plan are checked before
+    anything loads; this process (rank 0) runs stage 0."""
     m, rt = config.model, config.runtime
-    progress("planning the pipeline stages", 0.01)
-    planned = serve_plan(config, architecture)
-    pp = plan_pipeline(planned.weights.config, planned.weights.formats, planned.settings, rt.devices)
-    check_pipeline_budget(pp, planned.limit, "config memory.max_gpu_memory")
-    limit = planned.weights.config.max_position_embeddings
-    if config.seq_len > limit:
-        raise BonsaiError(f"config runtime.max_seq_len {config.seq_len} exceeds the model's {limit} positions; "
-                          f"lower it to {limit} or less")
-    fmt = m.weight_format
+    progress("planning the pipeline stages", 0.02)
+    pp = plan_pipeline(planned.weights.config, planned.weights.formats, planned.settings, rt.devices, backend)
+    check_pipeline_budget(pp, planned.limit, option)
     if m.load_format == "dummy":
-        path = Path(m.path)
-        source = ModelSource(architecture=architecture, name=path.stem, weight_format=fmt)
-        tokenizer = tokenizer_of(m.tokenizer)
+        source = ModelSource(architecture=architecture, name=Path(m.path).stem, weight_format=m.weight_format)
     else:
-        path = store.resolve_model(m.path)
-        source = ModelSource(path=str(path), weight_dtype=weight_dtype_for(config), weight_format=fmt)
-        tokenizer = None
+        source = ModelSource(path=str(model_path(config)), weight_dtype=config.weight_dtype,
+                             weight_format=m.weight_format)
     split = ", ".join(f"{s.device}: {s.label}" for s in pp.stages)
-    progress(f"loading {path.name} in {len(pp.stages)} pipeline stages ({split})", 0.05)
-    runner = open_pipeline(source, pp, config.seq_len, rt.max_batch_size, rt.prefill_chunk_size, m.kv_type_name,
-                           planned.limit)
+    progress(f"loading {Path(m.path).name} in {len(pp.stages)} pipeline stages ({split})", 0.05)
+    runner = open_pipeline(source, pp, planned.settings.max_seq_len, rt.max_batch_size,
+                           planned.settings.prefill_chunk_size, m.kv_type_name, planned.limit)
     try:
-        tokenizer = tokenizer or runner.loaded.require_tokenizer()
-        if m.load_format == "dummy" and tokenizer.vocab_size > architecture.vocab_size:
-            raise BonsaiError(f"config model.tokenizer: its {tokenizer.vocab_size} tokens do not fit the "
-                              f"{architecture.vocab_size}-token vocabulary of {path.name}; use a smaller tokenizer")
-        if m.chat_template:
-            template = Path(m.chat_template).expanduser()
-            if not template.is_file():
-                raise BonsaiError(f"config model.chat_template: no file {template}; give a .jinja file")
-            tokenizer.chat_template = template.read_text(encoding="utf-8")
-        th, spec = config.thinking, config.spec_config
-        progress("capturing the decode steps" if runner.decoder is not None else "starting the engine", 0.9)
-        engine = EngineLoop(runner, tokenizer, config.slot_context, config.server.max_queue,
-                            ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, speculative=spec,
-                            prefill_budget=config.server.max_prefill_tokens_per_step)
-        runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None else rt.max_batch_size)
+        loaded = runner.loaded
+        tokenizer = (_dummy_tokenizer(config, architecture) if m.load_format == "dummy"
+                     else _with_template(config, loaded.tokenizer))
     except BaseException:
         runner.close()
         raise
-    log.info("serving %s: %d slots of %d tokens, pipelined over %s%s", path.name, rt.max_batch_size,
-             engine.slot_context, split,
-             f", speculative {spec.method} k={spec.num_draft_tokens} per slot" if spec is not None else "")
-    progress("ready", 1.0)
-    return Served(engine.start(), m.name or path.stem, config)
+    return Run(config, loaded, tokenizer, runner, planned, pp, _name(config, loaded))
 
 
-def _load_model(config: ServeConfig, progress: Callable[[str, float], None], architecture,
-                embedding_on_host: bool = False):
-    """(LoadedModel, tokenizer, path) of the config's model: generated (dummy) or read."""
-    from engine.sources import store
-    from engine.weights.loader import load_dummy, load_model
+def _dummy_tokenizer(config: RunConfig, architecture: ModelConfig) -> Tokenizer | None:
+    if not config.model.tokenizer:
+        return None
+    tokenizer = tokenizer_of(config.model.tokenizer)
+    if tokenizer.vocab_size > architecture.vocab_size:
+        raise BonsaiError(f"config model.tokenizer: its {tokenizer.vocab_size} tokens do not fit the "
+                          f"{architecture.vocab_size}-token vocabulary of {config.model.path}; use a smaller tokenizer")
+    return _with_template(config, tokenizer)
 
-    m, rt = config.model, config.runtime
-    fmt = m.weight_format
-    if m.load_format == "dummy":
-        assert architecture is not None, "the command passes the architecture of a dummy model"
-        path = Path(m.path)
-        progress(f"generating {path.stem} ({m.quant_type}) on {rt.device}", 0.05)
-        loaded = load_dummy(architecture, path.stem, device=rt.device, weight_format=fmt,
-                            embedding_on_host=embedding_on_host)
-        tokenizer = tokenizer_of(m.tokenizer)
-        if tokenizer.vocab_size > architecture.vocab_size:
-            raise BonsaiError(f"config model.tokenizer: its {tokenizer.vocab_size} tokens do not fit the "
-                              f"{architecture.vocab_size}-token vocabulary of {path.name}; use a smaller tokenizer")
-        return loaded, tokenizer, path
-    progress("finding the model", 0.02)
-    path = store.resolve_model(m.path)
-    progress(f"loading {path.name} on {rt.device}", 0.05)
-    loaded = load_model(path, device=rt.device, weight_dtype=weight_dtype_for(config), weight_format=fmt,
-                        embedding_on_host=embedding_on_host)
-    return loaded, loaded.require_tokenizer(), path
+
+def _with_template(config: RunConfig, tokenizer: Tokenizer | None) -> Tokenizer | None:
+    """model.chat_template (a .jinja file) in place of the model's own template."""
+    if config.model.chat_template and tokenizer is not None:
+        template = Path(config.model.chat_template).expanduser()
+        if not template.is_file():
+            raise BonsaiError(f"config model.chat_template: no file {template}; give a .jinja file")
+        tokenizer.chat_template = template.read_text(encoding="utf-8")
+    return tokenizer
+
+
+def _name(config: RunConfig, loaded: LoadedModel) -> str:
+    return config.model.name or (Path(config.model.path).stem if config.model.load_format == "dummy"
+                                 else loaded.path.stem)

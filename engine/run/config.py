@@ -1,4 +1,8 @@
-"""The serve config as dataclasses, validated on construction (YAML is read only by bonsai_cli).
+"""The run config: what one run of a model is (model, runtime, memory, speculative, thinking and
+context sections), as dataclasses validated on construction. A serve.yaml builds it (YAML is read
+only by bonsai_cli; the server adds its own `server:` section, engine/server/config.py), and so do
+the flags of generate, chat and bench (bonsai_cli/run_options.py): the same keys, the same checks.
+`engine.run.builder.open_run` turns it into a running model.
 
 Every key that is accepted does what it says. An unknown key is an error naming the nearest valid
 key; a wrong type or an impossible value is an error with the key's path. Several devices
@@ -14,13 +18,20 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from engine.errors import BonsaiError
+from engine.pipeline.devices import check_pipeline_drafters, check_pipeline_request
+from engine.speculative.config import SpeculativeConfig
 from engine.weights.formats import GROUP_SIZES, WEIGHT_TYPES, WeightFormat
+from quant.kv_format import KV_TYPES
+
 WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DECODE_ALGORITHMS = ("standard", "speculative")
 
 
-def _fail(path: str, message: str) -> None:
+def fail(path: str, message: str) -> None:
+    """The one-line error of a key with a wrong value."""
     raise BonsaiError(f"config {path}: {message}")
 
 
@@ -38,29 +49,26 @@ class ModelSection:
     chat_template: str | None = None  # a .jinja file replacing the model's own template
     name: str | None = None  # the model id /v1/models lists (default: the file or directory name)
     load_format: str = "auto"  # auto | dummy: path is an architecture YAML, random weights (speed work)
-    tokenizer: str | None = None  # with dummy: the model (path or pulled name) whose tokenizer to use
+    tokenizer: str | None = None  # with dummy: the model (path or pulled name) whose tokenizer to use (text)
 
     def __post_init__(self) -> None:
         if not self.path:
-            _fail("model.path", "is empty; give a model path or a pulled name such as smollm2-135m")
+            fail("model.path", "is empty; give a model path or a pulled name such as smollm2-135m")
         if self.quant_type not in WEIGHT_TYPES:
-            _fail("model.quant_type", f"'{self.quant_type}' is not one of {', '.join(WEIGHT_TYPES)}")
+            fail("model.quant_type", f"'{self.quant_type}' is not one of {', '.join(WEIGHT_TYPES)}")
         if self.head_type not in WEIGHT_TYPES:
-            _fail("model.head_type", f"'{self.head_type}' is not one of {', '.join(WEIGHT_TYPES)}")
+            fail("model.head_type", f"'{self.head_type}' is not one of {', '.join(WEIGHT_TYPES)}")
         if self.group_size not in GROUP_SIZES:
-            _fail("model.group_size", f"{self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
+            fail("model.group_size", f"{self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
         if self.max_context is not None and self.max_context < 2:
-            _fail("model.max_context", f"must be >= 2, got {self.max_context}")
+            fail("model.max_context", f"must be >= 2, got {self.max_context}")
         if self.load_format not in ("auto", "dummy"):
-            _fail("model.load_format", f"'{self.load_format}' is not auto or dummy")
-        if self.load_format == "dummy" and not self.tokenizer:
-            _fail("model.tokenizer", "is required with load_format: dummy (generated weights have no tokenizer); "
-                  "give a model such as smollm2-135m")
+            fail("model.load_format", f"'{self.load_format}' is not auto or dummy")
         if self.load_format != "dummy" and self.tokenizer:
-            _fail("model.tokenizer", "only applies with load_format: dummy; remove it")
+            fail("model.tokenizer", "only applies with load_format: dummy; remove it")
         self.kv_type_name  # noqa: B018 — validates the KV keys together
         if self.kv_cache_async_dequant:
-            _fail("model.kv_cache_async_dequant", "has nothing to overlap: decode attention reads the quantized KV "
+            fail("model.kv_cache_async_dequant", "has nothing to overlap: decode attention reads the quantized KV "
                   "cache directly (dequantized in registers, tile by tile); set it to false")
 
     @property
@@ -71,25 +79,24 @@ class ModelSection:
     @property
     def kv_type_name(self) -> str:
         """The KV cache's element type from model.kv_type and/or the seed keys kv_cache_quant + kv_cache_bits."""
-        from quant.kv_format import KV_TYPES
         if self.kv_type is not None and self.kv_type not in KV_TYPES:
-            _fail("model.kv_type", f"'{self.kv_type}' is not one of {', '.join(KV_TYPES)}")
+            fail("model.kv_type", f"'{self.kv_type}' is not one of {', '.join(KV_TYPES)}")
         if self.kv_cache_bits is not None and not self.kv_cache_quant:
-            _fail("model.kv_cache_bits", "only applies with model.kv_cache_quant: true; remove it")
+            fail("model.kv_cache_bits", "only applies with model.kv_cache_quant: true; remove it")
         if self.kv_cache_bits is not None and self.kv_cache_bits not in (8, 4):
-            _fail("model.kv_cache_bits", f"must be 8 or 4, got {self.kv_cache_bits}")
+            fail("model.kv_cache_bits", f"must be 8 or 4, got {self.kv_cache_bits}")
         by_bits = {8: "int8", 4: "int4"}.get(self.kv_cache_bits)
         if self.kv_type is None:
             if self.kv_cache_quant and by_bits is None:
-                _fail("model.kv_cache_bits", "is required with model.kv_cache_quant: true (8 or 4), "
+                fail("model.kv_cache_bits", "is required with model.kv_cache_quant: true (8 or 4), "
                       "or give model.kv_type")
             return by_bits or "bf16"
         quantized = KV_TYPES[self.kv_type].quantized
         if self.kv_cache_quant is not None and self.kv_cache_quant != quantized:
-            _fail("model.kv_cache_quant", f"{str(self.kv_cache_quant).lower()} contradicts model.kv_type: "
+            fail("model.kv_cache_quant", f"{str(self.kv_cache_quant).lower()} contradicts model.kv_type: "
                   f"{self.kv_type}; remove one of them")
         if by_bits is not None and by_bits != self.kv_type:
-            _fail("model.kv_cache_bits", f"{self.kv_cache_bits} contradicts model.kv_type: {self.kv_type}; "
+            fail("model.kv_cache_bits", f"{self.kv_cache_bits} contradicts model.kv_type: {self.kv_type}; "
                   "remove one of them")
         return self.kv_type
 
@@ -117,19 +124,19 @@ class RuntimeSection:
     def __post_init__(self) -> None:
         devices = self.devices
         if not devices or any(not (d == "cpu" or d.split(":")[0] == "cuda") for d in devices):
-            _fail("runtime.device", f"'{self.device}' is not cpu, cuda or cuda:N (or a list: cuda:0,cuda:1)")
+            fail("runtime.device", f"'{self.device}' is not cpu, cuda or cuda:N (or a list: cuda:0,cuda:1)")
         if not 1 <= self.max_batch_size <= 64:
-            _fail("runtime.max_batch_size", f"must be in 1..64, got {self.max_batch_size}")
+            fail("runtime.max_batch_size", f"must be in 1..64, got {self.max_batch_size}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
-            _fail("runtime.max_seq_len", f"must be >= 2, got {self.max_seq_len}")
+            fail("runtime.max_seq_len", f"must be >= 2, got {self.max_seq_len}")
         if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
-            _fail("runtime.prefill_chunk_size", f"must be >= 1, got {self.prefill_chunk_size}")
+            fail("runtime.prefill_chunk_size", f"must be >= 1, got {self.prefill_chunk_size}")
         if self.decode_algorithm not in DECODE_ALGORITHMS:
-            _fail("runtime.decode_algorithm", f"'{self.decode_algorithm}' is not one of {', '.join(DECODE_ALGORITHMS)}")
+            fail("runtime.decode_algorithm", f"'{self.decode_algorithm}' is not one of {', '.join(DECODE_ALGORITHMS)}")
         if self.weight_dtype not in WEIGHT_DTYPES:
-            _fail("runtime.weight_dtype", f"'{self.weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
+            fail("runtime.weight_dtype", f"'{self.weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
         if self.draft_model is not None and self.decode_algorithm != "speculative":
-            _fail("runtime.draft_model", "only applies with runtime.decode_algorithm: speculative; remove it")
+            fail("runtime.draft_model", "only applies with runtime.decode_algorithm: speculative; remove it")
 
 
 @dataclass(frozen=True)
@@ -152,21 +159,21 @@ class MemorySection:
     def __post_init__(self) -> None:
         if self.host_kv_mib is not None:
             if not self.kv_offload:
-                _fail("memory.host_kv_mib", "only applies with memory.kv_offload: true; remove it")
+                fail("memory.host_kv_mib", "only applies with memory.kv_offload: true; remove it")
             if self.host_kv_mib < 1:
-                _fail("memory.host_kv_mib", f"must be >= 1, got {self.host_kv_mib}")
+                fail("memory.host_kv_mib", f"must be >= 1, got {self.host_kv_mib}")
         if self.weight_offload and self.embedding_on_host is False:
-            _fail("memory.embedding_on_host", "false contradicts memory.weight_offload: true, which keeps the table "
+            fail("memory.embedding_on_host", "false contradicts memory.weight_offload: true, which keeps the table "
                   "in host memory; remove one of them")
         if self.activation_checkpoint:
-            _fail("memory.activation_checkpoint", "is a training option (inference keeps no activations); "
+            fail("memory.activation_checkpoint", "is a training option (inference keeps no activations); "
                   "set it to false")
         if self.max_gpu_memory is not None:
             parse_bytes(self.max_gpu_memory, "memory.max_gpu_memory")
         if self.pipeline_parallel and (self.weight_offload or self.kv_offload or self.embedding_on_host):
             key = ("weight_offload" if self.weight_offload else "kv_offload" if self.kv_offload
                    else "embedding_on_host")
-            _fail(f"memory.{key}", "is not available with memory.pipeline_parallel: the stages already share the "
+            fail(f"memory.{key}", "is not available with memory.pipeline_parallel: the stages already share the "
                   "model across devices; set it to false (or list more devices)")
 
 
@@ -191,42 +198,10 @@ class SpeculativeSection:
         except BonsaiError as e:
             raise BonsaiError(f"config speculative: {e}") from None
 
-    def as_spec_config(self):
-        from engine.speculative.config import SpeculativeConfig
+    def as_spec_config(self) -> SpeculativeConfig:
         return SpeculativeConfig.from_spec(self.method, num_draft_tokens=self.num_draft_tokens,
                                            ngram_min=self.ngram_min, ngram_max=self.ngram_max,
                                            ngram_pool_size=self.ngram_pool_size, adaptive=self.adaptive)
-
-
-@dataclass(frozen=True)
-class ServerSection:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str | None = None  # Bearer key checked on every route but /health
-    max_queue: int = 16  # requests waiting for a slot; beyond, 503 with Retry-After
-    max_body_bytes: int = 1 << 20
-    max_prompt_tokens: int | None = None  # default: the slot's context budget
-    default_max_tokens: int = 512  # when a request gives no max_tokens (capped by the context)
-    # prompt tokens prefilled between two decode steps while other slots decode (default: one
-    # runtime.prefill_chunk_size chunk; a smaller budget also cuts smaller chunks); smaller: steadier
-    # tokens for the running requests, later first tokens for new ones
-    max_prefill_tokens_per_step: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            _fail("server.port", f"must be in 0..65535, got {self.port}")
-        if self.api_key is not None and len(self.api_key) < 8:
-            _fail("server.api_key", "is shorter than 8 characters; use a longer random key")
-        if self.max_queue < 0:
-            _fail("server.max_queue", f"must be >= 0, got {self.max_queue}")
-        if self.max_body_bytes < 1024:
-            _fail("server.max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            _fail("server.max_prompt_tokens", f"must be >= 1, got {self.max_prompt_tokens}")
-        if self.default_max_tokens < 1:
-            _fail("server.default_max_tokens", f"must be >= 1, got {self.default_max_tokens}")
-        if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:
-            _fail("server.max_prefill_tokens_per_step", f"must be >= 1, got {self.max_prefill_tokens_per_step}")
 
 
 @dataclass(frozen=True)
@@ -238,9 +213,9 @@ class ThinkingSection:
 
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget < 0:
-            _fail("thinking.budget", f"must be >= 0, got {self.budget}")
+            fail("thinking.budget", f"must be >= 0, got {self.budget}")
         if not self.start_tag or not self.end_tag or self.start_tag == self.end_tag:
-            _fail("thinking.start_tag", "start_tag and end_tag must be two different non-empty strings")
+            fail("thinking.start_tag", "start_tag and end_tag must be two different non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -249,49 +224,43 @@ class ContextSection:
 
     def __post_init__(self) -> None:
         if not 0 < self.compress_at <= 1:
-            _fail("context.compress_at", f"must be in (0, 1], got {self.compress_at}")
+            fail("context.compress_at", f"must be in (0, 1], got {self.compress_at}")
 
 
 @dataclass(frozen=True)
-class ServeConfig:
+class RunConfig:
     model: ModelSection
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     memory: MemorySection = field(default_factory=MemorySection)
-    server: ServerSection = field(default_factory=ServerSection)
     speculative: SpeculativeSection | None = None
     thinking: ThinkingSection = field(default_factory=ThinkingSection)
     context: ContextSection = field(default_factory=ContextSection)
 
     def __post_init__(self) -> None:
         rt, m = self.runtime, self.model
-        from engine.pipeline.devices import check_pipeline_request
-        try:
-            check_pipeline_request(rt.device, self.memory.pipeline_parallel)
-        except BonsaiError as e:
-            raise BonsaiError(f"config {e}") from None
-        if self.memory.pipeline_parallel:
-            from engine.pipeline.setup import check_pipeline_options
+        for check in (lambda: check_pipeline_request(rt.device, self.memory.pipeline_parallel),
+                      lambda: self.memory.pipeline_parallel and check_pipeline_drafters(self.spec_config)):
             try:
-                check_pipeline_options(spec_config=self.spec_config)
+                check()
             except BonsaiError as e:
                 raise BonsaiError(f"config {e}") from None
         if m.max_context is not None and rt.max_seq_len is not None and m.max_context > rt.max_seq_len:
-            _fail("model.max_context", f"{m.max_context} exceeds runtime.max_seq_len {rt.max_seq_len} "
+            fail("model.max_context", f"{m.max_context} exceeds runtime.max_seq_len {rt.max_seq_len} "
                   "(the KV positions each slot has); lower it or raise max_seq_len")
         if self.speculative is not None and rt.decode_algorithm != "speculative":
-            _fail("speculative", "is set but runtime.decode_algorithm is standard; set decode_algorithm: "
+            fail("speculative", "is set but runtime.decode_algorithm is standard; set decode_algorithm: "
                   "speculative or remove the section")
         if rt.decode_algorithm == "speculative" and self.speculative is not None:
             draft_member = any(d.method == "draft" for d in self.speculative.as_spec_config().drafters)
             if rt.draft_model not in (None, "none"):
-                _fail("runtime.draft_model", "and the speculative section both choose the drafters; put "
+                fail("runtime.draft_model", "and the speculative section both choose the drafters; put "
                       f"draft:{rt.draft_model} in speculative.method and remove runtime.draft_model")
             if rt.draft_model == "none" and draft_member:
-                _fail("speculative.method", f"'{self.speculative.method}' runs a draft model but runtime.draft_model "
+                fail("speculative.method", f"'{self.speculative.method}' runs a draft model but runtime.draft_model "
                       "is none (draftless drafters only); remove draft_model: none or the draft: member")
 
     @property
-    def spec_config(self):
+    def spec_config(self) -> SpeculativeConfig | None:
         """The engine.speculative.config.SpeculativeConfig every slot drafts with (None: plain decoding).
         decode_algorithm speculative without a speculative section: draft_model none (or absent) →
         n-gram prompt lookup with the defaults; draft_model PATH → that draft model."""
@@ -313,18 +282,31 @@ class ServeConfig:
         """KV positions allocated per slot."""
         return self.runtime.max_seq_len or self.slot_context
 
-    @staticmethod
-    def from_dict(data: Any) -> "ServeConfig":
-        return build(ServeConfig, data, "")
+    def contexts(self, positions: int) -> tuple[int, int]:
+        """(slot_context, seq_len) for a model of `positions` positions: as configured, or, when
+        neither model.max_context nor runtime.max_seq_len is set, min(4096, positions)."""
+        if self.model.max_context is None and self.runtime.max_seq_len is None:
+            return (min(4096, positions),) * 2
+        return self.slot_context, self.seq_len
 
-    def with_overrides(self, **changes: Any) -> "ServeConfig":
-        """`section.key=value` overrides from the command line, e.g. {"server.port": 9000}."""
-        sections: dict[str, dict[str, Any]] = {}
-        for dotted, value in changes.items():
-            section, key = dotted.split(".")
-            sections.setdefault(section, {})[key] = value
-        replaced = {s: dataclasses.replace(getattr(self, s), **kv) for s, kv in sections.items()}
-        return dataclasses.replace(self, **replaced)
+    @property
+    def weight_dtype(self):
+        """runtime.weight_dtype as a torch dtype (None: the loader's default). On the CPU, auto picks
+        float32 when several slots decode together: a batched float16 matmul widens the whole weight
+        each step, float32 reads it once for every row."""
+        name = self.runtime.weight_dtype
+        if name == "auto":
+            cpu = self.runtime.first_device == "cpu"
+            return torch.float32 if cpu and self.runtime.max_batch_size > 1 else None
+        return getattr(torch, name)
+
+    @classmethod
+    def from_dict(cls, data: Any, ignore: tuple[str, ...] = ()) -> "RunConfig":
+        """From a mapping of sections; `ignore`: sections another reader owns (a serve file's
+        `server:` for the commands that do not serve), accepted and left out."""
+        if isinstance(data, dict) and ignore:
+            data = {k: v for k, v in data.items() if k not in ignore}
+        return build(cls, data, "")
 
 
 def parse_bytes(text: str, path: str) -> int:
@@ -339,7 +321,7 @@ def parse_bytes(text: str, path: str) -> int:
     except ValueError:
         value = -1.0
     if unit not in units or value <= 0:
-        _fail(path, f"'{text}' is not a size like 6GB or 512MiB")
+        fail(path, f"'{text}' is not a size like 6GB or 512MiB")
     return int(value * units[unit])
 
 
@@ -349,14 +331,14 @@ def build(cls: type, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        _fail(where, f"must be a mapping of keys, got {type(data).__name__}")
+        fail(where, f"must be a mapping of keys, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(fields)}"
-            _fail(f"{path + '.' if path else ''}{key}", f"unknown key{hint}")
+            fail(f"{path + '.' if path else ''}{key}", f"unknown key{hint}")
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         key_path = f"{path}.{name}" if path else name
@@ -364,7 +346,7 @@ def build(cls: type, data: Any, path: str) -> Any:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 if dataclasses.is_dataclass(hints[name]):
                     build(hints[name], {}, key_path)  # names the first required key inside
-                _fail(key_path, "is required")
+                fail(key_path, "is required")
             continue
         kwargs[name] = _convert(hints[name], data[name], key_path)
     return cls(**kwargs)
@@ -380,16 +362,16 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         return build(hint, value, path)
     if hint is bool:
         if not isinstance(value, bool):
-            _fail(path, f"must be true or false, got {value!r}")
+            fail(path, f"must be true or false, got {value!r}")
     elif hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            _fail(path, f"must be an integer, got {value!r}")
+            fail(path, f"must be an integer, got {value!r}")
     elif hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(path, f"must be a number, got {value!r}")
+            fail(path, f"must be a number, got {value!r}")
         value = float(value)
     elif hint is str:
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            _fail(path, f"must be a string, got {value!r}")
+            fail(path, f"must be a string, got {value!r}")
         value = str(value)
     return value

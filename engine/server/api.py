@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import BonsaiError
 from engine.server import protocol as P
-from engine.run.config import ServeConfig
-from engine.run.builder import Served
+from engine.server.config import ServeConfig
+from engine.server.engine_thread import Served
 from engine.decoding.metrics import Metrics
 from engine.decoding.prompts import chat_prompt, completion_prompt
 from engine.server.relay import EventRelay

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 from engine.errors import BonsaiError
 from engine.decoding.sampling import SamplingParams
-from engine.run.builder import Served
+from engine.server.engine_thread import Served
 from engine.decoding.prompts import chat_prompt
 from engine.decoding.sequence import Delta, Failed, Finished, ServeRequest
 

@@ -181,10 +181,3 @@ def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts
         check_same_tokenizer(loaded.tokenizer, target.tokenizer, path)
         loaded_drafts[path] = loaded
     return DraftModelDrafter(loaded, target.config.vocab_size, max_seq_len)
-
-
-def spec_config_from_options(spec: str | None, draft_tokens: int, **options: Any) -> SpeculativeConfig | None:
-    """The CLI's --spec / --draft-tokens (None: no speculation)."""
-    if spec is None or spec.strip().lower() in ("", "none", "off"):
-        return None
-    return SpeculativeConfig.from_spec(spec, num_draft_tokens=draft_tokens, **options)
