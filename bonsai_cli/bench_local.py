@@ -51,7 +51,7 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
     """The bench of an open run (one device, or a pipeline: stage 0's device and plan)."""
     from engine.bench.environment import describe_environment
     from engine.memory.limit import check_usage, within_limit
-    loaded, runner, budget, spec_config = run.loaded, run.runner, run.plan, run.config.spec_config
+    loaded, runner, budget = run.loaded, run.runner, run.plan
     check_usage(budget.limit, loaded.device, "loading", budget.plan.total)
     report["memory"] = memory_report(budget, loaded.device)
     report["environment"] = describe_environment(loaded.device)
@@ -73,7 +73,7 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
     save()
     try:
         with within_limit(budget.limit, "benchmarking"):
-            _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain,
+            _run_tests(report, run, tests, prompts, suite, repetitions, save, vs_plain,
                        _copy_megabytes(budget.limit, loaded.device))
     finally:  # the allocator's peak over the whole run, next to the plan
         report["memory"] = memory_report(budget, loaded.device)
@@ -105,20 +105,14 @@ def _copy_megabytes(limit: int | None, device) -> int:
     return max(16, min(1024, left // 4 // 2**20))
 
 
-def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain,
-               copy_megabytes: int = 0) -> None:
+def _run_tests(report, run, tests, prompts, suite, repetitions, save, vs_plain, copy_megabytes: int = 0) -> None:
     from engine.bench import model_bench
-    drafter = None
-    if spec_config is not None:
-        from engine.speculative.config import build_drafter
-        drafter = build_drafter(spec_config, loaded, runner.max_seq_len)
+    loaded, runner = run.loaded, run.runner
+    engine = run.engine()  # with the config's drafters, if any
     if prompts is not None:
-        tokenizer = loaded.require_tokenizer()
-        if drafter is None:
-            _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save)
-            return
-        _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save, drafter,
-                   spec_config.num_draft_tokens, vs_plain)
+        loaded.require_tokenizer()
+        plain = run.engine(speculative=False) if vs_plain else None
+        _run_suite(report, "suite", engine, suite, prompts, repetitions, save, plain)
         if vs_plain:
             _add_speedup(report)
             save()
@@ -131,12 +125,12 @@ def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save,
         task = progress.add_task("benchmark", total=len(tests) * repetitions)
         for test in tests:
             progress.update(task, description=test.name)
-            [m] = model_bench.run_model_bench(runner, [test], repetitions, special,
-                                              on_sample=lambda t, r, s: progress.advance(task), drafter=drafter,
-                                              num_draft_tokens=spec_config.num_draft_tokens if spec_config else 4)
+            [m] = model_bench.run_model_bench(engine, [test], repetitions, special,
+                                              on_sample=lambda t, r, s: progress.advance(task))
             entry = m.summary()
-            pipelined = hasattr(runner, "stages")  # rank 0 holds stage 0's part only: no whole-model byte count
-            if test.n_gen and not test.n_prompt and drafter is None and not pipelined:  # with drafts, tokens per pass vary
+            # rank 0 of a pipeline holds stage 0's part only: no whole-model byte count; with drafts, tokens
+            # per pass vary
+            if test.n_gen and not test.n_prompt and engine.spec is None and run.pipeline is None:
                 bytes_per_token = model_bench.decode_bytes_per_token(runner, test.depth + test.n_gen // 2)
                 achieved = bytes_per_token * entry["tokens_per_second"]
                 entry["decode_bandwidth"] = {"bytes_per_token": bytes_per_token, "achieved_gb_per_s": achieved / 1e9,
@@ -149,12 +143,12 @@ def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save,
             save()
 
 
-def _run_suite(report, key, runner, tokenizer, name, prompts, repetitions, save, drafter=None,
-               num_draft_tokens: int = 4, vs_plain: bool = False) -> None:
-    """The suite into report[key]; with vs_plain, plain runs interleaved into report['plain_suite']."""
+def _run_suite(report, key, engine, name, prompts, repetitions, save, plain=None) -> None:
+    """The suite into report[key]; with `plain` (an engine without drafters), plain runs interleaved
+    into report['plain_suite']."""
     from engine.bench import suite_runner
 
-    keys = [key] + (["plain_suite"] if vs_plain else [])
+    keys = [key] + (["plain_suite"] if plain is not None else [])
     entries = {k: {"name": name, "prompts": len(prompts), "results": [], "by_category": {}} for k in keys}
     report.update(entries)
     with Progress(console=err_console, transient=True) as progress:
@@ -171,9 +165,8 @@ def _run_suite(report, key, runner, tokenizer, name, prompts, repetitions, save,
                 save()
             return on_result
 
-        suite_runner.run_suite(runner, tokenizer, prompts, repetitions, on_result=recorder(key), drafter=drafter,
-                               num_draft_tokens=num_draft_tokens,
-                               on_plain_result=recorder("plain_suite") if vs_plain else None)
+        suite_runner.run_suite(engine, prompts, repetitions, on_result=recorder(key), plain=plain,
+                               on_plain_result=recorder("plain_suite") if plain is not None else None)
 
 
 def _add_speedup(report: dict[str, Any]) -> None:

@@ -57,7 +57,6 @@ def generate(
     """Generate a continuation (or a chat answer with --chat), streamed to stdout."""
     import contextlib
 
-    from engine.decoding.generate import GenerationRequest
     from engine.errors import BonsaiError
 
     if model is None and config is None:
@@ -66,15 +65,15 @@ def generate(
         prompt = sys.stdin.read()
     if system and not chat:
         raise BonsaiError("--system needs --chat (a system message only exists in a chat template)")
-    request = GenerationRequest(max_tokens=max_tokens, stop=tuple(stop), sampling=sampling_from_options(
-        temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed))
+    sampling = sampling_from_options(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty,
+                                     frequency_penalty, seed)
     cfg = run_config(model, {"--device": device, "--pipeline-parallel": pipeline_parallel,
                              "--weight-dtype": weight_dtype, "--max-seq-len": max_seq_len, "--kv-type": kv_type,
                              "--kv-offload": kv_offload, "--host-kv-mib": host_kv_mib, "--spec": spec,
                              "--draft-tokens": draft_tokens, "--max-gpu-memory": max_gpu_memory,
                              "--embedding-on-host": embedding_on_host}, config)
     with contextlib.closing(open_cli_run(cfg, quiet=json_out, from_flags=config is None)) as run:
-        _generate(run, prompt_ids(run, prompt, chat, system), request, json_out)
+        _generate(run, prompt_ids(run, prompt, chat, system), max_tokens, sampling, tuple(stop), json_out)
 
 
 def prompt_ids(run, prompt: str, chat: bool, system: Optional[str]) -> list[int]:
@@ -86,20 +85,17 @@ def prompt_ids(run, prompt: str, chat: bool, system: Optional[str]) -> list[int]
     return tok.encode(prompt, add_special_tokens=True)
 
 
-def _generate(run, ids: list[int], request, json_out: bool) -> None:
+def _generate(run, ids: list[int], max_tokens: int, sampling, stop: tuple[str, ...], json_out: bool) -> None:
     """Stream the generation to stdout (or one JSON object at the end)."""
-    from engine.decoding.generate import stream_generate
-    from engine.memory.limit import check_usage, within_limit
-    from engine.speculative.config import build_drafter
+    from engine.decoding.generate import generate
+    from engine.decoding.sequence import Request
+    from engine.memory.limit import within_limit
 
-    spec, limit = run.config.spec_config, run.plan.limit
-    with within_limit(limit, "allocating the drafter"):
-        drafter = build_drafter(spec, run.loaded, run.runner.max_seq_len) if spec else None
-    check_usage(limit, run.loaded.device, "loading", run.plan.plan.total)
+    engine = run.engine()
+    request = Request(ids, max_tokens=max_tokens, sampling=sampling, stop=stop, split_reasoning=False)
     pieces, token_ids, finish, stats = [], [], "length", None
-    with within_limit(limit, "generating"):
-        for event in stream_generate(run.runner, run.tokenizer, ids, request, drafter=drafter,
-                                     num_draft_tokens=spec.num_draft_tokens if spec else 0):
+    with within_limit(run.plan.limit, "generating"):
+        for event in generate(engine, request):
             pieces.append(event.text)
             token_ids.extend(event.token_ids)
             stats = event.stats

@@ -48,7 +48,8 @@ def test_runner_and_model_bench_on_cuda():
                          summary=TensorSummary("test", 0, 0, 0), device=torch.device("cuda"),
                          dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
     runner = ModelRunner(loaded, max_seq_len=64)
-    results = run_model_bench(runner, plan_tests([8], [4], [0, 16], combined=True), 2, frozenset())
+    from engine.decoding.engine import Engine
+    results = run_model_bench(Engine(runner, None), plan_tests([8], [4], [0, 16], combined=True), 2, frozenset())
     assert all(len(m.samples_seconds) == 2 for m in results)
     assert measure_copy_bandwidth(torch.device("cuda"), megabytes=256) > 1e12
 

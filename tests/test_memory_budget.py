@@ -127,7 +127,7 @@ def test_serve_refuses_before_loading_and_loads_within_the_limit(tmp_path, smoll
     try:
         assert loads == [1] and served.engine.runner.cache.nbytes == 2 * 2 * 2 * 32 * 4 * 256 * 2
     finally:
-        served.engine.stop()
+        served.stop()
 
 
 def test_generate_refuses_before_loading(smollm2_gguf, capsys):

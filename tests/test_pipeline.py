@@ -209,25 +209,24 @@ PROMPT = "The three primary colors are red, yellow and blue. The three primary c
 
 @pytest.mark.slow
 def test_smollm2_two_processes_generate_what_one_does(smollm2_loaded, smollm2_pipe, smollm2_tok, one_thread):
-    from engine.decoding.generate import GenerationRequest, generate_text
+    from engine.decoding.engine import Engine
     from engine.runtime.runner import ModelRunner
-    from engine.decoding.engine import EngineLoop
     from engine.speculative.ngram import NgramDrafter
+    from tests.engine_runs import Threaded, run_engine
     from tests.test_serve_engine import collect, submit
     single = ModelRunner(smollm2_loaded, max_seq_len=160, prefill_chunk_size=16)
     ids = smollm2_tok.encode(PROMPT, add_special_tokens=True)
-    request = GenerationRequest(max_tokens=32)
-    text, want, _, _ = generate_text(single, smollm2_tok, ids, request)
-    _, got, _, _ = generate_text(smollm2_pipe, smollm2_tok, ids, request)
+    request = dict(max_tokens=32)
+    text, want, _, _ = run_engine(single, smollm2_tok, ids, **request)
+    _, got, _, _ = run_engine(smollm2_pipe, smollm2_tok, ids, **request)
     assert got == want
     # n-gram speculation: verify passes through the pipeline, rewinds on rank 0 only
-    _, spec, _, stats = generate_text(smollm2_pipe, smollm2_tok, ids, request, drafter=NgramDrafter(1, 3),
-                                      num_draft_tokens=4)
+    _, spec, _, stats = run_engine(smollm2_pipe, smollm2_tok, ids, **request, drafter=NgramDrafter(1, 3), k=4)
     assert spec == want and stats.speculative.accepted > 0
     # two slots through the server's engine loop: batched decode steps as micro-batches
     other = smollm2_tok.encode("def add(a, b):", add_special_tokens=True)
-    text_other, _, _, _ = generate_text(single, smollm2_tok, other, GenerationRequest(max_tokens=16))
-    engine = EngineLoop(smollm2_pipe, smollm2_tok, 160, max_queue=4).start()
+    text_other, _, _, _ = run_engine(single, smollm2_tok, other, max_tokens=16)
+    engine = Threaded(Engine(smollm2_pipe, smollm2_tok, 160, max_queue=4))
     try:
         jobs = [submit(engine, ids, max_tokens=32, id="a"),
                 submit(engine, other, max_tokens=16, id="b")]

@@ -341,8 +341,8 @@ def test_peak_memory_stays_near_the_largest_tensor(tiny, tmp_path):
 def test_smollm2_int8_end_to_end(smollm2_gguf, tmp_path):
     """The real model: int8 rtn (group 64: 576 is not a multiple of 128) stays close to its source."""
     from engine.quantization.evaluate import default_eval_text, evaluate
-    from engine.decoding.generate import GenerationRequest, generate_text
     from engine.runtime.runner import ModelRunner
+    from tests.engine_runs import run_engine
     out = tmp_path / "smollm2-int8"
     report = quantize(smollm2_gguf, out, QuantizeOptions(Recipe(QuantSpec("int8", 64))))
     assert report.by_format()["int8 g64"]["tensors"] == 30 * 7 and report.bits_per_weight < 10
@@ -352,7 +352,7 @@ def test_smollm2_int8_end_to_end(smollm2_gguf, tmp_path):
     assert result.kl_mean < 0.01 and result.same_top > 0.9, result
     chat = ref.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     prompt = ref.loaded.tokenizer.encode(chat)
-    request = GenerationRequest(max_tokens=12)
-    text, _, _, _ = generate_text(ours, ours.loaded.tokenizer, prompt, request)
-    ref_text, _, _, _ = generate_text(ref, ref.loaded.tokenizer, prompt, request)
+    request = dict(max_tokens=12)
+    text, _, _, _ = run_engine(ours, ours.loaded.tokenizer, prompt, **request)
+    ref_text, _, _, _ = run_engine(ref, ref.loaded.tokenizer, prompt, **request)
     assert "Paris" in text, (text, ref_text)

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.decoding.generate import GenerationRequest, generate_text
-from engine.weights.loader import LoadedModel, TensorSummary
-from engine.runtime.model import Transformer
-from engine.sources.model_config import ModelConfig
-from engine.runtime.runner import ModelRunner
+from engine.decoding.engine import Engine
 from engine.decoding.sampling import SamplingParams
-from engine.decoding.engine import EngineLoop
-from engine.decoding.sequence import Delta, Failed, Finished, ServeRequest, ThinkingRules
+from engine.decoding.sequence import Delta, Failed, Finished, Request, ThinkingRules
+from engine.runtime.model import Transformer
+from engine.runtime.runner import ModelRunner
+from engine.sources.model_config import ModelConfig
+from engine.weights.loader import LoadedModel, TensorSummary
+from tests.engine_runs import Threaded, run_engine
 
 
 def tiny_loaded(vocab: int) -> LoadedModel:
@@ -38,14 +38,14 @@ def loaded(smollm2_tok):
     return tiny_loaded(smollm2_tok.vocab_size)
 
 
-def make_engine(loaded, tok, slots=4, chunk=8, context=128, rules=None, budget=None) -> EngineLoop:
+def make_engine(loaded, tok, slots=4, chunk=8, context=128, rules=None, budget=None) -> Threaded:
     runner = ModelRunner(loaded, max_seq_len=context, num_slots=slots, prefill_chunk_size=chunk)
-    return EngineLoop(runner, tok, context, max_queue=8, rules=rules, prefill_budget=budget).start()
+    return Threaded(Engine(runner, tok, context, max_queue=8, rules=rules, prefill_budget=budget))
 
 
-def submit(engine, prompt, max_tokens=12, id="r", **kw) -> tuple[ServeRequest, queue.Queue]:
+def submit(engine, prompt, max_tokens=12, id="r", **kw) -> tuple[Request, queue.Queue]:
     q: queue.Queue = queue.Queue()
-    req = ServeRequest(id=id, prompt_ids=list(prompt), max_tokens=max_tokens, emit=q.put, **kw)
+    req = Request(id=id, prompt_ids=list(prompt), max_tokens=max_tokens, emit=q.put, **kw)
     engine.submit(req)
     return req, q
 
@@ -65,8 +65,7 @@ def collect(q: queue.Queue, timeout=60.0):
 
 def plain(loaded, tok, prompt, max_tokens=12, sampling=None) -> str:
     runner = ModelRunner(loaded, max_seq_len=128)
-    request = GenerationRequest(max_tokens=max_tokens, sampling=sampling or SamplingParams())
-    text, _, _, _ = generate_text(runner, tok, list(prompt), request)
+    text, _, _, _ = run_engine(runner, tok, list(prompt), max_tokens=max_tokens, sampling=sampling or SamplingParams())
     return text
 
 
@@ -220,7 +219,7 @@ def test_a_model_that_ends_inside_its_thought_is_led_into_the_answer(smollm2_tok
     from engine.decoding.sequence import Sequence
     events: list = []
     tok = smollm2_tok
-    req = ServeRequest(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append, thinking_at_start=True)
+    req = Request(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append, thinking_at_start=True)
     seq = Sequence(req, tok, ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
 
     def choose(token: int) -> torch.Tensor:
@@ -249,7 +248,7 @@ def test_a_model_that_stops_right_after_its_thought_is_led_once(smollm2_tok, one
     from engine.decoding.sequence import Sequence
     events: list = []
     tok = smollm2_tok
-    req = ServeRequest(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append)
+    req = Request(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append)
     seq = Sequence(req, tok, ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
     logits = torch.full((tok.vocab_size,), -1e9)
     for t in tok.encode("<think>ok</think>"):
@@ -285,7 +284,7 @@ def test_ids_beyond_the_tokenizer_are_never_sampled(smollm2_tok, one_thread):
     from engine.decoding.sequence import Sequence
     tok = smollm2_tok
     events: list = []
-    req = ServeRequest(id="v", prompt_ids=[1, 2], max_tokens=5, emit=events.append)
+    req = Request(id="v", prompt_ids=[1, 2], max_tokens=5, emit=events.append)
     seq = Sequence(req, tok, ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
     logits = torch.zeros(tok.vocab_size + 64)  # a padded output layer (or a dummy model's larger vocabulary)
     logits[tok.vocab_size + 3] = 50.0

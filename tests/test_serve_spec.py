@@ -10,15 +10,15 @@ import time
 import pytest
 import torch
 
-from engine.decoding.generate import GenerationRequest, generate_text
-from engine.runtime.runner import ModelRunner
+from engine.decoding.engine import Engine
 from engine.decoding.sampling import SamplingParams
-from engine.decoding.engine import EngineLoop
 from engine.decoding.sequence import Finished, ThinkingRules
 from engine.decoding.spec_step import split_draft_budget
+from engine.runtime.runner import ModelRunner
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.drafter import Draft
 from engine.speculative.planner import TargetCost
+from tests.engine_runs import Threaded, run_engine, spec_engine
 from tests.test_serve_engine import collect, submit, tiny_loaded
 
 # repetitive prompts: the n-gram drafter finds continuations in them
@@ -44,18 +44,19 @@ class FreeRows(TargetCost):
         return 1.0
 
 
-def make_engine(loaded, tok, slots=4, context=96, fused=False, spec=NGRAM, rules=None) -> EngineLoop:
+def make_engine(loaded, tok, slots=4, context=96, fused=False, spec=NGRAM, rules=None) -> Threaded:
     runner = ModelRunner(loaded, max_seq_len=context, num_slots=slots, prefill_chunk_size=8, fast_decode=fused)
-    engine = EngineLoop(runner, tok, context, max_queue=8, rules=rules, speculative=spec)
+    engine = (spec_engine(runner, tok, spec, slot_context=context, max_queue=8, rules=rules) if spec is not None
+              else Engine(runner, tok, context, max_queue=8, rules=rules))
     if engine.spec is not None:
         engine.spec.pass_cost = FreeRows()
-    return engine.start()
+    return Threaded(engine)
 
 
 def plain(loaded, tok, prompt, max_tokens=24, context=96, **kw) -> tuple[str, list[int], list[int]]:
     """Plain decoding: text, token ids, and the tokens its slot holds at the end."""
     runner = ModelRunner(loaded, max_seq_len=context)
-    text, ids, _, _ = generate_text(runner, tok, list(prompt), GenerationRequest(max_tokens=max_tokens, **kw))
+    text, ids, _, _ = run_engine(runner, tok, list(prompt), max_tokens=max_tokens, **kw)
     return text, ids, runner.slot(0).tokens
 
 
@@ -349,14 +350,14 @@ def test_graphed_speculative_steps_of_several_slots_match_plain_graphed_decoding
     prompts = [tok.encode(t) for t in ("1, 2, 3, 4, 5, 6,", "def add(a, b):\n    return a + b\n\ndef sub(a, b):",
                                          "The cat sat on the mat. The cat sat on the", "Once upon a time")]
     single = ModelRunner(loaded, max_seq_len=256)
-    want = [generate_text(single, tok, p, GenerationRequest(max_tokens=48, ignore_eos=True))[1] for p in prompts]
+    want = [run_engine(single, tok, p, max_tokens=48, ignore_eos=True)[1] for p in prompts]
     runner = ModelRunner(loaded, max_seq_len=256, num_slots=4)
-    engine = EngineLoop(runner, tok, 256, speculative=NGRAM)
-    runner.prepare_rows(engine.spec.max_rows())
+    core = spec_engine(runner, tok, NGRAM, slot_context=256)
+    runner.prepare_rows(core.spec.max_rows())
     widths: list[int] = []
     step_rows = runner.step_rows
     monkeypatch.setattr(runner, "step_rows", lambda t, p, s: widths.append(len(t)) or step_rows(t, p, s))
-    engine.start()
+    engine = Threaded(core)
     try:
         jobs = [submit(engine, p, max_tokens=48, id=f"g{i}") for i, p in enumerate(prompts)]
         results = [collect(q) for _, q in jobs]

@@ -1,20 +1,24 @@
-"""The engine loop: one thread owns the model runner and advances every active request.
+"""The engine: the one place where logits become tokens, for one request or many.
 
-Each iteration: requests that were cancelled (client gone) leave their slot; waiting requests get
-free slots (longest cached prefix first, see scheduler.py); prompt chunks run for the requests that
-still have prompt (or inserted) tokens to feed, oldest first, at most `prefill_budget` tokens while
-other slots decode (scheduler.plan_prefill); then one batched decode step runs the next token of
-every decoding slot together, in one forward. So a running request waits for at most one budget of
-prefill between two of its tokens, and a new request's first token comes from its last chunk. Events go back to each request through its
-`emit` callback (the API side turns them into an asyncio queue). A step that fails ends the
-requests it served with an error and resets their slots; the loop and the other requests go on.
+`step()` advances every active request by one iteration: requests that were cancelled leave their
+slot; waiting requests get free slots (longest cached prefix first, scheduler.py); prompt chunks run
+for the requests that still have prompt (or inserted) tokens to feed, oldest first, at most
+`prefill_budget` tokens while other slots decode (scheduler.plan_prefill); then one batched decode
+step runs the next token of every decoding slot together, in one forward. So a running request waits
+for at most one budget of prefill between two of its tokens, and a new request's first token comes
+from its last chunk. Events go back to each request through its `emit` (sequence.py). A step that
+fails ends the requests it served with an error and resets their slots; the others go on.
 
-With speculative decoding (a SpeculativeStep, engine/decoding/spec_step.py) the decode step is a
-verification step instead: each decoding slot's drafter proposes tokens, all slots' rows are
-scored together (one fused step_rows call where it exists), each slot keeps its accepted run plus
-the target's token and rewinds past the rest, so its cached tokens stay exactly what its KV holds
-and prefix reuse keeps working. Each slot's drafter is begun on the whole prompt of the request
-that takes the slot (the reused prefix included).
+Offline generation is `submit` + `step` until the request finished (generate.py); `bonsai chat`,
+`generate`, `bench` and the drafter trainer drive it that way with one slot, the server
+(engine/server/engine_thread.py) from its own thread with many. `submit` and `cancel` may be called
+from other threads.
+
+With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step
+instead: each decoding slot's drafter proposes tokens, all slots' rows are scored together, each
+slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached tokens
+stay exactly what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the
+whole prompt of the request that takes the slot (the reused prefix included).
 """
 from __future__ import annotations
 
@@ -23,79 +27,95 @@ import threading
 
 import torch
 
-from engine.errors import BonsaiError
-from engine.runtime.runner import ModelRunner
-from engine.decoding.sampling import sample_rows
 from engine.decoding.metrics import Metrics
+from engine.decoding.sampling import sample_rows
 from engine.decoding.scheduler import Scheduler, plan_prefill
-from engine.decoding.sequence import Failed, Sequence, ServeRequest, ThinkingRules
-from engine.speculative.config import SpeculativeConfig
+from engine.decoding.sequence import Failed, Request, Sequence, ThinkingRules
+from engine.decoding.spec_step import SpeculativeStep
+from engine.errors import BonsaiError
 from engine.sources.tokenizer import Tokenizer
+from engine.speculative.drafter import Drafter
 
 log = logging.getLogger(__name__)
 
 
-class EngineLoop:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, slot_context: int, max_queue: int = 16,
+class Engine:
+    def __init__(self, runner, tokenizer: Tokenizer | None, slot_context: int | None = None, max_queue: int = 16,
                  rules: ThinkingRules | None = None, metrics: Metrics | None = None,
-                 speculative: SpeculativeConfig | None = None, prefill_budget: int | None = None):
-        """speculative: the drafters every slot runs (None: plain decoding). prefill_budget: prompt
-        tokens run between two decode steps while slots decode (None: one prefill chunk); it also
-        caps the chunk size."""
+                 drafters: list[Drafter] | None = None, num_draft_tokens: int = 4, prefill_budget: int | None = None,
+                 spec_method: str | None = None):
+        """runner: an engine.runtime.runner.Runner; tokenizer None: token ids only (generated weights).
+        slot_context: positions one request may use (default: the runner's context). drafters: one per
+        slot (speculative decoding), None: plain decoding; num_draft_tokens: k, the most each drafts
+        a step (spec_method: the name /slots shows, default the drafter's). prefill_budget: prompt
+        tokens run between two decode steps while slots decode (None: one prefill chunk); it also caps
+        the chunk size."""
         self.runner, self.tokenizer = runner, tokenizer
         if prefill_budget is not None and prefill_budget < 1:
             raise BonsaiError(f"the prefill budget must be >= 1 token per step, got {prefill_budget}")
         self.prefill_budget = prefill_budget or runner.prefill_chunk_size
         self.prefill_chunk = min(runner.prefill_chunk_size, self.prefill_budget)
-        self.slot_context = min(slot_context, runner.max_seq_len)
+        self.slot_context = min(slot_context or runner.max_seq_len, runner.max_seq_len)
         self.rules = rules or ThinkingRules()
         # ids the tokenizer can turn into text: a model's padded vocabulary (or a borrowed tokenizer's
-        # smaller one) is cut to it before sampling
-        self.vocab = min(runner.loaded.config.vocab_size, tokenizer.vocab_size)
+        # smaller one) is cut to it before choosing
+        vocab = runner.loaded.config.vocab_size
+        self.vocab = min(vocab, tokenizer.vocab_size) if tokenizer is not None else vocab
         self.metrics = metrics or Metrics()
-        self.scheduler: Scheduler[ServeRequest] = Scheduler(runner.cache.slots, max_queue)
+        self.scheduler: Scheduler[Request] = Scheduler(runner.cache.slots, max_queue)
         self.metrics.slots_total = len(runner.cache.slots)
         self.active: dict[int, Sequence] = {}  # slot index → its request
         self.spec = None
-        if speculative is not None:
-            from engine.decoding.spec_step import SpeculativeStep
-            self.spec = SpeculativeStep(runner, speculative, self.slot_context, self.vocab, self.metrics)
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._stopping = False
+        if drafters is not None:
+            assert len(drafters) == len(runner.cache.slots), "one drafter per slot"
+            self.spec = SpeculativeStep(runner, drafters, num_draft_tokens, self.slot_context, self.vocab,
+                                        self.metrics, spec_method)
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)  # notified on submit / cancel (a thread driving step() waits)
+        self.closed = False
         self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
-        self._thread = threading.Thread(target=self._run, name="bonsai-engine", daemon=True)
 
-    def start(self) -> "EngineLoop":
-        self._thread.start()
-        return self
+    @property
+    def has_work(self) -> bool:
+        return bool(self.active) or self.scheduler.waiting > 0
 
-    def submit(self, request: ServeRequest) -> None:
-        """Queue a request; raises scheduler.QueueFull when the server is full."""
+    def submit(self, request: Request) -> None:
+        """Queue a request; raises scheduler.QueueFull when every slot and the queue are taken."""
         if not request.prompt_ids:
             raise BonsaiError("the prompt is empty: give at least one token of input")
         if len(request.prompt_ids) >= self.slot_context:
-            raise BonsaiError(f"the prompt has {len(request.prompt_ids)} tokens but a slot's context holds "
-                              f"{self.slot_context}: shorten it or raise model.max_context")
-        with self._lock:
-            if self._stopping:
+            raise BonsaiError(f"the prompt has {len(request.prompt_ids)} tokens but the context holds "
+                              f"{self.slot_context}: shorten it or raise the context (model.max_context, "
+                              "--max-seq-len)")
+        with self.lock:
+            if self.closed:
                 raise BonsaiError("the server is shutting down")
-            self.scheduler.submit(request, request.prompt_ids)
+            self.scheduler.submit(request, request.prompt_ids if request.reuse_prefix else [])
             self.metrics.queue_waiting = self.scheduler.waiting
-            self._wake.notify()
+            self.wake.notify()
 
-    def cancel(self, request: ServeRequest) -> None:
-        """The client went away: free its slot (or queue place) at the next iteration."""
+    def cancel(self, request: Request) -> None:
+        """The client went away: free its slot (or queue place) at the next step."""
         request.cancelled.set()
-        with self._lock:
-            self._wake.notify()
+        with self.lock:
+            self.wake.notify()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        with self._lock:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+    def close(self, message: str = "the server is shutting down", status: int = 503) -> None:
+        """Refuse new requests; end the active and waiting ones with `message`."""
+        with self.lock:
+            self.closed = True
+            waiting = self.scheduler.drain()
+        for index in list(self.active):
+            self._fail(index, message, status)
+        for request in waiting:
+            request.emit(Failed(message, status))
+
+    def forget(self) -> None:
+        """Empty the cache of every slot no request is using (the next prompts are computed afresh)."""
+        with self.lock:
+            for slot in self.runner.cache.slots:
+                if slot.index not in self.active:
+                    slot.reset()
 
     def slots(self) -> list[dict]:
         """What /slots shows."""
@@ -109,34 +129,27 @@ class EngineLoop:
                         "drafter": None if self.spec is None else self.spec.info(slot.index),
                         "task": None if seq is None else {
                             "id": seq.request.id, "n_prompt_tokens": len(seq.request.prompt_ids),
-                            "n_cached": seq.cached, "n_decoded": seq.generated}})
+                            "n_cached": seq.stats.cached_tokens, "n_decoded": seq.generated}})
         return out
 
-    # -- the engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and not self.active and not self.scheduler.waiting:
-                    self._wake.wait()
-                if self._stopping:
-                    break
-                self._admit()
-            try:
-                self._step()
-            except Exception as e:  # a bug in the loop itself: fail what is active, keep serving
-                log.exception("engine step failed")
-                for index in list(self.active):
-                    self._fail(index, f"internal error: {type(e).__name__}: {e}")
-        for index in list(self.active):
-            self._fail(index, "the server is shutting down", status=503)
-        for request in self.scheduler.drain():
-            request.emit(Failed("the server is shutting down", 503))
+    # -- one iteration ----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Admit what waits, then one round of prefill chunks and one decode (or verify) step."""
+        with self.lock:
+            self._admit()
+        try:
+            self._step()
+        except Exception as e:  # a bug in the engine itself: fail what is active, keep going
+            log.exception("engine step failed")
+            for index in list(self.active):
+                self._fail(index, f"internal error: {type(e).__name__}: {e}")
 
     def _admit(self) -> None:
         for _ in self.scheduler.drop_waiting(lambda r: r.cancelled.is_set()):
             self.metrics.count_request("cancelled")
         for a in self.scheduler.assign():
-            seq = Sequence(a.request, self.tokenizer, self.rules, self.vocab, self.runner.device, a.reused)
+            method = self.spec.method if self.spec is not None else None
+            seq = Sequence(a.request, self.tokenizer, self.rules, self.vocab, self.runner.device, a.reused, method)
             self.active[a.slot.index] = seq
             self._to_begin.append(a.slot.index)
             self.metrics.count_prompt(len(a.request.prompt_ids), a.reused)
@@ -151,7 +164,7 @@ class EngineLoop:
             if self.spec is not None and index in self.active:
                 try:
                     self.spec.begin(index, self.active[index])
-                except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                     log.exception("drafter begin failed")
                     self._fail(index, _message(e))
         self._to_begin.clear()
@@ -197,16 +210,15 @@ class EngineLoop:
         if self.spec is not None:
             self.spec.step(self.active, rows, lambda i, e: self._fail(i, _message(e)))
             return
-        slots = [self.runner.slot(i) for i in rows]
-        tokens = [self.active[i].pending[0] for i in rows]
+        seqs = [self.active[i] for i in rows]
         try:
-            logits = self.runner.decode_batch(slots, tokens)  # [B, V]
+            logits = self.runner.decode_batch([self.runner.slot(i) for i in rows],
+                                              [seq.pending[0] for seq in seqs])  # [B, V]
         except Exception as e:
             log.exception("batched decode failed")
             for i in rows:
                 self._fail(i, _message(e))
             return
-        seqs = [self.active[i] for i in rows]
         before = sum(seq.generated for seq in seqs)
         try:
             cut = logits[:, :self.vocab]  # [B, V] the ids the tokenizer knows
@@ -232,7 +244,7 @@ class EngineLoop:
         if outcome == "cancelled":
             seq.done = True
             log.info("request %s cancelled (client gone); slot %d is free", seq.request.id, index)
-        with self._lock:
+        with self.lock:
             self.scheduler.release(self.runner.slot(index))  # its tokens stay cached for the next request
             self.metrics.slots_busy = self.scheduler.busy
         self.metrics.count_request(outcome or seq.finish_reason or "stop")
@@ -244,7 +256,7 @@ class EngineLoop:
         seq.done = True
         self.runner.slot(index).reset()  # what its KV holds is no longer known
         seq.request.emit(Failed(message, status))
-        with self._lock:
+        with self.lock:
             self.scheduler.release(self.runner.slot(index))
             self.metrics.slots_busy = self.scheduler.busy
         self.metrics.count_request("error")
@@ -253,4 +265,3 @@ class EngineLoop:
 def _message(e: Exception) -> str:
     text = str(e).splitlines()[0] if str(e) else ""
     return text if isinstance(e, BonsaiError) else f"internal error: {type(e).__name__}: {text}"
-

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -123,3 +124,24 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     for row, token in zip(order, torch.cat(picks).tolist()):
         out[row] = token
     return out
+
+
+def greedy_tokens(*logits: torch.Tensor) -> list[int]:
+    """The argmax of every row of each logits [n, V], read back in one transfer (one device sync)."""
+    return torch.cat([x.argmax(dim=-1) for x in logits]).tolist()
+
+
+def top_logprobs(logits: torch.Tensor, token: int, n: int, decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    """The OpenAI logprobs entry of `token` chosen from logits [V]: its log-probability and the n most
+    likely tokens' (decode: token ids → text)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    top = torch.topk(logp, n) if n else None
+
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        s = decode([t])
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    item = entry(token, float(logp[token]))
+    item["top_logprobs"] = ([entry(int(t), float(v)) for v, t in zip(top.values.tolist(), top.indices.tolist())]
+                            if top is not None else [])
+    return item

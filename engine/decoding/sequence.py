@@ -1,10 +1,14 @@
-"""One request inside the engine: its sampling state, text pipeline, thinking budget and timings.
+"""One request inside the engine: its sampling state, text pipeline, end rules, thinking budget, stats.
 
-The engine loop feeds `pending` tokens to the model for this request's slot and hands the logits
-of the last one to `on_logits`, which samples the next token and turns it into events: text pieces
-(split into reasoning and answer), then one `Finished`. Tokens the server inserts itself (the end
-of a thought whose budget is spent, or the lead into an answer) join `pending` and the output
-like sampled ones.
+The engine feeds `pending` tokens to the model for the request's slot and hands the logits of the
+last one to `on_logits`, which chooses the next token (or takes the one already chosen for the whole
+batch) and turns it into events: a `Delta` per token (its id, the text it completed, split into
+reasoning and answer), then one `Finished`. The end rules are those of plain decoding: an end-of-
+sequence token (not emitted), a stop string (the text cut before it), max_tokens, and the slot's
+context. Tokens the engine inserts itself (the end of a thought whose budget is spent, or the lead
+into an answer) join `pending` and the output like chosen ones. Without a tokenizer (generated
+weights) or with `Request.text` off, only token ids come out: no end-of-sequence, stop strings or
+thinking rules.
 """
 from __future__ import annotations
 
@@ -16,16 +20,20 @@ from typing import Any, Callable
 import torch
 
 from engine.decoding.detokenize import StreamDecoder
-from engine.decoding.sampling import SamplingParams, apply_penalties, make_generator, sample
 from engine.decoding.reasoning import ReasoningSplitter
+from engine.decoding.sampling import SamplingParams, apply_penalties, make_generator, sample, top_logprobs
+from engine.decoding.stats import GenerationStats
 from engine.decoding.stop import StopStringMatcher
+from engine.errors import BonsaiError
 from engine.sources.tokenizer import Tokenizer
+from engine.speculative.stats import SpecStats
 
 
 @dataclass
 class Delta:
-    reasoning: str
-    content: str
+    token_ids: list[int]  # the tokens this event adds to the output (empty: text only)
+    reasoning: str = ""
+    content: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -34,6 +42,7 @@ class Finished:
     reason: str  # "stop" | "length"
     usage: dict[str, Any]
     timings: dict[str, Any]
+    stats: GenerationStats
 
 
 @dataclass
@@ -43,20 +52,27 @@ class Failed:
 
 
 @dataclass
-class ServeRequest:
-    """What the API hands the engine. `emit` is called from the engine thread with each event."""
-    id: str
+class Request:
+    """What a front end hands the engine. `emit` is called from the engine's thread with each event."""
     prompt_ids: list[int]
-    max_tokens: int
-    emit: Callable[[Delta | Finished | Failed], None]
+    max_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    reuse_prefix: bool = True  # start from the slot whose cached tokens share the longest prefix
+    text: bool = True  # False: token ids only (bench runs of random tokens)
     thinking_budget: int | None = None
     thinking_at_start: bool = False  # the prompt ends inside an opened thought
-    split_reasoning: bool = True  # chat: thoughts go out as reasoning; raw completions: all text is content
+    split_reasoning: bool = True  # thoughts go out as reasoning; off (raw completions): all text is content
     top_logprobs: int | None = None  # None: no logprobs; n: the chosen token's and the n most likely
+    id: str = ""
+    emit: Callable[[Delta | Finished | Failed], None] = lambda event: None
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise BonsaiError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
 @dataclass
@@ -67,23 +83,27 @@ class ThinkingRules:
 
 
 class Sequence:
-    def __init__(self, request: ServeRequest, tokenizer: Tokenizer, rules: ThinkingRules, vocab: int,
-                 device: torch.device, reused: int):
-        self.request, self.tokenizer, self.rules, self.vocab = request, tokenizer, rules, vocab
+    def __init__(self, request: Request, tokenizer: Tokenizer | None, rules: ThinkingRules, vocab: int,
+                 device: torch.device, reused: int, method: str | None = None):
+        """method: the drafters' name when the engine speculates (the request then counts its drafts)."""
+        self.request, self.rules, self.vocab = request, rules, vocab
+        self.tokenizer = tokenizer if request.text else None
         params = request.sampling
         self.generator = None if params.greedy else make_generator(params, device)
         self.seen = self.output = None
         if params.uses_penalties:
             self.seen = torch.bincount(torch.tensor(request.prompt_ids, device=device), minlength=vocab).float()
             self.output = torch.zeros(vocab, device=device)  # [V]
-        self.decoder = StreamDecoder(tokenizer)
+        tok = self.tokenizer
+        self.decoder = StreamDecoder(tok) if tok is not None else None
         self.matcher = StopStringMatcher(request.stop)
         self.splitter = ReasoningSplitter(rules.start_tag, rules.end_tag, request.thinking_at_start,
-                                          enabled=request.split_reasoning)
-        self.eos = tokenizer.eos_ids
+                                          enabled=request.split_reasoning and tok is not None)
+        self.eos = tok.eos_ids if tok is not None and not request.ignore_eos else frozenset()
         self.pending: list[int] = request.prompt_ids[reused:]
-        self.cached = reused
-        self.generated = 0
+        self.stats = GenerationStats(len(request.prompt_ids), reused)
+        if method is not None:
+            self.stats.speculative = SpecStats(method)
         self.thinking_tokens = 0
         self.budget_spent = False
         self.led_into_answer = False
@@ -91,33 +111,32 @@ class Sequence:
         self.finish_reason: str | None = None
         self.started = time.perf_counter()
         self.first_token: float | None = None
-        self.last_token = self.started
-        self.draft_n = self.draft_accepted = 0  # speculative decoding fills these
 
-    # -- the engine loop calls these ------------------------------------------------------------
+    @property
+    def generated(self) -> int:
+        return self.stats.generated_tokens
+
+    # -- the engine calls these ------------------------------------------------------------------
     def on_logits(self, logits: torch.Tensor, room: int, choice: int | None = None) -> None:
-        """Sample after logits [V]; `room`: positions still free in the slot's context budget;
-        `choice`: the token already picked from these logits (then they are already penalized)."""
-        params = self.request.sampling
+        """Choose after logits [V]; `room`: positions still free in the slot's context budget;
+        `choice`: the token already chosen from these logits (then they are already penalized)."""
         logits = logits[:self.vocab]  # [V] the ids the tokenizer knows
-        if choice is not None:
-            self.take(choice, logits, room)
-            return
-        if self.seen is not None:
-            logits = apply_penalties(logits, self.seen, self.output, params)
-        self.take(sample(logits, params, self.generator), logits, room)
+        if choice is None:
+            logits = self.penalized(logits)
+            choice = sample(logits, self.request.sampling, self.generator)
+        self.take(choice, logits, room)
 
     def penalized(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] (cut to the vocabulary) with this request's penalties applied (as sampled)."""
+        """logits [V] (cut to the vocabulary) with this request's penalties applied (as chosen from)."""
         if self.seen is None:
             return logits
         return apply_penalties(logits, self.seen, self.output, self.request.sampling)
 
     def accept(self, tokens: list[int], logits: torch.Tensor, room: int) -> int:
         """Tokens a speculative step verified (the accepted drafts, then the target's bonus), taken
-        one by one as if sampled; logits [n, V]: their rows (cut to the vocabulary, penalized), for
+        one by one as if chosen; logits [n, V]: their rows (cut to the vocabulary, penalized), for
         logprobs; room: as for the first of them. Returns how many were used: fewer than n when one
-        ended the output (EOS, stop string, max_tokens, context) or the server inserted tokens after
+        ended the output (EOS, stop string, max_tokens, context) or the engine inserted tokens after
         it (thinking budget), so the rest are dropped as plain decoding would never have made them."""
         for i, token in enumerate(tokens):
             self.take(token, logits[i], room - i)
@@ -130,7 +149,8 @@ class Sequence:
         now = time.perf_counter()
         if self.first_token is None:
             self.first_token = now
-        self.last_token = now
+            self.stats.prefill_seconds = now - self.started
+        self.stats.decode_seconds = now - self.first_token
         self.pending = []
         if token in self.eos:
             if not self._lead_into_answer():
@@ -138,7 +158,9 @@ class Sequence:
             elif len(self.pending) > room:
                 self.finish("length")
             return
-        logprobs = self._logprobs(logits, token) if self.request.top_logprobs is not None else []
+        logprobs = []
+        if self.request.top_logprobs is not None and self.tokenizer is not None:
+            logprobs = [top_logprobs(logits, token, self.request.top_logprobs, self.tokenizer.decode)]
         if self.seen is not None:
             self.seen[token] += 1
             self.output[token] += 1
@@ -160,46 +182,33 @@ class Sequence:
     def finish(self, reason: str) -> None:
         if self.done:
             return
-        tail, stopped = self.matcher.push(self.decoder.flush())
-        tail += "" if stopped else self.matcher.flush()
-        r, c = self.splitter.push(tail)
-        r2, c2 = self.splitter.flush()
-        if r + r2 or c + c2:
-            self.request.emit(Delta(r + r2, c + c2))
+        if self.decoder is not None:
+            tail, stopped = self.matcher.push(self.decoder.flush())
+            tail += "" if stopped else self.matcher.flush()
+            r, c = self.splitter.push(tail)
+            r2, c2 = self.splitter.flush()
+            if r + r2 or c + c2:
+                self.request.emit(Delta([], r + r2, c + c2))
         self.done = True
         self.finish_reason = reason
         self.pending = []
-        self.request.emit(Finished(reason, self.usage(), self.timings()))
+        self.request.emit(Finished(reason, self.usage(), self.stats.timings(), self.stats))
 
     def usage(self) -> dict[str, Any]:
-        n = len(self.request.prompt_ids)
-        return {"prompt_tokens": n, "completion_tokens": self.generated, "total_tokens": n + self.generated,
-                "prompt_tokens_details": {"cached_tokens": self.cached}}
-
-    def timings(self) -> dict[str, Any]:
-        """llama.cpp's `timings` object."""
-        first = self.first_token or self.last_token
-        prompt_n = len(self.request.prompt_ids) - self.cached
-        prompt_ms = (first - self.started) * 1000
-        predicted_ms = (self.last_token - first) * 1000
-        predicted_n = self.generated
-        out = {"cache_n": self.cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-               "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-               "prompt_per_second": 1000 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
-               "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-               "predicted_per_token_ms": predicted_ms / (predicted_n - 1) if predicted_n > 1 else 0.0,
-               "predicted_per_second": 1000 * (predicted_n - 1) / predicted_ms if predicted_ms > 0 else 0.0,
-               "draft_n": self.draft_n, "draft_n_accepted": self.draft_accepted}
-        return out
+        n, out = self.stats.prompt_tokens, self.generated
+        return {"prompt_tokens": n, "completion_tokens": out, "total_tokens": n + out,
+                "prompt_tokens_details": {"cached_tokens": self.stats.cached_tokens}}
 
     # -- internals ------------------------------------------------------------------------------
     def _push_token(self, token: int, logprobs: list[dict[str, Any]]) -> bool:
         """Count and emit one output token; True when a stop string ended the output."""
-        self.generated += 1
+        self.stats.generated_tokens += 1
+        if self.decoder is None:
+            self.request.emit(Delta([token]))
+            return False
         text, stopped = self.matcher.push(self.decoder.push(token))
         r, c = self.splitter.push(text)
-        if r or c or logprobs:
-            self.request.emit(Delta(r, c, logprobs))
+        self.request.emit(Delta([token], r, c, logprobs))
         if stopped:
             self.finish("stop")
         return stopped
@@ -220,17 +229,3 @@ class Sequence:
         self.led_into_answer = True
         self._force((self.rules.end_tag if s.thinking else "") + "\n\n")
         return not self.done and bool(self.pending)
-
-    def _logprobs(self, logits: torch.Tensor, token: int) -> list[dict[str, Any]]:
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
-        n = self.request.top_logprobs or 0
-        top = torch.topk(logp, n) if n else None
-
-        def entry(t: int, lp: float) -> dict[str, Any]:
-            s = self.tokenizer.decode([t])
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-
-        item = entry(token, float(logp[token]))
-        item["top_logprobs"] = ([entry(int(t), float(v)) for v, t in zip(top.values.tolist(), top.indices.tolist())]
-                                if top is not None else [])
-        return [item]

@@ -1,9 +1,10 @@
-"""Speculative decoding in the server: each slot's drafter, and one verification step that serves
-every decoding slot together.
+"""Speculative decoding in the engine: each slot's drafter, and one verification step that serves
+every decoding slot together (one slot for `bonsai generate`, many for the server).
 
-Each slot owns a drafter (built once from the config; an n-gram pool, when configured, is shared by
-all slots). When a request takes the slot the drafter is begun on the request's whole prompt, the
-part reused from the slot's cache included, and told the request's sampling parameters.
+Each slot owns a drafter (engine.speculative.config.build_drafters: an n-gram pool, when configured,
+is shared by all slots; any Drafter works). When a request takes the slot the drafter is begun on the
+request's whole prompt, the part reused from the slot's cache included, and told the request's
+sampling parameters.
 
 One step, for the slots that decode (each has one pending token: the last one accepted):
   1. every slot's drafter proposes from its context (the slot's cached tokens + the pending one),
@@ -33,15 +34,14 @@ from typing import Any, Callable
 
 import torch
 
+from engine.decoding.metrics import Metrics
+from engine.decoding.sampling import greedy_tokens
+from engine.decoding.sequence import Sequence
 from engine.runtime.decode_step import MAX_STEP_ROWS
-from engine.runtime.runner import ModelRunner
-from engine.speculative.config import SpeculativeConfig, build_drafter
 from engine.speculative.drafter import Draft, Drafter, Feedback
 from engine.speculative.planner import Acceptance, TargetCost, joint_draft_lengths
 from engine.speculative.stats import SpecStats
 from engine.speculative.verify import accept_greedy, penalized_rows, verify_draft
-from engine.decoding.metrics import Metrics
-from engine.decoding.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -102,19 +102,14 @@ class _Row:
 
 
 class SpeculativeStep:
-    def __init__(self, runner: ModelRunner, config: SpeculativeConfig, slot_context: int, vocab: int,
-                 metrics: Metrics):
-        self.runner, self.config, self.slot_context, self.vocab, self.metrics = \
-            runner, config, slot_context, vocab, metrics
-        pool = None
-        if config.ngram_pool_size:
-            from engine.speculative.ngram import NgramPool
-            pool = NgramPool(config.ngram_pool_size)
-        drafts: dict = {}  # a draft model is loaded once; each slot's drafter has its own KV cache
-        self.slots = [SlotDrafter(build_drafter(config, runner.loaded, runner.max_seq_len, ngram_pool=pool,
-                                                loaded_drafts=drafts)) for _ in runner.cache.slots]
-        for s in self.slots:
-            s.stats.method = config.method
+    def __init__(self, runner, drafters: list[Drafter], num_draft_tokens: int, slot_context: int, vocab: int,
+                 metrics: Metrics, method: str | None = None):
+        """drafters: one per slot of runner (an engine.runtime.runner.Runner); method: the name /slots
+        shows (default: the drafter's)."""
+        self.runner, self.num_draft_tokens, self.slot_context, self.vocab, self.metrics = \
+            runner, num_draft_tokens, slot_context, vocab, metrics
+        self.method = drafters[0].name
+        self.slots = [SlotDrafter(d, SpecStats(method or d.name)) for d in drafters]
         self._steps = 0
         # batched speculation: the measured cost of a whole fused pass by its row count, and each
         # slot's recent acceptance, decide how many of the proposed drafts are worth their rows
@@ -123,7 +118,7 @@ class SpeculativeStep:
 
     def max_rows(self) -> int:
         """The widest fused step this config can ask for (to capture before serving)."""
-        return min(MAX_STEP_ROWS, len(self.slots) * (self.config.num_draft_tokens + 1))
+        return min(MAX_STEP_ROWS, len(self.slots) * (self.num_draft_tokens + 1))
 
     def begin(self, index: int, seq: Sequence) -> None:
         """A request takes slot `index` (its reused prefix already in the slot)."""
@@ -134,7 +129,7 @@ class SpeculativeStep:
         drafter.begin(list(seq.request.prompt_ids))
 
     def info(self, index: int) -> dict[str, Any]:
-        return self.slots[index].info(self.config.num_draft_tokens)
+        return self.slots[index].info(self.num_draft_tokens)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self, active: dict[int, Sequence], indices: list[int], fail: Callable[[int, Exception], None]) -> None:
@@ -180,7 +175,7 @@ class SpeculativeStep:
         after a prefill, so a seeded request starts the same whatever was cached."""
         if seq.first_token is None:
             return 0
-        k = self.config.num_draft_tokens
+        k = self.num_draft_tokens
         return max(min(k, self.slot_context - start - 1, seq.request.max_tokens - seq.generated - 1), 0)
 
     def _budgets(self, active: dict[int, Sequence], indices: list[int]) -> list[int]:
@@ -276,7 +271,7 @@ class SpeculativeStep:
         greedy = [r for r in rows if r.seq.request.sampling.greedy and r.seq.seen is None]
         if not greedy:
             return
-        choices = torch.cat([r.logits[:, :self.vocab].argmax(dim=-1) for r in greedy]).tolist()  # [rows]
+        choices = greedy_tokens(*(r.logits[:, :self.vocab] for r in greedy))  # [rows], one read-back
         offset = 0
         for r in greedy:
             r.argmax = choices[offset:offset + r.logits.shape[0]]
@@ -297,8 +292,7 @@ class SpeculativeStep:
         if k:
             self.acceptance[r.index].update(a, a < k)
         self.metrics.count_spec(k, a)
-        seq.draft_n += k
-        seq.draft_accepted += a
+        seq.stats.speculative.record(draft.sources, a)
         used = seq.accept(verdict.tokens, logits[:a + 1], self.slot_context - r.start - 1)
         slot.rewind(a - (used - 1))  # as after plain decoding: every token before the last one taken
         kept = {i: h[:a + 1] for i, h in r.hidden.items()} if r.hidden else None

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine.decoding.engine import Engine
+from engine.decoding.metrics import Metrics
+from engine.decoding.sequence import ThinkingRules
 from engine.errors import BonsaiError
 from engine.memory.budget import SERVE_KEYS, check_budget
 from engine.memory.limit import check_usage, limit_device_memory, within_limit
@@ -28,6 +31,7 @@ from engine.sources import store
 from engine.sources.gguf_file import GGUFFile
 from engine.sources.model_config import ModelConfig
 from engine.sources.tokenizer import Tokenizer
+from engine.speculative.config import build_drafters
 from engine.weights.loader import LoadedModel, load_dummy, load_model
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,25 @@ class Run:
     def slot_context(self) -> int:
         """Positions one conversation may use."""
         return min(self.plan.slot_context, self.runner.max_seq_len)
+
+    def engine(self, metrics: Metrics | None = None, max_queue: int = 16, prefill_budget: int | None = None,
+               speculative: bool = True) -> Engine:
+        """The decoding engine over this run's slots: the config's thinking rules and, with speculation
+        (unless `speculative` is off), one drafter per slot; the fused step is captured now for every
+        row count the engine will ask for."""
+        spec = self.config.spec_config if speculative else None
+        th = self.config.thinking
+        with within_limit(self.plan.limit, "building the drafters"):
+            drafters = (build_drafters(spec, self.loaded, self.runner.max_seq_len, len(self.runner.cache.slots))
+                        if spec is not None else None)
+            engine = Engine(self.runner, self.tokenizer, self.slot_context, max_queue,
+                            ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, drafters,
+                            spec.num_draft_tokens if spec is not None else 4, prefill_budget,
+                            spec.method if spec is not None else None)
+            self.runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None
+                                     else self.config.runtime.max_batch_size)
+        check_usage(self.plan.limit, self.loaded.device, "building the engine", self.plan.plan.total)
+        return engine
 
     def close(self) -> None:
         """End the pipeline's workers (a no-op on one device); idempotent."""

@@ -23,15 +23,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.decoding.metrics import Metrics
+from engine.decoding.prompts import chat_prompt, completion_prompt
+from engine.decoding.scheduler import QueueFull
+from engine.decoding.sequence import Delta, Failed, Finished
+from engine.decoding.sequence import Request as Job
 from engine.errors import BonsaiError
 from engine.server import protocol as P
 from engine.server.config import ServeConfig
 from engine.server.engine_thread import Served
-from engine.decoding.metrics import Metrics
-from engine.decoding.prompts import chat_prompt, completion_prompt
 from engine.server.relay import EventRelay
-from engine.decoding.scheduler import QueueFull
-from engine.decoding.sequence import Delta, Failed, Finished, ServeRequest
 from engine.server.sse import DONE, ChunkLines, sse
 
 log = logging.getLogger("bonsai.server")
@@ -80,7 +81,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
             threading.Thread(target=state.load, args=(loader,), name="bonsai-load", daemon=True).start()
         yield
         if state.served is not None:  # shutdown: running requests end with a 503 event, the engine stops
-            await asyncio.get_running_loop().run_in_executor(None, state.served.engine.stop)
+            await asyncio.get_running_loop().run_in_executor(None, state.served.stop)
 
     app = FastAPI(title="bonsai", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}  # the server's loop → its relay
@@ -189,7 +190,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise P.RequestError(f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
 
 
-def _make_job(served: Served, req: Any, chat: bool) -> ServeRequest:
+def _make_job(served: Served, req: Any, chat: bool) -> Job:
     cfg, engine = served.config, served.engine
     tokenizer = engine.tokenizer
     context = engine.slot_context
@@ -207,13 +208,12 @@ def _make_job(served: Served, req: Any, chat: bool) -> ServeRequest:
                              "this server accepts; shorten it", "messages" if chat else "prompt",
                              code="context_length_exceeded")
     max_tokens = req.token_limit() or cfg.server.default_max_tokens
-    return ServeRequest(id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], prompt_ids=prompt.ids,
-                        max_tokens=max_tokens, emit=lambda e: None, sampling=req.sampling(), stop=req.stops(),
-                        thinking_budget=budget, thinking_at_start=prompt.thinking_at_start,
-                        split_reasoning=chat, top_logprobs=top)
+    return Job(prompt.ids, max_tokens=max_tokens, sampling=req.sampling(), stop=req.stops(),
+               thinking_budget=budget, thinking_at_start=prompt.thinking_at_start, split_reasoning=chat,
+               top_logprobs=top, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24])
 
 
-async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta: tuple, chat: bool,
+async def _stream(served: Served, job: Job, queue: asyncio.Queue, meta: tuple, chat: bool,
                   include_usage: bool) -> AsyncIterator[str]:
     rid, model, created = meta
     lines = ChunkLines(rid, model, created, chat)  # a token's chunk: only its text is encoded
@@ -223,6 +223,8 @@ async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta:
         while True:
             event = await queue.get()
             if isinstance(event, Delta):
+                if not (event.reasoning or event.content or event.logprobs):
+                    continue  # a token that completed no text yet
                 if chat:
                     delta = {k: v for k, v in (("reasoning_content", event.reasoning), ("content", event.content)) if v}
                     yield (sse(P.chat_chunk(rid, model, created, delta, logprobs=event.logprobs))
@@ -249,7 +251,7 @@ async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta:
         served.engine.cancel(job)  # a no-op when it finished; frees the slot when the client left
 
 
-async def _collect(served: Served, request: Request, job: ServeRequest, queue: asyncio.Queue, meta: tuple,
+async def _collect(served: Served, request: Request, job: Job, queue: asyncio.Queue, meta: tuple,
                    chat: bool) -> Response:
     rid, model, created = meta
     reasoning, content, logprobs = [], [], []

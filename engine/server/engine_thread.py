@@ -1,42 +1,75 @@
-"""The server's side of the engine: the run opened from the serve config, its engine started.
+"""The server's engine: the run opened from the serve config, and the thread that steps its engine.
 
-`bonsai serve` runs `start_serving` in a background thread (GET /health reports the stage meanwhile).
+`bonsai serve` runs `start_serving` in a background thread (GET /health reports the stage meanwhile);
+from then on one thread owns the runner and calls `Engine.step` while any request is active or
+waiting, and sleeps otherwise (the API's `submit` / `cancel` wake it).
 """
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
-from engine.decoding.engine import EngineLoop
+from engine.decoding.engine import Engine
 from engine.decoding.metrics import Metrics
-from engine.decoding.sequence import ThinkingRules
 from engine.run.builder import Progress, Run, open_run
 from engine.server.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
 
+class EngineThread:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="bonsai-engine", daemon=True)
+
+    def start(self) -> "EngineThread":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new requests, end the running ones (503) and let the thread exit."""
+        with self.engine.lock:
+            self.engine.closed = True
+            self._stopping = True
+            self.engine.wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with engine.wake:
+                while not self._stopping and not engine.has_work:
+                    engine.wake.wait()
+                if self._stopping:
+                    break
+            engine.step()
+        engine.close()
+
+
 @dataclass
 class Served:
-    engine: EngineLoop
+    engine: Engine
+    thread: EngineThread
     model_id: str
     config: ServeConfig
     run: Run
 
+    def stop(self) -> None:
+        self.thread.stop()
+        self.run.close()
+
 
 def start_serving(config: ServeConfig, metrics: Metrics | None = None,
                   progress: Progress = lambda stage, fraction: None, architecture=None) -> Served:
-    """open_run, then the engine over its slots (with the server section's queue and prefill budget)."""
+    """open_run, then its engine (the server section's queue and prefill budget) on its own thread."""
     run = open_run(config, architecture, progress=progress)
     try:
-        spec, th, rt = config.spec_config, config.thinking, config.runtime
-        if spec is not None:
-            progress(f"building each slot's drafter ({spec.method})", 0.9)
-        engine = EngineLoop(run.runner, run.tokenizer, run.slot_context, config.server.max_queue,
-                            ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, speculative=spec,
-                            prefill_budget=config.server.max_prefill_tokens_per_step)
-        # capture the fused step for every row count in use now, not mid-request
-        run.runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None else rt.max_batch_size)
+        spec, rt = config.spec_config, config.runtime
+        progress(f"building each slot's drafter ({spec.method})" if spec is not None else "starting the engine", 0.9)
+        engine = run.engine(metrics, config.server.max_queue, config.server.max_prefill_tokens_per_step)
     except BaseException:
         run.close()
         raise
@@ -48,4 +81,4 @@ def start_serving(config: ServeConfig, metrics: Metrics | None = None,
              " with block weights streamed from host memory" if run.runner.weight_stream is not None else "",
              f", speculative {spec.method} k={spec.num_draft_tokens} per slot" if spec is not None else "")
     progress("ready", 1.0)
-    return Served(engine.start(), run.name, config, run)
+    return Served(engine, EngineThread(engine).start(), run.name, config, run)

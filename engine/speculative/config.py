@@ -141,6 +141,15 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, max_seq_len: i
     return MixDrafter(members, adaptive=config.adaptive)
 
 
+def build_drafters(config: SpeculativeConfig, target: LoadedModel, max_seq_len: int, count: int) -> list[Drafter]:
+    """One drafter per slot: an n-gram pool (config.ngram_pool_size) shared by all, a draft model
+    loaded once (each drafter has its own KV cache)."""
+    from engine.speculative.ngram import NgramPool
+    pool = NgramPool(config.ngram_pool_size) if config.ngram_pool_size else None
+    drafts: dict[str, LoadedModel] = {}
+    return [build_drafter(config, target, max_seq_len, ngram_pool=pool, loaded_drafts=drafts) for _ in range(count)]
+
+
 def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel, max_seq_len: int,
                ngram_pool: Any | None, loaded_drafts: dict[str, LoadedModel] | None) -> Drafter:
     if spec.method == "ngram":

@@ -40,13 +40,15 @@ def model_path(arg: str | None) -> Path:
 def chat_sequences(runner, tokenizer, suite: str, answer_tokens: int) -> list[list[int]]:
     """Each suite prompt in the chat template + the float-KV model's greedy answer, as token ids."""
     from engine.bench.suites import load_suite
-    from engine.decoding.generate import GenerationRequest, stream_generate
+    from engine.decoding.engine import Engine
+    from engine.decoding.generate import generate_text
+    from engine.decoding.sequence import Request
+    engine = Engine(runner, tokenizer)
     sequences = []
     for prompt in load_suite(suite):
         ids = tokenizer.encode(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True))
-        request = GenerationRequest(max_tokens=min(answer_tokens, prompt.max_tokens or answer_tokens),
-                                    reuse_prefix=False)
-        answer = [t for event in stream_generate(runner, tokenizer, ids, request) for t in event.token_ids]
+        request = Request(ids, max_tokens=min(answer_tokens, prompt.max_tokens or answer_tokens), reuse_prefix=False)
+        answer = generate_text(engine, request)[1]
         sequences.append(ids + answer)
     return sequences
 
