@@ -178,14 +178,14 @@ def test_cancel_frees_the_slot_and_others_finish(loaded, smollm2_tok, one_thread
 
 def test_failing_request_is_reported_and_the_engine_goes_on(loaded, smollm2_tok, one_thread, monkeypatch):
     from engine.decoding import sequence
-    original = sequence.Sequence.on_logits
+    original = sequence.Sequence.take
 
-    def flaky(self, logits, room, choice=None):
+    def flaky(self, token, logits, room):
         if self.request.id == "bad" and self.generated >= 2:
             raise RuntimeError("planted failure")
-        return original(self, logits, room, choice)
+        return original(self, token, logits, room)
 
-    monkeypatch.setattr(sequence.Sequence, "on_logits", flaky)
+    monkeypatch.setattr(sequence.Sequence, "take", flaky)
     engine = make_engine(loaded, smollm2_tok, slots=2, context=32)
     try:
         _, qbad = submit(engine, PROMPTS[0], max_tokens=20, id="bad")

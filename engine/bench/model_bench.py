@@ -20,6 +20,7 @@ from engine.decoding.generate import generate_text
 from engine.decoding.sequence import Request
 from engine.errors import BonsaiError
 from engine.runtime.model import Linear
+from engine.runtime.runner import Runner
 from engine.speculative.stats import SpecStats
 from engine.weights.packed_linear import PackedLinear
 
@@ -116,7 +117,7 @@ def run_model_bench(engine: Engine, tests: list[BenchTest], repetitions: int, sp
     return results
 
 
-def decode_bytes_per_token(runner, context: int) -> int:
+def decode_bytes_per_token(runner: Runner, context: int) -> int:
     """Bytes one decode step must read: every matrix (incl. the output layer), one embedding row,
     and the KV cache of `context` positions."""
     model = runner.model

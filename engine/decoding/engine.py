@@ -33,6 +33,7 @@ from engine.decoding.scheduler import Scheduler, plan_prefill
 from engine.decoding.sequence import Failed, Request, Sequence, ThinkingRules
 from engine.decoding.spec_step import SpeculativeStep
 from engine.errors import BonsaiError
+from engine.runtime.runner import Runner
 from engine.sources.tokenizer import Tokenizer
 from engine.speculative.drafter import Drafter
 
@@ -40,11 +41,11 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, runner, tokenizer: Tokenizer | None, slot_context: int | None = None, max_queue: int = 16,
+    def __init__(self, runner: Runner, tokenizer: Tokenizer | None, slot_context: int | None = None, max_queue: int = 16,
                  rules: ThinkingRules | None = None, metrics: Metrics | None = None,
                  drafters: list[Drafter] | None = None, num_draft_tokens: int = 4, prefill_budget: int | None = None,
                  spec_method: str | None = None):
-        """runner: an engine.runtime.runner.Runner; tokenizer None: token ids only (generated weights).
+        """tokenizer None: token ids only (generated weights).
         slot_context: positions one request may use (default: the runner's context). drafters: one per
         slot (speculative decoding), None: plain decoding; num_draft_tokens: k, the most each drafts
         a step (spec_method: the name /slots shows, default the drafter's). prefill_budget: prompt
@@ -135,8 +136,9 @@ class Engine:
     # -- one iteration ----------------------------------------------------------------------------
     def step(self) -> None:
         """Admit what waits, then one round of prefill chunks and one decode (or verify) step."""
-        with self.lock:
-            self._admit()
+        if self.scheduler.waiting:  # a request submitted meanwhile is admitted at the next step
+            with self.lock:
+                self._admit()
         try:
             self._step()
         except Exception as e:  # a bug in the engine itself: fail what is active, keep going
@@ -180,11 +182,10 @@ class Engine:
     def _prefill(self) -> None:
         """This iteration's prompt chunks (scheduler.plan_prefill): oldest request first (`active`
         keeps admission order), within the budget while any slot decodes."""
-        live = [(i, s) for i, s in self.active.items() if not s.done]
-        decoding = any(len(s.pending) == 1 for _, s in live)
-        waiting = [(i, len(s.pending)) for i, s in live if len(s.pending) > 1]
+        waiting = [(i, len(s.pending)) for i, s in self.active.items() if len(s.pending) > 1 and not s.done]
         if not waiting:
             return
+        decoding = any(len(s.pending) == 1 and not s.done for s in self.active.values())
         for part in plan_prefill(waiting, self.prefill_chunk, self.prefill_budget if decoding else None):
             if part.slot in self.active:  # not failed by an earlier chunk of this iteration
                 self._prefill_chunk(part.slot, part.size)
@@ -221,7 +222,7 @@ class Engine:
             return
         before = sum(seq.generated for seq in seqs)
         try:
-            cut = logits[:, :self.vocab]  # [B, V] the ids the tokenizer knows
+            cut = logits[:, :self.vocab] if logits.shape[-1] > self.vocab else logits  # [B, V] ids the tokenizer knows
             if any(seq.seen is not None for seq in seqs):
                 cut = torch.stack([seq.penalized(cut[row]) for row, seq in enumerate(seqs)])  # [B, V]
             # every row's token in one call and one read-back (greedy rows: one argmax for all)
@@ -233,7 +234,8 @@ class Engine:
             return
         for row, (i, seq) in enumerate(zip(rows, seqs)):
             try:
-                seq.on_logits(cut[row], self._room(i), choices[row])
+                # its row only where logprobs are asked for: a view per token costs, on the fast path
+                seq.take(choices[row], cut[row] if seq.request.top_logprobs is not None else None, self._room(i))
             except Exception as e:
                 log.exception("sampling failed")
                 self._fail(i, _message(e))

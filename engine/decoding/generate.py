@@ -34,19 +34,20 @@ def generate(engine: Engine, request: Request) -> Iterator[GenerationEvent]:
     events: list = []
     request.emit = events.append
     engine.submit(request)
-    finished = False
+    finished, stats = False, None
     try:
         while not finished:
             engine.step()
             if not events:
                 continue
-            deltas = [e for e in events if isinstance(e, Delta)]
-            end = next((e for e in events if not isinstance(e, Delta)), None)
-            events.clear()
+            end = events[-1] if not isinstance(events[-1], Delta) else None
+            deltas = events[:-1] if end is not None else events
+            events = []
+            request.emit = events.append
             if isinstance(end, Failed):
                 raise BonsaiError(end.message)
             finished = end is not None
-            stats = end.stats if finished else engine.active[_slot_of(engine, request)].stats
+            stats = end.stats if finished else stats or _stats_of(engine, request)
             yield GenerationEvent([t for d in deltas for t in d.token_ids], "".join(d.content for d in deltas), stats,
                                   end.reason if finished else None, "".join(d.reasoning for d in deltas),
                                   [x for d in deltas for x in d.logprobs])
@@ -69,5 +70,6 @@ def generate_text(engine: Engine, request: Request) -> tuple[str, list[int], str
     return "".join(pieces), ids, finish, stats
 
 
-def _slot_of(engine: Engine, request: Request) -> int:
-    return next(i for i, seq in engine.active.items() if seq.request is request)
+def _stats_of(engine: Engine, request: Request) -> GenerationStats:
+    """The live counters of the request (kept by its Sequence while it runs)."""
+    return next(seq.stats for seq in engine.active.values() if seq.request is request)

@@ -95,7 +95,8 @@ class Scheduler(Generic[R]):
     def drop_waiting(self, predicate) -> list[R]:
         """Remove the waiting requests for which predicate(request) is true (clients gone)."""
         gone = [r for r, _ in self._queue if predicate(r)]
-        self._queue = deque(item for item in self._queue if not predicate(item[0]))
+        if gone:
+            self._queue = deque(item for item in self._queue if not predicate(item[0]))
         return gone
 
     def assign(self) -> list[Assignment[R]]:

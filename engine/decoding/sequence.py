@@ -117,14 +117,11 @@ class Sequence:
         return self.stats.generated_tokens
 
     # -- the engine calls these ------------------------------------------------------------------
-    def on_logits(self, logits: torch.Tensor, room: int, choice: int | None = None) -> None:
-        """Choose after logits [V]; `room`: positions still free in the slot's context budget;
-        `choice`: the token already chosen from these logits (then they are already penalized)."""
-        logits = logits[:self.vocab]  # [V] the ids the tokenizer knows
-        if choice is None:
-            logits = self.penalized(logits)
-            choice = sample(logits, self.request.sampling, self.generator)
-        self.take(choice, logits, room)
+    def on_logits(self, logits: torch.Tensor, room: int) -> None:
+        """Choose after logits [V] and take the token; `room`: positions still free in the slot's
+        context budget."""
+        logits = self.penalized(logits[:self.vocab])  # [V] the ids the tokenizer knows
+        self.take(sample(logits, self.request.sampling, self.generator), logits, room)
 
     def penalized(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] (cut to the vocabulary) with this request's penalties applied (as chosen from)."""
@@ -144,8 +141,9 @@ class Sequence:
                 return i + 1
         return len(tokens)
 
-    def take(self, token: int, logits: torch.Tensor, room: int) -> None:
-        """One chosen token (sampled, or verified) into events; logits [V] (cut, penalized): its row."""
+    def take(self, token: int, logits: torch.Tensor | None, room: int) -> None:
+        """One chosen token (sampled, or verified) into events; logits [V] (cut, penalized): its row,
+        for logprobs (None when the request asks for none)."""
         now = time.perf_counter()
         if self.first_token is None:
             self.first_token = now
@@ -159,7 +157,7 @@ class Sequence:
                 self.finish("length")
             return
         logprobs = []
-        if self.request.top_logprobs is not None and self.tokenizer is not None:
+        if self.request.top_logprobs is not None and self.tokenizer is not None and logits is not None:
             logprobs = [top_logprobs(logits, token, self.request.top_logprobs, self.tokenizer.decode)]
         if self.seen is not None:
             self.seen[token] += 1

@@ -38,6 +38,7 @@ from engine.decoding.metrics import Metrics
 from engine.decoding.sampling import greedy_tokens
 from engine.decoding.sequence import Sequence
 from engine.runtime.decode_step import MAX_STEP_ROWS
+from engine.runtime.runner import Runner
 from engine.speculative.drafter import Draft, Drafter, Feedback
 from engine.speculative.planner import Acceptance, TargetCost, joint_draft_lengths
 from engine.speculative.stats import SpecStats
@@ -102,10 +103,9 @@ class _Row:
 
 
 class SpeculativeStep:
-    def __init__(self, runner, drafters: list[Drafter], num_draft_tokens: int, slot_context: int, vocab: int,
-                 metrics: Metrics, method: str | None = None):
-        """drafters: one per slot of runner (an engine.runtime.runner.Runner); method: the name /slots
-        shows (default: the drafter's)."""
+    def __init__(self, runner: Runner, drafters: list[Drafter], num_draft_tokens: int, slot_context: int,
+                 vocab: int, metrics: Metrics, method: str | None = None):
+        """drafters: one per slot of runner; method: the name /slots shows (default: the drafter's)."""
         self.runner, self.num_draft_tokens, self.slot_context, self.vocab, self.metrics = \
             runner, num_draft_tokens, slot_context, vocab, metrics
         self.method = drafters[0].name

@@ -1,4 +1,5 @@
-"""PipelineRunner: ModelRunner's interface over a model split across devices (rank 0's side).
+"""PipelineRunner: the Runner interface (engine.runtime.runner) over a model split across devices
+(rank 0's side).
 
 Rank 0 is the driver (tokenizer, sampling, scheduler, drafters: generate, speculative decoding and
 the server use this runner as they use ModelRunner) and also runs stage 0. Each pass sends a
@@ -55,11 +56,6 @@ class PipelineRunner:
 
     def slot(self, index: int = 0) -> KVSlot:
         return self.cache.slots[index]
-
-    def reuse_prefix(self, slot: KVSlot, prompt: list[int]) -> int:
-        common = min(slot.common_prefix(prompt), len(prompt) - 1)
-        slot.rewind(slot.length - common)
-        return common
 
     @torch.inference_mode()
     def forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None = 1) -> torch.Tensor:

@@ -26,7 +26,7 @@ from engine.pipeline.launch import ModelSource
 from engine.pipeline.setup import PipelinePlan, check_pipeline_budget, open_pipeline, plan_pipeline
 from engine.run.config import RunConfig
 from engine.run.plan import RunPlan, model_path, plan_run
-from engine.runtime.runner import ModelRunner
+from engine.runtime.runner import ModelRunner, Runner
 from engine.sources import store
 from engine.sources.gguf_file import GGUFFile
 from engine.sources.model_config import ModelConfig
@@ -44,7 +44,7 @@ class Run:
     config: RunConfig
     loaded: LoadedModel  # with a pipeline: stage 0's part (its config is the whole model's)
     tokenizer: Tokenizer | None  # None: generated weights without model.tokenizer (token ids only)
-    runner: object  # engine.runtime.runner.Runner
+    runner: Runner
     plan: RunPlan  # of the first device
     pipeline: PipelinePlan | None = None
     name: str = ""  # model.name, else the model file's or directory's name
@@ -75,9 +75,7 @@ class Run:
 
     def close(self) -> None:
         """End the pipeline's workers (a no-op on one device); idempotent."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def __enter__(self) -> "Run":
         return self

@@ -1,8 +1,12 @@
-"""The model runner: the one object that runs the model on its device and owns the KV cache."""
+"""The model runner: the one object that runs the model on its device and owns the KV cache.
+
+`Runner` is what the rest of the engine needs of one: ModelRunner (one device) and
+engine.pipeline.runner.PipelineRunner (rank 0 of a pipeline over several) both are one.
+"""
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import torch
 
@@ -13,6 +17,35 @@ from engine.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
+
+
+class Runner(Protocol):
+    """Slots of a KV cache and the passes that fill them; the callers keep each slot's bookkeeping
+    (KVSlot.tokens) true to what its KV holds."""
+    loaded: LoadedModel  # (a pipeline: stage 0's part; its config is the whole model's)
+    device: torch.device
+    cache: KVCache
+    max_seq_len: int
+    prefill_chunk_size: int
+    decoder: object  # the fused one-row decode step (engine.runtime.cuda_graphs.DecodeStepRunner), None: plain path
+    weight_stream: object  # engine.memory.weight_offload.WeightStreamer, None: weights on the device
+
+    def slot(self, index: int = 0) -> KVSlot: ...
+
+    def forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None = 1) -> torch.Tensor: ...
+
+    def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor: ...
+
+    def decode_batch(self, slots: list[KVSlot], tokens: list[int]) -> torch.Tensor: ...
+
+    def verify(self, slot: KVSlot, tokens: list[int], hidden_layers: tuple[int, ...] = ()
+               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+
+    def step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor: ...
+
+    def prepare_rows(self, max_rows: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ModelRunner:
@@ -179,8 +212,5 @@ class ModelRunner:
             logits = self.forward(slot, tokens[i:i + self.prefill_chunk_size], num_logits=1)
         return logits[-1]
 
-    def reuse_prefix(self, slot: KVSlot, prompt: list[int]) -> int:
-        """Keep the longest cached prefix of `prompt` in the slot (at least one token left to run)."""
-        common = min(slot.common_prefix(prompt), len(prompt) - 1)
-        slot.rewind(slot.length - common)
-        return common
+    def close(self) -> None:
+        """Nothing to end on one device (its memory goes with the runner)."""
