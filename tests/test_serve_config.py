@@ -182,3 +182,22 @@ def test_offload_keys(tmp_path):
     assert "host_kv_mib" in error(base + "  host_kv_mb: 512\n", tmp_path)  # the nearest key
     from engine.run.builder import offloaded_layers
     assert offloaded_layers(cfg, 3) == {0, 1, 2} and offloaded_layers(load("model:\n  path: m\n", tmp_path), 3) is None
+
+
+def test_flags_build_the_run_config_a_file_builds(tmp_path):
+    """MODEL and the flags make the RunConfig the same keys of a file make; flags override a file's
+    keys; a refusal names the flag that set the key; the `server:` section is the server's alone."""
+    from bonsai_cli.run_options import run_config
+    path = tmp_path / "serve.yaml"
+    path.write_text("model:\n  path: m\n  kv_type: int8\nruntime:\n  max_seq_len: 512\nserver:\n  port: 9\n")
+    assert run_config(None, {}, path) == run_config("m", {"--kv-type": "int8", "--max-seq-len": 512})
+    over = run_config(None, {"--kv-type": "int4", "--spec": "ngram", "--draft-tokens": 3, "--kv-offload": False}, path)
+    assert over.model.kv_type == "int4" and over.runtime.max_seq_len == 512 and not over.memory.kv_offload
+    assert over.spec_config.num_draft_tokens == 3 and run_config(None, {"--spec": "none"}, path).spec_config is None
+    with pytest.raises(BonsaiError, match="^--host-kv-mib: only applies with --kv-offload; remove it$"):
+        run_config("m", {"--host-kv-mib": 64})
+    with pytest.raises(BonsaiError, match="^--device lists 2 devices .* set --pipeline-parallel"):
+        run_config("m", {"--device": "cpu,cpu"})
+    path.write_text("model:\n  path: m\nmemory:\n  host_kv_mib: 64\n")
+    with pytest.raises(BonsaiError, match="^config memory.host_kv_mib: only applies with memory.kv_offload"):
+        run_config(None, {"--device": "cpu"}, path)  # the file set it: its key's name

@@ -77,12 +77,6 @@ class Run:
         """End the pipeline's workers (a no-op on one device); idempotent."""
         self.runner.close()
 
-    def __enter__(self) -> "Run":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def tokenizer_of(spec: str) -> Tokenizer:
     """The tokenizer of a model (path or pulled name) without loading its weights."""
