@@ -291,3 +291,17 @@ def test_ids_beyond_the_tokenizer_are_never_sampled(smollm2_tok, one_thread):
     logits[42] = 10.0
     seq.on_logits(logits, room=100)
     assert seq.pending == [42]
+
+
+def test_token_ids_only_still_end_at_the_end_of_sequence_token(smollm2_tok, one_thread):
+    from engine.decoding.sequence import Sequence
+    tok, events = smollm2_tok, []
+    for ignore in (False, True):
+        events.clear()
+        seq = Sequence(Request([1, 2], max_tokens=5, text=False, ignore_eos=ignore, emit=events.append), tok,
+                       ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
+        for token in (42, min(tok.eos_ids)):
+            seq.take(token, None, room=100)
+        assert seq.done != ignore and [d.token_ids for d in events if isinstance(d, Delta)] == \
+            [[42]] + ([[min(tok.eos_ids)]] if ignore else [])
+        assert all(d.content == "" for d in events if isinstance(d, Delta))

@@ -1,14 +1,15 @@
 """One request inside the engine: its sampling state, text pipeline, end rules, thinking budget, stats.
 
 The engine feeds `pending` tokens to the model for the request's slot and hands the logits of the
-last one to `on_logits`, which chooses the next token (or takes the one already chosen for the whole
-batch) and turns it into events: a `Delta` per token (its id, the text it completed, split into
+last one to `on_logits`, which chooses the next token (a batch's tokens, chosen together, go to
+`take`) and turns it into events: a `Delta` per token (its id, the text it completed, split into
 reasoning and answer), then one `Finished`. The end rules are those of plain decoding: an end-of-
 sequence token (not emitted), a stop string (the text cut before it), max_tokens, and the slot's
 context. Tokens the engine inserts itself (the end of a thought whose budget is spent, or the lead
 into an answer) join `pending` and the output like chosen ones. Without a tokenizer (generated
-weights) or with `Request.text` off, only token ids come out: no end-of-sequence, stop strings or
-thinking rules.
+weights) only token ids come out, and nothing but max_tokens and the context ends them; with
+`Request.text` off the end-of-sequence token still ends the output (unless `ignore_eos`), but no
+text, stop strings or thinking rules are made.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class Request:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     reuse_prefix: bool = True  # start from the slot whose cached tokens share the longest prefix
-    text: bool = True  # False: token ids only (bench runs of random tokens)
+    text: bool = True  # False: token ids only, no text (bench runs, the drafter trainer)
     thinking_budget: int | None = None
     thinking_at_start: bool = False  # the prompt ends inside an opened thought
     split_reasoning: bool = True  # thoughts go out as reasoning; off (raw completions): all text is content
@@ -99,7 +100,7 @@ class Sequence:
         self.matcher = StopStringMatcher(request.stop)
         self.splitter = ReasoningSplitter(rules.start_tag, rules.end_tag, request.thinking_at_start,
                                           enabled=request.split_reasoning and tok is not None)
-        self.eos = tok.eos_ids if tok is not None and not request.ignore_eos else frozenset()
+        self.eos = tokenizer.eos_ids if tokenizer is not None and not request.ignore_eos else frozenset()
         self.pending: list[int] = request.prompt_ids[reused:]
         self.stats = GenerationStats(len(request.prompt_ids), reused)
         if method is not None:
