@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from engine.decoding.engine import Engine
-from engine.decoding.sequence import Delta, Failed, Finished, Request
+from engine.decoding.sequence import Delta, Failed, Request
 from engine.decoding.stats import GenerationStats
 from engine.errors import BonsaiError
 
@@ -39,6 +39,7 @@ def generate(engine: Engine, request: Request) -> Iterator[GenerationEvent]:
         while not finished:
             engine.step()
             if not events:
+                assert engine.has_work, f"request {request.id!r} left the engine without an end event"
                 continue
             end = events[-1] if not isinstance(events[-1], Delta) else None
             deltas = events[:-1] if end is not None else events
