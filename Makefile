@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 BONSAI := $(VENV)/bin/bonsai
 # CPU machines and CI take torch 2.13.0; GPU users can say `make install TORCH=torch` for the newest CUDA build.
 TORCH ?= torch==2.13.0
+# A second Triton for the kernel compile check (tests/test_kernel_compile.py): the one torch 2.11 pins (our H200's stack)
+COMPAT_TRITON ?= triton==3.6.0
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast clean
@@ -15,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q "$(TORCH)"
 	$(PY) -m pip install --disable-pip-version-check -q -e ".[test]"
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps --target $(VENV)/triton-3.6 "$(COMPAT_TRITON)"
 	touch $@
 
 demo: install

@@ -41,7 +41,8 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
         raise BonsaiError(f"unknown --load-format '{load_format}': use auto or dummy")
     path = store.resolve_model(model)
     source = open_model_source(path)
-    config = source.model_config()
+    config = source.model_config()  # the architecture, checked against the tensors (engine.sources.model_check)
+    source.tokenizer()  # what `generate` builds next: a broken tokenizer is refused here too
     summary = summarize(source)
     arch = {k: v for k, v in vars(config).items() if k != "extra"}
     arch["rope_scaling"] = vars(config.rope_scaling) if config.rope_scaling else None

@@ -31,7 +31,7 @@ app.command("train-drafter")(cmd_train_drafter.train_drafter)
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; user errors print one line on stderr and exit 1."""
-    from engine.errors import BonsaiError
+    from engine.errors import BonsaiError, one_line
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
@@ -53,16 +53,16 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         message = e.format_message() if hasattr(e, "format_message") else str(e)
-        print(f"error: {message} (see `bonsai --help`)", file=sys.stderr)
+        print(f"error: {one_line(message)} (see `bonsai --help`)", file=sys.stderr)
         sys.exit(1)
     except BonsaiError as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # an internal error: still one line unless --debug
         if debug:
             raise
-        print(f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+        print(f"internal error: {type(e).__name__}: {one_line(str(e).splitlines()[0]) if str(e) else ''} "
               "(run again with --debug for the traceback)", file=sys.stderr)
         sys.exit(1)

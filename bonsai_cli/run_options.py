@@ -37,13 +37,14 @@ EMBEDDING_ON_HOST_HELP = ("keep the embedding table in host memory (each step co
                           "decode step stays CUDA-graphed). Default: only when --max-gpu-memory needs it")
 WEIGHT_DTYPE_HELP = ("matrix storage: auto (on CPU float16 matrices: ~1.75x faster decode, mean KL 2e-6 vs "
                      "float32, greedy output may differ at exact near-ties; on GPU the compute dtype), "
-                     "float32 (exact), float16, bfloat16")
+                     "float32 (exact), float16, bfloat16 (on a CPU with AVX512-BF16: one bf16 GEMM at every row "
+                     "count, so a speculative verify pass costs about one decode step; plain decode ~1.3x slower)")
 WEIGHTS_HELP = ("run-time weight format of the block matrices: bf16 (as loaded) or tri | bin | int4 | int8 "
                 "(rounded to nearest at load, or generated with --load-format dummy), run by the packed kernels")
 KV_TYPE_HELP = ("KV-cache element type: bf16 (the model's dtype), int8 (per-row scale), int4 (groups of 32, "
                 "scale + min) or k8v4 (int8 keys, int4 values); quality vs bf16 in docs/quality.md")
-SPEC_HELP = ("speculative decoding: ngram | draft:PATH | mtp[:PATH] | dflash[:PATH] | mix:ngram,draft:PATH,... "
-             "(same output at temperature 0, same distribution above)")
+SPEC_HELP = ("speculative decoding: ngram | draft:PATH|NAME (e.g. draft:qwen2.5-coder-0.5b) | mtp[:PATH] | "
+             "dflash[:PATH] | mix:ngram,draft:PATH,... (same output at temperature 0, same distribution above)")
 DRAFT_TOKENS_HELP = "most tokens drafted per step (k); with one drafter or a mix the length adapts up to it"
 KV_OFFLOAD_HELP = ("keep the KV cache in (pinned) host memory and stream each layer's rows to the GPU ahead of use "
                    "(long contexts on small GPUs; decoding then runs at PCIe speed, without CUDA graphs)")

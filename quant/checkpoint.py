@@ -98,8 +98,13 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path.name}: tensor {name} does not fit the file (truncated?)")
             self.entries[name] = (dtype, shape, begin, end)
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor; `rows` (start, stop): only those rows (outermost dimension) are read."""
         dtype, shape, begin, end = self.entries[name]
+        if rows is not None:
+            row_bytes = (end - begin) // max(shape[0], 1)
+            begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
+            shape = (rows[1] - rows[0], *shape[1:])
         buf = bytearray(end - begin)
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)

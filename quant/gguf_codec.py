@@ -2,7 +2,8 @@
 
 Import (no requantization): TQ2_0, TQ1_0 (ternary, 256-blocks), Q1_0 (1-bit, 128-blocks) and Q2_0
 (codes {-1, 0, 1, 2}, 64-blocks) → codes int8 [N, K] and scales float32 [N, K/B].
-Export: codes + group scales → TQ2_0, TQ1_0, Q1_0, Q4_0, Q8_0 blocks. When a block spans several
+Export: codes + group scales → TQ2_0, TQ1_0, Q1_0, Q2_0, Q4_0, Q8_0 blocks (`export_type` picks the
+one that holds a tensor exactly: a block inside a group repeats its scale). When a block spans several
 groups (group 128 into a 256-block) it gets one scale: the least-squares best for its fixed codes,
 d = Σ c·ŵ / Σ c², and the weight error this costs is returned. Raw bytes are numpy uint8
 [rows, bytes per row]; codes and scales are torch tensors. Imports nothing else of bonsai.
@@ -111,6 +112,9 @@ def encode(codes: torch.Tensor, scales: torch.Tensor, group_size: int, type_id: 
         q = np.concatenate([(p * weights).sum(-2) for p in parts], axis=-1)  # [N, K/256, 52]
         body = ((q * 256 + 242) // 243).astype(np.uint8)
         out = np.concatenate([body, _fp16_bytes(d)], axis=-1)
+    elif type_id == Q2_0_ID:  # d, qs[16]: element 4j+i at bits 2i of byte j, code + 1
+        q = (c + 1).astype(np.uint8).reshape(n, -1, 16, 4) << _SHIFTS2
+        out = np.concatenate([_fp16_bytes(d), np.bitwise_or.reduce(q, axis=-1)], axis=-1)
     elif type_id == T.Q1_0:
         bits = (c > 0).astype(np.uint8).reshape(n, -1, 16, 8) << np.arange(8, dtype=np.uint8)
         out = np.concatenate([_fp16_bytes(d), np.bitwise_or.reduce(bits, axis=-1)], axis=-1)
@@ -125,14 +129,23 @@ def encode(codes: torch.Tensor, scales: torch.Tensor, group_size: int, type_id: 
     return np.ascontiguousarray(out.reshape(n, -1)), err, ref
 
 
-def export_type(quant_type: str, k: int) -> int:
-    """The GGUF type a tensor of quant_type and input dimension k is exported as. Rows that do not
-    split into the type's blocks fall back to Q4_0 (exact for ternary / 1-bit / int4 codes when the
-    group is a multiple of 32), as llama.cpp itself does, else F16."""
-    preferred = {"tri": T.TQ2_0, "tri-dense": T.TQ1_0, "bin": T.Q1_0, "int4": T.Q4_0, "int8": T.Q8_0}.get(quant_type)
-    if preferred is None:
-        return int(T.F16)
-    for candidate in (preferred, T.Q4_0 if quant_type != "int8" else T.Q8_0):
-        if k % BLOCKS[int(candidate)][0] == 0:
-            return int(candidate)
-    return int(T.F16)
+# the types that hold each grid's codes exactly, fewest bits first; one holds a tensor losslessly when its
+# block divides the group size (each group scale written once per block: repeated, never merged)
+EXACT_TARGETS = {"tri": (int(T.TQ2_0), Q2_0_ID, int(T.Q4_0)), "tri-dense": (int(T.TQ1_0), int(T.TQ2_0), Q2_0_ID, int(T.Q4_0)),
+                 "bin": (int(T.Q1_0), int(T.Q4_0)), "int4": (int(T.Q4_0),), "int8": (int(T.Q8_0),)}
+
+
+def export_type(quant_type: str, k: int, group_size: int) -> tuple[int, bool]:
+    """(GGUF type, exact) for a tensor of quant_type, input dimension k and group size: the fewest-bit
+    type that holds its codes and scales exactly (tri g64/g128 → Q2_0, tri g256 → TQ2_0, bin g128 →
+    Q1_0, int4 → Q4_0, int8 → Q8_0, any of them → Q4_0 / Q8_0 at group 32); where none does, the first
+    whose blocks split the row (scales merged, `block_scales`) or F16 of the weights, not exact."""
+    candidates = EXACT_TARGETS.get(quant_type, ())
+    for type_id in candidates:
+        block = BLOCKS[type_id][0]
+        if group_size % block == 0 and k % block == 0:
+            return type_id, True
+    for type_id in candidates:
+        if k % BLOCKS[type_id][0] == 0:
+            return type_id, False
+    return int(T.F16), False

@@ -45,25 +45,42 @@ def round_with_scale(w: torch.Tensor, scale: torch.Tensor, grid: str) -> torch.T
     return torch.where(scale > 0, torch.clamp(torch.round(w / safe), lo, hi), torch.zeros_like(w))
 
 
+REFIT_CHUNK_BYTES = 32 << 20  # refit_scales: float32 bytes of one chunk's [rows, K/G, K] products
+HESSIAN_FLOAT64_MAX = 8192  # inputs up to which Hessians are kept and factored in float64 (512 MB at most)
+
+
+def hessian_dtype(k: int) -> torch.dtype:
+    """float64 for Hessians of up to HESSIAN_FLOAT64_MAX inputs, else float32 (a 21504-wide FFN's Hessian
+    is 1.8 GB in float32; GPTQ's reference factors in float32 at every size)."""
+    return torch.float64 if k <= HESSIAN_FLOAT64_MAX else torch.float32
+
+
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean diag(H), in float64.
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean diag(H), in hessian_dtype(K).
 
     Dead inputs (H[i, i] = 0, never active in the calibration data) get H[i, i] = 1 so H stays
     invertible; their weights do not change the layer's output on that data. Returns the factor
-    [K, K] and the dead mask [K]."""
-    h = hessian.double().clone()  # [K, K]
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    diag = torch.arange(h.shape[0], device=h.device)
-    damping = damp * float(torch.diag(h).mean())
+    [K, K] and the dead mask [K]. Holds at most three K×K matrices besides the caller's."""
+    k = hessian.shape[0]
+    h = hessian.to(hessian_dtype(k), copy=True)  # [K, K]
+    diagonal = h.diagonal()
+    dead = diagonal == 0
+    diagonal[dead] = 1.0
+    damping = damp * float(diagonal.mean())
+    added = 0.0
     for attempt in range(6):  # a near-singular H (few tokens, duplicated inputs) needs more damping
-        try:
-            hd = h.clone()
-            hd[diag, diag] += damping * (10 ** attempt)
-            chol = torch.linalg.cholesky(hd)
-            return torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True), dead
-        except torch.linalg.LinAlgError:
+        step = damping * (10 ** attempt)
+        diagonal += step - added
+        added = step
+        chol, info = torch.linalg.cholesky_ex(h)
+        if int(info) != 0:
             continue
+        inverse = torch.cholesky_inverse(chol)
+        del chol
+        factor, info = torch.linalg.cholesky_ex(inverse, upper=True)
+        del inverse
+        if int(info) == 0:
+            return factor, dead
     raise ValueError("the Hessian is not positive definite even with strong damping: "
                      "give more calibration tokens")
 
@@ -136,27 +153,32 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size:
 
 
 def refit_scales(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, hessian: torch.Tensor,
-                 group_size: int, damp: float = 0.01, rows_per_chunk: int = 256) -> torch.Tensor:
+                 group_size: int, damp: float = 0.01, chunk_bytes: int = REFIT_CHUNK_BYTES) -> torch.Tensor:
     """Given the codes, the group scales that minimise the layer's output error on the calibration
     inputs, per row: min_s (w − V s)ᵀ H (w − V s), V [K, K/G] holding the row's code values by group.
     The normal equations (Vᵀ H V) s = Vᵀ H w are one small (K/G)² system per row (H damped as GPTQ
     damps it). A row keeps its old scales where the solution is not better, not finite, or makes a
     scale ≤ 0 (codes and their signs are left as they are). w [N, K], codes [N, K], scales [N, K/G]
-    → scales float32 [N, K/G]."""
+    → scales float32 [N, K/G]. Rows go in chunks whose [rows, K/G, K] products stay under chunk_bytes;
+    the products run in float32 (in float64 they cost more than GPTQ itself), the small systems are
+    solved in float64."""
     n, k = w.shape
     groups = k // group_size
-    h = hessian.double().to(w.device).clone()  # [K, K]
-    h[torch.arange(k), torch.arange(k)] += damp * float(torch.diag(h).mean())
+    dtype = torch.float32
+    h = hessian.to(device=w.device, dtype=dtype, copy=True)  # [K, K]
+    h.diagonal().add_(damp * float(h.diagonal().mean()))
     hg = h.view(groups, group_size, k)  # [G, g, K]
     out = scales.detach().float().clone()  # [N, G]
+    rows_per_chunk = max(1, chunk_bytes // (groups * k * h.element_size()))
     for r0 in range(0, n, rows_per_chunk):
         r1 = min(r0 + rows_per_chunk, n)
-        v = codes[r0:r1].double()  # [R, K] code values
-        wr = w[r0:r1].double()  # [R, K]
+        v = codes[r0:r1].to(dtype)  # [R, K] code values
+        wr = w[r0:r1].to(dtype)  # [R, K]
         q = torch.einsum("rgi,gik->rgk", v.view(-1, groups, group_size), hg)  # [R, G, K]: Σ_i∈g v_i H_i,:
         a = torch.einsum("rghj,rhj->rgh", q.view(-1, groups, groups, group_size),
-                         v.view(-1, groups, group_size))  # [R, G, G] = Vᵀ H V
-        b = torch.einsum("rgk,rk->rg", q, wr)  # [R, G] = Vᵀ H w
+                         v.view(-1, groups, group_size)).double()  # [R, G, G] = Vᵀ H V
+        b = torch.einsum("rgk,rk->rg", q, wr).double()  # [R, G] = Vᵀ H w
+        del q
         empty = torch.diagonal(a, dim1=1, dim2=2) <= 0  # [R, G]: groups whose codes are all 0
         old = out[r0:r1].double()  # [R, G]
         a = a + torch.diag_embed(empty.double())  # an empty group keeps its scale: a row s_g = old_g
@@ -164,18 +186,25 @@ def refit_scales(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, hes
         new = torch.linalg.solve(a, b.unsqueeze(-1)).squeeze(-1)  # [R, G]
 
         def error(s: torch.Tensor) -> torch.Tensor:  # [R]: (w − V s)ᵀ H (w − V s)
-            d = wr - v * s.repeat_interleave(group_size, dim=1)  # [R, K]
-            return torch.einsum("rk,kj,rj->r", d, h, d)
+            d = wr - v * s.to(dtype).repeat_interleave(group_size, dim=1)  # [R, K]
+            return ((d @ h) * d).sum(1)
         ok = torch.isfinite(new).all(1) & (new > 0).all(1) & (error(new) < error(old))  # [R]
         out[r0:r1] = torch.where(ok[:, None], new, old).float()
     return out
 
 
 def row_errors(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, hessian: torch.Tensor,
-               group_size: int) -> torch.Tensor:
-    """Each row's output error on the calibration inputs, (w − ŵ)ᵀ H (w − ŵ): float64 [N]."""
-    d = w.double() - codes.double() * scales.double().repeat_interleave(group_size, dim=1)  # [N, K]
-    return ((d @ hessian.double().to(w.device)) * d).sum(1)
+               group_size: int, chunk_rows: int = 1024) -> torch.Tensor:
+    """Each row's output error on the calibration inputs, (w − ŵ)ᵀ H (w − ŵ): float64 [N] (computed in
+    float32, chunk_rows rows at a time)."""
+    dtype = torch.float32
+    h = hessian.to(device=w.device, dtype=dtype)  # [K, K] (no copy when it is already that)
+    out = []
+    for r0 in range(0, w.shape[0], chunk_rows):
+        sl = slice(r0, r0 + chunk_rows)
+        d = w[sl].to(dtype) - codes[sl].to(dtype) * scales[sl].to(dtype).repeat_interleave(group_size, dim=1)
+        out.append(((d @ h) * d).sum(1).double())  # [R]
+    return torch.cat(out)
 
 
 def gptq_with_refits(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size: int = 128, damp: float = 0.01,

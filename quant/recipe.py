@@ -80,11 +80,33 @@ def _auto_spec(recipe: Recipe, name: str, num_layers: int) -> QuantSpec | None:
     return QuantSpec("int4", recipe.default.group_size)
 
 
-def plan(recipe: Recipe, shapes: dict[str, tuple[int, ...]], num_layers: int) -> dict[str, QuantSpec]:
-    """The spec of every matrix in `shapes` (vectors are left out: they stay float).
+# GGUF block of the type each grid exports to losslessly (engine.quantization.gguf_export): a fallback group that is a
+# multiple of it keeps the export exact at the fewest bits
+EXPORT_BLOCK = {"tri": 64, "tri-dense": 64, "bin": 128, "int4": 32, "int8": 32}
 
-    Raises RecipeError if a rule matches no block matrix or a group size does not divide a matrix's
-    input dimension.
+
+def fallback_group(spec: QuantSpec, k: int) -> int:
+    """The group size a tensor of input dimension k gets when spec's does not divide it: the largest
+    divisor of k below spec's that packs whole bytes, among the multiples of the type's GGUF block
+    first (K = 576, tri g128 → 64)."""
+    per_byte = {"tri": 4, "bin": 8, "int4": 2}.get(spec.quant_type, 1)
+    fits = [g for g in range(spec.group_size, 0, -1) if k % g == 0 and g % per_byte == 0]
+    exportable = [g for g in fits if g % EXPORT_BLOCK.get(spec.quant_type, 1) == 0]
+    return (exportable or fits)[0]
+
+
+def plan(recipe: Recipe, shapes: dict[str, tuple[int, ...]], num_layers: int) -> dict[str, QuantSpec]:
+    """`plan_with_fallback`'s specs."""
+    return plan_with_fallback(recipe, shapes, num_layers)[0]
+
+
+def plan_with_fallback(recipe: Recipe, shapes: dict[str, tuple[int, ...]], num_layers: int
+                       ) -> tuple[dict[str, QuantSpec], dict[int, list[str]]]:
+    """The spec of every matrix in `shapes` (vectors are left out: they stay float), and the group
+    fallbacks: {group used: the tensor classes that use it} where a spec's group size does not divide a
+    matrix's input dimension (`fallback_group`; the model is never refused for it).
+
+    Raises RecipeError if a rule matches no block matrix.
     """
     block = [n for n, s in shapes.items() if is_matrix(n, s) and n not in (EMBED_NAME, HEAD_NAME)]
     for rule in recipe.rules:
@@ -92,6 +114,7 @@ def plan(recipe: Recipe, shapes: dict[str, tuple[int, ...]], num_layers: int) ->
             kinds = ", ".join(dict.fromkeys(layer_kind(n) for n in block))
             raise RecipeError(f"pattern {rule.pattern!r} matches no layer; the layers are: {kinds}")
     out: dict[str, QuantSpec] = {}
+    fallbacks: dict[int, list[str]] = {}
     for name, shape in shapes.items():
         if not is_matrix(name, shape):
             continue
@@ -106,21 +129,13 @@ def plan(recipe: Recipe, shapes: dict[str, tuple[int, ...]], num_layers: int) ->
                 auto = _auto_spec(recipe, name, num_layers)
                 if auto is not None and CODE_BITS[auto.quant_type] > CODE_BITS[spec.quant_type]:
                     spec = auto
+        if not spec.is_float and shape[1] % spec.group_size:
+            spec = QuantSpec(spec.quant_type, fallback_group(spec, shape[1]))
+            kinds = fallbacks.setdefault(spec.group_size, [])
+            if layer_kind(name) not in kinds:
+                kinds.append(layer_kind(name))
         out[name] = spec
-    _check_groups(out, shapes)
-    return out
-
-
-def _check_groups(specs: dict[str, QuantSpec], shapes: dict[str, tuple[int, ...]]) -> None:
-    bad = [(n, s) for n, s in specs.items() if not s.is_float and shapes[n][1] % s.group_size]
-    if not bad:
-        return
-    name, spec = bad[0]
-    k = shapes[name][1]
-    fits = [g for g in (256, 128, 64, 32, 16, 8) if all(shapes[n][1] % g == 0 for n, _ in bad) and g < spec.group_size]
-    hint = f"a group size of {fits[0]} fits" if fits else "choose a group size that divides it"
-    more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-    raise RecipeError(f"group size {spec.group_size} does not divide the input dimension {k} of {name}{more}: {hint}")
+    return out, fallbacks
 
 
 def calibration_plan(specs: dict[str, QuantSpec]) -> Callable[[str], QuantSpec | None]:

@@ -66,6 +66,14 @@ def smollm2_tok(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def tiny_engine_model(smollm2_tok):
+    """A tiny random llama (hidden 32, 2 layers) over SmolLM2's vocabulary, for the server's tests
+    that need an engine but not a real model; read-only (each engine makes its own runner)."""
+    from tests.test_serve_engine import tiny_loaded
+    return tiny_loaded(smollm2_tok.vocab_size)
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf_tok(smollm2_gguf):
     """transformers' tokenizer for the same GGUF: the reference."""
     transformers = pytest.importorskip("transformers")

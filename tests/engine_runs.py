@@ -22,10 +22,25 @@ class Threaded:
 
     def __init__(self, engine: Engine):
         from engine.server.engine_thread import EngineThread
-        self.engine, self.thread = engine, EngineThread(engine).start()
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "thread", EngineThread(engine).start())
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
+
+    def __setattr__(self, name: str, value) -> None:  # a test's monkeypatch reaches the engine
+        setattr(self.engine, name, value)
+
+    def __delattr__(self, name: str) -> None:  # monkeypatch's undo: the engine's own attribute again
+        self.engine.__dict__.pop(name, None)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.alive
+
+    @property
+    def _thread(self):
+        return self.thread._thread
 
     def stop(self) -> None:
         self.thread.stop()

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
+from gguf.gguf_writer import GGUFValue
 from gguf import quants as gguf_quants
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
@@ -57,8 +58,10 @@ def random_k_quant_bytes(rng: np.random.Generator, qtype: T, rows: int, cols: in
 
 
 def write_tiny_gguf(path: Path, tokenizer_source: Path, weight_type: T = T.F32, arch: str = "llama",
-                    seed: int = 0, tied: bool = False) -> Path:
-    """tied: no output.weight (the embedding is the output layer too)."""
+                    seed: int = 0, tied: bool = False, meta: dict | None = None, skip: frozenset = frozenset()
+                    ) -> Path:
+    """tied: no output.weight (the embedding is the output layer too). meta: metadata keys to
+    replace, {key: (value, GGUFValueType)} or {key: None} to leave it out; skip: tensors left out."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
@@ -73,6 +76,8 @@ def write_tiny_gguf(path: Path, tokenizer_source: Path, weight_type: T = T.F32, 
     head_dim = HIDDEN // HEADS
 
     def add(name: str, rows: int, cols: int | None) -> None:
+        if name in skip:
+            return
         if cols is None:  # norms stay F32
             writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(rows)).astype(np.float32))
             return
@@ -103,6 +108,11 @@ def write_tiny_gguf(path: Path, tokenizer_source: Path, weight_type: T = T.F32, 
     add("output_norm.weight", HIDDEN, None)
     if not tied:
         add("output.weight", vocab, HIDDEN)
+    for key, value in (meta or {}).items():
+        if value is None:
+            writer.kv_data[0].pop(key, None)
+        else:
+            writer.kv_data[0][key] = GGUFValue(*value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -59,3 +59,25 @@ def start_server(config: Path, log: Path, timeout: float = 300, threads: int | N
         time.sleep(0.2)
     proc.kill()
     raise AssertionError("the server did not become ready: " + log.read_text()[-2000:])
+
+
+def tiny_serve_config(directory: Path, smollm2_gguf: Path, slots: int = 2, context: int = 256, **server) -> Path:
+    """A serve.yaml for a tiny random model (tests/gguf_tiny.py: 2 layers, SmolLM2's tokenizer and chat
+    template) on the CPU; `server`: keys of the config's server section."""
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf_tiny import write_tiny_gguf
+    model = write_tiny_gguf(directory / "tiny.gguf", smollm2_gguf, GGMLQuantizationType.F16)
+    lines = "".join(f"  {key}: {value}\n" for key, value in server.items())
+    config = directory / "serve.yaml"
+    config.write_text(f"model:\n  path: {model}\n  max_context: {context}\n"
+                      f"runtime:\n  device: cpu\n  max_batch_size: {slots}\n" + (f"server:\n{lines}" if lines else ""))
+    return config
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")

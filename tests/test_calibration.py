@@ -115,7 +115,8 @@ def test_each_layer_sees_the_inputs_the_model_gives_it(tiny, token_stream, name,
     # change along that row; every other row is identical
     same = (codes == expected).all(1)  # [N]
     assert same.float().mean() > 0.99
-    assert torch.allclose(scales[same], expected_scales[same], rtol=1e-4)
+    assert torch.allclose(scales[same], expected_scales[same].half().float(), rtol=1e-3)  # stored as float16
+    assert torch.equal(scales, scales.half().float())
     written = loaded.model.lm_head.weight if rows is None else {
         "1.qkv": loaded.model.layers[1].attention.wqkv, "1.o": loaded.model.layers[1].attention.wo,
         "0.gate_up": loaded.model.layers[0].feed_forward.w13, "1.down": loaded.model.layers[1].feed_forward.w2,

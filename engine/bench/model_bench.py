@@ -19,7 +19,7 @@ from engine.decoding.engine import Engine
 from engine.decoding.generate import generate_text
 from engine.decoding.sequence import Request
 from engine.errors import BonsaiError
-from engine.runtime.model import Linear
+from engine.runtime.linear import Linear
 from engine.runtime.runner import Runner
 from engine.speculative.stats import SpecStats
 from engine.weights.packed_linear import PackedLinear

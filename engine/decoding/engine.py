@@ -7,7 +7,10 @@ for the requests that still have prompt (or inserted) tokens to feed, oldest fir
 step runs the next token of every decoding slot together, in one forward. So a running request waits
 for at most one budget of prefill between two of its tokens, and a new request's first token comes
 from its last chunk. Events go back to each request through its `emit` (sequence.py). A step that
-fails ends the requests it served with an error and resets their slots; the others go on.
+fails ends the requests it served with an error and resets their slots; the others go on. Admitting
+a request is guarded the same way (one that cannot start fails alone), and an event callback that
+raises ends only its own request. `close` (the server's thread ending, `failure` saying why) fails
+every active and waiting request at once and refuses new ones: nothing ever waits on a dead engine.
 
 Offline generation is `submit` + `step` until the request finished (generate.py); `bonsai chat`,
 `generate`, `bench` and the drafter trainer drive it that way with one slot, the server
@@ -32,7 +35,7 @@ from engine.decoding.sampling import sample_rows
 from engine.decoding.scheduler import Scheduler, plan_prefill
 from engine.decoding.sequence import Failed, Request, Sequence, ThinkingRules
 from engine.decoding.spec_step import SpeculativeStep
-from engine.errors import BonsaiError
+from engine.errors import BonsaiError, ServiceUnavailable
 from engine.runtime.runner import Runner
 from engine.sources.tokenizer import Tokenizer
 from engine.speculative.drafter import Drafter
@@ -74,6 +77,7 @@ class Engine:
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)  # notified on submit / cancel (a thread driving step() waits)
         self.closed = False
+        self.failure: str | None = None  # why the server's engine thread ended on its own (None: it did not)
         self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
 
     @property
@@ -81,7 +85,8 @@ class Engine:
         return bool(self.active) or self.scheduler.waiting > 0
 
     def submit(self, request: Request) -> None:
-        """Queue a request; raises scheduler.QueueFull when every slot and the queue are taken."""
+        """Queue a request; raises scheduler.QueueFull when every slot and the queue are taken,
+        ServiceUnavailable when the engine is closed (stopping, or stopped by a failure)."""
         if not request.prompt_ids:
             raise BonsaiError("the prompt is empty: give at least one token of input")
         if len(request.prompt_ids) >= self.slot_context:
@@ -90,7 +95,7 @@ class Engine:
                               "--max-seq-len)")
         with self.lock:
             if self.closed:
-                raise BonsaiError("the server is shutting down")
+                raise ServiceUnavailable(self.failure or "the server is shutting down")
             self.scheduler.submit(request, request.prompt_ids if request.reuse_prefix else [])
             self.metrics.queue_waiting = self.scheduler.waiting
             self.wake.notify()
@@ -109,7 +114,7 @@ class Engine:
         for index in list(self.active):
             self._fail(index, message, status)
         for request in waiting:
-            request.emit(Failed(message, status))
+            _emit(request, Failed(message, status))
 
     def forget(self) -> None:
         """Empty the cache of every slot no request is using (the next prompts are computed afresh)."""
@@ -144,14 +149,25 @@ class Engine:
         except Exception as e:  # a bug in the engine itself: fail what is active, keep going
             log.exception("engine step failed")
             for index in list(self.active):
-                self._fail(index, f"internal error: {type(e).__name__}: {e}")
+                self._fail(index, f"internal error: {type(e).__name__}: {first_line(e)}")
 
     def _admit(self) -> None:
+        """Waiting requests into free slots (called holding the lock); one that cannot start fails alone."""
         for _ in self.scheduler.drop_waiting(lambda r: r.cancelled.is_set()):
             self.metrics.count_request("cancelled")
         for a in self.scheduler.assign():
             method = self.spec.method if self.spec is not None else None
-            seq = Sequence(a.request, self.tokenizer, self.rules, self.vocab, self.runner.device, a.reused, method)
+            try:
+                seq = Sequence(a.request, self.tokenizer, self.rules, self.vocab, self.runner.device, a.reused,
+                               method)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others are admitted
+                log.log(logging.WARNING if isinstance(e, BonsaiError) else logging.ERROR,
+                        "request %s could not start: %s", a.request.id, _message(e),
+                        exc_info=not isinstance(e, BonsaiError))
+                self.scheduler.release(a.slot)  # nothing ran: its cached tokens are still valid
+                self.metrics.count_request("error")
+                _emit(a.request, Failed(_message(e), 400 if isinstance(e, BonsaiError) else 500))
+                continue
             self.active[a.slot.index] = seq
             self._to_begin.append(a.slot.index)
             self.metrics.count_prompt(len(a.request.prompt_ids), a.reused)
@@ -257,13 +273,26 @@ class Engine:
             return
         seq.done = True
         self.runner.slot(index).reset()  # what its KV holds is no longer known
-        seq.request.emit(Failed(message, status))
+        _emit(seq.request, Failed(message, status))
         with self.lock:
             self.scheduler.release(self.runner.slot(index))
             self.metrics.slots_busy = self.scheduler.busy
         self.metrics.count_request("error")
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (one-line errors and logs)."""
+    return str(e).splitlines()[0] if str(e) else ""
+
+
 def _message(e: Exception) -> str:
-    text = str(e).splitlines()[0] if str(e) else ""
-    return text if isinstance(e, BonsaiError) else f"internal error: {type(e).__name__}: {text}"
+    return first_line(e) if isinstance(e, BonsaiError) else f"internal error: {type(e).__name__}: {first_line(e)}"
+
+
+def _emit(request: Request, event: Failed) -> None:
+    """Tell a request it failed; a callback that raises (its client's loop is gone) is logged, not raised."""
+    try:
+        request.emit(event)
+    except Exception as e:  # noqa: BLE001 - one broken callback never ends the others' requests
+        log.warning("request %s: its error could not be delivered (%s: %s)", request.id, type(e).__name__,
+                    first_line(e))

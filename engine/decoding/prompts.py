@@ -28,7 +28,11 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], context: i
         cache[len(msgs)] = text
         return len(tokenizer.encode(text, add_special_tokens=False))
 
-    fitted = fit_conversation(messages, count, context, compress_at)
+    def estimate(message: dict[str, Any]) -> int:  # one message's share: its text and the role's few tokens
+        text = str(message.get("content") or "") + str(message.get("reasoning_content") or "")
+        return len(tokenizer.encode(text, add_special_tokens=False)) + 4
+
+    fitted = fit_conversation(messages, count, context, compress_at, estimate)
     text = cache.get(len(fitted.messages)) or render(fitted.messages)
     ids = tokenizer.encode(text, add_special_tokens=False)
     return Prompt(ids, text.rstrip().endswith(start_tag), fitted.dropped)

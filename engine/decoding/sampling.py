@@ -34,6 +34,7 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1 disables it)"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (self.seed is None or -(2**63) <= self.seed < 2**64, "seed must be in [-2^63, 2^64)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -64,7 +65,11 @@ def apply_penalties(logits: torch.Tensor, seen_counts: torch.Tensor, output_coun
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sampled from: temperature, then top-k, top-p and min-p filters. [.., V]."""
     assert not params.greedy
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # shifted by the top logit and divided by a temperature float32 can hold: finite for any
+    # temperature > 0 (1e-300 included: the top token then has all the mass, as it should)
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

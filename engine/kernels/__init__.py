@@ -1,6 +1,6 @@
 """Triton kernels of the GPU fast path, each with a plain-torch reference beside it.
 
-Nothing here imports triton at package import time: `engine.model` and the CLI work on machines
+Nothing here imports triton at package import time: `engine.runtime.model` and the CLI work on machines
 without it. Import a kernel module (`engine.kernels.attention_decode`, ...) only after
 `triton_available()` said yes. On a CPU the kernels run under Triton's interpreter
 (`TRITON_INTERPRET=1`, read when a kernel module is imported), which is how CI tests them.
@@ -31,12 +31,18 @@ def triton_available(device: str | None = None) -> bool:
     return torch.cuda.is_available()
 
 
-@functools.lru_cache(maxsize=None)
 def kernels_usable(device) -> bool:
     """Whether the Triton kernels run on `device` (a torch.device); when a GPU cannot, say why once
-    (the callers then run the plain-torch references)."""
-    if device.type != "cuda":
-        return False
+    (the callers then run the plain-torch references). On CPU tensors only when asked
+    (BONSAI_KERNELS_ON_CPU=1): the whole engine then runs its kernel paths in Triton's interpreter
+    (TRITON_INTERPRET=1), or compiles them without running (tests/kernel_compile.py)."""
+    if device.type == "cpu":
+        return os.environ.get("BONSAI_KERNELS_ON_CPU", "0") == "1" and importlib.util.find_spec("triton") is not None
+    return device.type == "cuda" and _gpu_kernels_usable(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_kernels_usable(device) -> bool:
     if not triton_available():
         log.warning("triton is not installed: packed layers run through the slow reference path "
                     "(pip install triton)")

@@ -2,7 +2,7 @@
 
 One program per (token row, head) of the fused qkv projection: a q head is normed, rotated and written
 to the returned q; a k head is normed, rotated and written to the k cache at [slot, head, position];
-a v head is copied to the v cache. The maths and roundings are those of engine/model.py: the norm in
+a v head is copied to the v cache. The maths and roundings are those of engine/runtime/model.py: the norm in
 float32 rounded to the activation dtype, then the half-split (NeoX / HF) rotary in float32 rounded again.
 A quantized cache (int8 or int4 codes with float16 scales, engine/kernels/kv_codes.py) gets the row
 rounded to the model's dtype (q's output dtype) and quantized in the same program, as quant/kv_quant.py does;
@@ -128,13 +128,16 @@ def _qk_norm_rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_norm_
         sin = tl.sin(angle)
         r1 = (a1 * cos - a2 * sin).to(in_dtype)
         r2 = (a2 * cos + a1 * sin).to(in_dtype)
+        # r1/r2 keep one dtype on both sides of the runtime branch below (Triton refuses a variable that a
+        # branch redefines with another dtype; the interpreter does not): each side uses its own names
         if head < NUM_HEADS:
             q_dst = q_out_ptr + row * stride_qo_m + head * stride_qo_h
+            q1 = r1.to(model_dtype).to(tl.float32)  # exact: model_dtype is q's output dtype
+            q2 = r2.to(model_dtype).to(tl.float32)
             if ROTATE:  # q in the rotated keys' space: rounded to the model's dtype, rotated, rounded
-                r1, r2 = hadamard_halves(r1.to(model_dtype).to(tl.float32), r2.to(model_dtype).to(tl.float32),
-                                          HALF)
-            tl.store(q_dst + cols, r1.to(q_out_ptr.dtype.element_ty))
-            tl.store(q_dst + HALF + cols, r2.to(q_out_ptr.dtype.element_ty))
+                q1, q2 = hadamard_halves(q1, q2, HALF)
+            tl.store(q_dst + cols, q1.to(q_out_ptr.dtype.element_ty))
+            tl.store(q_dst + HALF + cols, q2.to(q_out_ptr.dtype.element_ty))
         else:
             k_dst = k_cache_ptr + slot * stride_ks + (head - NUM_HEADS) * stride_kh + pos * stride_kt
             k_scale = slot * stride_kss + (head - NUM_HEADS) * stride_ksh + pos * stride_kst
@@ -258,7 +261,7 @@ def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slo
                                  k_min: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                                  v_min: torch.Tensor | None = None, k_offset: torch.Tensor | None = None,
                                  k_rotate: bool = False, v_rotate: bool = False) -> torch.Tensor:
-    """Plain torch, the maths of engine/model.py (RMSNorm, apply_rotary, KVCache.write, KVCache.key_space)."""
+    """Plain torch, the maths of engine/runtime/model.py (RMSNorm, apply_rotary, KVCache.write, KVCache.key_space)."""
     m = qkv.shape[0]
     heads = qkv.view(m, num_heads + 2 * num_kv_heads, head_dim)  # [M, H + 2KV, D]
     q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)  # [M, H|KV, D]

@@ -22,9 +22,9 @@ from typing import Callable
 from engine.errors import BonsaiError
 from engine.memory.plan import MemoryPlan, PlanLine, RunSettings, make_plan
 from engine.runtime.decode_step import MAX_STEP_ROWS
-from engine.sources import store
 from engine.sources.model_config import ModelConfig
 from engine.speculative.draft_layers import DrafterConfig
+from engine.speculative.draft_model import resolve_draft_model
 from engine.speculative.drafter_file import resolve_path
 from engine.weights.formats import LinearFormat, WeightFormat, linear_formats, stored_formats
 from engine.weights.loader import open_model_source
@@ -231,7 +231,7 @@ def check_budget(plan: MemoryPlan, limit: int | None, weights: ModelWeights, s: 
 def draft_model_plan(path: str | Path, target_settings: RunSettings, num_draft_tokens: int) -> MemoryPlan:
     """A draft model (--spec draft:PATH) loaded on the target's device: its own weights, a KV cache of
     the target's context + k + 1, its own one-row decode step (engine.speculative.config)."""
-    source = open_model_source(store.resolve_model(str(path)))
+    source = open_model_source(resolve_draft_model(str(path)))
     config = source.model_config()
     weights = model_formats(source, config, keep_codes=target_settings.cuda)
     s = dataclasses.replace(target_settings, max_seq_len=target_settings.max_seq_len + num_draft_tokens + 1, slots=1,

@@ -31,7 +31,8 @@ from engine.errors import BonsaiError
 from engine.weights.loader import LoadedModel, resolve_device
 from engine.runtime.model import Block
 from quant.grids import dequantize
-from quant.gptq import GRIDS, gptq_with_refits, rtn
+from quant.formats import fp16_scales, relative_error
+from quant.gptq import GRIDS, gptq_with_refits, hessian_dtype, rtn
 from quant.gsq import GSQOptions, gsq_refine
 
 METHODS = ("gptq", "gsq")
@@ -85,6 +86,7 @@ class Target:
     start: int
     rows: int
     spec: Any
+    error: tuple[float, float] | None = None  # (Σ (w - ŵ)², Σ w²) once quantized
 
 
 def block_targets(block: Block, layer: int, cfg, plan) -> dict[str, list[Target]]:
@@ -123,17 +125,17 @@ def _checked_spec(plan, name: str, in_features: int):
     return spec
 
 
-class _Inputs:
-    """Hessian H = Σ xᵀx of one layer input (float32 products summed in float64) and, for GSQ, the
-    rows of x at fixed token positions."""
+class LayerInputs:
+    """Hessian H = Σ xᵀx of one layer input (float32 products summed in quant.gptq.hessian_dtype:
+    float64 up to 8192 inputs, else float32) and, for GSQ, the rows of x at fixed token positions."""
 
     def __init__(self, width: int, device: torch.device, keep_rows: list[torch.Tensor] | None):
-        self.hessian = torch.zeros(width, width, dtype=torch.float64, device=device)  # [K, K]
+        self.hessian = torch.zeros(width, width, dtype=hessian_dtype(width), device=device)  # [K, K]
         self.keep_rows, self.kept, self.chunk = keep_rows, [], 0
 
     def add(self, x: torch.Tensor) -> None:
         x2 = x.reshape(-1, x.shape[-1]).float()  # [B·T, K]
-        self.hessian += (x2.T @ x2).double()
+        self.hessian += (x2.T @ x2).to(self.hessian.dtype)
         if self.keep_rows is not None:
             self.kept.append(x2[self.keep_rows[self.chunk]])
         self.chunk += 1
@@ -200,6 +202,7 @@ def quantize_with_calibration(loaded: LoadedModel, token_ids: list[list[int]], p
             say(f"model.embed_tokens.weight: rtn {embed_spec.quant_type} g{embed_spec.group_size}")
             weight = model.embed.weight
             codes, scales = rtn(weight.float(), embed_spec.quant_type, embed_spec.group_size)
+            scales = fp16_scales(scales)  # as stored
             weight.copy_(dequantize(codes, scales, embed_spec.group_size).to(weight.dtype))
             yield "model.embed_tokens.weight", codes.cpu(), scales.cpu(), embed_spec
         # chunks of consecutive sequences of one length, embedded: the residual stream
@@ -211,21 +214,21 @@ def quantize_with_calibration(loaded: LoadedModel, token_ids: list[list[int]], p
                 chunks.append([s])
         act_dtype = model.norm.weight.dtype
         hidden = [model.embed(torch.tensor(c, device=home)).to(device=device, dtype=act_dtype) for c in chunks]
-        keep = _gsq_rows(hidden, options) if method == "gsq" else None
+        keep = gsq_rows(hidden, options) if method == "gsq" else None
         for i, block in enumerate(model.layers):
             block.to(device)
-            hidden = yield from _quantize_block(block, hidden, targets[i], keep, method, options, model, say)
+            hidden = yield from quantize_block(block, hidden, targets[i], keep, method, options, model, say)
             block.to(home)
         if head is not None:
             model.norm.to(device)
-            inputs = _Inputs(cfg.hidden_size, device, None)
+            inputs = LayerInputs(cfg.hidden_size, device, None)
             for x in hidden:
                 inputs.add(model.norm(x))
             model.norm.to(home)
-            yield _quantize_rows(head, inputs, "gptq", options, say)
+            yield quantize_rows(head, inputs, "gptq", options, say)
 
 
-def _gsq_rows(hidden: list[torch.Tensor], options: CalibrationOptions) -> list[torch.Tensor]:
+def gsq_rows(hidden: list[torch.Tensor], options: CalibrationOptions) -> list[torch.Tensor]:
     """Fixed random token positions (per chunk, flat indices) whose inputs GSQ trains on."""
     sizes = [x.shape[0] * x.shape[1] for x in hidden]
     gen = torch.Generator().manual_seed(options.seed)
@@ -238,7 +241,7 @@ def _gsq_rows(hidden: list[torch.Tensor], options: CalibrationOptions) -> list[t
     return out
 
 
-def _quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str, list[Target]],
+def quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str, list[Target]],
                     keep, method: str, options: CalibrationOptions, model, say):
     """Quantize one block stage by stage (generator: yields its tensors, returns the next hidden)."""
     cfg = model.config
@@ -253,11 +256,11 @@ def _quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str,
     def stage(key: str, width: int, make_inputs: Callable[[int], torch.Tensor]):
         if not targets[key]:
             return
-        inputs = _Inputs(width, device, keep)
+        inputs = LayerInputs(width, device, keep)
         for c in range(len(hidden)):
             inputs.add(make_inputs(c))
         for target in targets[key]:
-            yield _quantize_rows(target, inputs, method, options, say)
+            yield quantize_rows(target, inputs, method, options, say)
 
     yield from stage("qkv", cfg.hidden_size, lambda c: block.attention_norm(hidden[c]))
     attn_out = [_attention_output(block, x, *rope(x.shape[1])) for x in hidden]  # inputs of o_proj
@@ -270,7 +273,7 @@ def _quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str,
     return [h + block.feed_forward.w2(s) for h, s in zip(hidden, swiglu)]
 
 
-def _quantize_rows(target: Target, inputs: _Inputs, method: str, options: CalibrationOptions, say):
+def quantize_rows(target: Target, inputs: LayerInputs, method: str, options: CalibrationOptions, say):
     spec, g = target.spec, target.spec.group_size
     say(f"{target.name}: {method} {spec.quant_type} g{g}")
     param = target.param
@@ -280,5 +283,7 @@ def _quantize_rows(target: Target, inputs: _Inputs, method: str, options: Calibr
                                      options.act_order, options.scale_refits)
     if method == "gsq":
         codes, scales = gsq_refine(w, inputs.rows(), codes, scales, spec.quant_type, g, options.gsq)
+    scales = fp16_scales(scales)  # as stored: later layers calibrate on the weights a reader gets
+    target.error = relative_error(w, codes, scales, g)
     param[target.start:target.start + target.rows] = dequantize(codes, scales, g).to(param.device, param.dtype)
     return target.name, codes.cpu(), scales.cpu(), spec

@@ -36,6 +36,53 @@ def default_eval_text() -> str:
     return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
 
 
+CALIB_MODULES = ("collections", "argparse", "email.message", "json", "http.client", "http.server", "logging",
+                 "pathlib", "itertools", "functools", "typing", "subprocess", "threading", "asyncio.tasks",
+                 "datetime", "decimal", "fractions", "statistics", "textwrap", "string", "re", "shutil",
+                 "tarfile", "zipfile", "csv", "sqlite3", "unittest.case", "doctest", "inspect", "dataclasses",
+                 "enum", "contextlib", "heapq", "bisect", "random", "urllib.parse", "urllib.request",
+                 "xml.etree.ElementTree", "configparser", "socket", "ssl", "selectors", "queue", "sched",
+                 "tempfile", "glob", "fnmatch", "difflib", "pprint", "pickle", "copy", "weakref", "abc",
+                 "numbers", "operator", "io", "codecs", "locale", "gettext", "calendar", "zoneinfo", "uuid",
+                 "hashlib", "hmac", "secrets", "base64", "binascii", "struct", "array", "mmap", "signal",
+                 "multiprocessing.pool", "concurrent.futures", "traceback", "warnings", "timeit", "trace",
+                 "tokenize", "ast", "dis", "importlib", "zipimport", "platform", "sysconfig", "smtplib",
+                 "imaplib", "ftplib", "mailbox", "mimetypes", "html.parser", "webbrowser", "wave", "colorsys",
+                 "shlex", "getpass", "curses", "tkinter", "turtle", "cmd", "code", "pdb", "profile", "pstats")
+
+
+def default_calibration_text() -> str:
+    """Docstrings of standard-library modules and their public members (pydoc_data excluded): the default
+    calibration text of `bonsai quantize` and of every measurement in docs/quality-methods.md (about
+    180k tokens with SmolLM2's tokenizer; never the evaluation text)."""
+    import importlib
+    import inspect
+    seen, parts = set(), []
+
+    def add(obj) -> None:
+        doc = inspect.getdoc(obj)
+        if doc and len(doc) > 80 and doc not in seen:
+            seen.add(doc)
+            parts.append(doc)
+
+    for name in CALIB_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # a module this Python lacks (tkinter, curses): skip it
+            continue
+        add(module)
+        for attr in sorted(dir(module)):
+            obj = getattr(module, attr, None)
+            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            add(obj)
+            if inspect.isclass(obj):
+                for meth in sorted(vars(obj)):
+                    if not meth.startswith("_"):
+                        add(getattr(obj, meth, None))
+    return "\n\n".join(parts)
+
+
 def read_eval_text(path: Path | None) -> str:
     if path is None:
         return default_eval_text()

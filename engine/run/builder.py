@@ -18,7 +18,6 @@ from typing import Callable
 from engine.decoding.engine import Engine
 from engine.decoding.metrics import Metrics
 from engine.decoding.sequence import ThinkingRules
-from engine.errors import BonsaiError
 from engine.memory.budget import SERVE_KEYS, check_budget
 from engine.memory.limit import check_usage, limit_device_memory, within_limit
 from engine.pipeline.devices import check_machine_devices
@@ -26,6 +25,7 @@ from engine.pipeline.launch import ModelSource
 from engine.pipeline.setup import PipelinePlan, check_pipeline_budget, open_pipeline, plan_pipeline
 from engine.run.config import RunConfig
 from engine.run.plan import RunPlan, model_path, plan_run
+from engine.run.preflight import chat_template, check_context, check_dummy_tokenizer
 from engine.runtime.runner import ModelRunner, Runner
 from engine.sources import store
 from engine.sources.gguf_file import GGUFFile
@@ -119,10 +119,7 @@ def open_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pu
     backend = check_machine_devices(config.runtime.devices) if config.memory.pipeline_parallel else None
     progress("planning GPU memory", 0.01)
     planned = plan_run(config, architecture, auto_pull)
-    positions = planned.weights.config.max_position_embeddings
-    if planned.settings.max_seq_len > positions:
-        raise BonsaiError(f"config runtime.max_seq_len {planned.settings.max_seq_len} exceeds the model's "
-                          f"{positions} positions; lower it to {positions} or less")
+    check_context(config, planned.weights.config)
     if config.memory.pipeline_parallel:
         return _open_pipeline(config, planned, architecture, progress, option, backend)
     check_budget(planned.plan, planned.limit, planned.weights, planned.settings, keys, option, planned.drafter)
@@ -179,19 +176,14 @@ def _dummy_tokenizer(config: RunConfig, architecture: ModelConfig) -> Tokenizer 
     if not config.model.tokenizer:
         return None
     tokenizer = tokenizer_of(config.model.tokenizer)
-    if tokenizer.vocab_size > architecture.vocab_size:
-        raise BonsaiError(f"config model.tokenizer: its {tokenizer.vocab_size} tokens do not fit the "
-                          f"{architecture.vocab_size}-token vocabulary of {config.model.path}; use a smaller tokenizer")
+    check_dummy_tokenizer(config, architecture, tokenizer)
     return _with_template(config, tokenizer)
 
 
 def _with_template(config: RunConfig, tokenizer: Tokenizer | None) -> Tokenizer | None:
     """model.chat_template (a .jinja file) in place of the model's own template."""
-    if config.model.chat_template and tokenizer is not None:
-        template = Path(config.model.chat_template).expanduser()
-        if not template.is_file():
-            raise BonsaiError(f"config model.chat_template: no file {template}; give a .jinja file")
-        tokenizer.chat_template = template.read_text(encoding="utf-8")
+    if tokenizer is not None:
+        tokenizer.chat_template = chat_template(config) or tokenizer.chat_template
     return tokenizer
 
 

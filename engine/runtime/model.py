@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kernels import kernels_usable
+from engine.runtime.linear import Linear, linear
 from engine.runtime.kv_cache import CacheBatch, KVCache
 from engine.sources.model_config import ModelConfig
 from quant.rotation import block_hadamard, block_hadamard_factors
@@ -28,42 +29,6 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 or (x.is_cuda and self.weight.dtype == x.dtype):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # CUDA: float32 maths inside
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
-
-
-class Linear(nn.Module):
-    """y = x Wᵀ (+ b). The weight may be stored narrower than the activations (float16 weights with
-    float32 activations on the CPU): a single row then goes through a gemv that reads the narrow
-    weight directly (about 3x less memory traffic than float32 on a CPU), and so do up to
-    NARROW_GEMV_ROWS rows, one gemv each; more rows widen it."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-# Up to this many rows, a narrow weight (float16 under float32 activations on the CPU) is applied
-# one gemv per row: the weight stays in cache after the first row, widening it costs more, and each
-# row's result is bit-identical to the single-row decode step's (speculative verification).
-NARROW_GEMV_ROWS = 8
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [.., K] @ w[N, K]ᵀ → [.., N] in x's dtype, whatever w's dtype."""
-    if w.dtype == x.dtype:
-        return F.linear(x, w, bias)
-    rows = x.numel() // x.shape[-1]
-    if rows == 1:
-        y = torch.mv(w, x.reshape(-1).to(w.dtype)).to(x.dtype).view(*x.shape[:-1], w.shape[0])
-    elif rows <= NARROW_GEMV_ROWS:  # a speculative verify pass: one gemv per row, as a decode step does
-        flat = x.reshape(rows, -1).to(w.dtype)  # [rows, K]
-        y = torch.stack([torch.mv(w, r) for r in flat]).to(x.dtype).view(*x.shape[:-1], w.shape[0])
-    else:
-        y = F.linear(x, w.to(x.dtype))
-    return y if bias is None else y + bias.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -102,7 +67,7 @@ class Attention(nn.Module):
             cache.write(self.layer, batch, k, v)
             q = cache.key_space(q)  # [B, H, T, D] rotated where the stored keys are
         if cache.kv_type.quantized:  # read the codes of the positions in use, causal by position
-            kernel = self.fused_prologue is not None or (q.is_cuda and kernels_usable(q.device))
+            kernel = self.fused_prologue is not None or kernels_usable(q.device)
             out = quantized_cache_attention(q, cache, self.layer, batch, kernel)  # [B, H, T, D]
         else:
             keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]

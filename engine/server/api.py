@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import logging
 import threading
 import uuid
@@ -28,7 +27,7 @@ from engine.decoding.prompts import chat_prompt, completion_prompt
 from engine.decoding.scheduler import QueueFull
 from engine.decoding.sequence import Delta, Failed, Finished
 from engine.decoding.sequence import Request as Job
-from engine.errors import BonsaiError
+from engine.errors import BonsaiError, ServiceUnavailable
 from engine.server import protocol as P
 from engine.server.config import ServeConfig
 from engine.server.engine_thread import Served
@@ -68,6 +67,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 def _from_exception(e: BonsaiError) -> JSONResponse:
     if isinstance(e, P.RequestError):
         return _error(e.status, str(e), e.kind, e.param, e.code, e.headers)
+    if isinstance(e, ServiceUnavailable):
+        return _error(503, str(e), "unavailable_error", code=503)
     return _error(400, str(e))
 
 
@@ -112,6 +113,9 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
     async def health():
         if state.served is None:
             return _loading_response(state)
+        if not state.served.alive:  # stopped by a failure, or shutting down: truthfully not serving
+            return _error(503, state.served.engine.failure or "the server is shutting down", "unavailable_error",
+                          code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -142,6 +146,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
         try:
             body = await _read_json(request, cfg.server.max_body_bytes)
             req = P.parse(P.ChatRequest if chat else P.CompletionRequest, body)
+            req.check_size(cfg.server.max_messages, cfg.server.max_prompt_chars)
             loop = asyncio.get_running_loop()
             job = await loop.run_in_executor(None, _make_job, served, req, chat)  # template + tokenizer off the loop
             queue: asyncio.Queue = asyncio.Queue()
@@ -154,7 +159,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
         except BonsaiError as e:
             return _from_exception(e)
         log.info("request %s: %d prompt tokens, max_tokens %d, stream %s%s", job.id, len(job.prompt_ids),
-                 job.max_tokens, req.stream, f", user {req.user}" if req.user else "")
+                 job.max_tokens, req.stream, f", user {ascii(req.user)}" if req.user else "")
         meta = (job.id, served.model_id, P.now())
         if req.stream:
             return StreamingResponse(_stream(served, job, queue, meta, chat, req.include_usage()),
@@ -184,10 +189,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise P.RequestError(f"the request body is larger than the {limit} bytes allowed", status=413)
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise P.RequestError(f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
+    return P.decode_body(b"".join(chunks))
 
 
 def _make_job(served: Served, req: Any, chat: bool) -> Job:
@@ -213,6 +215,17 @@ def _make_job(served: Served, req: Any, chat: bool) -> Job:
                top_logprobs=top, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24])
 
 
+async def _next_event(served: Served, queue: asyncio.Queue) -> Any:
+    """The request's next engine event, or None after half a second without one; a Failed (503)
+    when the engine is no longer alive, so no request ever waits on a stopped engine."""
+    try:
+        return await asyncio.wait_for(queue.get(), timeout=0.5)
+    except asyncio.TimeoutError:
+        if not served.alive and queue.empty():
+            return Failed(served.engine.failure or "the server is shutting down", 503)
+        return None
+
+
 async def _stream(served: Served, job: Job, queue: asyncio.Queue, meta: tuple, chat: bool,
                   include_usage: bool) -> AsyncIterator[str]:
     rid, model, created = meta
@@ -221,7 +234,9 @@ async def _stream(served: Served, job: Job, queue: asyncio.Queue, meta: tuple, c
         if chat:
             yield sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
         while True:
-            event = await queue.get()
+            event = await _next_event(served, queue)
+            if event is None:
+                continue
             if isinstance(event, Delta):
                 if not (event.reasoning or event.content or event.logprobs):
                     continue  # a token that completed no text yet
@@ -257,9 +272,8 @@ async def _collect(served: Served, request: Request, job: Job, queue: asyncio.Qu
     reasoning, content, logprobs = [], [], []
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
+            event = await _next_event(served, queue)
+            if event is None:
                 if await request.is_disconnected():
                     return Response(status_code=499)
                 continue

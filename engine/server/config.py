@@ -19,6 +19,8 @@ class ServerSection:
     api_key: str | None = None  # Bearer key checked on every route but /health
     max_queue: int = 16  # requests waiting for a slot; beyond, 503 with Retry-After
     max_body_bytes: int = 1 << 20
+    max_messages: int = 2048  # messages of one chat request (older turns beyond the context are dropped, not refused)
+    max_prompt_chars: int = 1_000_000  # characters of one request's messages or prompt, before any template work
     max_prompt_tokens: int | None = None  # default: the slot's context budget
     default_max_tokens: int = 512  # when a request gives no max_tokens (capped by the context)
     # prompt tokens prefilled between two decode steps while other slots decode (default: one
@@ -35,6 +37,8 @@ class ServerSection:
             fail("server.max_queue", f"must be >= 0, got {self.max_queue}")
         if self.max_body_bytes < 1024:
             fail("server.max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
+        if self.max_messages < 1 or self.max_prompt_chars < 1:
+            fail("server.max_messages" if self.max_messages < 1 else "server.max_prompt_chars", "must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             fail("server.max_prompt_tokens", f"must be >= 1, got {self.max_prompt_tokens}")
         if self.default_max_tokens < 1:

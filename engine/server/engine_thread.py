@@ -2,7 +2,10 @@
 
 `bonsai serve` runs `start_serving` in a background thread (GET /health reports the stage meanwhile);
 from then on one thread owns the runner and calls `Engine.step` while any request is active or
-waiting, and sleeps otherwise (the API's `submit` / `cancel` wake it).
+waiting, and sleeps otherwise (the API's `submit` / `cancel` wake it). Should that loop break anyway
+(the engine fails one request at a time, so only a bug or a BaseException gets here), the thread
+says why (`engine.failure`, which /health reports) and closes the engine: every active and waiting
+request fails with 503 at once and new ones are refused.
 """
 from __future__ import annotations
 
@@ -10,10 +13,11 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from engine.decoding.engine import Engine
+from engine.decoding.engine import Engine, first_line
 from engine.decoding.metrics import Metrics
 from engine.run.builder import Progress, Run, open_run
 from engine.server.config import ServeConfig
+from engine.weights.format_cost import warn_if_rounded
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +41,26 @@ class EngineThread:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs and takes requests (/health is 503 otherwise)."""
+        return self.engine.failure is None and self._thread.is_alive() and not self._stopping
+
     def _run(self) -> None:
         engine = self.engine
-        while True:
-            with engine.wake:
-                while not self._stopping and not engine.has_work:
-                    engine.wake.wait()
-                if self._stopping:
-                    break
-            engine.step()
-        engine.close()
+        try:
+            while True:
+                with engine.wake:
+                    while not self._stopping and not engine.has_work:
+                        engine.wake.wait()
+                    if self._stopping:
+                        break
+                engine.step()
+        except BaseException as e:  # noqa: BLE001 - the loop itself broke: nothing may wait on it now
+            engine.failure = f"the engine stopped after an internal error ({type(e).__name__}: {first_line(e)})"
+            log.critical("%s; restart the server", engine.failure, exc_info=True)
+        finally:
+            engine.close(engine.failure or "the server is shutting down")
 
 
 @dataclass
@@ -55,11 +69,16 @@ class Served:
     thread: EngineThread
     model_id: str
     config: ServeConfig
-    run: Run
+    run: Run | None = None  # None: an engine over a runner the caller owns (tests)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.alive
 
     def stop(self) -> None:
         self.thread.stop()
-        self.run.close()
+        if self.run is not None:
+            self.run.close()
 
 
 def start_serving(config: ServeConfig, metrics: Metrics | None = None,
@@ -67,6 +86,9 @@ def start_serving(config: ServeConfig, metrics: Metrics | None = None,
     """open_run, then its engine (the server section's queue and prefill budget) on its own thread."""
     run = open_run(config, architecture, progress=progress)
     try:
+        m = config.model
+        if m.load_format != "dummy" and run.pipeline is None:  # rounding to model.quant_type is never silent
+            warn_if_rounded(run.loaded.path, m.quant_type, m.group_size, keep_codes=run.loaded.device.type == "cuda")
         spec, rt = config.spec_config, config.runtime
         progress(f"building each slot's drafter ({spec.method})" if spec is not None else "starting the engine", 0.9)
         engine = run.engine(metrics, config.server.max_queue, config.server.max_prefill_tokens_per_step)

@@ -2,6 +2,7 @@
 response objects we build, including llama.cpp's `timings`."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal, Union
 
@@ -10,7 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine.errors import BonsaiError
 from engine.decoding.sampling import SamplingParams
 
-STRICT = ConfigDict(extra="forbid", strict=True)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# every number a request carries has both bounds (tests/test_engine_guard.py checks it): a value
+# past them is a 400 here, never an error inside the engine
+MAX_COUNT = 2**31 - 1  # token counts and limits (far above any context)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+PENALTY_MIN, PENALTY_MAX = 0.01, 100.0  # repetition_penalty: logits / p or * p stay finite in float32
+MAX_DEPTH = 16  # nesting of a body: ours needs 4 ({"messages": [{"content": [{"text": ...}]}]})
+MAX_STOP_CHARS = 256  # per stop string: the matcher's work per token grows with its square
 
 
 class TextPart(BaseModel):
@@ -26,11 +34,12 @@ class Message(BaseModel):
     name: str | None = None
     reasoning_content: str | None = None  # a thought sent back in the history (templates may show it)
 
-    def as_dict(self) -> dict[str, Any]:
+    def text(self) -> str:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
-        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        return "".join(p.text for p in content) if isinstance(content, list) else content or ""
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
         if self.reasoning_content is not None:
@@ -46,17 +55,17 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = STRICT
     model: str | None = None  # one model is served: any name reaches it
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=MAX_COUNT)
     min_p: float = Field(0.0, ge=0, lt=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
-    seed: int | None = None
+    repetition_penalty: float = Field(1.0, ge=PENALTY_MIN, le=PENALTY_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Union[str, list[str], None] = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_COUNT)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user label, logged with the request
@@ -70,6 +79,8 @@ class _Common(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 16:
             raise RequestError("stop takes at most 16 strings", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise RequestError(f"a stop string has more than {MAX_STOP_CHARS} characters; shorten it", "stop")
         return tuple(s for s in stops if s)
 
     def include_usage(self) -> bool:
@@ -84,13 +95,21 @@ class _Common(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    thinking_budget: int | None = Field(None, ge=0)  # tokens of thought before the answer is forced
+    thinking_budget: int | None = Field(None, ge=0, le=MAX_COUNT)  # tokens of thought before the answer is forced
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def check_size(self, max_messages: int, max_chars: int) -> None:
+        """The caps on one request's work, checked before any template or tokenizer runs."""
+        if len(self.messages) > max_messages:
+            raise RequestError(f"the conversation has {len(self.messages)} messages, more than the {max_messages} "
+                               "this server takes (server.max_messages); send fewer", "messages")
+        chars = sum(len(m.text()) + len(m.reasoning_content or "") + len(m.name or "") for m in self.messages)
+        _check_chars(chars, max_chars, "messages")
 
     def top_logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -105,6 +124,12 @@ class CompletionRequest(_Common):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
+    def check_size(self, max_messages: int, max_chars: int) -> None:
+        """The cap on one request's work (a prompt of token ids is bounded by the context instead)."""
+        p = self.prompt
+        _check_chars(len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str)), max_chars,
+                     "prompt")
+
     def prompt_input(self) -> str | list[int]:
         p = self.prompt
         if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
@@ -116,6 +141,12 @@ class CompletionRequest(_Common):
         return p
 
 
+def _check_chars(chars: int, limit: int, param: str) -> None:
+    if chars > limit:
+        raise RequestError(f"the request has {chars} characters of {param}, more than the {limit} this server "
+                           "takes (server.max_prompt_chars); send less", param)
+
+
 class RequestError(BonsaiError):
     """A request the server refuses: HTTP status, OpenAI error type and the offending parameter."""
 
@@ -123,6 +154,61 @@ class RequestError(BonsaiError):
                  kind: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.param, self.status, self.kind, self.code, self.headers = param, status, kind, code, headers or {}
+
+
+def decode_body(raw: bytes) -> Any:
+    """The one decoding of a request body: JSON (RFC 8259: no NaN or Infinity, no number beyond a
+    double) nested at most MAX_DEPTH deep, every string valid Unicode (no lone surrogate, which no
+    tokenizer, log or response encoder takes). Anything else is a RequestError (400) that says what."""
+    try:
+        data = json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
+    except RecursionError:
+        raise RequestError(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON ({str(e).splitlines()[0]})") from None
+    _check_tree(data)
+    return data
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _check_tree(data: Any) -> None:
+    """Depth and Unicode of a decoded body, walked without recursion; the path of the first problem."""
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise RequestError(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, path, "a key")
+                stack.append((item, (*path, key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i), depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, path, "a string")
+
+
+def _check_text(text: str, path: tuple, what: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "the body"
+        bad = ascii(text[e.start:e.end])
+        field = where.split(".")[0].split("[")[0] or None
+        raise RequestError(f"{what} in '{ascii(where)[1:-1]}' holds a lone surrogate ({bad[1:-1]}), which is not "
+                           "valid Unicode; send UTF-8 text", field) from None
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:

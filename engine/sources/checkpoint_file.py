@@ -12,11 +12,12 @@ import torch
 
 from engine.errors import ModelFileError
 from engine.sources.hf_files import canonical_name as _hf_canonical
+from engine.sources.hf_files import hf_name  # noqa: F401 - the inverse of canonical_name, used with it
+from engine.sources.model_check import check_tensors, in_file
 from engine.sources.model_config import ModelConfig
+from engine.sources.tokenizer import Tokenizer
 from quant.checkpoint import Checkpoint, CheckpointError
 
-_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
-_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
 _HF_ARCHITECTURE = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                     "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
@@ -24,17 +25,6 @@ _HF_ARCHITECTURE = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForC
 def canonical_name(hf_name: str) -> str | None:
     """Our canonical name of a checkpoint tensor (HF names, plus `rope_freqs` from GGUF sources)."""
     return "rope_freqs" if hf_name == "rope_freqs" else _hf_canonical(hf_name)
-
-
-def hf_name(canonical: str) -> str:
-    """The Hugging Face name of a canonical tensor name (the inverse of canonical_name)."""
-    top = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-           "lm_head.weight": "lm_head.weight", "rope_freqs": "rope_freqs"}
-    if canonical in top:
-        return top[canonical]
-    _, layer, part, kind = canonical.split(".")
-    section = "self_attn." if part in _ATTENTION_PARTS else "mlp." if part in _MLP_PARTS else ""
-    return f"model.layers.{layer}.{section}{part}.{kind}"
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -68,6 +58,9 @@ class BonsaiCheckpoint:
         self.path = Path(path)
         try:
             self.checkpoint = Checkpoint(self.path)
+        except OSError as e:
+            raise ModelFileError(f"cannot read {e.filename or self.path}: {e.strerror or e}; check its "
+                                 "permissions") from None
         except CheckpointError as e:
             raise ModelFileError(f"{self.path} is a corrupt bonsai checkpoint ({e}); quantize it again") from None
         except ValueError as e:  # a tensor entry whose group does not fit its shape
@@ -77,7 +70,15 @@ class BonsaiCheckpoint:
         self.metadata = {"format": "bonsai"}
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_hf_config(self.hf_config)
+        """The architecture config.json declares, checked against the tensors (engine.sources.model_check)."""
+        config = in_file(self.path / "config.json", lambda: ModelConfig.from_hf_config(self.hf_config))
+        found = {canon: (name, entry.shape) for name, entry in self.checkpoint.entries.items()
+                 if (canon := canonical_name(name)) is not None}
+        check_tensors(self.path, config, found, hf_name, "config.json num_hidden_layers")
+        return config
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_hf_dir(self.path)
 
     def tensor_info(self) -> list[tuple[str, str, tuple[int, ...], int]]:
         """(name, type (e.g. 'tri g64', 'bf16'), original shape, stored bytes) of every tensor."""

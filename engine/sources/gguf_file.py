@@ -15,7 +15,9 @@ import torch
 
 from engine.errors import ModelFileError, UnsupportedModelError
 from engine.sources.gguf_reader import GGUFFormatError, TensorExtent, read_gguf, tensor_bytes
+from engine.sources.model_check import check_tensors, in_file
 from engine.sources.model_config import ModelConfig
+from engine.sources.tokenizer import Tokenizer
 from quant import gguf_codec, gguf_types
 
 _GGUF_MAGIC = b"GGUF"
@@ -71,8 +73,11 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelFileError(f"model file not found: {self.path}")
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
+        try:
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise ModelFileError(f"cannot read {self.path}: {e.strerror or e}; check its permissions") from None
         if magic != _GGUF_MAGIC:
             raise ModelFileError(f"{self.path} is not a GGUF file (it does not start with 'GGUF'); "
                                  "give a .gguf file, a Hugging Face model directory or a bonsai checkpoint")
@@ -89,7 +94,19 @@ class GGUFFile:
         return set(self._tensors)
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names)
+        """The architecture its metadata declares, checked against its tensors (engine.sources.model_check)."""
+        config = in_file(self.path, lambda: ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names))
+        used = {name: t for t in self._tensors.values() if (name := canonical_name(t.name)) is not None}
+        check_tensors(self.path, config, {name: (t.name, t.shape) for name, t in used.items()}, gguf_name,
+                      f"{config.architecture}.block_count")
+        for t in used.values():
+            if t.type_id not in gguf_types.DECODABLE_TYPES | gguf_types.CODEC_TYPES:
+                raise UnsupportedModelError(f"{self.path}: tensor {t.name} is {gguf_types.type_name(t.type_id)}, "
+                                            "a type bonsai does not decode; use a GGUF of another type")
+        return config
+
+    def tokenizer(self) -> Tokenizer:
+        return in_file(self.path, lambda: Tokenizer.from_gguf_metadata(self.metadata))
 
     def tensor_info(self) -> list[tuple[str, str, tuple[int, ...], int]]:
         """(name, type name, torch-order shape, bytes) of every tensor, in file order."""
@@ -102,15 +119,25 @@ class GGUFFile:
             name = canonical_name(t.name)
             if name is None or name in skip:
                 continue
-            try:
-                tensor = gguf_types.dequantize(tensor_bytes(self._data, t), t.type_id, t.shape)
-            except gguf_types.UnsupportedTensorType as e:
-                raise UnsupportedModelError(f"{self.path.name}: tensor {t.name}: {e}") from None
-            if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-                tensor = _unpermute_rotary(tensor, config.num_heads)
-            elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-                tensor = _unpermute_rotary(tensor, config.num_kv_heads)
-            yield name, tensor
+            yield name, self.read_tensor(name, config)
+
+    def read_tensor(self, name: str, config: ModelConfig, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor by canonical name as float32 (llama q/k rows un-permuted); `rows` (start, stop): only
+        those rows of a 2-D tensor are decoded (not for llama q/k, whose rows are permuted)."""
+        t = self._tensors[gguf_name(name)]
+        raw, shape = tensor_bytes(self._data, t), t.shape
+        if rows is not None:
+            assert len(shape) == 2 and not name.endswith(("q_proj.weight", "k_proj.weight"))
+            raw, shape = raw[rows[0]:rows[1]], (rows[1] - rows[0], shape[1])
+        try:
+            tensor = gguf_types.dequantize(raw, t.type_id, shape)
+        except gguf_types.UnsupportedTensorType as e:
+            raise UnsupportedModelError(f"{self.path.name}: tensor {t.name}: {e}") from None
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = _unpermute_rotary(tensor, config.num_heads)
+        elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = _unpermute_rotary(tensor, config.num_kv_heads)
+        return tensor
 
 
     def iter_quantized_tensors(self, config: ModelConfig

@@ -9,7 +9,9 @@ from typing import Any, Iterator
 import torch
 
 from engine.errors import ModelFileError
+from engine.sources.model_check import check_tensors, in_file
 from engine.sources.model_config import ModelConfig
+from engine.sources.tokenizer import Tokenizer
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)?\.?([a-z_]+)\.(weight|bias)$")
 
@@ -26,6 +28,21 @@ def canonical_name(hf_name: str) -> str | None:
     return f"layers.{m.group(1)}.{m.group(3)}.{m.group(4)}"
 
 
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def hf_name(canonical: str) -> str:
+    """The Hugging Face name of a canonical tensor name (the inverse of canonical_name)."""
+    top = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+           "lm_head.weight": "lm_head.weight", "rope_freqs": "rope_freqs"}
+    if canonical in top:
+        return top[canonical]
+    _, layer, part, kind = canonical.split(".")
+    section = "self_attn." if part in _ATTENTION_PARTS else "mlp." if part in _MLP_PARTS else ""
+    return f"model.layers.{layer}.{section}{part}.{kind}"
+
+
 class HFModelDir:
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -37,6 +54,8 @@ class HFModelDir:
             self.hf_config: dict[str, Any] = json.loads(config_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelFileError(f"{config_path} is not valid JSON ({e})") from None
+        except OSError as e:
+            raise ModelFileError(f"cannot read {config_path}: {e.strerror or e}; check its permissions") from None
         self.weight_files = self._find_weight_files()
 
     def _find_weight_files(self) -> list[Path]:
@@ -44,8 +63,12 @@ class HFModelDir:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+                if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                    raise TypeError("weight_map must map tensor names to file names")
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise ModelFileError(f"{index} is not a valid safetensors index ({e})") from None
+            except OSError as e:
+                raise ModelFileError(f"cannot read {index}: {e.strerror or e}; check its permissions") from None
             files = sorted({self.path / f for f in weight_map.values()})
             missing = [f.name for f in files if not f.is_file()]
             if missing:
@@ -60,7 +83,15 @@ class HFModelDir:
         return files
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_hf_config(self.hf_config)
+        """The architecture config.json declares, checked against the tensors (engine.sources.model_check)."""
+        config = in_file(self.path / "config.json", lambda: ModelConfig.from_hf_config(self.hf_config))
+        found = {canon: (name, shape) for name, _, shape, _ in self.tensor_info()
+                 if (canon := canonical_name(name)) is not None}
+        check_tensors(self.path, config, found, hf_name, "config.json num_hidden_layers")
+        return config
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_hf_dir(self.path)
 
     def tensor_info(self) -> list[tuple[str, str, tuple[int, ...], int]]:
         """(name, dtype, shape, bytes) of every tensor."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import UnsupportedModelError
+from engine.errors import ModelFileError, UnsupportedModelError
+from engine.sources.model_limits import Fields
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
@@ -77,34 +78,40 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
+        """The architecture of a config.json (every number typed and bounded: engine.sources.model_limits)."""
+        if not isinstance(cfg, dict):
+            raise ModelFileError(f"config.json holds a JSON {type(cfg).__name__}, not an object of architecture keys")
+        archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+        arch = next((_HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in _HF_ARCHITECTURES), None)
         if arch is None:
             model_type = cfg.get("model_type", "?")
-            arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
+            arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type) \
+                if isinstance(model_type, str) else None
             if arch is None:
                 raise UnsupportedModelError(
                     f"unsupported architecture {archs or model_type!r} in config.json: bonsai runs Llama, Qwen2 and Qwen3")
         if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
             raise UnsupportedModelError("sliding-window attention (use_sliding_window: true) is not supported")
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        f = Fields(cfg)
+        heads = f.count("num_attention_heads", "num_heads")
+        hidden = f.count("hidden_size", "hidden_size")
+        rope = f.mapping("rope_parameters") or {}
         return ModelConfig(
             architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=f.count("vocab_size", "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=f.count("intermediate_size", "intermediate_size"),
+            num_layers=f.count("num_hidden_layers", "num_layers"),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            num_kv_heads=f.count("num_key_value_heads", "num_kv_heads", heads),
+            head_dim=f.count("head_dim", "head_dim", hidden // heads),
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6, high=1.0),
+            rope_theta=f.number("rope_theta", Fields(rope).number("rope_theta", 10000.0)),
+            max_position_embeddings=f.count("max_position_embeddings", "max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             qk_norm=arch == "qwen3",
-            rope_scaling=_hf_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
+            rope_scaling=_hf_rope_scaling(f.mapping("rope_scaling") or f.mapping("rope_parameters")),
         )
 
     @staticmethod
@@ -113,34 +120,34 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported GGUF architecture '{arch}': bonsai runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-        def key(name: str, default: Any = None) -> Any:
-            value = meta.get(f"{arch}.{name}", default)
-            if value is None:
-                raise UnsupportedModelError(f"the GGUF lacks the metadata key '{arch}.{name}'")
-            return value
-
-        hidden = int(key("embedding_length"))
-        heads = int(key("attention.head_count"))
-        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+        f = Fields(meta, f"{arch}.")
+        hidden = f.count("embedding_length", "hidden_size")
+        heads = f.count("attention.head_count", "num_heads")
+        if f.has("vocab_size"):
+            vocab = f.count("vocab_size", "vocab_size")
+        else:
+            tokens = meta.get("tokenizer.ggml.tokens")
+            vocab = len(tokens) if isinstance(tokens, list) else 0
+            if not vocab:
+                raise ModelFileError(f"the GGUF has neither {arch}.vocab_size nor a tokenizer.ggml.tokens list")
         scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
         scaling = None
         if scaling_type == "linear":
-            scaling = RopeScaling("linear", factor=float(key("rope.scaling.factor")))
+            scaling = RopeScaling("linear", factor=f.number("rope.scaling.factor"))
         elif scaling_type not in ("none", None):
             raise UnsupportedModelError(f"unsupported rope scaling '{scaling_type}' in the GGUF")
         return ModelConfig(
             architecture=arch,
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_layers=int(key("block_count")),
+            intermediate_size=f.count("feed_forward_length", "intermediate_size"),
+            num_layers=f.count("block_count", "num_layers"),
             num_heads=heads,
-            num_kv_heads=int(key("attention.head_count_kv", heads)),
-            head_dim=int(key("attention.key_length", hidden // heads)),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(key("context_length", 4096)),
+            num_kv_heads=f.count("attention.head_count_kv", "num_kv_heads", heads),
+            head_dim=f.count("attention.key_length", "head_dim", hidden // heads),
+            rms_norm_eps=f.number("attention.layer_norm_rms_epsilon", 1e-6, high=1.0),
+            rope_theta=f.number("rope.freq_base", 10000.0),
+            max_position_embeddings=f.count("context_length", "max_position_embeddings", 4096),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -154,11 +161,13 @@ def _hf_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
     kind = rs.get("rope_type") or rs.get("type")
     if kind in (None, "default"):
         return None
+    f = Fields(rs, "rope_scaling.")
     if kind == "linear":
-        return RopeScaling("linear", factor=float(rs["factor"]))
+        return RopeScaling("linear", factor=f.number("factor"))
     if kind == "llama3":
-        return RopeScaling("llama3", factor=float(rs["factor"]),
-                           low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                           high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                           original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+        return RopeScaling("llama3", factor=f.number("factor"),
+                           low_freq_factor=f.number("low_freq_factor", 1.0),
+                           high_freq_factor=f.number("high_freq_factor", 4.0),
+                           original_max_position_embeddings=f.count("original_max_position_embeddings",
+                                                                    "max_position_embeddings", 8192))
     raise UnsupportedModelError(f"unsupported rope scaling '{kind}': bonsai supports linear and llama3")

@@ -1,6 +1,7 @@
 """What speculation to run: the config dataclass, the CLI spec strings, and the drafter factory.
 
-Spec strings (`--spec`): `ngram`, `draft:PATH`, `mtp`, `mtp:PATH`, `dflash`, `dflash:PATH`, and
+Spec strings (`--spec`): `ngram`, `draft:PATH` (or a pulled model's name, e.g. draft:qwen2.5-coder-0.5b),
+`mtp`, `mtp:PATH`, `dflash`, `dflash:PATH`, and
 `mix:A,B,...` of those (in order of precedence), e.g. `mix:ngram,draft:./smollm2-int4`.
 
 MTP and DFlash drafters live in `engine.speculative.mtp` / `engine.speculative.dflash`, imported
@@ -21,7 +22,7 @@ from engine.weights.loader import LoadedModel
 from engine.speculative.drafter import Drafter
 
 METHODS = ("ngram", "draft", "mtp", "dflash")
-SPEC_HELP = "ngram | draft:PATH | mtp[:PATH] | dflash[:PATH] | mix:ngram,draft:PATH,..."
+SPEC_HELP = "ngram | draft:PATH|NAME | mtp[:PATH] | dflash[:PATH] | mix:ngram,draft:PATH,..."
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ class DrafterSpec:
             hint = f" (did you mean {near[0]}?)" if near else ""
             raise BonsaiError(f"unknown drafter '{self.method}'{hint}: use {SPEC_HELP}")
         if self.method == "draft" and not self.path:
-            raise BonsaiError("the draft drafter needs a model: draft:PATH (a model sharing the target's tokenizer)")
+            raise BonsaiError("the draft drafter needs a model: draft:PATH or draft:NAME (a model sharing the "
+                              "target's tokenizer)")
         if self.method == "ngram" and self.path:
             raise BonsaiError(f"the ngram drafter takes no path (got ngram:{self.path})")
 
@@ -177,16 +179,13 @@ def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel
 
 
 def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts: dict[str, LoadedModel]) -> Drafter:
-    from engine.sources import store
     from engine.weights.loader import load_model
-    from engine.speculative.draft_model import DraftModelDrafter, check_same_tokenizer
+    from engine.speculative.draft_model import (DraftModelDrafter, check_same_tokenizer, narrow_output_layer,
+                                                resolve_draft_model)
     loaded = loaded_drafts.get(path)
     if loaded is None:
-        try:
-            resolved = store.resolve_model(path)
-        except BonsaiError as e:
-            raise BonsaiError(f"draft model: {e}") from None
-        loaded = load_model(resolved, device=target.device, dtype=target.dtype)
+        loaded = load_model(resolve_draft_model(path), device=target.device, dtype=target.dtype)
         check_same_tokenizer(loaded.tokenizer, target.tokenizer, path)
+        narrow_output_layer(loaded)
         loaded_drafts[path] = loaded
     return DraftModelDrafter(loaded, target.config.vocab_size, max_seq_len)

@@ -8,6 +8,9 @@ as q, which verification needs to stay lossless (penalties are left to the targe
 """
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import torch
 
 from engine.errors import BonsaiError
@@ -16,6 +19,26 @@ from engine.runtime.runner import ModelRunner
 from engine.decoding.sampling import SamplingParams, probabilities
 from engine.speculative.drafter import Draft, Feedback
 from engine.sources.tokenizer import Tokenizer
+
+
+def resolve_draft_model(spec: str) -> Path:
+    """The file or directory of `draft:SPEC`: a path, or a model name known to the store (a pulled
+    built-in like qwen2.5-coder-0.5b, or a pulled hub repo id)."""
+    from engine.sources import store
+    try:
+        return store.resolve_model(spec)
+    except BonsaiError as e:
+        raise BonsaiError(f"draft model: {e}") from None
+
+
+def narrow_output_layer(loaded: LoadedModel) -> None:
+    """On the CPU, a draft model's output layer in its matrices' dtype (float16) instead of float32:
+    a drafter's logits need not be exact (verification keeps the output exact), and at 0.5B the
+    float32 output layer is as many bytes per token as all the other matrices."""
+    weight = getattr(loaded.model.lm_head, "weight", None)  # None: tied, or packed
+    if loaded.device.type == "cpu" and weight is not None and weight.dtype == torch.float32 \
+            and loaded.weight_dtype != torch.float32:
+        weight.data = weight.data.to(loaded.weight_dtype)
 
 
 def check_same_tokenizer(draft: Tokenizer | None, target: Tokenizer | None, draft_path: str) -> None:
@@ -30,7 +53,12 @@ def check_same_tokenizer(draft: Tokenizer | None, target: Tokenizer | None, draf
                           f"{len(theirs)} tokens, {differ} differ): use a draft model of the same family")
 
 
+STEADY_CATCH_UP = 2  # tokens a draft model feeds before drafting when it drafted the step before
+
+
 class DraftModelDrafter:
+    """catch_up_seconds: of the last proposal, the time spent feeding a gap longer than one step's
+    (the planner leaves it out of the cost per drafted token)."""
     name = "draft"
     hidden_layers: tuple[int, ...] = ()
     draftless = False
@@ -43,6 +71,7 @@ class DraftModelDrafter:
         self.sampling = sampling or SamplingParams()
         self.generator: torch.Generator | None = None
         self._pending: tuple[int, list[int]] | None = None  # (context length, tokens) of the last draft
+        self.catch_up_seconds = 0.0
 
     def set_sampling(self, params: SamplingParams) -> None:
         """The request's sampling parameters; a seeded request drafts reproducibly."""
@@ -73,7 +102,11 @@ class DraftModelDrafter:
             return Draft([], source=self.name)
         common = min(slot.common_prefix(context), len(context) - 1)
         slot.rewind(slot.length - common)
+        start = time.perf_counter()
         logits = self._fit(self.runner.prefill(slot, context[common:]))  # [V]
+        # drafting every step leaves at most two tokens to catch up (its last draft and the bonus); a
+        # longer gap is the prompt or plain steps the planner chose, not a cost of the tokens drafted now
+        self.catch_up_seconds = time.perf_counter() - start if len(context) - common > STEADY_CATCH_UP else 0.0
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         params = self.sampling

@@ -70,7 +70,9 @@ class MixDrafter:
     def _timed(self, m: Member, context: list[int], k: int, extra: list[int] | None = None) -> Draft:
         start = time.perf_counter()
         draft = m.drafter.propose_after(context, extra, k) if extra else m.drafter.propose(context, k)
-        m.cost.observe(len(draft.tokens), time.perf_counter() - start)
+        # a draft model catching up on plain steps would otherwise look as costly as those steps, and
+        # never be asked again
+        m.cost.observe(len(draft.tokens), time.perf_counter() - start - getattr(m.drafter, "catch_up_seconds", 0.0))
         return draft
 
     def propose(self, context: list[int], k: int) -> Draft:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import BonsaiError
+from engine.errors import BonsaiError, GroupSizeError
 from engine.sources.checkpoint_file import BonsaiCheckpoint, canonical_name
 from engine.sources.gguf_file import GGUFFile
 from engine.sources.gguf_file import canonical_name as gguf_canonical
@@ -92,7 +92,7 @@ def require_packable(kind: str, n: int, k: int, group: int) -> None:
     try:
         check_packable(kind, n, k, group)
     except ValueError as e:
-        raise BonsaiError(f"cannot pack a [{n}, {k}] matrix as {kind}: {e}; choose another --group-size") from None
+        raise GroupSizeError(f"cannot pack a [{n}, {k}] matrix as {kind}: {e}") from None
 
 
 def rounded_format(path: str, fmt: WeightFormat) -> LinearFormat:

@@ -274,8 +274,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     weight_format = weight_format or WeightFormat()
     if embedding_on_host:
         check_embedding_on_host(config.tie_word_embeddings, weight_format.head_type)
-    tokenizer = (Tokenizer.from_gguf_metadata(source.metadata) if isinstance(source, GGUFFile)
-                 else Tokenizer.from_hf_dir(source.path))
+    tokenizer = source.tokenizer()
     dtype = dtype or default_dtype(dev)
     weight_dtype = weight_dtype or default_weight_dtype(dev, dtype)
     rotation = getattr(source, "rotation", None) or {}

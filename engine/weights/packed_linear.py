@@ -11,13 +11,12 @@ import zlib
 import torch
 from torch import nn
 
-from engine.errors import BonsaiError
 from engine.kernels import kernels_usable
 from engine.pipeline.naming import global_name
-from engine.runtime.model import Linear
-from engine.weights.formats import WeightFormat, rounded_format
+from engine.runtime.linear import Linear
+from engine.weights.formats import WeightFormat, require_packable, rounded_format
 from quant import grids
-from quant.packed_layout import KINDS, PackedWeight, check_packable, pack, random_packed
+from quant.packed_layout import KINDS, PackedWeight, pack, random_packed
 
 GEMV_MAX_ROWS = 4  # measured on an H200: above this, unpack-to-bf16 + cuBLAS is faster than the GEMV
 
@@ -124,11 +123,7 @@ def quantize_transient(kind: str, out_features: int, in_features: int, source_by
 def empty_packed(kind: str, out_features: int, in_features: int, group_size: int,
                  device: torch.device | str) -> PackedWeight:
     """The final buffers of a packed [N, K] matrix, filled by `quantize_rows` (or a checkpoint's codes)."""
-    try:
-        check_packable(kind, out_features, in_features, group_size)
-    except ValueError as e:
-        raise BonsaiError(f"cannot pack a [{out_features}, {in_features}] matrix as {kind}: {e}; "
-                          "choose another --group-size") from None
+    require_packable(kind, out_features, in_features, group_size)
     e = KINDS[kind].per_word
     return PackedWeight(kind, torch.empty(in_features // e, out_features, dtype=torch.int32, device=device),
                         torch.empty(in_features // group_size, out_features, dtype=torch.float16, device=device),

@@ -187,8 +187,10 @@ def section_rows(dev, kinds: list[str]) -> None:
     step_rows_timing(dev)
 
 
-def step_rows_timing(dev) -> None:
-    """The graphed decode step of the dummy 8B ternary model at 1..16 rows (batched slots)."""
+def step_rows_timing(dev, models: tuple[str, ...] = ("qwen3-8b:tri:int4",),
+                     rows_list: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16)) -> None:
+    """The graphed decode step of each dummy model (name:weights:head) at several rows: batched
+    slots, and the verify widths (k + 1 rows) that speculative decoding pays per step."""
     import yaml
 
     from engine.runtime.cuda_graphs import DecodeStepRunner
@@ -197,29 +199,32 @@ def step_rows_timing(dev) -> None:
     from engine.sources.model_config import ModelConfig
     from engine.weights.formats import WeightFormat
     root = Path(__file__).resolve().parents[2]
-    cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs" / "models" / "qwen3-8b.yaml").read_text()))
-    loaded = load_dummy(cfg, "qwen3-8b", dev, WeightFormat("tri", 128, "int4"))
-    cache = KVCache(cfg, 1024, 16, dtype=torch.bfloat16, device=dev)
-    base = None
-    for rows in (1, 2, 3, 4, 6, 8, 12, 16):
-        step = DecodeStepRunner(loaded.model, cache, rows, 4)
-        args = ([1] * rows, [512] * rows, list(range(rows)))
-        step.run(*args)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            step.graph.replay()
-        torch.cuda.synchronize()
-        t = (time.perf_counter() - t0) / 50
-        base = base or t
-        print(f"step qwen3-8b tri rows={rows:2}: {t * 1e6:7.1f} us ({t / base:.2f}x one row, "
-              f"{rows / t:.0f} tok/s aggregate)", flush=True)
-        RESULTS.setdefault("step_rows", []).append({"rows": rows, "us": t * 1e6})
-        if rows in (2, 3, 8):
-            profile_replays(step.graph)
-        del step
-    del loaded, cache
-    torch.cuda.empty_cache()
+    for spec in models:
+        name, weights, head = spec.split(":")
+        cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs" / "models" / f"{name}.yaml").read_text()))
+        loaded = load_dummy(cfg, name, dev, WeightFormat(weights, 128, head))
+        cache = KVCache(cfg, 1024, max(rows_list), dtype=torch.bfloat16, device=dev)
+        base = None
+        for rows in rows_list:
+            step = DecodeStepRunner(loaded.model, cache, rows, 4)
+            args = ([1] * rows, [512] * rows, list(range(rows)))
+            step.run(*args)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                step.graph.replay()
+            torch.cuda.synchronize()
+            t = (time.perf_counter() - t0) / 50
+            base = base or t
+            print(f"step {name} {weights}/{head} rows={rows:2}: {t * 1e6:7.1f} us ({t / base:.2f}x one row, "
+                  f"{rows / t:.0f} tok/s aggregate)", flush=True)
+            RESULTS.setdefault("step_rows", []).append({"model": name, "weights": weights, "head": head,
+                                                        "rows": rows, "us": t * 1e6})
+            if rows in (2, 3, 8) and spec == models[0] and name == "qwen3-8b":
+                profile_replays(step.graph)
+            del step
+        del loaded, cache
+        torch.cuda.empty_cache()
 
 
 def section_dequant(dev) -> None:
@@ -401,6 +406,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--kinds", default="tri,bin,int4,int8", help="layouts the gemv section sweeps")
     ap.add_argument("--models", default="qwen3-8b:tri:int4,qwen3-8b:bin:int4,qwen3-8b:bf16:bf16,dense-27b:tri:int4")
+    ap.add_argument("--step-models", default="qwen3-8b:tri:int4", help="steprows: name:weights:head list, e.g. "
+                    "qwen2.5-coder-1.5b:bf16:bf16,qwen2.5-coder-0.5b:bf16:bf16 (verify widths of the draft pair)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     RESULTS["device"] = torch.cuda.get_device_name(0)
@@ -409,7 +416,7 @@ def main() -> None:
     print(f"{RESULTS['device']}: copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     sections = {"check": lambda: section_check(dev), "gemv": lambda: section_gemv(dev, copy_bw, args.quick, args.kinds.split(",")),
                 "gemm": lambda: section_gemm(dev), "dequant": lambda: section_dequant(dev), "small": lambda: section_small(dev), "rows": lambda: section_rows(dev, args.kinds.split(",")),
-                "steprows": lambda: step_rows_timing(dev),
+                "steprows": lambda: step_rows_timing(dev, tuple(args.step_models.split(","))),
                 "prefill": lambda: section_prefill(dev, args.models.split(",")), "step": lambda: section_step(dev, args.models.split(","))}
     for name in args.sections.split(","):
         t0 = time.perf_counter()

@@ -20,8 +20,6 @@ tied embedding is untied, the output layer is then a separate int4 tensor (gptq 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import json
 import sys
 import time
@@ -32,53 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-CALIB_MODULES = ("collections", "argparse", "email.message", "json", "http.client", "http.server", "logging",
-                 "pathlib", "itertools", "functools", "typing", "subprocess", "threading", "asyncio.tasks",
-                 "datetime", "decimal", "fractions", "statistics", "textwrap", "string", "re", "shutil",
-                 "tarfile", "zipfile", "csv", "sqlite3", "unittest.case", "doctest", "inspect", "dataclasses",
-                 "enum", "contextlib", "heapq", "bisect", "random", "urllib.parse", "urllib.request",
-                 "xml.etree.ElementTree", "configparser", "socket", "ssl", "selectors", "queue", "sched",
-                 "tempfile", "glob", "fnmatch", "difflib", "pprint", "pickle", "copy", "weakref", "abc",
-                 "numbers", "operator", "io", "codecs", "locale", "gettext", "calendar", "zoneinfo", "uuid",
-                 "hashlib", "hmac", "secrets", "base64", "binascii", "struct", "array", "mmap", "signal",
-                 "multiprocessing.pool", "concurrent.futures", "traceback", "warnings", "timeit", "trace",
-                 "tokenize", "ast", "dis", "importlib", "zipimport", "platform", "sysconfig", "smtplib",
-                 "imaplib", "ftplib", "mailbox", "mimetypes", "html.parser", "webbrowser", "wave", "colorsys",
-                 "shlex", "getpass", "curses", "tkinter", "turtle", "cmd", "code", "pdb", "profile", "pstats")
-
-
 @dataclass(frozen=True)
 class Spec:
     quant_type: str
     group_size: int
-
-
-def calibration_text() -> str:
-    """Docstrings of standard-library modules and their public members (pydoc_data excluded)."""
-    seen, parts = set(), []
-
-    def add(obj) -> None:
-        doc = inspect.getdoc(obj)
-        if doc and len(doc) > 80 and doc not in seen:
-            seen.add(doc)
-            parts.append(doc)
-
-    for name in CALIB_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # a module this Python lacks (tkinter, curses): skip it
-            continue
-        add(module)
-        for attr in sorted(dir(module)):
-            obj = getattr(module, attr, None)
-            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-                continue
-            add(obj)
-            if inspect.isclass(obj):
-                for meth in sorted(vars(obj)):
-                    if not meth.startswith("_"):
-                        add(getattr(obj, meth, None))
-    return "\n\n".join(parts)
 
 
 def plan_for(recipe: str):
@@ -140,7 +95,7 @@ def main() -> None:
 
     from engine.sources import store
     from engine.quantization.calibration import CalibrationOptions, calibration_sequences, quantize_with_calibration
-    from engine.quantization.evaluate import default_eval_text, evaluate
+    from engine.quantization.evaluate import default_calibration_text, default_eval_text, evaluate
     from engine.weights.loader import load_model
     from engine.quantization.rotation import load_rotated
     from engine.runtime.runner import ModelRunner
@@ -151,7 +106,7 @@ def main() -> None:
     reference = ModelRunner(load_model(path, weight_dtype=torch.float32), max_seq_len=512)
     tok = reference.loaded.tokenizer
     eval_ids = tok.encode(default_eval_text())[:4096]
-    calib_ids = tok.encode(calibration_text())
+    calib_ids = tok.encode(default_calibration_text())
     sequences = calibration_sequences(calib_ids, args.samples, args.seq_len)
     print(f"calibration: {len(calib_ids)} tokens of stdlib docstrings, {len(sequences)} x {args.seq_len} used; "
           f"eval: {len(eval_ids)} tokens of pydoc topics", file=sys.stderr)

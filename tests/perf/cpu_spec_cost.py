@@ -1,0 +1,75 @@
+"""Speculative vs plain decoding on the CPU in CPU seconds of one thread: a ratio that the load of a
+shared machine leaves alone (wall-clock suites swing 2-3x within one prompt there).
+
+Usage: python tests/perf/cpu_spec_cost.py --target qwen2.5-coder-1.5b --spec draft:qwen2.5-coder-0.5b
+           [--weight-dtype bfloat16] [--categories code-edit,summarization] [--suite coder] [--draft-tokens 4]
+Per prompt of the suite: plain greedy decoding, then speculative, each timed with time.process_time()
+(torch on one thread, so CPU seconds are the work done); the outputs must be identical. Prints the
+tokens per target pass and the speedup per prompt; with --float16-plain also plain decoding with the
+float16 matrices (the CPU default) as the baseline to beat. Not part of CI.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def timed(runner, tok, ids, max_tokens, drafter=None, num_draft_tokens=4):
+    from engine.decoding.engine import Engine
+    from engine.decoding.generate import generate_text
+    from engine.decoding.sequence import Request
+    engine = Engine(runner, tok, drafters=None if drafter is None else [drafter], num_draft_tokens=num_draft_tokens)
+    start = time.process_time()
+    _, out, _, stats = generate_text(engine, Request(list(ids), max_tokens=max_tokens))
+    return out, time.process_time() - start, stats
+
+
+def main() -> None:
+    from engine.sources import store
+    from engine.bench.suites import load_suite
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
+    from engine.speculative.config import SpeculativeConfig, build_drafter
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--spec", default="draft:qwen2.5-coder-0.5b")
+    ap.add_argument("--weight-dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--float16-plain", action="store_true", help="also time plain decoding with float16 matrices")
+    ap.add_argument("--suite", default="coder")
+    ap.add_argument("--categories", default="code-edit,summarization")
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    path = store.resolve_model(args.target)
+    target = load_model(path, "cpu", weight_dtype=getattr(torch, args.weight_dtype))
+    plain16 = load_model(path, "cpu", weight_dtype=torch.float16) if args.float16_plain else None
+    seq = 1024
+    drafter = build_drafter(SpeculativeConfig.from_spec(args.spec, num_draft_tokens=args.draft_tokens), target, seq)
+    tok = target.tokenizer
+    print(f"{args.target} ({args.weight_dtype}) with {args.spec}, k={args.draft_tokens}, 1 thread, CPU seconds",
+          flush=True)
+    for p in load_suite(args.suite, categories=args.categories.split(",")):
+        ids = tok.encode(tok.apply_chat_template(p.messages))
+        request = p.max_tokens
+        plain, t_plain, _ = timed(ModelRunner(target, seq), tok, ids, request)
+        got, t_spec, stats = timed(ModelRunner(target, seq), tok, ids, request, drafter=drafter,
+                                   num_draft_tokens=args.draft_tokens)
+        s = stats.speculative
+        line = (f"{p.category:14} {len(plain):3} tokens  plain {t_plain:6.1f} s  spec {t_spec:6.1f} s  "
+                f"speedup {t_plain / t_spec:.2f}x  tokens/pass {s.mean_accepted_length:.2f}  "
+                f"accepted {s.accepted}/{s.drafted}  identical {got == plain}")
+        if plain16 is not None:
+            out16, t16, _ = timed(ModelRunner(plain16, seq), tok, ids, request)
+            line += f"  float16 plain {t16:6.1f} s (spec {t16 / t_spec:.2f}x of it)"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
