@@ -106,3 +106,6 @@ def test_a_prefill_chunk_that_cannot_be_captured_runs_eagerly(monkeypatch):
     assert graphed.prefill_graphs.failed and not graphed.prefill_graphs.graphs
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert torch.allclose(graphed.cache.k[:, 0, :, :16], eager.cache.k[:, 0, :, :16])
+    # the failed capture left the device's random generator as it was: sampling still draws
+    torch.manual_seed(0)
+    assert torch.multinomial(torch.ones(1, 8, device="cuda"), 1).shape == (1, 1)

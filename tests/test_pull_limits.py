@@ -6,6 +6,8 @@ are made small through their settings. Names the hub cannot have are refused bef
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -160,3 +162,21 @@ def test_an_error_with_a_newline_in_it_prints_as_one_line(capsys):
     proc = bonsai_in_process(capsys, "generate", "no-such\nmodel\x1b[31m", "--prompt", "hi")
     assert_one_line_error(proc, "unknown model")
     assert "\\n" in proc.stderr and "\x1b" not in proc.stderr
+
+
+def test_the_store_imports_without_the_hubs_http_client():
+    """Every command imports engine.store; a huggingface_hub built on another HTTP package (httpx before 2.0,
+    httpx2 after) must not stop it (the GPU machine's hub has no httpx2: every test there failed to import)."""
+    code = ("import sys; sys.modules['httpx2'] = None; sys.modules['httpx'] = None\n"
+            "import engine.store, engine.pull_limits\nprint('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_deadline_stream_is_the_clients_own_stream_type():
+    import importlib
+    from engine.pull_limits import deadline_stream_type
+    name = "httpx2" if importlib.util.find_spec("httpx2") else "httpx"
+    http = importlib.import_module(name)
+    kind = deadline_stream_type(f"{name}._models")
+    assert issubclass(kind, http.SyncByteStream) and deadline_stream_type(f"{name}._models") is kind

@@ -21,6 +21,20 @@ from engine.runtime.model import Transformer
 log = logging.getLogger(__name__)
 
 
+def capture(graph: torch.cuda.CUDAGraph, step, pool=None):
+    """step() captured into graph (its result: the graph's static outputs). A capture that fails leaves the
+    device's random generator marked as capturing, and every later random draw on the device (sampling) then
+    raises 'Offset increment outside graph capture': the generator's state from before is put back first."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    before = generator.clone_state()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            return step()
+    except BaseException:
+        generator.graphsafe_set_state(before)
+        raise
+
+
 class DecodeStepRunner:
     """Runs `decode_step` for a fixed number of rows, graphed on CUDA."""
 
@@ -65,8 +79,7 @@ class DecodeStepRunner:
         for name, rows in saved.items():
             self.cache.tensors[name][:, 0, :, 0].copy_(rows)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._eager()
+        self.logits = capture(self.graph, self._eager)
 
     @torch.inference_mode()
     def run(self, tokens: list[int], positions: list[int], slots: list[int],
@@ -143,8 +156,7 @@ class PrefillGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model(ids, batch, self.cache, kv_len, 1)  # [1, 1, V]
+            logits = capture(graph, lambda: self.model(ids, batch, self.cache, kv_len, 1), self.pool)  # [1, 1, V]
         except RuntimeError as e:  # a step that syncs the host cannot be captured: stay correct, eager
             self.failed = True
             self.graphs.clear()

@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
-
-import httpx2  # huggingface_hub's HTTP client
 
 from engine.errors import BonsaiError
 
@@ -67,13 +66,22 @@ class PullWatch:
                                          "pool": self.limits.connect_s}
 
     def on_response(self, response: Any) -> None:
-        response.stream = _DeadlineStream(response.stream, self)
+        response.stream = deadline_stream_type(type(response).__module__)(response.stream, self)
 
 
-class _DeadlineStream(httpx2.SyncByteStream):
-    """A response body that stops at the deadline, however steadily it trickles in."""
+def http_module(name: str):
+    """The HTTP client package a response type belongs to (httpx2 for huggingface_hub >= 2, httpx before)."""
+    import importlib
+    return importlib.import_module(name.split(".")[0])
 
-    def __init__(self, stream: Any, watch: PullWatch):
+
+@lru_cache(maxsize=None)
+def deadline_stream_type(module_name: str) -> type:
+    """A response body that stops at the deadline, however steadily it trickles in: a SyncByteStream of the
+    client's own package (the client checks that type), made once per package."""
+    http = http_module(module_name)
+
+    def __init__(self, stream: Any, watch: PullWatch) -> None:
         self.stream, self.watch = stream, watch
 
     def __iter__(self) -> Iterator[bytes]:
@@ -83,6 +91,7 @@ class _DeadlineStream(httpx2.SyncByteStream):
 
     def close(self) -> None:
         self.stream.close()
+    return type("DeadlineStream", (http.SyncByteStream,), {"__init__": __init__, "__iter__": __iter__, "close": close})
 
 
 @contextmanager
@@ -90,6 +99,9 @@ def hub_limits(limits: PullLimits) -> Iterator[PullWatch]:
     """huggingface_hub's shared HTTP client, for the duration: its default one with the watch's hooks."""
     from huggingface_hub.utils import _http
     watch = PullWatch(limits)
+    if not hasattr(_http, "set_client_factory"):  # a hub before its httpx client (< 1.0): its own timeouts only
+        yield watch
+        return
 
     def client():
         c = _http.default_client_factory()
