@@ -1,26 +1,24 @@
 """`bonsai bench MODEL`: model runs or task suites on the local engine."""
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rich.progress import Progress
 
-from bonsai_cli.common import err_console, load_for_cli, print_choices
+from bonsai_cli.common import err_console
 
 
-def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, load: dict[str, Any],
-                    max_seq_len: int, kv_type: str,
-                    suite: Optional[str], categories: Optional[str], limit: Optional[int], n_prompt: list[int],
-                    n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
-                    save: Callable[[], None], spec_config: Any = None, vs_plain: bool = False,
-                    max_gpu_memory: Optional[str] = None, offload: dict[str, Any] | None = None,
-                    embedding_on_host: Optional[bool] = None, pipeline: list[str] | None = None) -> None:
-    """pipeline: the stage devices of a pipelined run (--pipeline-parallel), else None."""
-    from bonsai_cli.gpu_budget import plan_cli_run
+def run_local_bench(report: dict[str, Any], model: Optional[str], config_file: Optional[Path],
+                    flags: dict[str, Any], suite: Optional[str], categories: Optional[str], limit: Optional[int],
+                    n_prompt: list[int], n_gen: list[int], depth: list[int], repetitions: int, combined: bool,
+                    save: Callable[[], None], vs_plain: bool = False) -> None:
+    """MODEL (or --config) with the run flags, as `bonsai generate` builds it; the context is what the
+    tests need unless --max-seq-len (or the config) says."""
+    from bonsai_cli.run_options import open_cli_run, run_config
     from engine.bench import model_bench
     from engine.bench.suites import load_suite
-    from engine.memory_limit import within_limit
-    from engine.runner import ModelRunner
 
     prompts = None
     if suite:
@@ -29,41 +27,31 @@ def run_local_bench(report: dict[str, Any], model: Optional[str], device: str, l
     else:
         tests = model_bench.plan_tests(n_prompt, n_gen, depth, combined)
     needed = max((t.depth + t.n_prompt + t.n_gen + 2 for t in tests), default=2048)
-    if pipeline is not None:
-        from bonsai_cli.pipeline_options import open_cli_pipeline
-        if embedding_on_host:
-            from engine.errors import BonsaiError
-            raise BonsaiError("--embedding-on-host is not available with --pipeline-parallel; remove it")
-        runner, budget, pp = open_cli_pipeline(model, pipeline, max_seq_len or needed, max_gpu_memory, load,
-                                               kv_type, auto_pull=model is None)
-        loaded = runner.loaded
-        report["pipeline"] = pp.as_dict()
-        try:
-            _bench_runner(report, loaded, runner, budget, tests, prompts, suite, repetitions, save, spec_config,
-                          vs_plain)
-        finally:
-            runner.close()
-        return
-    budget = plan_cli_run(model, device, max_seq_len or needed, max_gpu_memory, spec_config=spec_config,
-                          auto_pull=model is None, kv_type=kv_type,
-                          kv_offload=bool(offload and offload.get("kv_offload")), embedding_on_host=embedding_on_host,
-                          **load)
-    print_choices(budget)
-    with within_limit(budget.limit, "loading the model"):
-        loaded = load_for_cli(model, device, embedding_on_host=budget.settings.embedding_on_host, **load)
-    with within_limit(budget.limit, "allocating the KV cache and capturing the decode step"):
-        runner = ModelRunner(loaded, max_seq_len=max_seq_len or needed, kv_type=kv_type,
-                             prefill_chunk_size=budget.settings.prefill_chunk_size, prefill_graphs=budget.limit is None,
-                             **(offload or {}))
-    _bench_runner(report, loaded, runner, budget, tests, prompts, suite, repetitions, save, spec_config, vs_plain)
+    cfg = run_config(model, flags, config_file)
+    if flags.get("--max-seq-len") is None and cfg.runtime.max_seq_len is None and cfg.model.max_context is None:
+        cfg = run_config(model, {**flags, "--max-seq-len": needed}, config_file)
+    report["speculative"] = _spec_entry(cfg.spec_config)
+    with contextlib.closing(open_cli_run(cfg, auto_pull=model is None and config_file is None,
+                                         from_flags=config_file is None)) as run:
+        if run.pipeline is not None:
+            report["pipeline"] = run.pipeline.as_dict()
+        _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plain)
 
 
-def _bench_runner(report, loaded, runner, budget, tests, prompts, suite, repetitions, save, spec_config,
-                  vs_plain) -> None:
-    """The bench of a ready runner (ModelRunner, or a PipelineRunner: stage 0's device and plan)."""
-    from bonsai_cli.gpu_budget import memory_report
+def _spec_entry(config) -> dict[str, Any]:
+    if config is None:
+        return {"active": False, "drafters": []}
+    return {"active": True, "method": config.method, "drafters": [d.label for d in config.drafters],
+            "num_draft_tokens": config.num_draft_tokens, "adaptive": config.adaptive,
+            "ngram": [config.ngram_min, config.ngram_max], "ngram_pool_size": config.ngram_pool_size}
+
+
+
+def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plain) -> None:
+    """The bench of an open run (one device, or a pipeline: stage 0's device and plan)."""
     from engine.bench.environment import describe_environment
-    from engine.memory_limit import check_usage, within_limit
+    from engine.memory.limit import check_usage, within_limit
+    loaded, runner, budget = run.loaded, run.runner, run.plan
     check_usage(budget.limit, loaded.device, "loading", budget.plan.total)
     report["memory"] = memory_report(budget, loaded.device)
     report["environment"] = describe_environment(loaded.device)
@@ -76,7 +64,7 @@ def _bench_runner(report, loaded, runner, budget, tests, prompts, suite, repetit
         "group_size": loaded.weight_format.group_size, "load_format": loaded.summary.format,
         "kv_dtype": str(runner.cache.dtype).replace("torch.", ""), "kv_type": runner.cache.kv_type.name,
         "kv_bytes": runner.cache.nbytes, "max_seq_len": runner.max_seq_len,
-        "embedding_on_host": getattr(getattr(budget, "settings", None), "embedding_on_host", False)}
+        "embedding_on_host": budget.settings.embedding_on_host}
     report["settings"] = {"repetitions": repetitions, "device": str(loaded.device), "temperature": 0.0,
                           "fused_decode": runner.decoder is not None,
                           "cuda_graph": getattr(runner.decoder, "graph", None) is not None,
@@ -85,11 +73,26 @@ def _bench_runner(report, loaded, runner, budget, tests, prompts, suite, repetit
     save()
     try:
         with within_limit(budget.limit, "benchmarking"):
-            _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain,
+            _run_tests(report, run, tests, prompts, suite, repetitions, save, vs_plain,
                        _copy_megabytes(budget.limit, loaded.device))
     finally:  # the allocator's peak over the whole run, next to the plan
         report["memory"] = memory_report(budget, loaded.device)
         save()
+
+
+def memory_report(budget, device) -> dict[str, Any]:
+    """Planned bytes (engine.run.plan.RunPlan) against the allocator's peaks (the report's 'memory' entry)."""
+    import torch
+
+    from engine.memory.limit import usage
+    cuda = torch.device(device).type == "cuda"
+    used = usage(device)
+    return {"planned_bytes": budget.plan.total, "planned_by_category": budget.plan.categories(),
+            "max_gpu_memory": budget.limit, "chosen_to_fit": {c.key: c.value for c in budget.choices},
+            "embedding_on_host": budget.settings.embedding_on_host,
+            "prefill_chunk_size": budget.settings.prefill_chunk_size,
+            "peak_allocated_bytes": used["peak_allocated"] if cuda else None,  # no allocator statistics on the CPU
+            "peak_reserved_bytes": used["peak_reserved"] if cuda else None}
 
 
 def _copy_megabytes(limit: int | None, device) -> int:
@@ -102,20 +105,14 @@ def _copy_megabytes(limit: int | None, device) -> int:
     return max(16, min(1024, left // 4 // 2**20))
 
 
-def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save, spec_config, vs_plain,
-               copy_megabytes: int = 0) -> None:
+def _run_tests(report, run, tests, prompts, suite, repetitions, save, vs_plain, copy_megabytes: int = 0) -> None:
     from engine.bench import model_bench
-    drafter = None
-    if spec_config is not None:
-        from engine.speculative.config import build_drafter
-        drafter = build_drafter(spec_config, loaded, runner.max_seq_len)
+    loaded, runner = run.loaded, run.runner
+    engine = run.engine()  # with the config's drafters, if any
     if prompts is not None:
-        tokenizer = loaded.require_tokenizer()
-        if drafter is None:
-            _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save)
-            return
-        _run_suite(report, "suite", runner, tokenizer, suite, prompts, repetitions, save, drafter,
-                   spec_config.num_draft_tokens, vs_plain)
+        loaded.require_tokenizer()
+        plain = run.engine(speculative=False) if vs_plain else None
+        _run_suite(report, "suite", engine, suite, prompts, repetitions, save, plain)
         if vs_plain:
             _add_speedup(report)
             save()
@@ -128,12 +125,12 @@ def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save,
         task = progress.add_task("benchmark", total=len(tests) * repetitions)
         for test in tests:
             progress.update(task, description=test.name)
-            [m] = model_bench.run_model_bench(runner, [test], repetitions, special,
-                                              on_sample=lambda t, r, s: progress.advance(task), drafter=drafter,
-                                              num_draft_tokens=spec_config.num_draft_tokens if spec_config else 4)
+            [m] = model_bench.run_model_bench(engine, [test], repetitions, special,
+                                              on_sample=lambda t, r, s: progress.advance(task))
             entry = m.summary()
-            pipelined = hasattr(runner, "stages")  # rank 0 holds stage 0's part only: no whole-model byte count
-            if test.n_gen and not test.n_prompt and drafter is None and not pipelined:  # with drafts, tokens per pass vary
+            # rank 0 of a pipeline holds stage 0's part only: no whole-model byte count; with drafts, tokens
+            # per pass vary
+            if test.n_gen and not test.n_prompt and engine.spec is None and run.pipeline is None:
                 bytes_per_token = model_bench.decode_bytes_per_token(runner, test.depth + test.n_gen // 2)
                 achieved = bytes_per_token * entry["tokens_per_second"]
                 entry["decode_bandwidth"] = {"bytes_per_token": bytes_per_token, "achieved_gb_per_s": achieved / 1e9,
@@ -146,12 +143,12 @@ def _run_tests(report, loaded, runner, tests, prompts, suite, repetitions, save,
             save()
 
 
-def _run_suite(report, key, runner, tokenizer, name, prompts, repetitions, save, drafter=None,
-               num_draft_tokens: int = 4, vs_plain: bool = False) -> None:
-    """The suite into report[key]; with vs_plain, plain runs interleaved into report['plain_suite']."""
+def _run_suite(report, key, engine, name, prompts, repetitions, save, plain=None) -> None:
+    """The suite into report[key]; with `plain` (an engine without drafters), plain runs interleaved
+    into report['plain_suite']."""
     from engine.bench import suite_runner
 
-    keys = [key] + (["plain_suite"] if vs_plain else [])
+    keys = [key] + (["plain_suite"] if plain is not None else [])
     entries = {k: {"name": name, "prompts": len(prompts), "results": [], "by_category": {}} for k in keys}
     report.update(entries)
     with Progress(console=err_console, transient=True) as progress:
@@ -168,9 +165,8 @@ def _run_suite(report, key, runner, tokenizer, name, prompts, repetitions, save,
                 save()
             return on_result
 
-        suite_runner.run_suite(runner, tokenizer, prompts, repetitions, on_result=recorder(key), drafter=drafter,
-                               num_draft_tokens=num_draft_tokens,
-                               on_plain_result=recorder("plain_suite") if vs_plain else None)
+        suite_runner.run_suite(engine, prompts, repetitions, on_result=recorder(key), plain=plain,
+                               on_plain_result=recorder("plain_suite") if plain is not None else None)
 
 
 def _add_speedup(report: dict[str, Any]) -> None:

@@ -1,15 +1,17 @@
 """`bonsai chat [MODEL]`: streaming chat in the terminal."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
 import typer
 
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, KV_TYPE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, err_console, load_for_cli,
-                               spec_summary, speculative_config)
 from bonsai_cli.cmd_generate import sampling_from_options
+from bonsai_cli.common import spec_summary
+from bonsai_cli.run_options import (CONFIG_HELP, DEVICE_HELP, DRAFT_TOKENS_HELP, KV_TYPE_HELP, SPEC_HELP,
+                                    WEIGHT_DTYPE_HELP, open_cli_run, run_config)
 
 HELP_TEXT = ("commands: /reset (forget the conversation), /system TEXT (set the system message; "
              "/system alone clears it), /stats (speed of the last answer), /exit")
@@ -25,63 +27,47 @@ def chat(
     min_p: float = typer.Option(0.05, "--min-p"),
     repeat_penalty: float = typer.Option(1.1, "--repeat-penalty"),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]"),
-    weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
-    max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help=WEIGHT_DTYPE_HELP + " (default auto)"),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="context length to allocate "
+                                              "(default 4096, or the model's positions if fewer)"),
     kv_type: Optional[str] = typer.Option(None, "--kv-type", help=KV_TYPE_HELP + " (default bf16)"),
     plain: bool = typer.Option(False, "--plain", help="print raw text instead of rendered markdown"),
-    config: Optional[Path] = typer.Option(None, "--config", help="serve.yaml: chat through the server's engine "
-                                          "(its model, slots, thinking budget and context policy)"),
+    config: Optional[Path] = typer.Option(None, "--config", help=CONFIG_HELP + " (slots, thinking budget, "
+                                          "context policy)"),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
-    draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help=DRAFT_TOKENS_HELP + " (default 4)"),
 ) -> None:
     """Chat with a model in the terminal; the conversation stays in the KV cache between turns."""
     from rich.console import Console
 
-    from engine.chat_session import ChatSession
+    from engine.decoding.chat import ChatSession
     from engine.errors import BonsaiError
-    from engine.generate import GenerationRequest
-    from engine.kv_cache import kv_type_of
-    from engine.runner import ModelRunner
-    from engine.speculative.config import build_drafter
 
     console = Console()
-    if config is not None:
-        if model is not None:
-            raise BonsaiError("give either MODEL or --config (the config names the model), not both")
-        if spec is not None:
-            raise BonsaiError("--spec does not combine with --config: set speculation in the config's "
-                              "`speculative:` section")
-        if kv_type is not None:
-            raise BonsaiError("--kv-type does not combine with --config: set model.kv_type in the config")
-        sampling = sampling_from_options(temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed)
-        return _chat_with_config(config, system, max_tokens, sampling, console)
-    spec_config = speculative_config(spec, draft_tokens)
-    kv_type_of(kv_type or "bf16")  # an unknown name fails before loading
-    loaded = load_for_cli(model, device, weight_dtype=weight_dtype)
-    runner = ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type or "bf16")
-    session = ChatSession(runner, loaded.tokenizer, system=system)
-    if spec_config is not None:
-        session.drafter = build_drafter(spec_config, loaded, max_seq_len)
-        session.num_draft_tokens = spec_config.num_draft_tokens
-    request = GenerationRequest(max_tokens=max_tokens, sampling=sampling_from_options(
-        temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed))
-    render_markdown = console.is_terminal and not plain
-    console.print(f"[dim]{HELP_TEXT}[/dim]")
-    for text in _user_lines(console):
-        if text.startswith("/"):
-            if not _command(text, session, console):
-                break
-            continue
-        console.print("[bold cyan]bonsai>[/bold cyan]", end="\n" if render_markdown else " ")
-        try:
-            _answer(session, text, request, console, render_markdown)
-        except KeyboardInterrupt:
-            console.print("\n[dim](answer interrupted)[/dim]")
-        except BonsaiError as e:
-            console.print(f"[red]error: {e}[/red]")
-            if "context" in str(e):
-                console.print("[dim]use /reset to start a new conversation[/dim]")
+    sampling = sampling_from_options(temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed)
+    cfg = run_config(model, {"--device": device, "--weight-dtype": weight_dtype, "--max-seq-len": max_seq_len,
+                             "--kv-type": kv_type, "--spec": spec, "--draft-tokens": draft_tokens}, config)
+    with contextlib.closing(open_cli_run(cfg, auto_pull=model is None and config is None,
+                                         from_flags=config is None)) as run:
+        session = ChatSession(run.engine(), system=system, compress_at=cfg.context.compress_at,
+                              thinking_budget=cfg.thinking.budget)
+        render_markdown = console.is_terminal and not plain
+        console.print(f"[dim]{HELP_TEXT}[/dim]")
+        for text in _user_lines(console):
+            if text.startswith("/"):
+                if not _command(text, session, console):
+                    break
+                continue
+            console.print("[bold cyan]bonsai>[/bold cyan]", end="\n" if render_markdown else " ")
+            try:
+                _answer(session, text, max_tokens, sampling, console, render_markdown)
+            except KeyboardInterrupt:
+                console.print("\n[dim](answer interrupted)[/dim]")
+            except BonsaiError as e:
+                console.print(f"[red]error: {e}[/red]")
+                if "context" in str(e):
+                    console.print("[dim]use /reset to start a new conversation[/dim]")
 
 
 def _user_lines(console) -> Iterator[str]:
@@ -105,19 +91,35 @@ def _read_line(console) -> str:
     return line
 
 
-def _answer(session, text: str, request, console, render_markdown: bool) -> None:
+def _answer(session, text: str, max_tokens: int, sampling, console, render_markdown: bool) -> None:
+    """Stream one answer: a thought dimmed as it comes, then the answer (rendered as markdown on a terminal)."""
     pieces: list[str] = []
-    if render_markdown:
-        from rich.live import Live
-        from rich.markdown import Markdown
-        with Live(Markdown(""), console=console, refresh_per_second=12, vertical_overflow="ellipsis") as live:
-            for event in session.send(text, request):
-                pieces.append(event.text)
-                live.update(Markdown("".join(pieces)))
-    else:
-        for event in session.send(text, request):
+    thinking = False
+    live = None
+    try:
+        for event in session.send(text, max_tokens, sampling):
+            if event.reasoning:
+                thinking = True
+                console.out(event.reasoning, end="", style="dim", highlight=False)
+            if not event.text:
+                continue
+            if thinking:
+                console.out("\n", end="")
+                thinking = False
             pieces.append(event.text)
-            console.out(event.text, end="", highlight=False)
+            if render_markdown:
+                if live is None:
+                    from rich.live import Live
+                    from rich.markdown import Markdown
+                    live = Live(Markdown(""), console=console, refresh_per_second=12, vertical_overflow="ellipsis")
+                    live.start()
+                live.update(Markdown("".join(pieces)))
+            else:
+                console.out(event.text, end="", highlight=False)
+    finally:
+        if live is not None:
+            live.stop()
+    if not render_markdown:
         console.out("")
     s = session.last_stats
     if s is not None:
@@ -142,65 +144,12 @@ def _command(text: str, session, console) -> bool:
         if s is None:
             console.print("[dim]no answer yet[/dim]")
         else:
-            slot = session.runner.slot(session.slot_index)
+            used = s.prompt_tokens + s.generated_tokens
             console.print(f"[dim]prompt {s.prompt_tokens} tokens ({s.cached_tokens} reused from cache) at "
                           f"{s.prefill_tokens_per_second:.1f} tok/s; {s.generated_tokens} generated at "
-                          f"{s.decode_tokens_per_second:.1f} tok/s; context {slot.length}/{slot.capacity}[/dim]")
+                          f"{s.decode_tokens_per_second:.1f} tok/s; context {used}/{session.engine.slot_context}[/dim]")
             if s.speculative is not None:
                 console.print(f"[dim]{spec_summary(s.speculative)}[/dim]")
     else:
         console.print(f"[yellow]unknown command {name}[/yellow]; {HELP_TEXT}")
     return True
-
-
-def _chat_with_config(path: Path, system: Optional[str], max_tokens: int, sampling, console) -> None:
-    """The chat loop over the server's engine: thoughts are shown dimmed before the answer."""
-    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
-    from engine.errors import BonsaiError
-    from engine.server.loading import load_engine
-    from engine.server.local_chat import EngineChat
-
-    cfg = read_serve_config(path)
-    with err_console.status(f"loading {cfg.model.path} on {cfg.runtime.device}"):
-        served = load_engine(cfg, architecture=architecture_of(cfg))
-    chat = EngineChat(served, system=system)
-    console.print(f"[dim]{HELP_TEXT}[/dim]")
-    try:
-        for text in _user_lines(console):
-            name, _, arg = text.partition(" ")
-            if name in ("/exit", "/quit", "/bye"):
-                break
-            if name in ("/reset", "/system"):
-                if name == "/system":
-                    chat.system = arg.strip() or None
-                chat.reset()
-                console.print("[dim]conversation cleared[/dim]")
-                continue
-            if name == "/stats":
-                t = chat.last.timings if chat.last else None
-                console.print("[dim]no answer yet[/dim]" if t is None else
-                              f"[dim]prompt {t['prompt_n'] + t['cache_n']} tokens ({t['cache_n']} reused from "
-                              f"cache) at {t['prompt_per_second']:.1f} tok/s; {t['predicted_n']} generated at "
-                              f"{t['predicted_per_second']:.1f} tok/s" +
-                              (f"; {t['draft_n_accepted']}/{t['draft_n']} drafted tokens accepted"
-                               if t.get("draft_n") else "") + "[/dim]")
-                continue
-            console.print("[bold cyan]bonsai>[/bold cyan] ", end="")
-            try:
-                thinking = False
-                for delta in chat.send(text, max_tokens, sampling):
-                    if delta.reasoning:
-                        thinking = True
-                        console.out(delta.reasoning, end="", style="dim", highlight=False)
-                    if delta.content:
-                        if thinking:
-                            console.out("\n", end="")
-                            thinking = False
-                        console.out(delta.content, end="", highlight=False)
-                console.out("")
-            except KeyboardInterrupt:
-                console.print("\n[dim](answer interrupted)[/dim]")
-            except BonsaiError as e:
-                console.print(f"[red]error: {e}[/red]")
-    finally:
-        served.engine.stop()

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import WEIGHT_DTYPE_HELP, err_console, load_for_cli, print_json
+from bonsai_cli.common import err_console, print_json
+from bonsai_cli.run_options import WEIGHT_DTYPE_HELP, open_cli_run, run_config
 
 
 def eval_command(
@@ -25,16 +26,15 @@ def eval_command(
     from rich.table import Table
 
     from engine.errors import BonsaiError
-    from engine.evaluate import check_same_tokenizer, evaluate, read_eval_text
-    from engine.runner import ModelRunner
+    from engine.quantization.evaluate import check_same_tokenizer, evaluate, read_eval_text
 
     if max_tokens < 2:
         raise BonsaiError("--max-tokens must be at least 2")
     source_text = read_eval_text(text)
     runners = []
     for spec, wdtype in ((model, weight_dtype), (ref, ref_weight_dtype)):
-        loaded = load_for_cli(spec, device, quiet=json_out, weight_dtype=wdtype)
-        runners.append(ModelRunner(loaded, max_seq_len=context))
+        cfg = run_config(spec, {"--device": device, "--weight-dtype": wdtype, "--max-seq-len": context})
+        runners.append(open_cli_run(cfg, quiet=json_out).runner)
     ours, reference = runners
     check_same_tokenizer(ours, reference, source_text[:2000])
     ids = ours.loaded.tokenizer.encode(source_text)[:max_tokens]

@@ -1,30 +1,30 @@
 """`bonsai generate MODEL --prompt TEXT`."""
 from __future__ import annotations
 
-import contextlib
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
 
-from bonsai_cli.common import (DRAFT_TOKENS_HELP, HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, KV_TYPE_HELP, SPEC_HELP,
-                               WEIGHT_DTYPE_HELP, err_console, kv_offload_options, load_for_cli, print_choices,
-                               print_json, spec_summary, speculative_config)
-from bonsai_cli.gpu_budget import EMBEDDING_ON_HOST_HELP, MAX_GPU_MEMORY_HELP, plan_cli_run
-from bonsai_cli.pipeline_options import DEVICE_HELP, PIPELINE_HELP, open_cli_pipeline, pipeline_devices
+from bonsai_cli.common import err_console, print_json, spec_summary
+from bonsai_cli.run_options import (CONFIG_HELP, DEVICE_HELP, DRAFT_TOKENS_HELP, EMBEDDING_ON_HOST_HELP,
+                                    HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, KV_TYPE_HELP, MAX_GPU_MEMORY_HELP,
+                                    PIPELINE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, open_cli_run, run_config)
 
 
 def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
                           repeat_penalty: float, presence_penalty: float, frequency_penalty: float,
                           seed: Optional[int]):
-    from engine.sampling import SamplingParams
+    from engine.decoding.sampling import SamplingParams
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                           repetition_penalty=repeat_penalty, presence_penalty=presence_penalty,
                           frequency_penalty=frequency_penalty, seed=seed)
 
 
 def generate(
-    model: str = typer.Argument(..., help="a .gguf file, a model directory or a pulled name"),
+    model: Optional[str] = typer.Argument(None, help="a .gguf file, a model directory or a pulled name "
+                                          "(or --config)"),
     prompt: str = typer.Option(..., "--prompt", "-p", help="the prompt text ('-' reads standard input)"),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template"),
     system: Optional[str] = typer.Option(None, "--system", help="system message (with --chat)"),
@@ -38,87 +38,64 @@ def generate(
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
     seed: Optional[int] = typer.Option(None, "--seed", help="same seed → same output"),
     stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
-    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    config: Optional[Path] = typer.Option(None, "--config", help=CONFIG_HELP),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     pipeline_parallel: bool = typer.Option(False, "--pipeline-parallel", help=PIPELINE_HELP),
-    weight_dtype: str = typer.Option("auto", "--weight-dtype", help=WEIGHT_DTYPE_HELP),
-    max_seq_len: int = typer.Option(4096, "--max-seq-len", help="context length to allocate"),
-    kv_type: str = typer.Option("bf16", "--kv-type", help=KV_TYPE_HELP),
+    weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help=WEIGHT_DTYPE_HELP + " (default auto)"),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="context length to allocate "
+                                              "(default 4096, or the model's positions if fewer)"),
+    kv_type: Optional[str] = typer.Option(None, "--kv-type", help=KV_TYPE_HELP + " (default bf16)"),
     kv_offload: bool = typer.Option(False, "--kv-offload", help=KV_OFFLOAD_HELP),
     host_kv_mib: Optional[int] = typer.Option(None, "--host-kv-mib", help=HOST_KV_MIB_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
-    draft_tokens: int = typer.Option(4, "--draft-tokens", help=DRAFT_TOKENS_HELP),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help=DRAFT_TOKENS_HELP + " (default 4)"),
     max_gpu_memory: Optional[str] = typer.Option(None, "--max-gpu-memory", help=MAX_GPU_MEMORY_HELP),
     embedding_on_host: Optional[bool] = typer.Option(None, "--embedding-on-host/--embedding-on-gpu",
                                                      help=EMBEDDING_ON_HOST_HELP),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
 ) -> None:
     """Generate a continuation (or a chat answer with --chat), streamed to stdout."""
-    from engine.errors import BonsaiError
-    from engine.generate import GenerationRequest
-    from engine.kv_cache import kv_type_of
-    from engine.memory_limit import within_limit
-    from engine.runner import ModelRunner
+    import contextlib
 
+    from engine.errors import BonsaiError
+
+    if model is None and config is None:
+        raise BonsaiError("bonsai generate needs MODEL (or --config serve.yaml)")
     if prompt == "-":
         prompt = sys.stdin.read()
     if system and not chat:
         raise BonsaiError("--system needs --chat (a system message only exists in a chat template)")
-    request = GenerationRequest(max_tokens=max_tokens, stop=tuple(stop), sampling=sampling_from_options(
-        temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed))
-    spec_config = speculative_config(spec, draft_tokens)
-    kv_type_of(kv_type)  # an unknown name fails before loading
-    offload = kv_offload_options(kv_offload, host_kv_mib)
-    devices = pipeline_devices(device, pipeline_parallel, kv_offload, spec_config)
-    runner = None
-    chunk = 512
-    if devices is not None:  # one process per device; this one runs stage 0 and the generation
-        if embedding_on_host:
-            raise BonsaiError("--embedding-on-host is not available with --pipeline-parallel; remove it")
-        runner, budget, _ = open_cli_pipeline(model, devices, max_seq_len, max_gpu_memory,
-                                              {"weight_dtype": weight_dtype}, kv_type, quiet=json_out)
-        loaded, limit = runner.loaded, budget.limit
-    else:
-        budget = plan_cli_run(model, device, max_seq_len, max_gpu_memory, weight_dtype=weight_dtype,
-                              spec_config=spec_config, kv_type=kv_type, kv_offload=kv_offload,
-                              embedding_on_host=embedding_on_host) if max_gpu_memory else None
-        limit = budget.limit if budget else None
-        on_host = budget.settings.embedding_on_host if budget else bool(embedding_on_host)
-        chunk = budget.settings.prefill_chunk_size if budget else 512
-        if budget and not json_out:
-            print_choices(budget)
-        with within_limit(limit, "loading the model"):
-            loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype, embedding_on_host=on_host)
-    with contextlib.closing(runner) if runner is not None else contextlib.nullcontext():  # a pipeline's workers end
-        _generate(loaded, runner, prompt_ids(loaded, prompt, chat, system), request, spec_config,
-                  lambda: ModelRunner(loaded, max_seq_len=max_seq_len, kv_type=kv_type, prefill_chunk_size=chunk,
-                                      prefill_graphs=limit is None, **offload), max_seq_len, budget, json_out)
+    sampling = sampling_from_options(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty,
+                                     frequency_penalty, seed)
+    cfg = run_config(model, {"--device": device, "--pipeline-parallel": pipeline_parallel,
+                             "--weight-dtype": weight_dtype, "--max-seq-len": max_seq_len, "--kv-type": kv_type,
+                             "--kv-offload": kv_offload, "--host-kv-mib": host_kv_mib, "--spec": spec,
+                             "--draft-tokens": draft_tokens, "--max-gpu-memory": max_gpu_memory,
+                             "--embedding-on-host": embedding_on_host}, config)
+    with contextlib.closing(open_cli_run(cfg, quiet=json_out, from_flags=config is None)) as run:
+        _generate(run, prompt_ids(run, prompt, chat, system), max_tokens, sampling, tuple(stop), json_out)
 
 
-def prompt_ids(loaded, prompt: str, chat: bool, system: Optional[str]) -> list[int]:
+def prompt_ids(run, prompt: str, chat: bool, system: Optional[str]) -> list[int]:
     """The prompt's token ids, through the chat template with --chat."""
-    tok = loaded.require_tokenizer()
+    tok = run.loaded.require_tokenizer()
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
     return tok.encode(prompt, add_special_tokens=True)
 
 
-def _generate(loaded, runner, ids: list[int], request, spec_config, make_runner, max_seq_len: int, budget,
-              json_out: bool) -> None:
-    """Stream the generation (runner: a started pipeline, or None: make_runner() makes one)."""
-    from engine.generate import stream_generate
-    from engine.memory_limit import check_usage, within_limit
-    from engine.speculative.config import build_drafter
+def _generate(run, ids: list[int], max_tokens: int, sampling, stop: tuple[str, ...], json_out: bool) -> None:
+    """Stream the generation to stdout (or one JSON object at the end)."""
+    from engine.decoding.generate import generate
+    from engine.decoding.sequence import Request
+    from engine.memory.limit import within_limit
 
-    tok, limit = loaded.tokenizer, budget.limit if budget else None
-    with within_limit(limit, "allocating the KV cache and the drafter"):
-        runner = runner or make_runner()
-        drafter = build_drafter(spec_config, loaded, max_seq_len) if spec_config else None
-    check_usage(limit, loaded.device, "loading", budget.plan.total if budget else None)
+    engine = run.engine()
+    request = Request(ids, max_tokens=max_tokens, sampling=sampling, stop=stop, split_reasoning=False)
     pieces, token_ids, finish, stats = [], [], "length", None
-    with within_limit(limit, "generating"):
-        for event in stream_generate(runner, tok, ids, request, drafter=drafter,
-                                     num_draft_tokens=spec_config.num_draft_tokens if spec_config else 0):
+    with within_limit(run.plan.limit, "generating"):
+        for event in generate(engine, request):
             pieces.append(event.text)
             token_ids.extend(event.token_ids)
             stats = event.stats

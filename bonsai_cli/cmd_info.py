@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import LOAD_FORMAT_HELP, WEIGHTS_HELP, print_json
+from bonsai_cli.common import print_json
+from bonsai_cli.run_options import LOAD_FORMAT_HELP, WEIGHTS_HELP
 
 
 def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model directory or a pulled name "
@@ -24,9 +25,9 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
     from rich.console import Console
     from rich.table import Table
 
-    from engine import store
+    from engine.sources import store
     from engine.errors import BonsaiError
-    from engine.loader import open_model_source, summarize
+    from engine.weights.loader import open_model_source, summarize
 
     if plan is not None:
         _info_plan(model, plan, json_out)
@@ -40,7 +41,7 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
         raise BonsaiError(f"unknown --load-format '{load_format}': use auto or dummy")
     path = store.resolve_model(model)
     source = open_model_source(path)
-    config = source.model_config()  # the architecture, checked against the tensors (engine.model_check)
+    config = source.model_config()  # the architecture, checked against the tensors (engine.sources.model_check)
     source.tokenizer()  # what `generate` builds next: a broken tokenizer is refused here too
     summary = summarize(source)
     arch = {k: v for k, v in vars(config).items() if k != "extra"}
@@ -77,20 +78,21 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
 def _info_plan(model: Optional[str], plan_file: Path, json_out: bool) -> None:
     from rich.console import Console
 
-    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
     from bonsai_cli.plan_table import plan_dict, print_plan
+    from bonsai_cli.run_options import architecture_of, run_config
     from engine.errors import BonsaiError
-    from engine.memory_budget import SERVE_KEYS, check_budget
-    from engine.server.memory import serve_plan
+    from engine.memory.budget import SERVE_KEYS, check_budget
+    from engine.run.plan import plan_run
 
-    cfg = read_serve_config(plan_file, {"model.path": model})
-    planned = serve_plan(cfg, architecture_of(cfg))
+    cfg = run_config(model, {}, plan_file)
+    planned = plan_run(cfg, architecture_of(cfg))
     if cfg.memory.pipeline_parallel:
         _info_pipeline(cfg, planned, plan_file, json_out)
         return
     refusal = None
     try:
-        check_budget(planned.plan, planned.limit, planned.weights, planned.settings, SERVE_KEYS)
+        check_budget(planned.plan, planned.limit, planned.weights, planned.settings, SERVE_KEYS,
+                     drafter=planned.drafter)
     except BonsaiError as e:
         refusal = str(e)
     if json_out:
@@ -143,12 +145,13 @@ def _info_dummy(model: str, weights: str, group_size: int, head_weights: str, js
     from rich.console import Console
     from rich.table import Table
 
-    from bonsai_cli.common import _dummy_config
-    from engine.memory_budget import dummy_formats, run_settings
-    from engine.memory_plan import weight_tensors
+    from bonsai_cli.run_options import dummy_architecture
+    from engine.memory.budget import dummy_formats, run_settings
+    from engine.memory.plan import weight_tensors
+    from engine.weights.formats import WeightFormat
 
-    config, path = _dummy_config(model)
-    formats = dummy_formats(config, weights, group_size, head_weights).formats
+    config, path = dummy_architecture(model)
+    formats = dummy_formats(config, WeightFormat(weights, group_size, head_weights)).formats
     nbytes = sum(size for _, _, size in weight_tensors(config, formats, run_settings(config, "cuda", 2)))
     params = config.num_parameters()
     arch = {k: v for k, v in vars(config).items() if k not in ("extra", "rope_scaling")}

@@ -17,7 +17,7 @@ def pull(name: str = typer.Argument(..., help="a built-in name (smollm2-135m, qw
     """Download a model into the store ($BONSAI_HOME, default ~/.cache/bonsai)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from engine import store
+    from engine.sources import store
 
     columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:

@@ -70,11 +70,11 @@ def quantize(
                                TimeRemainingColumn)
 
     from bonsai_cli.recipe_file import build_recipe, read_recipe_file
-    from engine import store
-    from engine.loader import resolve_device
-    from engine.paths import check_writable
-    from engine.quantize import QuantizeOptions
-    from engine.quantize import quantize as run_quantize
+    from engine.sources import store
+    from engine.weights.loader import resolve_device
+    from engine.quantization.paths import check_writable
+    from engine.quantization.quantize import QuantizeOptions
+    from engine.quantization.quantize import quantize as run_quantize
 
     file_data = read_recipe_file(recipe) if recipe else None
     built = build_recipe(file_data, quant_type=quant_type, group_size=group_size, sensitive_layers=sensitive_layers,
@@ -116,7 +116,7 @@ def quantize(
 
 def default_rotation(path) -> bool:  # noqa: ANN001
     """Whether the default --rotate applies: the model's hidden size has a Hadamard matrix."""
-    from engine.loader import open_model_source
+    from engine.weights.loader import open_model_source
     from quant.rotation import has_hadamard
     source = open_model_source(path)
     return has_hadamard(source.model_config().hidden_size) and not getattr(source, "rotation", None)

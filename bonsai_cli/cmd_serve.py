@@ -11,34 +11,9 @@ from bonsai_cli.common import err_console
 
 def read_serve_config(path: Path, overrides: dict[str, Any] | None = None):
     """The YAML file as a validated ServeConfig, with `section.key` overrides from the command line."""
-    import yaml
-
-    from engine.errors import BonsaiError
+    from bonsai_cli.run_options import read_config_file
     from engine.server.config import ServeConfig
-    if not path.is_file():
-        raise BonsaiError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise BonsaiError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if isinstance(data, dict):
-        data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
-        for dotted, value in (overrides or {}).items():
-            if value is not None:
-                section, key = dotted.split(".")
-                if data.get(section) is None:
-                    data[section] = {}
-                if isinstance(data[section], dict):
-                    data[section][key] = value
-    return ServeConfig.from_dict(data)
-
-
-def architecture_of(cfg):
-    """With model.load_format dummy: the ModelConfig of model.path (an architecture YAML)."""
-    if cfg.model.load_format != "dummy":
-        return None
-    from bonsai_cli.common import _dummy_config
-    return _dummy_config(cfg.model.path)[0]
+    return ServeConfig.from_dict(read_config_file(path, overrides))
 
 
 def serve(
@@ -62,9 +37,10 @@ def serve(
     import uvicorn
 
     from engine.errors import BonsaiError
+    from bonsai_cli.run_options import architecture_of
     from engine.server.api import ServerState, create_app
-    from engine.server.loading import load_engine
-    from engine.server.preflight import check_before_listening
+    from engine.run.preflight import check_before_listening
+    from engine.server.engine_thread import start_serving
 
     cfg = read_serve_config(config, {"server.host": host, "server.port": port, "server.api_key": api_key,
                                      "runtime.max_batch_size": slots, "runtime.device": device})
@@ -83,7 +59,7 @@ def serve(
         err_console.print(f"[yellow]warning: listening on {cfg.server.host} without an API key: anyone who can "
                           "reach this address can use the server (set server.api_key or --api-key)[/yellow]")
     state = ServerState(cfg)
-    app = create_app(state, functools.partial(load_engine, architecture=architecture))
+    app = create_app(state, functools.partial(start_serving, architecture=architecture))
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=log_level,
                                            timeout_graceful_shutdown=5, access_log=level <= logging.DEBUG))
     end_streams_first(server, state)
@@ -141,7 +117,7 @@ def end_streams_first(server, state) -> None:
 
     def stop_then_exit(sig, frame) -> None:  # noqa: ANN001 - uvicorn's signal handler
         if state.served is not None:
-            threading.Thread(target=state.served.engine.stop, name="bonsai-stop", daemon=True).start()
+            threading.Thread(target=state.served.thread.stop, name="bonsai-stop", daemon=True).start()
         handle_exit(sig, frame)
 
     server.handle_exit = stop_then_exit

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from bonsai_cli.common import err_console, load_for_cli, print_json
+from bonsai_cli.common import err_console, print_json
+from bonsai_cli.run_options import load_cli_model, run_config
 
 
 def train_drafter(
@@ -49,7 +50,7 @@ def train_drafter(
                       checkpoint_every=checkpoint_every, seed=seed)
     if weight_dtype == "auto" and device == "cpu":
         weight_dtype = "float32"
-    loaded = load_for_cli(model, device, quiet=json_out, weight_dtype=weight_dtype)
+    loaded = load_cli_model(run_config(model, {"--device": device, "--weight-dtype": weight_dtype}), quiet=json_out)
     target_layers = cfg.drafter_config(loaded.config).target_layers
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn(), TextColumn("{task.fields[info]}"))

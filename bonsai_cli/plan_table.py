@@ -15,7 +15,7 @@ def plan_dict(plan, settings, limit: int | None, refusal: str | None, choices=()
 
 def print_plan(console: Console, plan, settings, limit: int | None, refusal: str | None, title: str,
                choices=()) -> None:
-    from engine.memory_budget import format_bytes
+    from engine.memory.budget import format_bytes
     table = Table("category", "item", "MiB", "note", title=title)
     for line in plan.lines:
         table.add_row(line.category, line.name, f"{line.bytes / 2**20:,.1f}", line.note)

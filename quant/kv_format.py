@@ -1,13 +1,13 @@
 """KV-cache element types: what one cached key or value row costs and how it is stored.
 
-The contract between the KV cache (engine/kv_cache.py), the attention kernels and the memory
+The contract between the KV cache (engine/runtime/kv_cache.py), the attention kernels and the memory
 plan. Per (layer, slot, kv_head, position) a key row and a value row of `head_dim` elements:
 - bf16 / f16 / f32: the values themselves (the model's dtype).
 - int8: symmetric, one float16 scale per row (scale = max|x| / 127, x ≈ q · scale).
 - int4: asymmetric per group of `INT4_GROUP` elements along head_dim, two codes per byte (low
   nibble first), a float16 scale and a float16 minimum per group (x ≈ q · scale + min, q in 0..15).
 - k8v4: keys as int8, values as int4 (keys decide which positions matter: they keep more bits).
-What is quantized is a transformed row (engine/kv_cache.py, quant/kv_quant.py): quantized keys minus a
+What is quantized is a transformed row (engine/runtime/kv_cache.py, quant/kv_quant.py): quantized keys minus a
 calibrated mean key, rotated by the orthonormal Hadamard matrix over head_dim (queries are rotated alike
 when they read them); the formats above do not change.
 """

@@ -80,7 +80,7 @@ def _auto_spec(recipe: Recipe, name: str, num_layers: int) -> QuantSpec | None:
     return QuantSpec("int4", recipe.default.group_size)
 
 
-# GGUF block of the type each grid exports to losslessly (engine.gguf_export): a fallback group that is a
+# GGUF block of the type each grid exports to losslessly (engine.quantization.gguf_export): a fallback group that is a
 # multiple of it keeps the export exact at the fewest bits
 EXPORT_BLOCK = {"tri": 64, "tri-dense": 64, "bin": 128, "int4": 32, "int8": 32}
 

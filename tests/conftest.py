@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine import store  # noqa: E402
+from engine.sources import store  # noqa: E402
 
 
 def _smollm2_path() -> Path:
@@ -46,22 +46,22 @@ def pytest_collection_modifyitems(config, items):
 def smollm2_loaded(smollm2_gguf):
     """SmolLM2 loaded the default CPU way (float16 matrices, float32 activations), once per session:
     tests build their own runners on it and must not change the model."""
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     return load_model(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")
 def smollm2_loaded_f32(smollm2_gguf):
     """SmolLM2 with float32 matrices (exact several-row products), once per session; read-only."""
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     return load_model(smollm2_gguf, "cpu", weight_dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")
 def smollm2_tok(smollm2_gguf):
     """Our tokenizer built from the SmolLM2 GGUF's metadata."""
-    from engine.gguf_file import GGUFFile
-    from engine.tokenizer import Tokenizer
+    from engine.sources.gguf_file import GGUFFile
+    from engine.sources.tokenizer import Tokenizer
     return Tokenizer.from_gguf_metadata(GGUFFile(smollm2_gguf).metadata)
 
 

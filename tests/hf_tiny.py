@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.gguf_file import GGUFFile
-from engine.tokenizer import Tokenizer
+from engine.sources.gguf_file import GGUFFile
+from engine.sources.tokenizer import Tokenizer
 
 
 def tokenizer_files(tiny_gguf: Path) -> dict[str, str]:

@@ -246,7 +246,7 @@ def engine_cases() -> list[Case]:
 
 
 def _config(case: Case):
-    from engine.model_config import ModelConfig
+    from engine.sources.model_config import ModelConfig
     heads, kv_heads = 4, 2
     return ModelConfig(architecture=case.architecture, vocab_size=512, hidden_size=256, intermediate_size=512,
                        num_layers=2, num_heads=heads, num_kv_heads=kv_heads, head_dim=case.head_dim,
@@ -257,9 +257,9 @@ def _config(case: Case):
 
 def run_case(case: Case) -> None:
     """Build the tiny model and drive every kind of step the engine has through ModelRunner."""
-    from engine.loader import load_dummy
-    from engine.packed_linear import WeightFormat
-    from engine.runner import ModelRunner
+    from engine.weights.loader import load_dummy
+    from engine.weights.formats import WeightFormat
+    from engine.runtime.runner import ModelRunner
     cfg = _config(case)
     fmt = WeightFormat(quant_type=case.weights, group_size=case.group_size, head_type=case.head)
     loaded = load_dummy(cfg, "compile-check", "cpu", fmt, dtype=case.dtype, embedding_on_host=case.embedding_on_host)

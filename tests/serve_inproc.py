@@ -8,21 +8,22 @@ from typing import Any
 
 import httpx
 
-from engine.runner import ModelRunner
+from engine.runtime.runner import ModelRunner
 from engine.server.api import ServerState, create_app
 from engine.server.config import ServeConfig
-from engine.server.engine_loop import EngineLoop
-from engine.server.loading import Served
+from engine.decoding.engine import Engine
+from engine.server.engine_thread import Served
+from tests.engine_runs import Threaded
 
 
-def tiny_server(loaded, tokenizer, slots: int = 2, context: int = 96, **server: Any) -> tuple[Any, EngineLoop]:
+def tiny_server(loaded, tokenizer, slots: int = 2, context: int = 96, **server: Any) -> tuple[Any, Threaded]:
     """(the FastAPI app, its started engine); `server`: keys of the config's server section."""
     config = ServeConfig.from_dict({"model": {"path": "tiny", "max_context": context},
                                     "runtime": {"max_batch_size": slots},
                                     "server": {"default_max_tokens": 4, **server}})
     runner = ModelRunner(loaded, max_seq_len=context, num_slots=slots, prefill_chunk_size=32)
-    engine = EngineLoop(runner, tokenizer, context, config.server.max_queue).start()
-    state = ServerState(config, served=Served(engine, "tiny", config))
+    engine = Threaded(Engine(runner, tokenizer, context, config.server.max_queue))
+    state = ServerState(config, served=Served(engine.engine, engine.thread, "tiny", config))
     return create_app(state), engine
 
 

@@ -9,9 +9,10 @@ import torch
 from engine.bench.model_bench import (BenchTest, decode_bytes_per_token, fresh_tokens, measure_copy_bandwidth,
                                       plan_tests, run_model_bench)
 from engine.bench.records import Measurement, mean_std, percentile
+from engine.decoding.engine import Engine
 from engine.errors import BonsaiError
-from engine.loader import LoadedModel, TensorSummary
-from engine.runner import ModelRunner
+from engine.weights.loader import LoadedModel, TensorSummary
+from engine.runtime.runner import ModelRunner
 from tests.test_kv_cache import TINY, tiny_model
 
 
@@ -50,7 +51,7 @@ def test_fresh_tokens_differ_per_repetition_and_skip_specials():
 def test_runs_collect_one_sample_per_repetition():
     runner = tiny_runner()
     seen = []
-    results = run_model_bench(runner, plan_tests([8], [4], [0, 16], combined=True), 3, frozenset(),
+    results = run_model_bench(Engine(runner, None), plan_tests([8], [4], [0, 16], combined=True), 3, frozenset(),
                               on_sample=lambda t, r, s: seen.append((t.name, r)))
     assert [m.name for m in results] == ["pp8", "tg4", "pp8+tg4", "pp8 @ d16", "tg4 @ d16", "pp8+tg4 @ d16"]
     assert all(len(m.samples_seconds) == 3 and min(m.samples_seconds) > 0 for m in results)
@@ -60,7 +61,7 @@ def test_runs_collect_one_sample_per_repetition():
 def test_a_test_larger_than_the_context_is_refused():
     runner = tiny_runner(max_seq_len=16)
     with pytest.raises(BonsaiError, match="context holds 16"):
-        run_model_bench(runner, [BenchTest(12, 8, 0)], 1, frozenset())
+        run_model_bench(Engine(runner, None), [BenchTest(12, 8, 0)], 1, frozenset())
 
 
 def test_decode_bytes_per_token_by_hand():

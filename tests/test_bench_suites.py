@@ -13,8 +13,8 @@ import pytest
 from engine.bench.records import SuitePrompt
 from engine.bench.suites import CATEGORIES, available_suites, fresh_variant, load_suite
 from engine.errors import BonsaiError
-from engine.loader import open_model_source
-from engine.tokenizer import Tokenizer
+from engine.weights.loader import open_model_source
+from engine.sources.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

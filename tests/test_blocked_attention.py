@@ -1,11 +1,11 @@
 """The masked prefill attention a GPU runs in query blocks with grouped-query heads folded into the
-query axis (engine.model.blocked_attention) against PyTorch's one-call attention with a mask."""
+query axis (engine.runtime.model.blocked_attention) against PyTorch's one-call attention with a mask."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from engine import model
+from engine.runtime import model
 
 
 def test_blocked_attention_equals_one_masked_call(one_thread, monkeypatch):

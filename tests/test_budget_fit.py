@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from bonsai_cli.common import _dummy_config
+from bonsai_cli.run_options import dummy_architecture
 from engine.errors import BonsaiError
-from engine.memory_budget import SERVE_KEYS, check_budget, dummy_formats, fit_to_budget, run_settings
-from engine.memory_plan import make_plan
+from engine.memory.budget import SERVE_KEYS, check_budget, dummy_formats, fit_to_budget, run_settings
+from engine.memory.plan import make_plan
+from engine.weights.formats import WeightFormat
 
 SERVE_27B = """model:
   path: dense-27b
@@ -50,8 +51,8 @@ def test_27b_one_bit_at_4k_fits_6gb(tmp_path, capsys, kv):
 
 
 def test_a_smaller_prefill_chunk_is_chosen_only_when_left_open():
-    config, _ = _dummy_config("dense-27b")
-    weights = dummy_formats(config, "bin", 128, "int4")
+    config, _ = dummy_architecture("dense-27b")
+    weights = dummy_formats(config, WeightFormat("bin", 128, "int4"))
     s = run_settings(config, "cuda:0", 4096, dummy=True)
     limit = make_plan(config, weights.formats, dataclasses.replace(s, embedding_on_host=True,
                                                                    prefill_chunk_size=256)).total
@@ -72,8 +73,8 @@ def test_a_tied_float_head_keeps_its_table(tmp_path, capsys):
     from tests.test_memory_budget import TINY_ARCH
     arch = tmp_path / "tied.yaml"
     arch.write_text(TINY_ARCH)
-    config, _ = _dummy_config(str(arch))
-    weights = dummy_formats(config, "bin", 32)
+    config, _ = dummy_architecture(str(arch))
+    weights = dummy_formats(config, WeightFormat("bin", 32))
     s = run_settings(config, "cuda:0", 256, dummy=True)
     tight = make_plan(config, weights.formats, s).total - 1
     chosen, choices = fit_to_budget(weights, s, tight, embedding_auto=True, chunk_auto=False)

@@ -7,12 +7,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine.calibration import (CalibrationOptions, block_forward, calibration_sequences, quantize_with_calibration,
+from engine.quantization.calibration import (CalibrationOptions, block_forward, calibration_sequences, quantize_with_calibration,
                                 rotary_tables)
 from engine.errors import BonsaiError
-from engine.evaluate import evaluate
-from engine.loader import load_model
-from engine.runner import ModelRunner
+from engine.quantization.evaluate import evaluate
+from engine.weights.loader import load_model
+from engine.runtime.runner import ModelRunner
 from quant.grids import dequantize
 from quant.gptq import gptq_quantize, rtn
 from quant.gsq import GSQOptions

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from test_tokenizer import smollm2_metadata
 
-from engine import chat_template
+from engine.sources import chat_template
 from engine.errors import BonsaiError
-from engine.tokenizer import Tokenizer
+from engine.sources.tokenizer import Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 CONVERSATIONS = {

@@ -93,7 +93,7 @@ def test_bad_option_value(home, smollm2_gguf):
                           "temperature must be >= 0")
     assert_one_line_error(bonsai("generate", str(smollm2_gguf), "--bogus", env=home), "No such option")
     assert_one_line_error(bonsai("generate", str(smollm2_gguf), "--prompt", "hi", "--host-kv-mib", "64", env=home),
-                          "--host-kv-mib only applies with --kv-offload")
+                          "--host-kv-mib: only applies with --kv-offload")
 
 
 def test_debug_shows_traceback(home, tmp_path):

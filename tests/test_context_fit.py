@@ -10,7 +10,7 @@ import random
 import pytest
 
 from engine.errors import BonsaiError
-from engine.server.context_policy import fit_conversation
+from engine.decoding.context_policy import fit_conversation
 
 
 def reference_fit(messages, count, context, compress_at=0.9):
@@ -107,7 +107,7 @@ def test_a_conversation_that_fits_is_rendered_once():
 
 def test_chat_prompt_renders_only_near_the_answer(smollm2_tok, monkeypatch):
     """Through the real template and tokenizer: 10,000 one-word messages into a 256-token context."""
-    from engine.server.prompts import chat_prompt
+    from engine.decoding.prompts import chat_prompt
     rendered = []
     render = smollm2_tok.apply_chat_template
     monkeypatch.setattr(smollm2_tok, "apply_chat_template", lambda msgs, **kw: rendered.append(len(msgs)) or

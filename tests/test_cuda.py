@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from engine.bench.model_bench import measure_copy_bandwidth, plan_tests, run_model_bench
-from engine.kv_cache import KVCache
-from engine.model import rotary_inverse_frequencies
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, make_generator, sample
+from engine.runtime.kv_cache import KVCache
+from engine.runtime.model import rotary_inverse_frequencies
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams, make_generator, sample
 from tests.test_kv_cache import TINY, run, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -41,14 +41,15 @@ def test_seeded_sampling_on_cuda_is_reproducible():
 def test_runner_and_model_bench_on_cuda():
     from pathlib import Path
 
-    from engine.loader import LoadedModel, TensorSummary
+    from engine.weights.loader import LoadedModel, TensorSummary
     model = tiny_model().to("cuda", torch.bfloat16)
     model.inv_freq = rotary_inverse_frequencies(TINY).cuda()
     loaded = LoadedModel(model=model, tokenizer=None, config=TINY, path=Path("tiny"),
                          summary=TensorSummary("test", 0, 0, 0), device=torch.device("cuda"),
                          dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
     runner = ModelRunner(loaded, max_seq_len=64)
-    results = run_model_bench(runner, plan_tests([8], [4], [0, 16], combined=True), 2, frozenset())
+    from engine.decoding.engine import Engine
+    results = run_model_bench(Engine(runner, None), plan_tests([8], [4], [0, 16], combined=True), 2, frozenset())
     assert all(len(m.samples_seconds) == 2 for m in results)
     assert measure_copy_bandwidth(torch.device("cuda"), megabytes=256) > 1e12
 
@@ -58,7 +59,7 @@ def test_graphed_prefill_chunks_match_eager_prefill():
     equal the eager path's, on a first use (capture), a replay with other tokens, and a later chunk."""
     from pathlib import Path
 
-    from engine.loader import LoadedModel, TensorSummary
+    from engine.weights.loader import LoadedModel, TensorSummary
     model = tiny_model().to("cuda", torch.float32)
     model.inv_freq = rotary_inverse_frequencies(TINY).cuda()
     loaded = LoadedModel(model=model, tokenizer=None, config=TINY, path=Path("tiny"),
@@ -85,7 +86,7 @@ def test_a_prefill_chunk_that_cannot_be_captured_runs_eagerly(monkeypatch):
     written, and every later chunk runs eagerly."""
     from pathlib import Path
 
-    from engine.loader import LoadedModel, TensorSummary
+    from engine.weights.loader import LoadedModel, TensorSummary
     model = tiny_model().to("cuda", torch.float32)
     model.inv_freq = rotary_inverse_frequencies(TINY).cuda()
     loaded = LoadedModel(model=model, tokenizer=None, config=TINY, path=Path("tiny"),

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cuda_graphs import DecodeStepRunner
-from engine.loader import load_dummy
-from engine.model_config import ModelConfig
-from engine.packed_linear import WeightFormat
-from engine.runner import ModelRunner
+from engine.runtime.cuda_graphs import DecodeStepRunner
+from engine.weights.loader import load_dummy
+from engine.sources.model_config import ModelConfig
+from engine.weights.formats import WeightFormat
+from engine.runtime.runner import ModelRunner
 
 CFG = ModelConfig("qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=64, qk_norm=True)

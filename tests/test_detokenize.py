@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from test_tokenizer import SPM_TEXTS, TEXTS, smollm2_metadata, spm_metadata
 
-from engine.detokenize import StreamDecoder
-from engine.tokenizer import Tokenizer
+from engine.decoding.detokenize import StreamDecoder
+from engine.sources.tokenizer import Tokenizer
 
 STREAM_TEXTS = TEXTS + [
     "🎉🎊🎈 party " * 3,

@@ -10,11 +10,18 @@ from engine.errors import BonsaiError
 from engine.speculative import dflash, mtp
 from engine.speculative.drafter_data import DrafterData, score_sequences
 from engine.speculative.drafter_file import read_drafter
-from engine.runner import ModelRunner
-from engine.speculative.drafter_eval import greedy_continuation, measure_acceptance, teacher_forced_acceptance
+from engine.runtime.runner import ModelRunner
+from engine.speculative.drafter_eval import measure_acceptance, teacher_forced_acceptance
 from engine.speculative.drafter_train import (TrainConfig, learning_rate, make_drafter, new_module,
                                               soft_cross_entropy, train_drafter)
+from tests.engine_runs import run_engine
 from tests.test_drafters import tiny_loaded
+
+
+def greedy_continuation(runner, prompt: list[int], n: int, stop: frozenset[int] = frozenset()) -> list[int]:
+    """The target's greedy continuation through the engine, up to and including a stop token."""
+    out = run_engine(runner, None, prompt, max_tokens=n, ignore_eos=True, text=False)[1]
+    return out[:next((i + 1 for i, t in enumerate(out) if t in stop), len(out))]
 
 
 def tiny_data(loaded, layers, n=12, length=24) -> DrafterData:
@@ -77,20 +84,28 @@ def test_resume_continues_the_same_run(kind, tmp_path, one_thread):
     assert load(tmp_path / "whole", loaded).module.cfg.block_size == 3
 
 
-def test_generation_shares_the_prompts_common_prefix_exactly(one_thread):
-    from engine.speculative.drafter_data import _generate_rows, _Recorder
+def test_self_distillation_rows_are_the_engines_continuations(one_thread):
+    """Rows are the target's own continuations through the engine (the greedy ones its plain greedy
+    output), cut at seq_len or just after a stop token; each generated position's recorded top token
+    is the token that followed (greedy), and the padding after a short row is not a valid position."""
+    from engine.speculative.drafter_data import continuations
+    from tests.test_spec_generate import TinyTokenizer
     loaded = tiny_loaded()
-    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4, 5]]
-    recorded = []
-    for share in (True, False):
-        rec = _Recorder(3, 12, loaded.config.hidden_size, (-1,), 4)
-        lengths = _generate_rows(loaded, prompts, 12, (-1,), rec, 0, [0.0] * 3, torch.Generator(), frozenset(), share)
-        recorded.append((rec, lengths))
-    (shared, lengths), (plain, plain_lengths) = recorded
-    assert lengths == plain_lengths == [12, 12, 12]
-    assert torch.equal(shared.tokens, plain.tokens) and torch.equal(shared.top_ids, plain.top_ids)
-    torch.testing.assert_close(shared.hidden[-1], plain.hidden[-1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(shared.top_probs, plain.top_probs, atol=1e-6, rtol=1e-5)
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 9]]
+    greedy = [run_engine(ModelRunner(loaded, 24), None, p, max_tokens=12, ignore_eos=True, text=False)[1]
+              for p in prompts]
+    stop = next(j for j, t in enumerate(greedy[1]) if t not in greedy[0][:7] + greedy[1][:j])
+    loaded.tokenizer = TinyTokenizer(eos=greedy[1][stop])  # the second row stops early
+    try:
+        rows = continuations(loaded, prompts, 12, [0.0, 0.0], slots=2)
+    finally:
+        loaded.tokenizer = None
+    assert rows[0] == (prompts[0] + greedy[0])[:12] and rows[1] == prompts[1] + greedy[1][:stop + 1]
+    data = score_sequences(loaded, rows, [len(p) for p in prompts], (-1,), [], top_k=2)
+    assert data.lengths.tolist() == [12, len(prompts[1]) + stop + 1]
+    for r, row in enumerate(rows):
+        for t in range(len(prompts[r]) - 1, len(row) - 1):
+            assert int(data.top_ids[r, t, 0]) == row[t + 1]
 
 
 @pytest.mark.parametrize("kind", ["mtp", "dflash"])
@@ -113,16 +128,14 @@ def test_trained_drafter_is_accepted_and_teacher_forced_acceptance_equals_the_lo
     assert loop.accepted > loop.drafted // 4
     assert forced.as_dict() == loop.as_dict()
     # the generation core with --spec KIND:DIR: the file train_drafter wrote, greedy output unchanged
-    from engine.generate import GenerationRequest, generate_text
     from engine.speculative.config import SpeculativeConfig, build_drafter
     from tests.test_spec_generate import TinyTokenizer
     drafter = build_drafter(SpeculativeConfig.from_spec(f"{kind}:{tmp_path}", num_draft_tokens=3, adaptive=False),
                             loaded, 64)
-    request = GenerationRequest(max_tokens=20, ignore_eos=True, reuse_prefix=False)
+    request = dict(max_tokens=20, ignore_eos=True, reuse_prefix=False)
     accepted = 0
     for prompt, continuation in zip(prompts, continuations):
-        _, ids, _, stats = generate_text(ModelRunner(loaded, 64), TinyTokenizer(), prompt, request, drafter=drafter,
-                                         num_draft_tokens=3)
+        _, ids, _, stats = run_engine(ModelRunner(loaded, 64), TinyTokenizer(), prompt, **request, drafter=drafter, k=3)
         assert ids == continuation
         accepted += stats.speculative.accepted
     assert accepted == loop.accepted
@@ -200,7 +213,7 @@ def test_trained_mtp_beats_an_untrained_one_on_smollm2(smollm2_float32, smollm2_
 
 
 def test_text_file_data_windows_held_out_prompts_and_refusals(tmp_path, smollm2_gguf, one_thread):
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     from engine.speculative.drafter_data import text_file_data
     from tests.gguf_tiny import write_tiny_gguf
     loaded = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_gguf), "cpu")

@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from engine.errors import BonsaiError
-from engine.loader import LoadedModel, TensorSummary
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.weights.loader import LoadedModel, TensorSummary
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams
 from engine.speculative import dflash, mtp
 from engine.speculative.draft_layers import default_config, shared_logits
 from engine.speculative.drafter import Draft, Drafter
-from engine.speculative.drafter_eval import AcceptanceStats, count_accepted, greedy_speculative
+from engine.speculative.drafter_eval import AcceptanceStats, count_accepted
 from engine.speculative.drafter_file import TargetIdentity, save_drafter
+from tests.engine_runs import run_engine
 from tests.test_kv_cache import TINY, tiny_model
 
 PROMPT = [5, 17, 3, 42, 8, 11, 60, 2]
@@ -46,6 +47,14 @@ def plain_greedy(loaded, prompt, n):
     out = [int(runner.prefill(slot, prompt).argmax())]
     while len(out) < n:
         out.append(int(runner.forward(slot, [out[-1]])[-1].argmax()))
+    return out
+
+
+def greedy_speculative(runner, drafter, prompt, n, k, stats: AcceptanceStats | None = None) -> list[int]:
+    """n tokens greedy through the engine with `drafter` proposing up to k per step (stats: its acceptance)."""
+    _, out, _, run = run_engine(runner, None, prompt, drafter=drafter, k=k, max_tokens=n, ignore_eos=True, text=False)
+    if stats is not None:
+        stats.add(run.speculative)
     return out
 
 

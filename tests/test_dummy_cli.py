@@ -45,15 +45,15 @@ def test_bad_weight_type_and_group_size(tmp_path, capsys):
     arch = tmp_path / "tiny.yaml"
     arch.write_text(TINY)
     assert_one_line_error(bonsai_in_process(capsys, "bench", str(arch), "--load-format", "dummy", "--weights", "tri3"),
-                          "unknown weight type 'tri3'")
+                          "--weights: 'tri3' is not one of")
     assert_one_line_error(bonsai_in_process(capsys, "bench", str(arch), "--load-format", "dummy", "--weights", "tri",
-                                            "--group-size", "48"), "group size 48 is not supported")
+                                            "--group-size", "48"), "--group-size: 48 is not one of 32, 64")
     assert_one_line_error(bonsai_in_process(capsys, "bench", str(arch), "--load-format", "magic"),
-                          "unknown --load-format")
+                          "--load-format: 'magic' is not auto or dummy")
     assert_one_line_error(bonsai_in_process(capsys, "bench", str(arch), "--load-format", "dummy", "--kv-type", "fp8"),
-                          "unknown KV type 'fp8'")
+                          "--kv-type: 'fp8' is not one of")
     assert_one_line_error(bonsai_in_process(capsys, "generate", str(arch), "--prompt", "hi", "--kv-type", "int3"),
-                          "unknown KV type 'int3'")
+                          "--kv-type: 'int3' is not one of")
 
 
 def test_dummy_model_refuses_text(tmp_path, capsys):

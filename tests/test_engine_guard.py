@@ -11,9 +11,9 @@ import typing
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, probabilities, sample
+from engine.decoding.sampling import SamplingParams, probabilities, sample
 from engine.server import protocol as P
-from engine.server.sequence import Failed, Finished
+from engine.decoding.sequence import Failed, Finished
 from tests.test_serve_engine import PROMPTS, collect, make_engine, submit
 
 QUESTION = [{"role": "user", "content": "hi"}]
@@ -28,7 +28,7 @@ def test_a_request_failing_at_admission_ends_alone_and_the_engine_serves_on(load
                                                                              monkeypatch):
     """The issue's case: Sequence() raised in _admit (a seed torch refuses), outside the loop's
     error handling, and the thread died: every later request waited forever."""
-    from engine.server import sequence
+    from engine.decoding import sequence
     original = sequence.Sequence.__init__
 
     def refuse(self, request, *args, **kwargs):
@@ -107,10 +107,10 @@ def test_health_turns_503_and_requests_are_refused_when_the_engine_is_dead(loade
     httpx = pytest.importorskip("httpx")
     from engine.server.api import ServerState, create_app
     from engine.server.config import ServeConfig
-    from engine.server.loading import Served
+    from engine.server.engine_thread import Served
     engine = make_engine(loaded, smollm2_tok, slots=1)
     config = ServeConfig.from_dict({"model": {"path": "tiny"}})
-    state = ServerState(config, served=Served(engine, "tiny", config))
+    state = ServerState(config, served=Served(engine.engine, engine.thread, "tiny", config))
     app = create_app(state)
 
     async def ask() -> list:
@@ -159,7 +159,7 @@ def test_completion_numbers_are_range_checked_too(field, value):
 @pytest.mark.parametrize("seed", [0, 2**64 - 1, -(2**63), -1])
 def test_every_seed_the_edge_accepts_seeds_a_generator(seed):
     req = P.parse(P.ChatRequest, {"messages": QUESTION, "seed": seed, "temperature": 0.7})
-    from engine.sampling import make_generator
+    from engine.decoding.sampling import make_generator
     make_generator(req.sampling(), torch.device("cpu"))
 
 
@@ -196,7 +196,7 @@ def test_a_tiny_temperature_samples_the_top_token_without_nan(temperature):
 
 
 def test_the_penalty_the_edge_accepts_at_its_bounds_keeps_sampling_finite():
-    from engine.sampling import apply_penalties
+    from engine.decoding.sampling import apply_penalties
     bound = P.ChatRequest.model_fields["repetition_penalty"].metadata
     low = next(m.ge for m in bound if getattr(m, "ge", None) is not None)
     high = next(m.le for m in bound if getattr(m, "le", None) is not None)

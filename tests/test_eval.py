@@ -7,7 +7,7 @@ import math
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from engine.evaluate import default_eval_text
+from engine.quantization.evaluate import default_eval_text
 from tests.gguf_tiny import write_tiny_gguf
 from tests.test_cli_errors import assert_one_line_error, bonsai_in_process
 

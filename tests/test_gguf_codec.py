@@ -178,8 +178,8 @@ def write_raw_gguf(path, tokenizer_source, qtype: int):
 
 @pytest.mark.parametrize("qtype", [int(T.Q1_0), gguf_codec.Q2_0_ID], ids=["Q1_0", "Q2_0"])
 def test_q1_q2_gguf_files_load_and_serve_codes(qtype, tmp_path, smollm2_gguf):
-    from engine.gguf_file import GGUFFile
-    from engine.loader import load_model
+    from engine.sources.gguf_file import GGUFFile
+    from engine.weights.loader import load_model
     path = tmp_path / "m.gguf"
     raws = write_raw_gguf(path, smollm2_gguf, qtype)
     source = GGUFFile(path)
@@ -199,9 +199,9 @@ def test_q1_q2_gguf_files_load_and_serve_codes(qtype, tmp_path, smollm2_gguf):
 
 @pytest.mark.parametrize("qtype", [T.TQ2_0, T.TQ1_0])
 def test_trained_ternary_gguf_is_kept_without_requantizing(qtype, tmp_path, smollm2_gguf):
-    from engine.checkpoint_file import BonsaiCheckpoint
-    from engine.gguf_file import GGUFFile
-    from engine.quantize import QuantizeOptions, quantize
+    from engine.sources.checkpoint_file import BonsaiCheckpoint
+    from engine.sources.gguf_file import GGUFFile
+    from engine.quantization.quantize import QuantizeOptions, quantize
     from quant.recipe import Recipe
     from tests.gguf_tiny import write_tiny_gguf
     path = write_tiny_gguf(tmp_path / "t.gguf", smollm2_gguf, qtype)
@@ -219,8 +219,8 @@ def test_trained_ternary_gguf_is_kept_without_requantizing(qtype, tmp_path, smol
 
 
 def logits_of(path, ids):
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
     runner = ModelRunner(load_model(path, weight_dtype=torch.float32), max_seq_len=32)
     return runner.forward(runner.slot(), ids, num_logits=None)
 
@@ -241,9 +241,9 @@ IDS = [1, 100, 200, 1000, 5, 77, 409, 12]
 def test_gguf_export_reads_back(quant_type, group, gguf_type, lossless, tmp_path, smollm2_gguf):
     """Exported weights equal the checkpoint's (or differ by exactly the reported error); llama-layout
     q/k rows; transformers reads the file (Q1_0 excepted: it has no decoder for it)."""
-    from engine.checkpoint_file import BonsaiCheckpoint
-    from engine.gguf_file import GGUFFile
-    from engine.quantize import QuantizeOptions, quantize
+    from engine.sources.checkpoint_file import BonsaiCheckpoint
+    from engine.sources.gguf_file import GGUFFile
+    from engine.quantization.quantize import QuantizeOptions, quantize
     from quant.recipe import Recipe
     from tests.gguf_tiny import write_tiny_gguf
     src = write_tiny_gguf(tmp_path / "src.gguf", smollm2_gguf, T.F32)
@@ -262,7 +262,7 @@ def test_gguf_export_reads_back(quant_type, group, gguf_type, lossless, tmp_path
     assert set(theirs) == set(ours)
     errors = {t.name: t.relative_error for t in exported.tensors}
     for name, w in ours.items():
-        from engine.gguf_file import gguf_name
+        from engine.sources.gguf_file import gguf_name
         real = float((theirs[name] - w).norm() / w.norm())
         assert real == pytest.approx(errors[gguf_name(name)], rel=1e-3, abs=1e-7), name
     source_file = GGUFFile(src)
@@ -277,9 +277,9 @@ def test_gguf_export_reads_back(quant_type, group, gguf_type, lossless, tmp_path
 
 
 def test_gguf_export_from_a_hf_source_builds_the_tokenizer(tmp_path, smollm2_gguf):
-    from engine.gguf_file import GGUFFile
-    from engine.quantize import QuantizeOptions, quantize
-    from engine.tokenizer import Tokenizer
+    from engine.sources.gguf_file import GGUFFile
+    from engine.quantization.quantize import QuantizeOptions, quantize
+    from engine.sources.tokenizer import Tokenizer
     from quant.recipe import Recipe
     from tests.gguf_tiny import write_tiny_gguf
     from tests.hf_tiny import write_tiny_hf

@@ -6,9 +6,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.errors import ModelFileError, UnsupportedModelError
-from engine.gguf_file import GGUFFile, canonical_name
-from engine.loader import load_model
-from engine.runner import ModelRunner
+from engine.sources.gguf_file import GGUFFile, canonical_name
+from engine.weights.loader import load_model
+from engine.runtime.runner import ModelRunner
 from tests.gguf_tiny import write_tiny_gguf
 
 transformers = pytest.importorskip("transformers")

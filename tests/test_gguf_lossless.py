@@ -10,10 +10,10 @@ import torch
 from gguf import GGMLQuantizationType as T
 import struct
 
-from engine.checkpoint_file import BonsaiCheckpoint, canonical_name
+from engine.sources.checkpoint_file import BonsaiCheckpoint, canonical_name
 from engine.errors import BonsaiError
-from engine.gguf_file import gguf_name, permute_rotary
-from engine.quantize import QuantizeOptions, quantize
+from engine.sources.gguf_file import gguf_name, permute_rotary
+from engine.quantization.quantize import QuantizeOptions, quantize
 from quant.formats import QuantSpec
 from quant.recipe import Recipe, Rule
 from tests.gguf_tiny import HEADS, KV_HEADS, write_tiny_gguf
@@ -152,8 +152,8 @@ def test_every_tensor_decodes_to_codes_times_scales(exported):
 
 
 def test_logits_of_the_gguf_equal_the_checkpoints(exported):
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
     d, _ = exported
     ids = [1, 100, 200, 1000, 5, 77, 409, 12]
     logits = []

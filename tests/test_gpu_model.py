@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loader import load_model
-from engine.packed_linear import WeightFormat
-from engine.runner import ModelRunner
+from engine.weights.loader import load_model
+from engine.weights.formats import WeightFormat
+from engine.runtime.runner import ModelRunner
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
         "combined movable metal type, oil-based ink and a wooden press. Books became cheaper, literacy "

@@ -9,8 +9,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from engine.errors import ModelFileError, UnsupportedModelError  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
+from engine.weights.loader import load_model  # noqa: E402
+from engine.runtime.runner import ModelRunner  # noqa: E402
 
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine.errors import BonsaiError
-from engine.host_embedding import HostEmbedding
-from engine.loader import load_dummy
-from engine.packed_linear import WeightFormat
-from engine.runner import ModelRunner
+from engine.memory.host_embedding import HostEmbedding
+from engine.weights.loader import load_dummy
+from engine.weights.formats import WeightFormat
+from engine.runtime.runner import ModelRunner
 from tests.test_kv_cache import TINY
 
 TIED = dataclasses.replace(TINY, tie_word_embeddings=True)
@@ -55,8 +55,8 @@ def test_host_table_gives_the_same_tokens(one_thread, config, fmt, fast_decode):
 
 def test_decode_step_reads_the_static_rows_not_the_table(one_thread):
     """The graph must never touch the host table: the step reads the rows `run` copied in."""
-    from engine.cuda_graphs import DecodeStepRunner
-    from engine.kv_cache import KVCache
+    from engine.runtime.cuda_graphs import DecodeStepRunner
+    from engine.runtime.kv_cache import KVCache
     loaded = load_dummy(TINY, "tiny", weight_format=WeightFormat("bin", 32), embedding_on_host=True)
     step = DecodeStepRunner(loaded.model, KVCache(TINY, 16, 1), rows=2, num_splits=1, use_graph=False, kernels=False)
     calls = []
@@ -76,9 +76,9 @@ def test_a_tied_float_output_layer_refuses_a_host_table():
         load_dummy(TIED, "tiny", weight_format=WeightFormat("bin", 32), embedding_on_host=True)
     message = str(e.value)
     assert "\n" not in message and "tied" in message and "--head-weights int4" in message
-    from engine.memory_budget import dummy_formats, run_settings
-    from engine.memory_plan import make_plan
-    weights = dummy_formats(TIED, "bin", 32)
+    from engine.memory.budget import dummy_formats, run_settings
+    from engine.memory.plan import make_plan
+    weights = dummy_formats(TIED, WeightFormat("bin", 32))
     with pytest.raises(BonsaiError, match="tied"):
         make_plan(TIED, weights.formats, run_settings(TIED, "cpu", 32, embedding_on_host=True))
 

@@ -21,9 +21,9 @@ from engine.kernels.attention_decode import (_launch, block_size, decode_attenti
                                              decode_attention_int8, decode_attention_int8_reference,
                                              decode_attention_reference, default_num_splits, split_length)
 from engine.kernels.rope_cache import qk_norm_rope_write, qk_norm_rope_write_reference  # noqa: E402
-from engine.kv_cache import CacheBatch, KVCache  # noqa: E402
-from engine.model import RMSNorm, apply_rotary, rotary_inverse_frequencies  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
+from engine.runtime.kv_cache import CacheBatch, KVCache  # noqa: E402
+from engine.runtime.model import RMSNorm, apply_rotary, rotary_inverse_frequencies  # noqa: E402
+from engine.sources.model_config import ModelConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(9, 3, 64), (4, 1, 128), (8, 8, 64)]  # (H, KV, D): SmolLM2 heads, MQA, MHA
@@ -181,7 +181,7 @@ def test_native_bfloat16_dot_path():
 
 
 def test_reference_is_the_models_attention():
-    """decode_attention_reference = the SDPA call of engine.model.Attention over the first seq_len keys."""
+    """decode_attention_reference = the SDPA call of engine.runtime.model.Attention over the first seq_len keys."""
     h, kv, d = 9, 3, 64
     q, k, v = attention_inputs(h, kv, d, 40, torch.float32, rows=2)
     slot_ids, lens = ints([1, 2]), ints([17, 40])
@@ -266,7 +266,7 @@ def test_qk_norm_rope_write_matches_reference(h, kv, d, dtype, norm):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [False, True])
 def test_qk_norm_rope_write_is_the_models_attention_prologue(norm, dtype):
-    """Same q and cache rows as engine.model.Attention: RMSNorm modules, apply_rotary, KVCache.write."""
+    """Same q and cache rows as engine.runtime.model.Attention: RMSNorm modules, apply_rotary, KVCache.write."""
     cfg = ModelConfig(architecture="qwen3", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
                       num_heads=9, num_kv_heads=3, head_dim=64, qk_norm=norm, rope_theta=50000.0)
     h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -349,7 +349,7 @@ def test_qk_norm_rope_write_qwen3_shape_long_positions(h):
 def random_qwen3_model():
     """A 2-layer qwen3-style Transformer (q/k norms, GQA 4:2, head_dim 64) with N(0, 0.2²) weights on
     DEVICE, seeded (torch's global generator, seed 0: the test's later draws follow from it)."""
-    from engine.model import Transformer
+    from engine.runtime.model import Transformer
     cfg = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
     torch.manual_seed(0)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import CacheBatch, KVCache, KVSlot
-from engine.model import Transformer
-from engine.model_config import ModelConfig
+from engine.runtime.kv_cache import CacheBatch, KVCache, KVSlot
+from engine.runtime.model import Transformer
+from engine.sources.model_config import ModelConfig
 
 TINY = ModelConfig(architecture="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, max_position_embeddings=64)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.errors import BonsaiError
-from engine.kv_cache import CacheBatch, KVCache
+from engine.runtime.kv_cache import CacheBatch, KVCache
 from quant.kv_format import KV_TYPES, kv_bytes_per_token
 from quant.kv_quant import dequantize_rows, hadamard_rows, quantize_rows
 from tests.test_kv_cache import TINY, run, tiny_model
@@ -73,8 +73,8 @@ def test_key_offset_leaves_attention_unchanged_and_is_calibrated_by_the_runner(o
     torch.testing.assert_close(keys + shifted.key_offset[0][:, None], keys_plain, atol=0.05, rtol=0)
     from pathlib import Path
 
-    from engine.loader import LoadedModel, TensorSummary
-    from engine.runner import ModelRunner
+    from engine.weights.loader import LoadedModel, TensorSummary
+    from engine.runtime.runner import ModelRunner
     loaded = LoadedModel(model=model, tokenizer=None, config=CFG64, path=Path("tiny"),
                          summary=TensorSummary("test", 0, 0, 0), device=torch.device("cpu"),
                          dtype=torch.float32, weight_dtype=torch.float32)

@@ -12,11 +12,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from engine.cuda_graphs import DecodeStepRunner  # noqa: E402
-from engine.loader import load_dummy  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.packed_linear import WeightFormat  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
+from engine.runtime.cuda_graphs import DecodeStepRunner  # noqa: E402
+from engine.weights.loader import load_dummy  # noqa: E402
+from engine.sources.model_config import ModelConfig  # noqa: E402
+from engine.weights.formats import WeightFormat  # noqa: E402
+from engine.runtime.runner import ModelRunner  # noqa: E402
 
 CFG = ModelConfig("qwen3", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=64, qk_norm=True)

@@ -16,8 +16,8 @@ from engine.kernels import UnsupportedKernelShape  # noqa: E402
 from engine.kernels.attention_decode import (decode_attention, decode_attention_int8,  # noqa: E402
                                              decode_attention_reference)
 from engine.kernels.rope_cache import qk_norm_rope_write, qk_norm_rope_write_reference  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
+from engine.runtime.kv_cache import KVCache  # noqa: E402
+from engine.sources.model_config import ModelConfig  # noqa: E402
 from quant.kv_quant import quantize_rows  # noqa: E402
 # the module's autouse fixture (Triton's interpreter rounding like a GPU) and helpers, shared
 from tests.test_kernels_attention import _interpreter_like_gpu, ints, random_qwen3_model  # noqa: E402,F401
@@ -128,7 +128,7 @@ def test_model_on_a_rotated_cache_kernels_equal_plain_torch(kv_type):
     key_space, the prefill reference) against the fused one (the rope / KV-write kernel rotating k and
     q, the prefill kernel reading the codes), on a prefill then batched rows of two slots. Both close to
     the float cache; forgetting to rotate q on either path would not be."""
-    from engine.kv_cache import CacheBatch
+    from engine.runtime.kv_cache import CacheBatch
     cfg, model = random_qwen3_model()
     tokens = torch.randint(0, 64, (2, 6), device=DEVICE)
     offset = torch.randn(cfg.num_layers, cfg.num_kv_heads, 64, device=DEVICE)  # [L, KV, D]

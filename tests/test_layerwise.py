@@ -1,5 +1,5 @@
-"""Layer-by-layer quantization (engine.layerwise) against the whole-model calibration, and the quality report
-(engine.quant_eval) against `bonsai eval`'s scores."""
+"""Layer-by-layer quantization (engine.quantization.layerwise) against the whole-model calibration, and the quality report
+(engine.quantization.quality) against `bonsai eval`'s scores."""
 from __future__ import annotations
 
 import math
@@ -8,13 +8,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine.calibration import CalibrationOptions, quantize_with_calibration
-from engine.checkpoint_file import BonsaiCheckpoint
-from engine.evaluate import Tally, evaluate, windows_of
-from engine.loader import load_model
-from engine.quant_eval import VocabScores
-from engine.quantize import QuantizeOptions, quantize, spread_windows
-from engine.runner import ModelRunner
+from engine.quantization.calibration import CalibrationOptions, quantize_with_calibration
+from engine.sources.checkpoint_file import BonsaiCheckpoint
+from engine.quantization.evaluate import Tally, evaluate, windows_of
+from engine.weights.loader import load_model
+from engine.quantization.quality import VocabScores
+from engine.quantization.quantize import QuantizeOptions, quantize, spread_windows
+from engine.runtime.runner import ModelRunner
 from quant.formats import QuantSpec
 from quant.recipe import Recipe, Rule, calibration_plan, plan
 from tests.gguf_tiny import write_tiny_gguf
@@ -74,7 +74,7 @@ def test_layer_by_layer_gptq_equals_the_whole_model_calibration(tiny, tmp_path):
 
 
 def test_the_quality_report_is_bonsai_eval_of_the_checkpoint(tiny, tmp_path):
-    """The scores printed at the end of quantize equal engine.evaluate's on the written checkpoint (float32)."""
+    """The scores printed at the end of quantize equal engine.quantization.evaluate's on the written checkpoint (float32)."""
     out = tmp_path / "ckpt"
     text = tmp_path / "heldout.txt"
     text.write_text(TEXT * 3)

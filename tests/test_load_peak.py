@@ -9,12 +9,13 @@ import json
 import pytest
 import torch
 
-from engine import packed_linear
-from engine.loader import load_dummy, load_model
-from engine.memory_budget import dummy_formats, model_formats, run_settings
-from engine.memory_plan import load_transient_bytes
-from engine.model_config import ModelConfig
-from engine.packed_linear import WeightFormat, pack_linears
+from engine.weights import packed_linear
+from engine.weights.loader import load_dummy, load_model
+from engine.memory.budget import dummy_formats, model_formats, run_settings
+from engine.memory.plan import load_transient_bytes
+from engine.sources.model_config import ModelConfig
+from engine.weights.formats import WeightFormat
+from engine.weights.packed_linear import pack_linears
 from quant import packed_layout
 from tests.live_bytes import LiveBytes
 
@@ -37,7 +38,7 @@ def test_dummy_generation_peaks_one_slice_above_the_weights(one_thread, monkeypa
     final = model_bytes(loaded.model)
     assert live.current == final  # nothing else stays
     s = run_settings(CFG, "cpu", 32, dummy=True)
-    planned = load_transient_bytes(CFG, dummy_formats(CFG, fmt.quant_type, 32, fmt.head_type).formats, s)
+    planned = load_transient_bytes(CFG, dummy_formats(CFG, fmt).formats, s)
     assert planned == 4 * 4 * 1024  # a ternary fix-up slice: two masks, their product, its complement
     assert live.peak - final <= planned + 4096  # + the rotary frequencies' float64 temporaries
     monkeypatch.setattr(packed_layout, "GENERATE_SLICE_WORDS", 1 << 22)  # whole matrices: over the plan above
@@ -49,7 +50,7 @@ def test_dummy_generation_peaks_one_slice_above_the_weights(one_thread, monkeypa
 @pytest.fixture(scope="module")
 def float_checkpoint(tmp_path_factory):
     """A bonsai checkpoint of CFG's shapes with every tensor float (bf16 matrices)."""
-    from engine.checkpoint_file import hf_config, hf_name
+    from engine.sources.checkpoint_file import hf_config, hf_name
     from quant.checkpoint import CheckpointWriter
     from tests.test_memory_plan import _tiny_tokenizer
     out = tmp_path_factory.mktemp("peak") / "float-ckpt"
@@ -85,8 +86,8 @@ def test_packing_at_load_matches_packing_after_and_never_holds_the_float_model(f
         torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
     # the peak: the weights, two float source tensors read from the file (host memory on a GPU), and
     # one slice's rounding temporaries, which the plan counts on the device
-    from engine.loader import open_model_source
-    weights = model_formats(open_model_source(float_checkpoint), CFG, fmt.quant_type, fmt.group_size, fmt.head_type)
+    from engine.weights.loader import open_model_source
+    weights = model_formats(open_model_source(float_checkpoint), CFG, fmt)
     planned = load_transient_bytes(CFG, weights.formats, run_settings(CFG, "cpu", 32))
     source = 512 * 128 * 4  # the largest tensor, as float32
     assert live.peak - final <= 2 * source + planned
@@ -96,10 +97,10 @@ def test_packing_at_load_matches_packing_after_and_never_holds_the_float_model(f
 
 def test_plan_counts_the_27b_items_by_hand():
     """The 27B-class model (configs/models/dense-27b.yaml), 1-bit blocks, int4 output layer, 4K context."""
-    from bonsai_cli.common import _dummy_config
-    from engine.memory_plan import make_plan
-    config, _ = _dummy_config("dense-27b")
-    formats = dummy_formats(config, "bin", 128, "int4").formats
+    from bonsai_cli.run_options import dummy_architecture
+    from engine.memory.plan import make_plan
+    config, _ = dummy_architecture("dense-27b")
+    formats = dummy_formats(config, WeightFormat("bin", 128, "int4")).formats
     s = run_settings(config, "cuda:0", 4096, kv_type="int8", dummy=True)
     on_gpu = make_plan(config, formats, s)
     hosted = make_plan(config, formats, run_settings(config, "cuda:0", 4096, kv_type="int8", dummy=True,
@@ -110,7 +111,7 @@ def test_plan_counts_the_27b_items_by_hand():
     assert hosted.category("decode") - on_gpu.category("decode") == 5120 * 2  # the step's static rows
     assert hosted.category("kv") == 64 * 8 * 2 * (128 + 2) * 4096 == 545_259_520  # int8 rows + f16 scales
     assert load_transient_bytes(config, formats, s) == 0  # 1-bit and int4 words are drawn in place
-    tri = dummy_formats(config, "tri", 128, "int4").formats
+    tri = dummy_formats(config, WeightFormat("tri", 128, "int4")).formats
     assert load_transient_bytes(config, tri, s) == 4 * 4 * 320 * 13107 == 67_107_840  # [K/16, 4 Mi/320 cols] slices
     floats = run_settings(config, "cuda:0", 4096)
     rows = (1 << 21) // 5120  # 409 rows of a [.., 5120] matrix per slice, from bf16, tri temporaries
@@ -137,5 +138,5 @@ def test_dummy_load_peak_on_a_gpu():
     tensors = len(list(loaded.model.parameters())) + len(list(loaded.model.buffers()))
     assert abs(final - model_bytes(loaded.model)) <= 512 * tensors  # the allocator rounds each block to 512 B
     s = run_settings(config, "cuda", 4096, dummy=True, embedding_on_host=True)
-    planned = load_transient_bytes(config, dummy_formats(config, "tri", 128, "tri").formats, s)
+    planned = load_transient_bytes(config, dummy_formats(config, WeightFormat("tri", 128, "tri")).formats, s)
     assert peak - final <= planned + (1 << 20)

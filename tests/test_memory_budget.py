@@ -9,8 +9,9 @@ import re
 import pytest
 
 from engine.errors import BonsaiError
-from engine.memory_budget import SERVE_KEYS, check_budget, dummy_formats, run_settings
-from engine.memory_plan import make_plan
+from engine.memory.budget import SERVE_KEYS, check_budget, dummy_formats, run_settings
+from engine.memory.plan import make_plan
+from engine.weights.formats import WeightFormat
 from tests.test_memory_plan import QWEN3_8B
 from tests.test_serve_config import SEED, error, load
 
@@ -38,7 +39,7 @@ def total(weights, s, **changes) -> int:
 
 
 def test_refusal_says_which_context_kv_type_slots_or_offload_would_fit():
-    weights = dummy_formats(QWEN3_8B, "tri", 128, "int4")
+    weights = dummy_formats(QWEN3_8B, WeightFormat("tri", 128, "int4"))
     s = run_settings(QWEN3_8B, "cuda:0", 4096, slots=4)
     plan = make_plan(QWEN3_8B, weights.formats, s)
     check_budget(plan, plan.total, weights, s, SERVE_KEYS)  # exactly at the limit: accepted
@@ -60,7 +61,7 @@ def test_refusal_says_which_context_kv_type_slots_or_offload_would_fit():
 
 
 def test_weights_over_the_limit_suggest_weight_offload_or_nothing():
-    weights = dummy_formats(QWEN3_8B, "bf16")  # 16 GB of float weights
+    weights = dummy_formats(QWEN3_8B, WeightFormat("bf16"))  # 16 GB of float weights
     s = run_settings(QWEN3_8B, "cuda:0", 1024)
     message = refusal(6_000_000_000, s, weights)
     assert "memory.weight_offload: true" in message and "max_seq_len" not in message
@@ -92,13 +93,14 @@ def _write_dummy_config(tmp_path, smollm2_gguf, limit: str, slots: int = 2) -> o
 def test_info_plan_json_and_table(tmp_path, smollm2_gguf, capsys, monkeypatch):
     from bonsai_cli.main import main
     monkeypatch.setenv("COLUMNS", "250")
-    from engine.server.memory import serve_plan
+    from engine.run.plan import plan_run
     path = _write_dummy_config(tmp_path, smollm2_gguf, "1GB")
     main(["info", "--plan", str(path), "--json"])
     out = json.loads(capsys.readouterr().out)
-    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
+    from bonsai_cli.cmd_serve import read_serve_config
+    from bonsai_cli.run_options import architecture_of
     cfg = read_serve_config(path)
-    planned = serve_plan(cfg, architecture_of(cfg))
+    planned = plan_run(cfg, architecture_of(cfg))
     assert out["total_bytes"] == planned.plan.total and out["fits"] and out["refusal"] is None
     assert out["by_category"]["kv"] == 2 * 2 * 2 * 32 * 4 * 256 * 2  # layers, kv heads, k+v, f32 rows, 256 x 2 slots
     assert out["settings"]["slots"] == 2 and out["max_gpu_memory"] == 1_000_000_000
@@ -109,21 +111,23 @@ def test_info_plan_json_and_table(tmp_path, smollm2_gguf, capsys, monkeypatch):
 
 
 def test_serve_refuses_before_loading_and_loads_within_the_limit(tmp_path, smollm2_gguf, monkeypatch, one_thread):
-    from bonsai_cli.cmd_serve import architecture_of, read_serve_config
-    from engine.server import loading
+    from bonsai_cli.cmd_serve import read_serve_config
+    from bonsai_cli.run_options import architecture_of
+    from engine.run import builder
+    from engine.server.engine_thread import start_serving
     cfg = read_serve_config(_write_dummy_config(tmp_path, smollm2_gguf, "18MB"))
     loads = []
-    real = loading._load_model
-    monkeypatch.setattr(loading, "_load_model", lambda *a: loads.append(1) or real(*a))
+    real = builder.load_run_model
+    monkeypatch.setattr(builder, "load_run_model", lambda *a: loads.append(1) or real(*a))
     with pytest.raises(BonsaiError, match=r"memory.max_gpu_memory 18.00 MB: the memory plan needs .* would fit: "):
-        loading.load_engine(cfg, architecture=architecture_of(cfg))
+        start_serving(cfg, architecture=architecture_of(cfg))
     assert loads == []  # refused before anything was loaded
     cfg = read_serve_config(_write_dummy_config(tmp_path, smollm2_gguf, "50MB"))
-    served = loading.load_engine(cfg, architecture=architecture_of(cfg))
+    served = start_serving(cfg, architecture=architecture_of(cfg))
     try:
         assert loads == [1] and served.engine.runner.cache.nbytes == 2 * 2 * 2 * 32 * 4 * 256 * 2
     finally:
-        served.engine.stop()
+        served.stop()
 
 
 def test_generate_refuses_before_loading(smollm2_gguf, capsys):
@@ -150,8 +154,8 @@ def test_bench_reports_plan_and_limit(tmp_path, one_thread):
 
 def test_info_describes_a_dummy_model(tmp_path, capsys):
     from bonsai_cli.main import main
-    from engine.memory_plan import weight_tensors
-    from engine.model_config import ModelConfig
+    from engine.memory.plan import weight_tensors
+    from engine.sources.model_config import ModelConfig
     arch = tmp_path / "tiny.yaml"
     arch.write_text(TINY_ARCH)
     main(["info", str(arch), "--load-format", "dummy", "--weights", "bin", "--group-size", "32", "--json"])
@@ -159,7 +163,7 @@ def test_info_describes_a_dummy_model(tmp_path, capsys):
     config = ModelConfig.from_hf_config({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
                                          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                                          "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True})
-    formats = dummy_formats(config, "bin", 32).formats
+    formats = dummy_formats(config, WeightFormat("bin", 32)).formats
     assert out["format"] == "dummy" and out["parameters"] == config.num_parameters()
     assert out["bytes"] == sum(b for _, _, b in weight_tensors(config, formats, run_settings(config, "cuda", 2)))
     assert out["bytes"] - 49152 * 64 * 2 < 64 * 64 * 8  # past the bf16 embedding: 1-bit blocks, small

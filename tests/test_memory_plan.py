@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from engine.memory_budget import dummy_formats, model_formats, run_settings
-from engine.memory_plan import (LinearFormat, RunSettings, decode_step_bytes, linear_formats, make_plan,
-                                packed_bytes, pool_segment_bytes)
-from engine.model_config import ModelConfig
+from engine.memory.budget import dummy_formats, model_formats, run_settings
+from engine.memory.plan import RunSettings, decode_step_bytes, make_plan, packed_bytes, pool_segment_bytes
+from engine.sources.model_config import ModelConfig
+from engine.weights.formats import LinearFormat, WeightFormat, linear_formats
 from tests.test_kv_cache import TINY
 
 QWEN3_8B = ModelConfig(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -33,7 +33,7 @@ def test_tiny_config_by_hand():
     assert plan.category("kv") == 2 * 2 * 2 * (16 * 4) * 64 * 2  # k+v, layers, kv heads, row, positions, slots
     assert plan.category("decode") == 0  # no fused step on the CPU
     assert plan.category("logits") == 2 * 97 * (4 + 44 + 8)  # float32 copy, sampling, penalty counts
-    packed = make_plan(TINY, linear_formats(TINY, "tri", 32), RunSettings(max_seq_len=64, **CPU))
+    packed = make_plan(TINY, linear_formats(TINY, WeightFormat("tri", 32)), RunSettings(max_seq_len=64, **CPU))
     # tri: 16 codes per int32 word + a float16 scale per 32 inputs
     tri_blocks = 2 * sum(k // 16 * n * 4 + k // 32 * n * 2 for n, k in ((128, 32), (32, 64), (128, 32), (32, 64)))
     assert packed.category("weights") == embed + lm_head + tri_blocks + norms
@@ -42,7 +42,7 @@ def test_tiny_config_by_hand():
 def test_qwen3_8b_by_hand():
     s = run_settings(QWEN3_8B, "cuda:0", max_seq_len=4096)
     assert (s.dtype_bytes, s.graph_rows) == (2, 1)
-    plan = make_plan(QWEN3_8B, linear_formats(QWEN3_8B, "tri", 128), s)
+    plan = make_plan(QWEN3_8B, linear_formats(QWEN3_8B, WeightFormat("tri", 128)), s)
     per_layer = (4096 // 16 * 6144 * 4 + 32 * 6144 * 2  # wqkv [6144, 4096]
                  + 4096 // 16 * 4096 * 4 + 32 * 4096 * 2  # wo
                  + 4096 // 16 * 24576 * 4 + 32 * 24576 * 2  # w13 [2 x 12288, 4096]
@@ -52,7 +52,7 @@ def test_qwen3_8b_by_hand():
     weights = 36 * per_layer + 2 * 151936 * 4096 * 2 + 4096 * 2 + 64 * 4  # + embed, bf16 lm_head, norm, inv_freq
     assert plan.category("weights") == weights == 4_334_905_600
     assert plan.category("kv") == 36 * 8 * 2 * 128 * 2 * 4096 == 603_979_776
-    static, live = decode_step_bytes(QWEN3_8B, plan_formats := linear_formats(QWEN3_8B, "tri", 128), 1, s)
+    static, live = decode_step_bytes(QWEN3_8B, plan_formats := linear_formats(QWEN3_8B, WeightFormat("tri", 128)), 1, s)
     assert static == 8 + 12 + 6144 * 4 + 24576 * 4
     assert plan.category("decode") == static + pool_segment_bytes(live)
     assert 151936 * 4 in live  # the graph's float32 logits
@@ -63,7 +63,7 @@ def test_qwen3_8b_by_hand():
 
 def test_offload_leaves_a_two_layer_ring_on_the_device():
     s = run_settings(QWEN3_8B, "cuda:0", max_seq_len=32768)
-    formats = linear_formats(QWEN3_8B, "tri", 128)
+    formats = linear_formats(QWEN3_8B, WeightFormat("tri", 128))
     resident = make_plan(QWEN3_8B, formats, s)
     offloaded = make_plan(QWEN3_8B, formats, RunSettings(**{**vars(s), "kv_offload": True}))
     kv = resident.category("kv")
@@ -81,15 +81,14 @@ def test_pool_segments_model_the_caching_allocator():
 
 
 def test_dummy_load_allocates_what_the_plan_says(one_thread):
-    from engine.loader import load_dummy
-    from engine.packed_linear import WeightFormat
-    from engine.runner import ModelRunner
+    from engine.weights.loader import load_dummy
+    from engine.runtime.runner import ModelRunner
     tied = ModelConfig(**{**vars(TINY), "extra": {}, "tie_word_embeddings": True})
     for config, fmt in ((TINY, WeightFormat("tri", 32)), (TINY, WeightFormat("bin", 32, head_type="int8")),
                         (tied, WeightFormat("int4", 32, head_type="int8")), (TINY, WeightFormat())):
         loaded = load_dummy(config, "tiny", weight_format=fmt)
         runner = ModelRunner(loaded, max_seq_len=48, num_slots=3)
-        weights = dummy_formats(config, fmt.quant_type, fmt.group_size, fmt.head_type)
+        weights = dummy_formats(config, fmt)
         plan = make_plan(config, weights.formats, run_settings(config, "cpu", 48, slots=3, dummy=True))
         assert plan.category("weights") == model_bytes(loaded.model), fmt
         assert plan.category("kv") == runner.cache.nbytes
@@ -106,7 +105,7 @@ def _tiny_tokenizer(path) -> None:
 def tiny_checkpoint(tmp_path_factory):
     """A bonsai checkpoint of TINY's shapes: q/k/v tri, o_proj int4, gate tri + up bin (mixed: the
     fused gate/up stays float), down int8; embedding, norms and lm_head float."""
-    from engine.checkpoint_file import hf_config, hf_name
+    from engine.sources.checkpoint_file import hf_config, hf_name
     from quant.checkpoint import CheckpointWriter
     from quant.formats import QuantSpec, quantize_rtn
     out = tmp_path_factory.mktemp("plan") / "tiny-ckpt"
@@ -134,13 +133,12 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def test_checkpoint_load_allocates_what_the_plan_says(tiny_checkpoint, one_thread):
-    from engine.loader import load_model, open_model_source
-    from engine.packed_linear import WeightFormat
-    from engine.runner import ModelRunner
+    from engine.weights.loader import load_model, open_model_source
+    from engine.runtime.runner import ModelRunner
     source = open_model_source(tiny_checkpoint)
     for keep_codes, fmt in ((True, WeightFormat()), (True, WeightFormat("int8", 32)), (False, WeightFormat())):
         loaded = load_model(tiny_checkpoint, "cpu", keep_codes=keep_codes, weight_format=fmt)
-        weights = model_formats(source, TINY, fmt.quant_type, fmt.group_size, fmt.head_type, keep_codes=keep_codes)
+        weights = model_formats(source, TINY, fmt, keep_codes=keep_codes)
         if keep_codes:
             assert weights.formats["layers.0.attention.wqkv"] == LinearFormat("tri", 32)
             assert weights.formats["layers.1.feed_forward.w2"] == LinearFormat("int8", 32)
@@ -153,7 +151,7 @@ def test_checkpoint_load_allocates_what_the_plan_says(tiny_checkpoint, one_threa
 
 def test_stored_codes_are_never_read_as_floats(tiny_checkpoint, monkeypatch, one_thread):
     """Layers packed from stored codes skip the float load (no float copy of a packed model)."""
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     from quant.checkpoint import Checkpoint
     read = []
     real = Checkpoint.read_dequantized
@@ -168,16 +166,15 @@ def test_stored_codes_are_never_read_as_floats(tiny_checkpoint, monkeypatch, one
 
 
 def test_decode_static_buffers_match_the_step_runner(one_thread):
-    from engine.cuda_graphs import DecodeStepRunner
-    from engine.kv_cache import KVCache
-    from engine.loader import load_dummy
-    from engine.packed_linear import WeightFormat
+    from engine.runtime.cuda_graphs import DecodeStepRunner
+    from engine.runtime.kv_cache import KVCache
+    from engine.weights.loader import load_dummy
     loaded = load_dummy(TINY, "tiny", weight_format=WeightFormat("tri", 32))
     cache = KVCache(TINY, 32, 1)
     step = DecodeStepRunner(loaded.model, cache, rows=3, num_splits=1, use_graph=False, kernels=False)
     tensors = [t for t in (*vars(step.inputs).values(), *vars(step.workspace).values()) if t is not None]
     s = RunSettings(max_seq_len=32, **CPU)
-    static, live = decode_step_bytes(TINY, linear_formats(TINY, "tri", 32), 3, s)
+    static, live = decode_step_bytes(TINY, linear_formats(TINY, WeightFormat("tri", 32)), 3, s)
     assert static == sum(t.numel() * t.element_size() for t in tensors)
     logits = step.run([1, 2, 3], [0, 0, 0], [0, 0, 0])
     assert logits.numel() * logits.element_size() in live
@@ -185,7 +182,7 @@ def test_decode_static_buffers_match_the_step_runner(one_thread):
 
 def test_prefill_unpacks_in_column_slices(monkeypatch, one_thread):
     """A packed product of many rows unpacks W in column slices: same result as unpacking it whole."""
-    from engine import packed_linear
+    from engine.weights import packed_linear
     from quant.packed_layout import random_packed
     pw = random_packed("int4", 384, 256, 64, generator=torch.Generator().manual_seed(0))
     x = torch.randn(9, 256)

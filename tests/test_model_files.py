@@ -1,7 +1,7 @@
 """Issue 24, classes 5 and 6: a corrupt or hostile model file is one line naming the file, the field
 and what is wrong, found before anything is allocated: the GGUF header against the bytes left
-and GGML's rules (engine.gguf_reader), the architecture against sane limits (engine.model_limits),
-the tensor inventory against the architecture, layer count first (engine.model_check), so a config
+and GGML's rules (engine.sources.gguf_reader), the architecture against sane limits (engine.sources.model_limits),
+the tensor inventory against the architecture, layer count first (engine.sources.model_check), so a config
 claiming a million layers is refused before the model is built. `info` and `generate` say the same."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 
 from engine.errors import ModelFileError
-from engine.gguf_file import GGUFFile
-from engine.gguf_reader import GGUFFormatError, read_gguf
+from engine.sources.gguf_file import GGUFFile
+from engine.sources.gguf_reader import GGUFFormatError, read_gguf
 from tests.gguf_tiny import write_tiny_gguf
 from tests.hf_tiny import write_tiny_hf
 from tests.test_cli_errors import assert_one_line_error, bonsai_in_process
@@ -35,12 +35,12 @@ def good_gguf(files, smollm2_gguf):
 @pytest.fixture
 def no_building(monkeypatch):
     """Refusals must come before the model is built: building it here fails the test."""
-    import engine.loader
+    import engine.weights.loader
 
     def built(*args, **kwargs):
         raise AssertionError("the model was built before the file was refused")
 
-    monkeypatch.setattr(engine.loader, "_empty_model", built)
+    monkeypatch.setattr(engine.weights.loader, "_empty_model", built)
 
 
 def refused(capsys, path: Path, *fragments: str) -> str:
@@ -258,12 +258,12 @@ def read_only_dir():
 @pytest.mark.parametrize("where", ["out", "gguf"])
 def test_quantize_into_a_read_only_place_fails_before_the_work(good_hf, files, capsys, read_only_dir, monkeypatch,
                                                                 where):
-    import engine.quantize
+    import engine.quantization.quantize
 
     def work(*args, **kwargs):
         raise AssertionError("the quantization ran before the output place was checked")
 
-    monkeypatch.setattr(engine.quantize, "quantize", work)
+    monkeypatch.setattr(engine.quantization.quantize, "quantize", work)
     out = read_only_dir / "bonsai-out" if where == "out" else files / "q-out"
     extra = ["--gguf", str(read_only_dir / "bonsai.gguf")] if where == "gguf" else []
     proc = bonsai_in_process(capsys, "quantize", str(good_hf), str(out), "--group-size", "64", *extra)

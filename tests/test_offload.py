@@ -1,6 +1,6 @@
 """KV offload and weight offload against the resident runner, on the CPU (the same code path as on a
 GPU: "host" and "device" tensors are both CPU tensors). The side-stream copies run either at once or
-deferred until the compute side waits for them (engine.host_copies): the first catches a buffer
+deferred until the compute side waits for them (engine.memory.host_copies): the first catches a buffer
 overwritten while still in use, the second a missing wait."""
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from engine.errors import BonsaiError
-from engine.host_copies import CopyStream, HostAllocator
-from engine.kv_cache import KVCache
-from engine.kv_offload import OffloadedKVCache
-from engine.loader import LoadedModel, TensorSummary
-from engine.runner import ModelRunner
-from engine.weight_offload import bytes_per_layer, embedding_bytes
+from engine.memory.host_copies import CopyStream, HostAllocator
+from engine.runtime.kv_cache import KVCache
+from engine.memory.kv_offload import OffloadedKVCache
+from engine.weights.loader import LoadedModel, TensorSummary
+from engine.runtime.runner import ModelRunner
+from engine.memory.weight_offload import bytes_per_layer, embedding_bytes
 from tests.test_kv_cache import TINY, tiny_model
 
 CFG = dataclasses.replace(TINY, num_layers=3)  # more layers than GPU buffers: the ring is exercised
@@ -131,7 +131,7 @@ def test_pinning_failure_falls_back_to_pageable_with_one_warning(caplog):
         raise RuntimeError("out of pinned memory")
 
     alloc._torch_pinned = no_pinned_memory
-    with caplog.at_level(logging.WARNING, logger="engine.host_copies"):
+    with caplog.at_level(logging.WARNING, logger="engine.memory.host_copies"):
         tensors = [alloc.empty((4, 8), torch.float16) for _ in range(3)]
     assert all(t.shape == (4, 8) and not t.any() for t in tensors) and not alloc.pinned_all
     assert len([r for r in caplog.records if "could not pin" in r.message]) == 1
@@ -180,14 +180,14 @@ def test_bytes_per_layer_by_hand():
     assert bytes_per_layer(model) == [4 * floats] * TINY.num_layers
     assert embedding_bytes(model) == 4 * TINY.vocab_size * h
     with torch.device("meta"):
-        from engine.model import Transformer
+        from engine.runtime.model import Transformer
         meta = Transformer(TINY)
     assert bytes_per_layer(meta) == bytes_per_layer(model)
 
 
 def test_triton_kernels_read_and_write_the_streamed_buffers(one_thread):
     """The fused step's Triton kernels (interpreted on the CPU) take the ring buffers' strides."""
-    from engine.cuda_graphs import DecodeStepRunner
+    from engine.runtime.cuda_graphs import DecodeStepRunner
     got = []
     for kv_offload in (False, True):
         runner = make_runner(kv_offload=kv_offload, deferred=True)
@@ -205,7 +205,7 @@ def test_triton_kernels_read_and_write_the_streamed_buffers(one_thread):
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_with_offload(smollm2_gguf):
     """The real model: KV offload, then KV + weight offload of every block, give plain decoding's tokens."""
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     loaded = load_model(smollm2_gguf)
     prompt = loaded.tokenizer.encode("The three primary colors are", add_special_tokens=True)
 

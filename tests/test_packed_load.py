@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loader import load_model
-from engine.packed_linear import PackedLinear
-from engine.runner import ModelRunner
+from engine.weights.loader import load_model
+from engine.weights.packed_linear import PackedLinear
+from engine.runtime.runner import ModelRunner
 from quant.packed_layout import dequantize
 
 
@@ -29,8 +29,8 @@ def packed_and_float(ternary_checkpoint):
 
 
 def test_checkpoint_codes_are_packed_as_stored(ternary_checkpoint, packed_and_float):
-    from engine.checkpoint_file import BonsaiCheckpoint
-    from engine.loader import open_model_source
+    from engine.sources.checkpoint_file import BonsaiCheckpoint
+    from engine.weights.loader import open_model_source
     source = open_model_source(ternary_checkpoint)
     assert isinstance(source, BonsaiCheckpoint)
     config = source.model_config()

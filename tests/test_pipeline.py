@@ -36,9 +36,9 @@ def test_split_balances_bytes_with_embedding_first_and_head_last():
 
 
 def test_plan_stages_count_every_weight_once_and_the_tied_head_on_the_last():
-    from engine.memory_budget import dummy_formats, run_settings
-    from engine.memory_plan import weight_tensors
-    from engine.model_config import ModelConfig
+    from engine.memory.budget import dummy_formats, run_settings
+    from engine.memory.plan import weight_tensors
+    from engine.sources.model_config import ModelConfig
     cfg = ModelConfig("llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
                       num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
     formats = dummy_formats(cfg).formats
@@ -118,7 +118,7 @@ def test_command_round_trip_and_micro_batches():
 
 
 def _pipeline(source, cfg, devices=("cpu", "cpu"), **kw):
-    from engine.memory_budget import dummy_formats, run_settings
+    from engine.memory.budget import dummy_formats, run_settings
     from engine.pipeline.setup import open_pipeline, plan_pipeline
     settings = run_settings(cfg, "cpu", kw.get("max_seq_len", 64), dummy=True)
     pp = plan_pipeline(cfg, dummy_formats(cfg).formats, settings, list(devices))
@@ -129,10 +129,10 @@ def _pipeline(source, cfg, devices=("cpu", "cpu"), **kw):
 def tiny_pair():
     """A tiny generated model (ternary blocks, int4 head), one process vs a 2-stage gloo pipeline, both
     with the fused decode step (its CPU references), an int8 KV cache and 2 slots."""
-    from engine.loader import load_dummy
-    from engine.packed_linear import WeightFormat
+    from engine.weights.loader import load_dummy
+    from engine.weights.formats import WeightFormat
     from engine.pipeline.launch import ModelSource
-    from engine.runner import ModelRunner
+    from engine.runtime.runner import ModelRunner
     from tests.test_decode_step import CFG
     cfg = dataclasses.replace(CFG, num_layers=3)
     fmt = WeightFormat("tri", 64, "int4")
@@ -196,7 +196,7 @@ def test_cli_generate_pipelined_matches_one_process(tmp_path, smollm2_gguf, caps
 
 @pytest.fixture(scope="module")
 def smollm2_pipe(smollm2_gguf):
-    from engine.gguf_file import GGUFFile
+    from engine.sources.gguf_file import GGUFFile
     from engine.pipeline.launch import ModelSource
     cfg = GGUFFile(smollm2_gguf).model_config()
     pipe = _pipeline(ModelSource(path=str(smollm2_gguf)), cfg, max_seq_len=160, num_slots=2, prefill_chunk_size=16)
@@ -209,25 +209,24 @@ PROMPT = "The three primary colors are red, yellow and blue. The three primary c
 
 @pytest.mark.slow
 def test_smollm2_two_processes_generate_what_one_does(smollm2_loaded, smollm2_pipe, smollm2_tok, one_thread):
-    from engine.generate import GenerationRequest, generate_text
-    from engine.runner import ModelRunner
-    from engine.server.engine_loop import EngineLoop
+    from engine.decoding.engine import Engine
+    from engine.runtime.runner import ModelRunner
     from engine.speculative.ngram import NgramDrafter
+    from tests.engine_runs import Threaded, run_engine
     from tests.test_serve_engine import collect, submit
     single = ModelRunner(smollm2_loaded, max_seq_len=160, prefill_chunk_size=16)
     ids = smollm2_tok.encode(PROMPT, add_special_tokens=True)
-    request = GenerationRequest(max_tokens=32)
-    text, want, _, _ = generate_text(single, smollm2_tok, ids, request)
-    _, got, _, _ = generate_text(smollm2_pipe, smollm2_tok, ids, request)
+    request = dict(max_tokens=32)
+    text, want, _, _ = run_engine(single, smollm2_tok, ids, **request)
+    _, got, _, _ = run_engine(smollm2_pipe, smollm2_tok, ids, **request)
     assert got == want
     # n-gram speculation: verify passes through the pipeline, rewinds on rank 0 only
-    _, spec, _, stats = generate_text(smollm2_pipe, smollm2_tok, ids, request, drafter=NgramDrafter(1, 3),
-                                      num_draft_tokens=4)
+    _, spec, _, stats = run_engine(smollm2_pipe, smollm2_tok, ids, **request, drafter=NgramDrafter(1, 3), k=4)
     assert spec == want and stats.speculative.accepted > 0
     # two slots through the server's engine loop: batched decode steps as micro-batches
     other = smollm2_tok.encode("def add(a, b):", add_special_tokens=True)
-    text_other, _, _, _ = generate_text(single, smollm2_tok, other, GenerationRequest(max_tokens=16))
-    engine = EngineLoop(smollm2_pipe, smollm2_tok, 160, max_queue=4).start()
+    text_other, _, _, _ = run_engine(single, smollm2_tok, other, max_tokens=16)
+    engine = Threaded(Engine(smollm2_pipe, smollm2_tok, 160, max_queue=4))
     try:
         jobs = [submit(engine, ids, max_tokens=32, id="a"),
                 submit(engine, other, max_tokens=16, id="b")]

@@ -14,9 +14,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from engine import store
+from engine.sources import store
 from engine.errors import BonsaiError
-from engine.pull_limits import PullLimits
+from engine.sources.pull_limits import PullLimits
 
 
 @contextmanager
@@ -165,17 +165,17 @@ def test_an_error_with_a_newline_in_it_prints_as_one_line(capsys):
 
 
 def test_the_store_imports_without_the_hubs_http_client():
-    """Every command imports engine.store; a huggingface_hub built on another HTTP package (httpx before 2.0,
+    """Every command imports engine.sources.store; a huggingface_hub built on another HTTP package (httpx before 2.0,
     httpx2 after) must not stop it (the GPU machine's hub has no httpx2: every test there failed to import)."""
     code = ("import sys; sys.modules['httpx2'] = None; sys.modules['httpx'] = None\n"
-            "import engine.store, engine.pull_limits\nprint('ok')")
+            "import engine.sources.store, engine.sources.pull_limits\nprint('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 def test_the_deadline_stream_is_the_clients_own_stream_type():
     import importlib
-    from engine.pull_limits import deadline_stream_type
+    from engine.sources.pull_limits import deadline_stream_type
     name = "httpx2" if importlib.util.find_spec("httpx2") else "httpx"
     http = importlib.import_module(name)
     kind = deadline_stream_type(f"{name}._models")

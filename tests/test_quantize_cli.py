@@ -14,13 +14,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from bonsai_cli.recipe_file import build_recipe, read_recipe_file
-from engine.checkpoint_file import BonsaiCheckpoint
+from engine.sources.checkpoint_file import BonsaiCheckpoint
 from engine.errors import BonsaiError
-from engine.gguf_file import GGUFFile
-from engine.hf_files import HFModelDir
-from engine.loader import load_model
-from engine.quantize import QuantizeOptions, quantize
-from engine.tokenizer import Tokenizer
+from engine.sources.gguf_file import GGUFFile
+from engine.sources.hf_files import HFModelDir
+from engine.weights.loader import load_model
+from engine.quantization.quantize import QuantizeOptions, quantize
+from engine.sources.tokenizer import Tokenizer
 from quant.formats import QuantSpec, quantize_rtn
 from quant.grids import dequantize
 from quant.recipe import Recipe, RecipeError, Rule, fallback_group, plan, plan_with_fallback
@@ -172,7 +172,7 @@ def test_hf_source_files_copied_byte_for_byte(tiny, tmp_path, capsys):
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
     ours, ref = load_model(out, weight_dtype=torch.float32), load_model(src, weight_dtype=torch.float32)
     assert ours.tokenizer.chat_template == ref.tokenizer.chat_template
-    from engine.runner import ModelRunner
+    from engine.runtime.runner import ModelRunner
     ids = ref.tokenizer.encode(STRINGS[1])
     a, b = ModelRunner(ours, max_seq_len=32), ModelRunner(ref, max_seq_len=32)
     la, lb = a.forward(a.slot(), ids, None), b.forward(b.slot(), ids, None)
@@ -267,8 +267,8 @@ def test_force_replaces_and_an_interrupted_run_leaves_nothing(tiny, tmp_path):
 
 def test_calibration_methods_go_through_engine_calibration(tiny, tmp_path, monkeypatch):
     """gptq / gsq hand every layer, the calibration activations (cut as asked) and the options to
-    engine.calibration's stages (the real ones, watched by a spy) and write what they return."""
-    import engine.layerwise as layerwise
+    engine.quantization.calibration's stages (the real ones, watched by a spy) and write what they return."""
+    import engine.quantization.layerwise as layerwise
     calls = []
     real = layerwise.quantize_block
 
@@ -364,9 +364,9 @@ def test_peak_memory_stays_near_one_layer(tiny, tmp_path):
 
 def test_smollm2_int8_end_to_end(smollm2_gguf, tmp_path):
     """The real model: int8 rtn (group 64: 576 is not a multiple of 128) stays close to its source."""
-    from engine.evaluate import default_eval_text, evaluate
-    from engine.generate import GenerationRequest, generate_text
-    from engine.runner import ModelRunner
+    from engine.quantization.evaluate import default_eval_text, evaluate
+    from engine.runtime.runner import ModelRunner
+    from tests.engine_runs import run_engine
     out = tmp_path / "smollm2-int8"
     report = quantize(smollm2_gguf, out, QuantizeOptions(Recipe(QuantSpec("int8", 64))))
     assert report.by_format()["int8 g64"]["tensors"] == 30 * 7 and report.bits_per_weight < 10
@@ -376,7 +376,7 @@ def test_smollm2_int8_end_to_end(smollm2_gguf, tmp_path):
     assert result.kl_mean < 0.01 and result.same_top > 0.9, result
     chat = ref.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     prompt = ref.loaded.tokenizer.encode(chat)
-    request = GenerationRequest(max_tokens=12)
-    text, _, _, _ = generate_text(ours, ours.loaded.tokenizer, prompt, request)
-    ref_text, _, _, _ = generate_text(ref, ref.loaded.tokenizer, prompt, request)
+    request = dict(max_tokens=12)
+    text, _, _, _ = run_engine(ours, ours.loaded.tokenizer, prompt, **request)
+    ref_text, _, _, _ = run_engine(ref, ref.loaded.tokenizer, prompt, **request)
     assert "Paris" in text, (text, ref_text)

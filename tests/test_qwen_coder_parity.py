@@ -11,9 +11,9 @@ import gc
 import pytest
 import torch
 
-from engine import store
-from engine.generate import GenerationRequest, generate_text
-from engine.runner import ModelRunner
+from engine.sources import store
+from engine.runtime.runner import ModelRunner
+from tests.engine_runs import run_engine
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -67,8 +67,8 @@ def _reference(path, tokenizer) -> dict:
 @pytest.fixture(scope="module", params=MODELS)
 def case(request):
     """(name, path, reference results) of one pulled model; ours is loaded by each test."""
-    from engine.gguf_file import GGUFFile
-    from engine.tokenizer import Tokenizer
+    from engine.sources.gguf_file import GGUFFile
+    from engine.sources.tokenizer import Tokenizer
     path = store.find_pulled(request.param)
     if path is None:
         pytest.skip(f"{request.param} is not pulled (`bonsai pull {request.param}`)")
@@ -76,7 +76,7 @@ def case(request):
 
 
 def _ours(path, variant: str):
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     return load_model(path, "cpu", weight_dtype=torch.float32 if variant == "float32" else None)
 
 
@@ -105,7 +105,6 @@ def test_greedy_continuations_identical(case):
     ours = _ours(path, "float16")
     runner = ModelRunner(ours, max_seq_len=128)
     for ids, expected in ref["greedy"]:
-        text, got, _, _ = generate_text(runner, ours.tokenizer, ids,
-                                        GenerationRequest(max_tokens=GREEDY_TOKENS))
+        text, got, _, _ = run_engine(runner, ours.tokenizer, ids, max_tokens=GREEDY_TOKENS)
         assert got == expected, (name, ours.tokenizer.decode(got), ours.tokenizer.decode(expected))
         assert text == ours.tokenizer.decode(got)

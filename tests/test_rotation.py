@@ -10,13 +10,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine.checkpoint_file import BonsaiCheckpoint
-from engine.cuda_graphs import DecodeStepRunner
-from engine.loader import LoadedModel, load_dummy, load_model
-from engine.model_config import ModelConfig
-from engine.packed_linear import WeightFormat
-from engine.rotation import load_rotated
-from engine.runner import ModelRunner
+from engine.sources.checkpoint_file import BonsaiCheckpoint
+from engine.runtime.cuda_graphs import DecodeStepRunner
+from engine.weights.loader import LoadedModel, load_dummy, load_model
+from engine.sources.model_config import ModelConfig
+from engine.weights.formats import WeightFormat
+from engine.quantization.rotation import load_rotated
+from engine.runtime.runner import ModelRunner
 from quant.checkpoint import Checkpoint, CheckpointError, SafetensorsFile
 from quant.rotation import (block_hadamard, block_hadamard_factors, block_hadamard_matrix, fold_norm, hadamard_matrix,
                             has_hadamard, power_of_two_block, random_hadamard, rotate_input, rotate_output)
@@ -177,7 +177,7 @@ def test_quantize_rotate_end_to_end(tiny, tmp_path, capsys, one_thread):
 
 
 def test_rotated_gptq_calibrates_the_rotated_model(tiny, tmp_path, monkeypatch, one_thread):
-    from engine.quantize import QuantizeOptions, quantize
+    from engine.quantization.quantize import QuantizeOptions, quantize
     from quant.formats import QuantSpec
     from quant.recipe import Recipe
     calib = tmp_path / "calib.txt"
@@ -185,7 +185,7 @@ def test_rotated_gptq_calibrates_the_rotated_model(tiny, tmp_path, monkeypatch, 
     opts = dict(method="gptq", calib=calib, calib_samples=4, calib_seq_len=32)
     ref = load_model(tiny.hf, weight_dtype=torch.float32)
     want = _logits(ref, IDS).log_softmax(-1)
-    import engine.layerwise as layerwise
+    import engine.quantization.layerwise as layerwise
     seen, real = [], layerwise.quantize_block
 
     def spy(block, hidden, targets, keep, method, options, model, say):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.errors import BonsaiError
-from engine.sampling import SamplingParams, apply_penalties, make_generator, probabilities, sample, sample_rows
+from engine.decoding.sampling import SamplingParams, apply_penalties, make_generator, probabilities, sample, sample_rows
 
 
 def test_greedy_is_argmax():

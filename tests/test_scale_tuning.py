@@ -1,4 +1,4 @@
-"""End-to-end scale tuning (engine.scale_tuning) on a tiny model quantized by GPTQ: it lowers the KL to the
+"""End-to-end scale tuning (engine.quantization.scale_tuning) on a tiny model quantized by GPTQ: it lowers the KL to the
 float model on held-out sequences, touches only scales, and returns the start scales when it cannot help."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from engine.calibration import CalibrationOptions, calibration_sequences, quantize_with_calibration
+from engine.quantization.calibration import CalibrationOptions, calibration_sequences, quantize_with_calibration
 from engine.errors import BonsaiError
-from engine.loader import load_model
-from engine.scale_tuning import ScaleTuningOptions, tune_scales
+from engine.weights.loader import load_model
+from engine.quantization.scale_tuning import ScaleTuningOptions, tune_scales
 from quant.grids import dequantize
 from tests.gguf_tiny import write_tiny_gguf
 from tests.test_calibration import TEXT

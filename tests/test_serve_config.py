@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from engine.errors import BonsaiError
-from engine.server.config import ServeConfig, parse_bytes
+from engine.run.config import parse_bytes
+from engine.server.config import ServeConfig
 
 SEED = """
 model:
@@ -121,7 +122,7 @@ def test_wrong_types_and_values_give_the_key_path(tmp_path):
     cfg = load("model:\n  path: m\nruntime:\n  decode_algorithm: speculative\n  draft_model: ./small\n", tmp_path)
     assert cfg.spec_config.method == "draft" and cfg.spec_config.drafters[0].path == "./small"
     assert "speculative.drafter" in error("model:\n  path: m\nspeculative:\n  drafter: ngram\n", tmp_path)
-    from engine.server.config import SpeculativeSection
+    from engine.run.config import SpeculativeSection
     assert SpeculativeSection("mix:ngram,mtp", num_draft_tokens=6).as_spec_config().num_draft_tokens == 6
     with pytest.raises(BonsaiError, match="config speculative: unknown drafter 'ngarm'"):
         SpeculativeSection("ngarm")
@@ -163,12 +164,12 @@ def test_every_example_config_loads_or_is_refused_by_name(tmp_path):
             assert cfg.spec_config is not None and cfg.runtime.max_batch_size > 1
 
 
-def test_dummy_models_need_a_tokenizer(tmp_path):
+def test_served_dummy_models_need_a_tokenizer(tmp_path):
     assert "model.tokenizer" in error("model:\n  path: qwen3-8b\n  load_format: dummy\n", tmp_path)
     assert "model.tokenizer" in error("model:\n  path: m\n  tokenizer: smollm2-135m\n", tmp_path)
     cfg = load("model:\n  path: qwen3-8b\n  load_format: dummy\n  tokenizer: smollm2-135m\n  quant_type: tri\n",
                tmp_path)
-    from bonsai_cli.cmd_serve import architecture_of
+    from bonsai_cli.run_options import architecture_of
     assert architecture_of(cfg).hidden_size == 4096
 
 
@@ -179,5 +180,24 @@ def test_offload_keys(tmp_path):
     assert "memory.host_kv_mib" in error(base + "  host_kv_mib: 512\n", tmp_path)  # without kv_offload
     assert "memory.host_kv_mib" in error(base + "  kv_offload: true\n  host_kv_mib: 0\n", tmp_path)
     assert "host_kv_mib" in error(base + "  host_kv_mb: 512\n", tmp_path)  # the nearest key
-    from engine.server.loading import offloaded_layers
+    from engine.run.builder import offloaded_layers
     assert offloaded_layers(cfg, 3) == {0, 1, 2} and offloaded_layers(load("model:\n  path: m\n", tmp_path), 3) is None
+
+
+def test_flags_build_the_run_config_a_file_builds(tmp_path):
+    """MODEL and the flags make the RunConfig the same keys of a file make; flags override a file's
+    keys; a refusal names the flag that set the key; the `server:` section is the server's alone."""
+    from bonsai_cli.run_options import run_config
+    path = tmp_path / "serve.yaml"
+    path.write_text("model:\n  path: m\n  kv_type: int8\nruntime:\n  max_seq_len: 512\nserver:\n  port: 9\n")
+    assert run_config(None, {}, path) == run_config("m", {"--kv-type": "int8", "--max-seq-len": 512})
+    over = run_config(None, {"--kv-type": "int4", "--spec": "ngram", "--draft-tokens": 3, "--kv-offload": False}, path)
+    assert over.model.kv_type == "int4" and over.runtime.max_seq_len == 512 and not over.memory.kv_offload
+    assert over.spec_config.num_draft_tokens == 3 and run_config(None, {"--spec": "none"}, path).spec_config is None
+    with pytest.raises(BonsaiError, match="^--host-kv-mib: only applies with --kv-offload; remove it$"):
+        run_config("m", {"--host-kv-mib": 64})
+    with pytest.raises(BonsaiError, match="^--device lists 2 devices .* set --pipeline-parallel"):
+        run_config("m", {"--device": "cpu,cpu"})
+    path.write_text("model:\n  path: m\nmemory:\n  host_kv_mib: 64\n")
+    with pytest.raises(BonsaiError, match="^config memory.host_kv_mib: only applies with memory.kv_offload"):
+        run_config(None, {"--device": "cpu"}, path)  # the file set it: its key's name

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, generate_text
-from engine.loader import LoadedModel, TensorSummary
-from engine.model import Transformer
-from engine.model_config import ModelConfig
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.server.engine_loop import EngineLoop
-from engine.server.sequence import Delta, Failed, Finished, ServeRequest, ThinkingRules
+from engine.decoding.engine import Engine
+from engine.decoding.sampling import SamplingParams
+from engine.decoding.sequence import Delta, Failed, Finished, Request, ThinkingRules
+from engine.runtime.model import Transformer
+from engine.runtime.runner import ModelRunner
+from engine.sources.model_config import ModelConfig
+from engine.weights.loader import LoadedModel, TensorSummary
+from tests.engine_runs import Threaded, run_engine
 
 
 def tiny_loaded(vocab: int) -> LoadedModel:
@@ -38,14 +38,14 @@ def loaded(smollm2_tok):
     return tiny_loaded(smollm2_tok.vocab_size)
 
 
-def make_engine(loaded, tok, slots=4, chunk=8, context=128, rules=None, budget=None) -> EngineLoop:
+def make_engine(loaded, tok, slots=4, chunk=8, context=128, rules=None, budget=None) -> Threaded:
     runner = ModelRunner(loaded, max_seq_len=context, num_slots=slots, prefill_chunk_size=chunk)
-    return EngineLoop(runner, tok, context, max_queue=8, rules=rules, prefill_budget=budget).start()
+    return Threaded(Engine(runner, tok, context, max_queue=8, rules=rules, prefill_budget=budget))
 
 
-def submit(engine, prompt, max_tokens=12, id="r", **kw) -> tuple[ServeRequest, queue.Queue]:
+def submit(engine, prompt, max_tokens=12, id="r", **kw) -> tuple[Request, queue.Queue]:
     q: queue.Queue = queue.Queue()
-    req = ServeRequest(id=id, prompt_ids=list(prompt), max_tokens=max_tokens, emit=q.put, **kw)
+    req = Request(id=id, prompt_ids=list(prompt), max_tokens=max_tokens, emit=q.put, **kw)
     engine.submit(req)
     return req, q
 
@@ -65,8 +65,7 @@ def collect(q: queue.Queue, timeout=60.0):
 
 def plain(loaded, tok, prompt, max_tokens=12, sampling=None) -> str:
     runner = ModelRunner(loaded, max_seq_len=128)
-    request = GenerationRequest(max_tokens=max_tokens, sampling=sampling or SamplingParams())
-    text, _, _, _ = generate_text(runner, tok, list(prompt), request)
+    text, _, _, _ = run_engine(runner, tok, list(prompt), max_tokens=max_tokens, sampling=sampling or SamplingParams())
     return text
 
 
@@ -178,15 +177,15 @@ def test_cancel_frees_the_slot_and_others_finish(loaded, smollm2_tok, one_thread
 
 
 def test_failing_request_is_reported_and_the_engine_goes_on(loaded, smollm2_tok, one_thread, monkeypatch):
-    from engine.server import sequence
-    original = sequence.Sequence.on_logits
+    from engine.decoding import sequence
+    original = sequence.Sequence.take
 
-    def flaky(self, logits, room, choice=None):
+    def flaky(self, token, logits, room):
         if self.request.id == "bad" and self.generated >= 2:
             raise RuntimeError("planted failure")
-        return original(self, logits, room, choice)
+        return original(self, token, logits, room)
 
-    monkeypatch.setattr(sequence.Sequence, "on_logits", flaky)
+    monkeypatch.setattr(sequence.Sequence, "take", flaky)
     engine = make_engine(loaded, smollm2_tok, slots=2, context=32)
     try:
         _, qbad = submit(engine, PROMPTS[0], max_tokens=20, id="bad")
@@ -217,10 +216,10 @@ def test_thinking_budget_inserts_the_end_tag_and_the_answer_follows(loaded, smol
 
 
 def test_a_model_that_ends_inside_its_thought_is_led_into_the_answer(smollm2_tok, one_thread):
-    from engine.server.sequence import Sequence
+    from engine.decoding.sequence import Sequence
     events: list = []
     tok = smollm2_tok
-    req = ServeRequest(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append, thinking_at_start=True)
+    req = Request(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append, thinking_at_start=True)
     seq = Sequence(req, tok, ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
 
     def choose(token: int) -> torch.Tensor:
@@ -246,10 +245,10 @@ def test_a_model_that_ends_inside_its_thought_is_led_into_the_answer(smollm2_tok
 
 
 def test_a_model_that_stops_right_after_its_thought_is_led_once(smollm2_tok, one_thread):
-    from engine.server.sequence import Sequence
+    from engine.decoding.sequence import Sequence
     events: list = []
     tok = smollm2_tok
-    req = ServeRequest(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append)
+    req = Request(id="t", prompt_ids=[1, 2], max_tokens=50, emit=events.append)
     seq = Sequence(req, tok, ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
     logits = torch.full((tok.vocab_size,), -1e9)
     for t in tok.encode("<think>ok</think>"):
@@ -263,7 +262,7 @@ def test_a_model_that_stops_right_after_its_thought_is_led_once(smollm2_tok, one
 
 @pytest.mark.gpu
 def test_graphed_batched_decode_matches_the_graphed_single_row_step(smollm2_gguf):
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     loaded = load_model(smollm2_gguf, "cuda")
     runner = ModelRunner(loaded, max_seq_len=128, num_slots=4)
     assert runner.decoder is not None and runner.decoder.graph is not None
@@ -282,13 +281,27 @@ def test_graphed_batched_decode_matches_the_graphed_single_row_step(smollm2_gguf
 
 
 def test_ids_beyond_the_tokenizer_are_never_sampled(smollm2_tok, one_thread):
-    from engine.server.sequence import Sequence
+    from engine.decoding.sequence import Sequence
     tok = smollm2_tok
     events: list = []
-    req = ServeRequest(id="v", prompt_ids=[1, 2], max_tokens=5, emit=events.append)
+    req = Request(id="v", prompt_ids=[1, 2], max_tokens=5, emit=events.append)
     seq = Sequence(req, tok, ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
     logits = torch.zeros(tok.vocab_size + 64)  # a padded output layer (or a dummy model's larger vocabulary)
     logits[tok.vocab_size + 3] = 50.0
     logits[42] = 10.0
     seq.on_logits(logits, room=100)
     assert seq.pending == [42]
+
+
+def test_token_ids_only_still_end_at_the_end_of_sequence_token(smollm2_tok, one_thread):
+    from engine.decoding.sequence import Sequence
+    tok, events = smollm2_tok, []
+    for ignore in (False, True):
+        events.clear()
+        seq = Sequence(Request([1, 2], max_tokens=5, text=False, ignore_eos=ignore, emit=events.append), tok,
+                       ThinkingRules(), tok.vocab_size, torch.device("cpu"), reused=0)
+        for token in (42, min(tok.eos_ids)):
+            seq.take(token, None, room=100)
+        assert seq.done != ignore and [d.token_ids for d in events if isinstance(d, Delta)] == \
+            [[42]] + ([[min(tok.eos_ids)]] if ignore else [])
+        assert all(d.content == "" for d in events if isinstance(d, Delta))

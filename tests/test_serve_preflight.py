@@ -129,8 +129,8 @@ def test_a_port_in_use_is_one_line_and_exit_1(tmp_path, capsys, tiny):
 
 # -- class 7: model.quant_type that differs from what the file stores -------------------------------------
 def test_rounding_at_load_is_found_from_metadata(tiny):
-    from engine.format_cost import rounding_at_load
-    from engine.loader import open_model_source
+    from engine.weights.format_cost import rounding_at_load
+    from engine.weights.loader import open_model_source
     source = open_model_source(tiny)
     config = source.model_config()
     r = rounding_at_load(source, config, "tri", 128, keep_codes=False)
@@ -140,12 +140,12 @@ def test_rounding_at_load_is_found_from_metadata(tiny):
 
 def test_serving_with_another_quant_type_says_what_it_costs(tmp_path, tiny, caplog):
     from engine.server.config import ServeConfig
-    from engine.server.loading import load_engine
+    from engine.server.engine_thread import start_serving
     config = ServeConfig.from_dict({"model": {"path": str(tiny), "quant_type": "tri", "max_context": 64},
                                     "runtime": {"device": "cpu", "max_batch_size": 1}})
     with caplog.at_level(logging.WARNING):
-        served = load_engine(config)
-    served.engine.stop()
+        served = start_serving(config)
+    served.stop()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "quant_type" in r.getMessage()]
     assert len(warnings) == 1, caplog.text
     line = warnings[0]
@@ -157,8 +157,8 @@ def test_serving_with_another_quant_type_says_what_it_costs(tmp_path, tiny, capl
 
 
 def test_a_checkpoint_stored_in_the_served_format_loads_without_a_warning(tmp_path, tiny_hf, capsys, caplog):
-    from engine.format_cost import rounding_at_load
-    from engine.loader import open_model_source
+    from engine.weights.format_cost import rounding_at_load
+    from engine.weights.loader import open_model_source
     out = tmp_path / "tri"
     proc = bonsai_in_process(capsys, "quantize", str(tiny_hf), str(out), "--quant-type", "tri", "--group-size", "64")
     assert proc.returncode == 0, proc.stderr

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine.errors import BonsaiError
-from engine.server.context_policy import fit_conversation
-from engine.server.metrics import Metrics
-from engine.server.reasoning import ReasoningSplitter
-from engine.server.scheduler import PrefillChunk, QueueFull, Scheduler, plan_prefill
+from engine.decoding.context_policy import fit_conversation
+from engine.decoding.metrics import Metrics
+from engine.decoding.reasoning import ReasoningSplitter
+from engine.decoding.scheduler import PrefillChunk, QueueFull, Scheduler, plan_prefill
 
 
 @dataclass

@@ -10,15 +10,15 @@ import time
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, generate_text
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.server.engine_loop import EngineLoop
-from engine.server.sequence import Finished, ThinkingRules
-from engine.server.spec_step import split_draft_budget
+from engine.decoding.engine import Engine
+from engine.decoding.sampling import SamplingParams
+from engine.decoding.sequence import Finished, ThinkingRules
+from engine.decoding.spec_step import split_draft_budget
+from engine.runtime.runner import ModelRunner
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.drafter import Draft
 from engine.speculative.planner import TargetCost
+from tests.engine_runs import Threaded, run_engine, spec_engine
 from tests.test_serve_engine import collect, submit, tiny_loaded
 
 # repetitive prompts: the n-gram drafter finds continuations in them
@@ -44,18 +44,19 @@ class FreeRows(TargetCost):
         return 1.0
 
 
-def make_engine(loaded, tok, slots=4, context=96, fused=False, spec=NGRAM, rules=None) -> EngineLoop:
+def make_engine(loaded, tok, slots=4, context=96, fused=False, spec=NGRAM, rules=None) -> Threaded:
     runner = ModelRunner(loaded, max_seq_len=context, num_slots=slots, prefill_chunk_size=8, fast_decode=fused)
-    engine = EngineLoop(runner, tok, context, max_queue=8, rules=rules, speculative=spec)
+    engine = (spec_engine(runner, tok, spec, slot_context=context, max_queue=8, rules=rules) if spec is not None
+              else Engine(runner, tok, context, max_queue=8, rules=rules))
     if engine.spec is not None:
         engine.spec.pass_cost = FreeRows()
-    return engine.start()
+    return Threaded(engine)
 
 
 def plain(loaded, tok, prompt, max_tokens=24, context=96, **kw) -> tuple[str, list[int], list[int]]:
     """Plain decoding: text, token ids, and the tokens its slot holds at the end."""
     runner = ModelRunner(loaded, max_seq_len=context)
-    text, ids, _, _ = generate_text(runner, tok, list(prompt), GenerationRequest(max_tokens=max_tokens, **kw))
+    text, ids, _, _ = run_engine(runner, tok, list(prompt), max_tokens=max_tokens, **kw)
     return text, ids, runner.slot(0).tokens
 
 
@@ -343,20 +344,20 @@ def test_drafters_reading_hidden_states_verify_per_slot_and_keep_greedy_output(l
 def test_graphed_speculative_steps_of_several_slots_match_plain_graphed_decoding(smollm2_gguf, monkeypatch):
     """On a GPU: 4 slots' [token + drafts] rows in one graphed step give plain graphed decoding's
     greedy tokens, with drafts accepted, and the widest step stays within 16 rows."""
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     loaded = load_model(smollm2_gguf, "cuda")
     tok = loaded.tokenizer
     prompts = [tok.encode(t) for t in ("1, 2, 3, 4, 5, 6,", "def add(a, b):\n    return a + b\n\ndef sub(a, b):",
                                          "The cat sat on the mat. The cat sat on the", "Once upon a time")]
     single = ModelRunner(loaded, max_seq_len=256)
-    want = [generate_text(single, tok, p, GenerationRequest(max_tokens=48, ignore_eos=True))[1] for p in prompts]
+    want = [run_engine(single, tok, p, max_tokens=48, ignore_eos=True)[1] for p in prompts]
     runner = ModelRunner(loaded, max_seq_len=256, num_slots=4)
-    engine = EngineLoop(runner, tok, 256, speculative=NGRAM)
-    runner.prepare_rows(engine.spec.max_rows())
+    core = spec_engine(runner, tok, NGRAM, slot_context=256)
+    runner.prepare_rows(core.spec.max_rows())
     widths: list[int] = []
     step_rows = runner.step_rows
     monkeypatch.setattr(runner, "step_rows", lambda t, p, s: widths.append(len(t)) or step_rows(t, p, s))
-    engine.start()
+    engine = Threaded(core)
     try:
         jobs = [submit(engine, p, max_tokens=48, id=f"g{i}") for i, p in enumerate(prompts)]
         results = [collect(q) for _, q in jobs]
@@ -390,7 +391,7 @@ class Fixed:
 def test_sampling_through_the_speculative_step_keeps_the_distribution(loaded, smollm2_tok, one_thread):
     """The first two tokens' joint distribution at T > 0 (top-k 3: 9 outcomes) equals plain
     sampling's when the second comes through verification of a one-hot draft (chi-square)."""
-    from engine.sampling import probabilities
+    from engine.decoding.sampling import probabilities
     params = SamplingParams(temperature=1.5, top_k=3)
     prompt = PROMPTS[2]
     runner = ModelRunner(loaded, max_seq_len=32)

@@ -41,14 +41,14 @@ def server(tiny_gguf, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_gguf):
     """Plain decoding of the same model in this process (float32, as the server's several slots)."""
-    from engine.generate import GenerationRequest, generate_text
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.runtime.runner import ModelRunner
+    from engine.weights.loader import load_model
+    from tests.engine_runs import run_engine
     loaded = load_model(tiny_gguf, "cpu", weight_dtype=torch.float32)
     runner = ModelRunner(loaded, max_seq_len=192)
 
     def run(ids: list[int], max_tokens: int, stop: tuple[str, ...] = ()) -> str:
-        return generate_text(runner, loaded.tokenizer, ids, GenerationRequest(max_tokens=max_tokens, stop=stop))[0]
+        return run_engine(runner, loaded.tokenizer, ids, max_tokens=max_tokens, stop=stop)[0]
 
     run.tokenizer = loaded.tokenizer
     return run
@@ -139,22 +139,22 @@ def test_a_draft_model_is_loaded_once_for_all_slots(tiny_gguf, reference, one_th
     one copy of the draft model's weights, a KV cache per slot, greedy output unchanged."""
     import queue
 
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
-    from engine.server.engine_loop import EngineLoop
-    from engine.server.sequence import Finished, ServeRequest
+    from engine.decoding.sequence import Finished, Request
+    from engine.runtime.runner import ModelRunner
     from engine.speculative.config import SpeculativeConfig
+    from engine.weights.loader import load_model
+    from tests.engine_runs import Threaded, spec_engine
     loaded = load_model(tiny_gguf, "cpu", weight_dtype=torch.float32)
     spec = SpeculativeConfig.from_spec(f"draft:{tiny_gguf}", num_draft_tokens=3, adaptive=False)
-    engine = EngineLoop(ModelRunner(loaded, max_seq_len=96, num_slots=2), loaded.tokenizer, 96,
-                        speculative=spec).start()
+    engine = Threaded(spec_engine(ModelRunner(loaded, max_seq_len=96, num_slots=2), loaded.tokenizer, spec,
+                                  slot_context=96))
     try:
         drafters = [s.drafter for s in engine.spec.slots]
         assert drafters[0].loaded is drafters[1].loaded and drafters[0].runner is not drafters[1].runner
         queues = []
         for prompt in PROMPTS[:2]:
             q: queue.Queue = queue.Queue()
-            engine.submit(ServeRequest(prompt, loaded.tokenizer.encode(prompt, add_special_tokens=True), 12, q.put))
+            engine.submit(Request(loaded.tokenizer.encode(prompt, add_special_tokens=True), 12, id=prompt, emit=q.put))
             queues.append(q)
         for prompt, q in zip(PROMPTS[:2], queues):
             text = ""

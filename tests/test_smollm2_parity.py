@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, generate_text
-from engine.runner import ModelRunner
+from engine.runtime.runner import ModelRunner
+from tests.engine_runs import run_engine
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -87,7 +87,7 @@ def test_greedy_continuations_identical(ours, reference):
     eos = sorted(ours.tokenizer.eos_ids)
     for prompt in GREEDY_PROMPTS:
         ids = ours.tokenizer.encode(prompt)
-        text, got, finish, _ = generate_text(runner, ours.tokenizer, ids, GenerationRequest(max_tokens=32))
+        text, got, finish, _ = run_engine(runner, ours.tokenizer, ids, max_tokens=32)
         with torch.no_grad():
             out = ref_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                                      eos_token_id=eos, pad_token_id=eos[0])[0, len(ids):].tolist()
@@ -103,6 +103,6 @@ def test_int8_kv_cache_generates_the_same_first_tokens(ours):
     plain, int8 = (ModelRunner(ours, max_seq_len=64, kv_type=kv_type) for kv_type in ("bf16", "int8"))
     for prompt in GREEDY_PROMPTS[:3]:
         ids = ours.tokenizer.encode(prompt)
-        want = generate_text(plain, ours.tokenizer, ids, GenerationRequest(max_tokens=12))[1]
-        got = generate_text(int8, ours.tokenizer, ids, GenerationRequest(max_tokens=12))[1]
+        want = run_engine(plain, ours.tokenizer, ids, max_tokens=12)[1]
+        got = run_engine(int8, ours.tokenizer, ids, max_tokens=12)[1]
         assert got == want, prompt

@@ -240,8 +240,8 @@ def test_factory_refuses_missing_drafter_files_and_k_above_a_block_size(tmp_path
 def test_a_draft_model_is_a_path_or_a_pulled_name(tmp_path, monkeypatch):
     """draft:NAME resolves through the store (the built-in qwen2.5-coder-0.5b once pulled); an unpulled
     name says how to pull it, for the loader and for the memory plan alike."""
-    from engine import store
-    from engine.memory_budget import draft_model_plan
+    from engine.sources import store
+    from engine.memory.budget import draft_model_plan
     from engine.speculative.draft_model import resolve_draft_model
     monkeypatch.setenv("BONSAI_HOME", str(tmp_path / "home"))
     with pytest.raises(BonsaiError, match=r"draft model: model 'qwen2.5-coder-0.5b' is not in the store .*"

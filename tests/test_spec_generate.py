@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, generate_text
-from engine.loader import LoadedModel, TensorSummary
-from engine.model import Linear, cpu_bf16_gemm, linear
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, apply_penalties, probabilities
+from engine.weights.loader import LoadedModel, TensorSummary
+from engine.runtime.linear import Linear, cpu_bf16_gemm, linear
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams, apply_penalties, probabilities
 from engine.speculative.draft_model import DraftModelDrafter
 from engine.speculative.mix import MixDrafter
 from engine.speculative.ngram import NgramDrafter
+from tests.engine_runs import run_engine
 from tests.test_kv_cache import TINY, tiny_model
 from tests.test_spec_verify import chi_square_ok
 
@@ -28,6 +28,7 @@ class TinyTokenizer:
     def __init__(self, eos: int | None = None):
         self.eos_ids = frozenset() if eos is None else frozenset({eos})
         self.special_ids = frozenset()
+        self.vocab_size = 1 << 30  # every id reads as text
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "".join(f"t{i} " for i in ids)
@@ -35,7 +36,7 @@ class TinyTokenizer:
     def id_to_token(self, i: int) -> str:
         return f"t{i}"
 
-    def is_byte_token(self, i: int) -> bool:  # engine.tokenizer.Tokenizer's: no byte-fallback tokens here
+    def is_byte_token(self, i: int) -> bool:  # engine.sources.tokenizer.Tokenizer's: no byte-fallback tokens here
         return False
 
 
@@ -74,14 +75,14 @@ def drafters(target: LoadedModel, noise: float = 0.02):
 def test_greedy_output_equals_plain_decoding(one_thread, name):
     loaded = tiny_loaded()
     tok = TinyTokenizer()
-    request = GenerationRequest(max_tokens=40, ignore_eos=True)
-    plain_text, plain_ids, _, _ = generate_text(ModelRunner(loaded, 96), tok, PROMPT, request)
+    request = dict(max_tokens=40, ignore_eos=True)
+    plain_text, plain_ids, _, _ = run_engine(ModelRunner(loaded, 96), tok, PROMPT, **request)
     if name == "draft-self":  # the target drafting for itself: every draft accepted
         drafter = DraftModelDrafter(loaded, loaded.config.vocab_size, 96)
     else:
         drafter = drafters(loaded)[name]
     runner = ModelRunner(loaded, 96)
-    text, ids, finish, stats = generate_text(runner, tok, PROMPT, request, drafter=drafter, num_draft_tokens=4)
+    text, ids, finish, stats = run_engine(runner, tok, PROMPT, **request, drafter=drafter, k=4)
     assert ids == plain_ids and text == plain_text and finish == "length"
     spec = stats.speculative
     assert spec.steps > 0 and spec.drafted > 0 and stats.generated_tokens == 40
@@ -123,10 +124,10 @@ def test_greedy_output_with_cpu_bf16_matrices_equals_plain_decoding(one_thread):
         if isinstance(module, Linear) and module is not loaded.model.lm_head:
             module.weight.data = module.weight.data.bfloat16()
     tok = TinyTokenizer()
-    request = GenerationRequest(max_tokens=40, ignore_eos=True)
-    _, plain_ids, _, _ = generate_text(ModelRunner(loaded, 96), tok, PROMPT, request)
+    request = dict(max_tokens=40, ignore_eos=True)
+    _, plain_ids, _, _ = run_engine(ModelRunner(loaded, 96), tok, PROMPT, **request)
     drafter = DraftModelDrafter(perturbed(loaded, 0.02), loaded.config.vocab_size, 96)
-    _, ids, _, stats = generate_text(ModelRunner(loaded, 96), tok, PROMPT, request, drafter=drafter, num_draft_tokens=4)
+    _, ids, _, stats = run_engine(ModelRunner(loaded, 96), tok, PROMPT, **request, drafter=drafter, k=4)
     assert ids == plain_ids
     assert stats.speculative.accepted > 0 and stats.speculative.drafted > stats.speculative.accepted
 
@@ -141,11 +142,10 @@ def test_a_cpu_draft_model_runs_its_output_layer_narrow_and_still_drafts(one_thr
     exact = perturbed(target, 0.02)  # float32 matrices: the output layer is left as it is
     narrow_output_layer(exact)
     assert exact.model.lm_head.weight.dtype == torch.float32
-    request = GenerationRequest(max_tokens=24, ignore_eos=True)
-    _, plain_ids, _, _ = generate_text(ModelRunner(target, 96), TinyTokenizer(), PROMPT, request)
+    request = dict(max_tokens=24, ignore_eos=True)
+    _, plain_ids, _, _ = run_engine(ModelRunner(target, 96), TinyTokenizer(), PROMPT, **request)
     drafter = DraftModelDrafter(draft, target.config.vocab_size, 96)
-    _, ids, _, stats = generate_text(ModelRunner(target, 96), TinyTokenizer(), PROMPT, request, drafter=drafter,
-                                     num_draft_tokens=4)
+    _, ids, _, stats = run_engine(ModelRunner(target, 96), TinyTokenizer(), PROMPT, **request, drafter=drafter, k=4)
     assert ids == plain_ids and stats.speculative.accepted > 0
     fresh = DraftModelDrafter(draft, target.config.vocab_size, 96)
     first = fresh.propose(PROMPT, 3).tokens
@@ -158,8 +158,7 @@ def test_cache_after_accept_and_reject_equals_a_cache_of_the_accepted_tokens(one
     loaded = tiny_loaded()
     runner = ModelRunner(loaded, 96)
     drafter = drafters(loaded, noise=0.01)["draft"]  # another model: some drafts rejected
-    _, ids, _, stats = generate_text(runner, TinyTokenizer(), PROMPT, GenerationRequest(max_tokens=30, ignore_eos=True),
-                                     drafter=drafter, num_draft_tokens=3)
+    _, ids, _, stats = run_engine(runner, TinyTokenizer(), PROMPT, max_tokens=30, ignore_eos=True, drafter=drafter, k=3)
     assert 0 < stats.speculative.accepted < stats.speculative.drafted
     slot = runner.slot(0)
     assert slot.tokens == PROMPT + ids[:-1]
@@ -176,17 +175,16 @@ def test_cache_after_accept_and_reject_equals_a_cache_of_the_accepted_tokens(one
 def test_ends_inside_an_accepted_run_as_plain_decoding_does(one_thread, end):
     loaded = tiny_loaded()
     plain_runner = ModelRunner(loaded, 96)
-    _, reference, _, _ = generate_text(plain_runner, TinyTokenizer(), PROMPT, GenerationRequest(max_tokens=30, ignore_eos=True))
+    _, reference, _, _ = run_engine(plain_runner, TinyTokenizer(), PROMPT, max_tokens=30, ignore_eos=True)
     cut = reference[7]
     tok = TinyTokenizer(eos=cut if end == "eos" else None)
-    request = GenerationRequest(max_tokens=9 if end == "max_tokens" else 30, ignore_eos=end != "eos",
-                                stop=(f"t{cut} ",) if end == "stop" else ())
+    request = dict(max_tokens=9 if end == "max_tokens" else 30, ignore_eos=end != "eos",
+                   stop=(f"t{cut} ",) if end == "stop" else ())
     capacity = len(PROMPT) + 12 if end == "capacity" else 96
     plain = ModelRunner(loaded, capacity)
-    want = generate_text(plain, tok, PROMPT, request)
+    want = run_engine(plain, tok, PROMPT, **request)
     spec = ModelRunner(loaded, capacity)
-    got = generate_text(spec, tok, PROMPT, request, drafter=DraftModelDrafter(loaded, loaded.config.vocab_size, 96),
-                        num_draft_tokens=5)
+    got = run_engine(spec, tok, PROMPT, **request, drafter=DraftModelDrafter(loaded, loaded.config.vocab_size, 96), k=5)
     assert got[:3] == want[:3]
     assert spec.slot(0).tokens == plain.slot(0).tokens
 
@@ -226,12 +224,12 @@ def test_sampling_distribution_is_unchanged(one_thread):
     exact = _exact_distribution(target, prompt, params, n_tokens)
     drafter = DraftModelDrafter(perturbed(target, 0.3), vocab, 64)
     runner = ModelRunner(target, 64)
-    request = GenerationRequest(max_tokens=n_tokens, sampling=params, ignore_eos=True, reuse_prefix=False)
+    request = dict(max_tokens=n_tokens, sampling=params, ignore_eos=True, reuse_prefix=False)
     counts = torch.zeros(vocab ** n_tokens, dtype=torch.float64)
     accepted = 0
     for i in range(runs):
-        request = replace(request, sampling=replace(params, seed=i))
-        _, ids, _, stats = generate_text(runner, TinyTokenizer(), prompt, request, drafter=drafter, num_draft_tokens=2)
+        request = {**request, "sampling": replace(params, seed=i)}
+        _, ids, _, stats = run_engine(runner, TinyTokenizer(), prompt, **request, drafter=drafter, k=2)
         counts[sum(t * vocab ** (n_tokens - 1 - j) for j, t in enumerate(ids))] += 1
         accepted += stats.speculative.accepted
     assert accepted > runs // 10  # drafts were in play, not only plain steps
@@ -243,14 +241,14 @@ def test_verify_runs_the_fused_decode_step_and_matches_plain_fused_decoding(one_
     """Where decoding runs the fused step (a GPU; asked for here on the CPU), verify runs the same
     step over several rows: the greedy output equals plain fused decoding's, and making a step
     for a new row count leaves the cache as it was."""
-    from engine.loader import load_dummy
-    from engine.packed_linear import WeightFormat
+    from engine.weights.loader import load_dummy
+    from engine.weights.formats import WeightFormat
     from tests.test_decode_step import CFG
     loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
     tok = TinyTokenizer()
-    request = GenerationRequest(max_tokens=24, ignore_eos=True)
+    request = dict(max_tokens=24, ignore_eos=True)
     plain = ModelRunner(loaded, 96, fast_decode=True)
-    _, want, _, _ = generate_text(plain, tok, PROMPT, request)
+    _, want, _, _ = run_engine(plain, tok, PROMPT, **request)
     runner = ModelRunner(loaded, 96, fast_decode=True)
     runner.prefill(runner.slot(0), PROMPT)
     before = runner.cache.k[:, 0, :, :len(PROMPT)].clone()
@@ -258,19 +256,21 @@ def test_verify_runs_the_fused_decode_step_and_matches_plain_fused_decoding(one_
     assert hidden == {} and logits.shape == (3, CFG.vocab_size) and set(runner._row_steps) == {3}
     torch.testing.assert_close(runner.cache.k[:, 0, :, :len(PROMPT)], before)
     runner.slot(0).reset()
-    _, got, _, stats = generate_text(runner, tok, PROMPT, request, drafter=NgramDrafter(1, 3), num_draft_tokens=4)
+    _, got, _, stats = run_engine(runner, tok, PROMPT, **request, drafter=NgramDrafter(1, 3), k=4)
     assert got == want and stats.speculative.drafted > 0
 
 
 def test_model_bench_decodes_speculatively_with_a_drafter(one_thread):
     from engine.bench.model_bench import BenchTest, run_model_bench, run_test
     from engine.speculative.stats import SpecStats
+    from tests.engine_runs import engine_over
     loaded = tiny_loaded()
-    [m] = run_model_bench(ModelRunner(loaded, 96), [BenchTest(8, 24)], 2, frozenset(), drafter=NgramDrafter(1, 3))
+    [m] = run_model_bench(engine_over(ModelRunner(loaded, 96), None, NgramDrafter(1, 3)), [BenchTest(8, 24)], 2,
+                          frozenset())
     spec = m.summary()["speculative"]
     assert spec["steps"] + spec["accepted"] == 2 * 24 and spec["drafted"] > 0  # n_gen tokens per repetition
     runner, stats = ModelRunner(loaded, 96), SpecStats()
-    run_test(runner, BenchTest(8, 24), 1, frozenset(), MixDrafter([NgramDrafter(1, 3)]), 4, stats)
+    run_test(engine_over(runner, None, MixDrafter([NgramDrafter(1, 3)])), BenchTest(8, 24), 1, frozenset(), stats)
     plain = ModelRunner(loaded, 96)
-    run_test(plain, BenchTest(8, 24), 1, frozenset())
+    run_test(engine_over(plain, None), BenchTest(8, 24), 1, frozenset())
     assert runner.slot(0).tokens[:33] == plain.slot(0).tokens  # the same greedy tokens

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import store
-from engine.generate import GenerationRequest, generate_text
-from engine.loader import load_model
-from engine.runner import ModelRunner
+from engine.sources import store
+from engine.weights.loader import load_model
+from engine.runtime.runner import ModelRunner
 from engine.speculative.config import SpeculativeConfig, build_drafter
+from tests.engine_runs import run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +33,11 @@ def target(request):
 @pytest.mark.parametrize("spec", ["draft:qwen2.5-coder-0.5b", "mix:ngram,draft:qwen2.5-coder-0.5b"])
 def test_output_equals_plain_decoding(target, spec):
     tok = target.tokenizer
-    request = GenerationRequest(max_tokens=MAX_TOKENS, ignore_eos=True)
+    request = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
     drafter = build_drafter(SpeculativeConfig.from_spec(spec), target, SEQ)
     for text in PROMPTS:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-        plain = generate_text(ModelRunner(target, SEQ), tok, ids, request)[1]
-        _, got, _, stats = generate_text(ModelRunner(target, SEQ), tok, ids, request, drafter=drafter,
-                                         num_draft_tokens=4)
+        plain = run_engine(ModelRunner(target, SEQ), tok, ids, **request)[1]
+        _, got, _, stats = run_engine(ModelRunner(target, SEQ), tok, ids, drafter=drafter, k=4, **request)
         assert got == plain, (spec, tok.decode(got), tok.decode(plain))
         assert stats.speculative.steps > 0

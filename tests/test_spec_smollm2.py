@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.generate import GenerationRequest, generate_text
-from engine.loader import load_model
-from engine.runner import ModelRunner
+from engine.weights.loader import load_model
+from engine.runtime.runner import ModelRunner
 from engine.speculative.config import SpeculativeConfig, build_drafter
 from engine.speculative.draft_model import DraftModelDrafter
 from engine.speculative.mix import MixDrafter
 from engine.speculative.ngram import NgramDrafter
+from tests.engine_runs import run_engine
 from tests.test_cli_errors import assert_one_line_error, bonsai_in_process
 
 pytestmark = pytest.mark.slow
@@ -50,16 +50,16 @@ def prompts(target):
 @pytest.fixture(scope="module")
 def plain(target, prompts):
     runner = ModelRunner(target, SEQ)
-    request = GenerationRequest(max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [generate_text(runner, target.tokenizer, ids, request)[1] for ids in prompts]
+    request = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [run_engine(runner, target.tokenizer, ids, **request)[1] for ids in prompts]
 
 
 def _spec_outputs(target, prompts, drafter, k, max_tokens=MAX_TOKENS):
     runner = ModelRunner(target, SEQ)
-    request = GenerationRequest(max_tokens=max_tokens, ignore_eos=True)
+    request = dict(max_tokens=max_tokens, ignore_eos=True)
     out, total = [], None
     for ids in prompts:
-        _, got, _, stats = generate_text(runner, target.tokenizer, ids, request, drafter=drafter, num_draft_tokens=k)
+        _, got, _, stats = run_engine(runner, target.tokenizer, ids, **request, drafter=drafter, k=k)
         out.append(got)
         if total is None:
             total = stats.speculative
@@ -106,7 +106,7 @@ def test_the_factory_builds_a_draft_model_and_refuses_another_tokenizer(smollm2_
     from tests.gguf_tiny import write_tiny_gguf
     drafter = build_drafter(SpeculativeConfig.from_spec(f"mix:ngram,draft:{smollm2_gguf}"), target, SEQ)
     assert [m.drafter.name for m in drafter.members] == ["ngram", "draft"]
-    from engine import store
+    from engine.sources import store
     if store.find_pulled("smollm2-135m") is not None:  # a pulled name drafts as its path does
         by_name = build_drafter(SpeculativeConfig.from_spec("draft:smollm2-135m", adaptive=False), target, SEQ)
         assert by_name.loaded.path == store.find_pulled("smollm2-135m")

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, apply_penalties, probabilities
+from engine.decoding.sampling import SamplingParams, apply_penalties, probabilities
 from engine.speculative.verify import penalized_rows, verify_draft, verify_greedy, verify_sampling
 
 

@@ -1,4 +1,4 @@
-from engine.stop import StopStringMatcher
+from engine.decoding.stop import StopStringMatcher
 
 
 def run(stops, pieces):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import store
+from engine.sources import store
 from engine.errors import BonsaiError
 
 
@@ -96,7 +96,7 @@ def make_wheels(directory, data: bytes, count: int, pieces: dict[int, bytes] | N
     (pieces: a replacement piece by part number); returns the parts."""
     import zipfile
 
-    from engine.wheel_parts import numbered_parts
+    from engine.sources.wheel_parts import numbered_parts
     directory.mkdir(parents=True, exist_ok=True)
     step = -(-len(data) // count)
     for n in range(1, count + 1):
@@ -123,7 +123,7 @@ def pip_like(source, fail_at: str | None = None, error: type[BaseException] | No
     and fails (DownloadError, or `error`) at the requirement `fail_at`."""
     import shutil
 
-    from engine.wheel_parts import DownloadError, directory_downloader
+    from engine.sources.wheel_parts import DownloadError, directory_downloader
     local = directory_downloader(source)
 
     def download(requirement, directory):

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from engine.errors import ModelFileError, UnsupportedModelError
-from engine.gguf_file import GGUFFile
-from engine.tokenizer import Tokenizer
+from engine.sources.gguf_file import GGUFFile
+from engine.sources.tokenizer import Tokenizer
 
 TEXTS = [
     "",
@@ -192,7 +192,7 @@ def test_hf_dir_without_tokenizer_json(tmp_path: Path) -> None:
 # --- pre-tokenizers: the regex llama.cpp picks for tokenizer.ggml.pre ---
 
 def _byte_level_meta(pre: str, merges: list[str], extra: list[str]) -> dict[str, Any]:
-    from engine.tokenizer import byte_alphabet
+    from engine.sources.tokenizer import byte_alphabet
 
     tokens = list(byte_alphabet().values()) + extra
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
@@ -236,7 +236,7 @@ def test_split_regex_matches_transformers(pre: str) -> None:
     reference = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
     from tokenizers import Regex, pre_tokenizers
 
-    from engine.tokenizer import PRE_TOKENIZER_SPLITS
+    from engine.sources.tokenizer import PRE_TOKENIZER_SPLITS
 
     theirs = pre_tokenizers.Split(Regex(reference.GGUF_PRE_TOKENIZER_SPLITS[pre]), behavior="isolated")
     smollm2_tok = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
@@ -254,7 +254,7 @@ def test_deepseek_llm_pre_tokenizer_builds() -> None:
 
 
 def test_unknown_pre_tokenizer_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="engine.sources.tokenizer"):
         tokenizer = Tokenizer.from_gguf_metadata(_byte_level_meta("no-such-pre", [], []))
     assert "no-such-pre" in caplog.text
     assert tokenizer.decode(tokenizer.encode("still works")) == "still works"
@@ -303,7 +303,7 @@ def test_merges_from_scores_match_transformers() -> None:
     """Ties in score (common: byte and control tokens all score 0) order by longer left, longer right."""
     from transformers.tokenization_utils_base import generate_merges
 
-    from engine.tokenizer import merges_from_scores
+    from engine.sources.tokenizer import merges_from_scores
 
     tokens = ["a", "b", "c", "d", "ab", "bc", "cd", "abc", "bcd", "abcd", "da", "dab", "cda"]
     scores = [0.0, 0.0, 0.0, 0.0, -1.0, -1.0, -2.0, -1.0, -3.0, -1.0, -2.0, -2.0, -2.0]

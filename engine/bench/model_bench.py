@@ -2,6 +2,8 @@
 
 Each repetition uses fresh random token ids (no cache can help), the KV slot is cleared first,
 depth tokens are prefilled untimed, and timing excludes tokenization (there is none: ids only).
+The prompt and its tokens go through the engine (generate.py) as one request of token ids that
+ignores end-of-sequence: the same decode step, sampling and speculation as every other command.
 """
 from __future__ import annotations
 
@@ -13,13 +15,14 @@ from typing import Callable
 import torch
 
 from engine.bench.records import Measurement
+from engine.decoding.engine import Engine
+from engine.decoding.generate import generate_text
+from engine.decoding.sequence import Request
 from engine.errors import BonsaiError
-from engine.model import Linear
-from engine.packed_linear import PackedLinear
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.speculative.drafter import Drafter
+from engine.runtime.linear import Linear
+from engine.runtime.runner import Runner
 from engine.speculative.stats import SpecStats
+from engine.weights.packed_linear import PackedLinear
 
 
 @dataclass(frozen=True)
@@ -65,25 +68,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _CountingSink:
-    """The end rule of a bench run: exactly n tokens, no text, no EOS."""
-
-    def __init__(self, n: int):
-        self.n, self.generated = n, 0
-
-    @property
-    def remaining(self) -> int:
-        return self.n - self.generated
-
-    def push(self, token: int) -> tuple[bool, str, str | None]:
-        self.generated += 1
-        return True, "", "length" if self.generated >= self.n else None
-
-
-def run_test(runner: ModelRunner, test: BenchTest, seed: int, special_ids: frozenset[int],
-             drafter: Drafter | None = None, num_draft_tokens: int = 4, spec_stats: SpecStats | None = None) -> float:
-    """One repetition; returns the timed seconds (prefill of n_prompt + decode of n_gen tokens).
-    With a drafter the decode is speculative (greedy) and its statistics add up in spec_stats."""
+def run_test(engine: Engine, test: BenchTest, seed: int, special_ids: frozenset[int],
+             spec_stats: SpecStats | None = None) -> float:
+    """One repetition in slot 0; returns the timed seconds (prefill of n_prompt + decode of n_gen
+    tokens). With the engine's drafters the decode is speculative (greedy) and its statistics add
+    up in spec_stats."""
+    runner = engine.runner
     vocab = runner.loaded.config.vocab_size
     slot = runner.slot(0)
     needed = test.depth + test.n_prompt + test.n_gen + 1
@@ -91,58 +81,43 @@ def run_test(runner: ModelRunner, test: BenchTest, seed: int, special_ids: froze
         raise BonsaiError(f"test {test.name} needs {needed} positions but the context holds {slot.capacity}: "
                           "raise --max-seq-len or lower -p/-n/-d")
     slot.reset()
-    if test.depth:
-        runner.prefill(slot, fresh_tokens(vocab, special_ids, test.depth, seed * 7919 + 1))
+    context = fresh_tokens(vocab, special_ids, test.depth, seed * 7919 + 1) if test.depth else []
+    if context:
+        runner.prefill(slot, context)  # untimed: the request reuses it as its cached prefix
     prompt = fresh_tokens(vocab, special_ids, max(test.n_prompt, 1), seed)
     _sync(runner.device)
-    start = time.perf_counter()
-    if test.n_prompt:
-        logits = runner.prefill(slot, prompt)
-    else:  # a decode-only test starts from one token that is not timed separately
-        logits = runner.forward(slot, prompt[:1])[-1]
-        _sync(runner.device)
-        start = time.perf_counter()
-    if drafter is not None and test.n_gen:
-        from engine.speculative.decode import speculative_decode
-        stats = spec_stats if spec_stats is not None else SpecStats()
-        # n_gen tokens after the one the prompt gives, as below
-        for _ in speculative_decode(runner, slot, drafter, num_draft_tokens, logits, list(prompt), _CountingSink(test.n_gen + 1),
-                                    SamplingParams(), None, None, None, stats):
-            pass
-        _sync(runner.device)
-        return time.perf_counter() - start
-    token = int(torch.argmax(logits))
-    for _ in range(test.n_gen):
-        token = int(torch.argmax(runner.forward(slot, [token])[-1]))
-    _sync(runner.device)
-    return time.perf_counter() - start
+    # n_gen tokens after the one the prompt gives; a decode-only test starts from one untimed token
+    request = Request(context + prompt, max_tokens=test.n_gen + 1, ignore_eos=True, text=False)
+    _, _, _, stats = generate_text(engine, request)
+    if spec_stats is not None and stats.speculative is not None:
+        spec_stats.merge(stats.speculative)
+    if not test.n_prompt:
+        return stats.decode_seconds
+    return stats.prefill_seconds + (stats.decode_seconds if test.n_gen else 0.0)
 
 
-def run_model_bench(runner: ModelRunner, tests: list[BenchTest], repetitions: int, special_ids: frozenset[int],
-                    on_sample: Callable[[BenchTest, int, float], None] = lambda t, r, s: None,
-                    drafter: Drafter | None = None, num_draft_tokens: int = 4) -> list[Measurement]:
-    """Warm up once per test, then `repetitions` timed runs with fresh tokens each (speculative
-    decode with a drafter: the measurement's `speculative` holds the draft statistics)."""
+def run_model_bench(engine: Engine, tests: list[BenchTest], repetitions: int, special_ids: frozenset[int],
+                    on_sample: Callable[[BenchTest, int, float], None] = lambda t, r, s: None) -> list[Measurement]:
+    """Warm up once per test, then `repetitions` timed runs with fresh tokens each (with the engine's
+    drafters: speculative decoding, the measurement's `speculative` holds the draft statistics)."""
     if repetitions < 1:
         raise BonsaiError("-r (repetitions) must be >= 1")
     results = []
     for test in tests:
         # warm-up at the test's own prompt length and depth: the same kernels, shapes and allocations
-        run_test(runner, BenchTest(test.n_prompt, min(test.n_gen, 4), test.depth), 10_000, special_ids,
-                 drafter, num_draft_tokens)
+        run_test(engine, BenchTest(test.n_prompt, min(test.n_gen, 4), test.depth), 10_000, special_ids)
         m = Measurement(test.name, test.n_prompt, test.n_gen, test.depth)
-        if drafter is not None and test.n_gen:
-            m.speculative = SpecStats(drafter.name)
+        if engine.spec is not None and test.n_gen:
+            m.speculative = SpecStats(engine.spec.method)
         for rep in range(repetitions):
-            seconds = run_test(runner, test, seed=rep + 1, special_ids=special_ids, drafter=drafter,
-                               num_draft_tokens=num_draft_tokens, spec_stats=m.speculative)
+            seconds = run_test(engine, test, seed=rep + 1, special_ids=special_ids, spec_stats=m.speculative)
             m.samples_seconds.append(seconds)
             on_sample(test, rep, seconds)
         results.append(m)
     return results
 
 
-def decode_bytes_per_token(runner: ModelRunner, context: int) -> int:
+def decode_bytes_per_token(runner: Runner, context: int) -> int:
     """Bytes one decode step must read: every matrix (incl. the output layer), one embedding row,
     and the KV cache of `context` positions."""
     model = runner.model

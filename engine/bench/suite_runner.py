@@ -6,26 +6,25 @@ from typing import Callable
 
 from engine.bench.records import PromptResult, SuitePrompt, mean_std, percentile
 from engine.bench.suites import fresh_variant
+from engine.decoding.engine import Engine
+from engine.decoding.generate import generate
+from engine.decoding.sampling import SamplingParams
+from engine.decoding.sequence import Request
 from engine.errors import BonsaiError
-from engine.generate import GenerationRequest, stream_generate
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.speculative.drafter import Drafter
 from engine.speculative.stats import SpecStats
-from engine.tokenizer import Tokenizer
 
 
-def run_prompt(runner: ModelRunner, tokenizer: Tokenizer, prompt: SuitePrompt,
-               sampling: SamplingParams, drafter: Drafter | None = None, num_draft_tokens: int = 4) -> PromptResult:
-    """Answer one suite prompt through the generation core (no prefix reuse: every run is fresh)."""
+def run_prompt(engine: Engine, prompt: SuitePrompt, sampling: SamplingParams) -> PromptResult:
+    """Answer one suite prompt through the engine (no prefix reuse: every run is fresh)."""
+    tokenizer = engine.tokenizer
     ids = tokenizer.encode(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True))
-    request = GenerationRequest(max_tokens=prompt.max_tokens, sampling=sampling, reuse_prefix=False)
+    request = Request(ids, max_tokens=prompt.max_tokens, sampling=sampling, reuse_prefix=False, split_reasoning=False)
     out_ids: list[int] = []
     pieces: list[str] = []
     token_times: list[float] = []
     finish, stats = "length", None
     start = time.perf_counter()
-    for event in stream_generate(runner, tokenizer, ids, request, drafter=drafter, num_draft_tokens=num_draft_tokens):
+    for event in generate(engine, request):
         if event.token_ids:
             token_times.append(time.perf_counter())
         out_ids.extend(event.token_ids)
@@ -48,29 +47,28 @@ def run_prompt(runner: ModelRunner, tokenizer: Tokenizer, prompt: SuitePrompt,
         steps=spec.steps if spec else None, speculative=spec.as_dict() if spec else None)
 
 
-def run_suite(runner: ModelRunner, tokenizer: Tokenizer, prompts: list[SuitePrompt], repetitions: int,
-              sampling: SamplingParams | None = None,
-              on_result: Callable[[PromptResult], None] = lambda r: None, drafter: Drafter | None = None,
-              num_draft_tokens: int = 4, on_plain_result: Callable[[PromptResult], None] | None = None
-              ) -> list[PromptResult]:
+def run_suite(engine: Engine, prompts: list[SuitePrompt], repetitions: int, sampling: SamplingParams | None = None,
+              on_result: Callable[[PromptResult], None] = lambda r: None, plain: Engine | None = None,
+              on_plain_result: Callable[[PromptResult], None] | None = None) -> list[PromptResult]:
     """Warm up on a variant no timed run uses, then every prompt `repetitions` times, fresh each time.
-    With a drafter and `on_plain_result`, each prompt also runs plain just before (interleaved, so
-    a drift of the machine's speed hits both alike); those results go to `on_plain_result`."""
+    With `plain` (an engine without drafters over the same runner) and `on_plain_result`, each prompt
+    also runs plain just before (interleaved, so a drift of the machine's speed hits both alike);
+    those results go to `on_plain_result`."""
     sampling = sampling or SamplingParams()
-    pair = drafter is not None and on_plain_result is not None
+    pair = plain is not None and on_plain_result is not None
     if prompts:
         warm = fresh_variant(prompts[0], 10_000)
         warm = SuitePrompt(warm.id, warm.category, warm.messages, 4)
         if pair:
-            run_prompt(runner, tokenizer, warm, sampling)
-        run_prompt(runner, tokenizer, warm, sampling, drafter, num_draft_tokens)
+            run_prompt(plain, warm, sampling)
+        run_prompt(engine, warm, sampling)
     results = []
     for rep in range(repetitions):
         for prompt in prompts:
             variant = fresh_variant(prompt, rep)
             if pair:
-                on_plain_result(run_prompt(runner, tokenizer, variant, sampling))
-            result = run_prompt(runner, tokenizer, variant, sampling, drafter, num_draft_tokens)
+                on_plain_result(run_prompt(plain, variant, sampling))
+            result = run_prompt(engine, variant, sampling)
             results.append(result)
             on_result(result)
     return results

@@ -1,7 +1,7 @@
 """How the KV kernels see one layer of a (possibly quantized) cache, and its torch references.
 
 A layer's keys (and values) are a code tensor [slots, KV, S, X] plus, when quantized, float16 scale
-(and min) tensors [slots, KV, S, G] (engine/kv_cache.py, quant/kv_format.py). The element format
+(and min) tensors [slots, KV, S, G] (engine/runtime/kv_cache.py, quant/kv_format.py). The element format
 follows from the code tensor's dtype: a float dtype holds the values, int8 the int8 codes (one
 scale per row), uint8 two int4 codes per byte (scale and min per group of 32). No triton here.
 """

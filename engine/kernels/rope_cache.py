@@ -2,7 +2,7 @@
 
 One program per (token row, head) of the fused qkv projection: a q head is normed, rotated and written
 to the returned q; a k head is normed, rotated and written to the k cache at [slot, head, position];
-a v head is copied to the v cache. The maths and roundings are those of engine/model.py: the norm in
+a v head is copied to the v cache. The maths and roundings are those of engine/runtime/model.py: the norm in
 float32 rounded to the activation dtype, then the half-split (NeoX / HF) rotary in float32 rounded again.
 A quantized cache (int8 or int4 codes with float16 scales, engine/kernels/kv_codes.py) gets the row
 rounded to the model's dtype (q's output dtype) and quantized in the same program, as quant/kv_quant.py does;
@@ -261,7 +261,7 @@ def qk_norm_rope_write_reference(qkv: torch.Tensor, positions: torch.Tensor, slo
                                  k_min: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                                  v_min: torch.Tensor | None = None, k_offset: torch.Tensor | None = None,
                                  k_rotate: bool = False, v_rotate: bool = False) -> torch.Tensor:
-    """Plain torch, the maths of engine/model.py (RMSNorm, apply_rotary, KVCache.write, KVCache.key_space)."""
+    """Plain torch, the maths of engine/runtime/model.py (RMSNorm, apply_rotary, KVCache.write, KVCache.key_space)."""
     m = qkv.shape[0]
     heads = qkv.view(m, num_heads + 2 * num_kv_heads, head_dim)  # [M, H + 2KV, D]
     q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)  # [M, H|KV, D]

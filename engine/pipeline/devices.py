@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from engine.errors import BonsaiError
 
+UNSUPPORTED_DRAFTERS = ("mtp", "dflash")  # they read the target's hidden states and its embedding / head
+
 
 def device_list(device: str) -> list[str]:
     """'cuda:0, cuda:1' → ['cuda:0', 'cuda:1']."""
@@ -75,3 +77,12 @@ def check_pipeline_request(device: str, pipeline_parallel: bool, where: str = "r
         raise BonsaiError(f"{flag.split(':')[0]} needs two or more devices in {where} (e.g. cuda:0,cuda:1, "
                           f"or cpu,cpu), got '{device}'")
     return devices if pipeline_parallel else None
+
+
+def check_pipeline_drafters(spec_config) -> None:
+    """The drafters a pipeline cannot run (a SpeculativeConfig, or None), refused before anything loads
+    (weight and KV offload are refused by the run config's memory section)."""
+    for d in spec_config.drafters if spec_config is not None else ():
+        if d.method in UNSUPPORTED_DRAFTERS:
+            raise BonsaiError(f"speculative {d.method} reads the target's hidden states, which pipeline "
+                              "parallelism spreads over devices; use ngram or draft:PATH")

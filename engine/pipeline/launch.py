@@ -45,11 +45,11 @@ class ModelSource:
     architecture: object = None  # a ModelConfig: load_format dummy
     name: str = ""
     weight_dtype: torch.dtype | None = None
-    weight_format: object = None  # engine.packed_linear.WeightFormat
+    weight_format: object = None  # engine.weights.formats.WeightFormat
     seed: int = 0
 
     def load(self, device: str, stage: Stage):
-        from engine.loader import load_dummy, load_model
+        from engine.weights.loader import load_dummy, load_model
         if self.architecture is not None:
             return load_dummy(self.architecture, self.name, device=device, weight_format=self.weight_format,
                               seed=self.seed, stage=stage)
@@ -64,11 +64,11 @@ class RunSpec:
     num_slots: int = 1
     kv_type: str = "bf16"
     fast_decode: bool | None = None
-    max_gpu_memory: int | None = None  # bytes each GPU's allocator is capped at (engine.memory_limit)
+    max_gpu_memory: int | None = None  # bytes each GPU's allocator is capped at (engine.memory.limit)
 
     def limit_memory(self, device: str) -> None:
         if self.max_gpu_memory is not None:
-            from engine.memory_limit import limit_device_memory
+            from engine.memory.limit import limit_device_memory
             limit_device_memory(self.max_gpu_memory, device)
 
 

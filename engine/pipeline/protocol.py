@@ -27,7 +27,7 @@ class Command:
     num_logits: int = 1  # PLAIN: logits of the last n positions; -1: all; 0: nothing comes back
     arg: int = 0  # PREPARE: capture the fused step for 2..arg rows
     # CALIBRATE: num_tokens calibration tokens through a scratch float cache; each stage sets its
-    # quantized cache's key offsets (engine.kv_calibration), then builds its fused step
+    # quantized cache's key offsets (engine.runtime.kv_calibration), then builds its fused step
 
     def __post_init__(self) -> None:
         assert len(self.slots) == len(self.starts) <= MAX_ROWS, (len(self.slots), len(self.starts))

@@ -1,4 +1,5 @@
-"""PipelineRunner: ModelRunner's interface over a model split across devices (rank 0's side).
+"""PipelineRunner: the Runner interface (engine.runtime.runner) over a model split across devices
+(rank 0's side).
 
 Rank 0 is the driver (tokenizer, sampling, scheduler, drafters: generate, speculative decoding and
 the server use this runner as they use ModelRunner) and also runs stage 0. Each pass sends a
@@ -19,12 +20,13 @@ import contextlib
 import torch
 
 from engine.errors import BonsaiError
-from engine.kv_cache import KVSlot
-from engine.loader import LoadedModel
+from engine.runtime.kv_cache import KVSlot
+from engine.weights.loader import LoadedModel
 from engine.pipeline.launch import Links, ModelSource, RunSpec, start_workers, wait_ready
 from engine.pipeline.protocol import CALIBRATE, MAX_ROWS, PLAIN, PREPARE, ROWS, Command, micro_batches
 from engine.pipeline.split import Stage
-from engine.pipeline.stage import MAX_STEP_ROWS, StageExecutor
+from engine.pipeline.stage import StageExecutor
+from engine.runtime.decode_step import MAX_STEP_ROWS
 
 
 class PipelineRunner:
@@ -54,11 +56,6 @@ class PipelineRunner:
 
     def slot(self, index: int = 0) -> KVSlot:
         return self.cache.slots[index]
-
-    def reuse_prefix(self, slot: KVSlot, prompt: list[int]) -> int:
-        common = min(slot.common_prefix(prompt), len(prompt) - 1)
-        slot.rewind(slot.length - common)
-        return common
 
     @torch.inference_mode()
     def forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None = 1) -> torch.Tensor:
@@ -187,7 +184,7 @@ def start_pipeline(source: ModelSource, stages: list[Stage], backend: str, max_s
                    prefill_chunk_size: int = 512, kv_type: str = "bf16", fast_decode: bool | None = None,
                    max_gpu_memory: int | None = None) -> PipelineRunner:
     """Start the workers, load stage 0 here while they load theirs, and wait until all are ready.
-    max_gpu_memory: every GPU's allocator is capped at it (engine.memory_limit)."""
+    max_gpu_memory: every GPU's allocator is capped at it (engine.memory.limit)."""
     import atexit
     if len(stages) < 2:
         raise BonsaiError("a pipeline needs two or more stages")
@@ -200,7 +197,7 @@ def start_pipeline(source: ModelSource, stages: list[Stage], backend: str, max_s
         executor = StageExecutor(loaded, stages[0], max_seq_len, num_slots, kv_type, fast_decode)
         wait_ready(links)
         if executor.needs_calibration:  # every stage measures its layers' key offsets in one pass
-            from engine.kv_calibration import calibration_ids
+            from engine.runtime.kv_calibration import calibration_ids
             ids = calibration_ids(loaded.tokenizer, loaded.config.vocab_size)
             cmd = Command(CALIBRATE, num_tokens=len(ids))
             links.send_command(cmd)

@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import BonsaiError
-from engine.memory_plan import MemoryPlan, PlanLine, RunSettings, make_plan
+from engine.memory.plan import MemoryPlan, PlanLine, RunSettings, make_plan
 from engine.pipeline.devices import check_machine_devices
 from engine.pipeline.split import Stage, plan_stages
-
-UNSUPPORTED_DRAFTERS = ("mtp", "dflash")  # they read the target's hidden states and its embedding / head
 
 
 @dataclass
@@ -24,20 +22,6 @@ class PipelinePlan:
             {"device": s.device, "first_layer": s.first, "end_layer": s.end, "layers": s.num_layers,
              "embedding": s.takes_tokens, "output_layer": s.gives_logits, "weight_bytes": s.weight_bytes,
              "kv_bytes": s.kv_bytes, "total_bytes": p.total} for s, p in zip(self.stages, self.plans)]}
-
-
-def check_pipeline_options(kv_offload: bool = False, weight_offload: bool = False, spec_config=None,
-                           flags: tuple[str, str] = ("--kv-offload", "--weight-offload")) -> None:
-    """The options pipeline parallelism does not combine with, refused before anything loads."""
-    for on, flag in ((kv_offload, flags[0]), (weight_offload, flags[1])):
-        if on:
-            raise BonsaiError(f"{flag} is not available with pipeline parallelism: the stages already share "
-                              "the model across devices; turn it off (or list more devices)")
-    if spec_config is not None:
-        for d in spec_config.drafters:
-            if d.method in UNSUPPORTED_DRAFTERS:
-                raise BonsaiError(f"speculative {d.method} reads the target's hidden states, which pipeline "
-                                  "parallelism spreads over devices; use ngram or draft:PATH")
 
 
 def stage_plan(full: MemoryPlan, stage: Stage) -> MemoryPlan:
@@ -61,7 +45,7 @@ def plan_pipeline(config, formats, settings: RunSettings, devices: list[str], ba
 
 def check_pipeline_budget(pp: PipelinePlan, limit: int | None, option: str) -> None:
     """Refuse (one line) a stage whose share is over the per-device limit."""
-    from engine.memory_budget import format_bytes
+    from engine.memory.budget import format_bytes
     if limit is None:
         return
     for stage, plan in zip(pp.stages, pp.plans):

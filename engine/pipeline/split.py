@@ -80,8 +80,8 @@ def split_layers(layer_bytes: list[int], first_extra: int, last_extra: int, num_
 
 def plan_stages(config, formats, settings, devices: list[str]) -> list[Stage]:
     """The stages of a model on `devices` (one stage each, in order) from its memory plan's weights
-    (engine.memory_plan.weight_tensors) and KV bytes per layer."""
-    from engine.memory_plan import weight_tensors
+    (engine.memory.plan.weight_tensors) and KV bytes per layer."""
+    from engine.memory.plan import weight_tensors
     from quant.kv_format import KV_TYPES, kv_bytes_per_token
     kv_layer = kv_bytes_per_token(KV_TYPES[settings.kv_type], 1, config.num_kv_heads, config.head_dim,
                                   settings.dtype_bytes) * settings.max_seq_len * settings.slots

@@ -12,14 +12,14 @@ import logging
 
 import torch
 
-from engine.kv_cache import CacheBatch, KVCache
-from engine.loader import LoadedModel
 from engine.pipeline.protocol import CALIBRATE, PLAIN, ROWS, Command
 from engine.pipeline.split import Stage
+from engine.runtime.decode_step import MAX_STEP_ROWS
+from engine.runtime.kv_cache import CacheBatch, KVCache
+from engine.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-MAX_STEP_ROWS = 16  # as engine.runner: the packed GEMV's limit
 
 
 class StageExecutor:
@@ -56,7 +56,7 @@ class StageExecutor:
 
     @torch.inference_mode()
     def calibrate(self, x: torch.Tensor) -> torch.Tensor:
-        """The key offsets of this stage's layers (engine.kv_calibration.key_offsets, by stage): the
+        """The key offsets of this stage's layers (engine.runtime.kv_calibration.key_offsets, by stage): the
         calibration tokens [1, n] (stage 0) or the previous stage's hidden states [1, n, H] go through
         a float cache of n positions; the mean key of each layer and kv head over positions 1..
         Returns the hidden states for the next stage."""
@@ -73,7 +73,7 @@ class StageExecutor:
     def _step(self, rows: int):
         step = self.steps.get(rows)
         if step is None:
-            from engine.cuda_graphs import DecodeStepRunner
+            from engine.runtime.cuda_graphs import DecodeStepRunner
             step = DecodeStepRunner(self.model, self.cache, rows=rows, num_splits=self.num_splits,
                                     use_graph=self.device.type == "cuda")
             self.steps[rows] = step

@@ -22,15 +22,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.decoding.metrics import Metrics
+from engine.decoding.prompts import chat_prompt, completion_prompt
+from engine.decoding.scheduler import QueueFull
+from engine.decoding.sequence import Delta, Failed, Finished
+from engine.decoding.sequence import Request as Job
 from engine.errors import BonsaiError, ServiceUnavailable
 from engine.server import protocol as P
 from engine.server.config import ServeConfig
-from engine.server.loading import Served
-from engine.server.metrics import Metrics
-from engine.server.prompts import chat_prompt, completion_prompt
+from engine.server.engine_thread import Served
 from engine.server.relay import EventRelay
-from engine.server.scheduler import QueueFull
-from engine.server.sequence import Delta, Failed, Finished, ServeRequest
 from engine.server.sse import DONE, ChunkLines, sse
 
 log = logging.getLogger("bonsai.server")
@@ -81,7 +82,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
             threading.Thread(target=state.load, args=(loader,), name="bonsai-load", daemon=True).start()
         yield
         if state.served is not None:  # shutdown: running requests end with a 503 event, the engine stops
-            await asyncio.get_running_loop().run_in_executor(None, state.served.engine.stop)
+            await asyncio.get_running_loop().run_in_executor(None, state.served.stop)
 
     app = FastAPI(title="bonsai", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     relays: dict[asyncio.AbstractEventLoop, EventRelay] = {}  # the server's loop → its relay
@@ -112,9 +113,9 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
     async def health():
         if state.served is None:
             return _loading_response(state)
-        engine = state.served.engine
-        if not engine.alive:  # stopped by a failure, or shutting down: truthfully not serving
-            return _error(503, engine.failure or "the server is shutting down", "unavailable_error", code=503)
+        if not state.served.alive:  # stopped by a failure, or shutting down: truthfully not serving
+            return _error(503, state.served.engine.failure or "the server is shutting down", "unavailable_error",
+                          code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -191,7 +192,7 @@ async def _read_json(request: Request, limit: int) -> Any:
     return P.decode_body(b"".join(chunks))
 
 
-def _make_job(served: Served, req: Any, chat: bool) -> ServeRequest:
+def _make_job(served: Served, req: Any, chat: bool) -> Job:
     cfg, engine = served.config, served.engine
     tokenizer = engine.tokenizer
     context = engine.slot_context
@@ -209,10 +210,9 @@ def _make_job(served: Served, req: Any, chat: bool) -> ServeRequest:
                              "this server accepts; shorten it", "messages" if chat else "prompt",
                              code="context_length_exceeded")
     max_tokens = req.token_limit() or cfg.server.default_max_tokens
-    return ServeRequest(id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], prompt_ids=prompt.ids,
-                        max_tokens=max_tokens, emit=lambda e: None, sampling=req.sampling(), stop=req.stops(),
-                        thinking_budget=budget, thinking_at_start=prompt.thinking_at_start,
-                        split_reasoning=chat, top_logprobs=top)
+    return Job(prompt.ids, max_tokens=max_tokens, sampling=req.sampling(), stop=req.stops(),
+               thinking_budget=budget, thinking_at_start=prompt.thinking_at_start, split_reasoning=chat,
+               top_logprobs=top, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24])
 
 
 async def _next_event(served: Served, queue: asyncio.Queue) -> Any:
@@ -221,13 +221,12 @@ async def _next_event(served: Served, queue: asyncio.Queue) -> Any:
     try:
         return await asyncio.wait_for(queue.get(), timeout=0.5)
     except asyncio.TimeoutError:
-        engine = served.engine
-        if not engine.alive and queue.empty():
-            return Failed(engine.failure or "the server is shutting down", 503)
+        if not served.alive and queue.empty():
+            return Failed(served.engine.failure or "the server is shutting down", 503)
         return None
 
 
-async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta: tuple, chat: bool,
+async def _stream(served: Served, job: Job, queue: asyncio.Queue, meta: tuple, chat: bool,
                   include_usage: bool) -> AsyncIterator[str]:
     rid, model, created = meta
     lines = ChunkLines(rid, model, created, chat)  # a token's chunk: only its text is encoded
@@ -239,6 +238,8 @@ async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta:
             if event is None:
                 continue
             if isinstance(event, Delta):
+                if not (event.reasoning or event.content or event.logprobs):
+                    continue  # a token that completed no text yet
                 if chat:
                     delta = {k: v for k, v in (("reasoning_content", event.reasoning), ("content", event.content)) if v}
                     yield (sse(P.chat_chunk(rid, model, created, delta, logprobs=event.logprobs))
@@ -265,7 +266,7 @@ async def _stream(served: Served, job: ServeRequest, queue: asyncio.Queue, meta:
         served.engine.cancel(job)  # a no-op when it finished; frees the slot when the client left
 
 
-async def _collect(served: Served, request: Request, job: ServeRequest, queue: asyncio.Queue, meta: tuple,
+async def _collect(served: Served, request: Request, job: Job, queue: asyncio.Queue, meta: tuple,
                    chat: bool) -> Response:
     rid, model, created = meta
     reasoning, content, logprobs = [], [], []

@@ -9,7 +9,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import BonsaiError
-from engine.sampling import SamplingParams
+from engine.decoding.sampling import SamplingParams
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # every number a request carries has both bounds (tests/test_engine_guard.py checks it): a value

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import BonsaiError
-from engine.loader import LoadedModel
+from engine.weights.loader import LoadedModel
 from engine.speculative.drafter import Drafter
 
 METHODS = ("ngram", "draft", "mtp", "dflash")
@@ -143,6 +143,15 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, max_seq_len: i
     return MixDrafter(members, adaptive=config.adaptive)
 
 
+def build_drafters(config: SpeculativeConfig, target: LoadedModel, max_seq_len: int, count: int) -> list[Drafter]:
+    """One drafter per slot: an n-gram pool (config.ngram_pool_size) shared by all, a draft model
+    loaded once (each drafter has its own KV cache)."""
+    from engine.speculative.ngram import NgramPool
+    pool = NgramPool(config.ngram_pool_size) if config.ngram_pool_size else None
+    drafts: dict[str, LoadedModel] = {}
+    return [build_drafter(config, target, max_seq_len, ngram_pool=pool, loaded_drafts=drafts) for _ in range(count)]
+
+
 def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel, max_seq_len: int,
                ngram_pool: Any | None, loaded_drafts: dict[str, LoadedModel] | None) -> Drafter:
     if spec.method == "ngram":
@@ -170,7 +179,7 @@ def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel
 
 
 def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts: dict[str, LoadedModel]) -> Drafter:
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     from engine.speculative.draft_model import (DraftModelDrafter, check_same_tokenizer, narrow_output_layer,
                                                 resolve_draft_model)
     loaded = loaded_drafts.get(path)
@@ -180,10 +189,3 @@ def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts
         narrow_output_layer(loaded)
         loaded_drafts[path] = loaded
     return DraftModelDrafter(loaded, target.config.vocab_size, max_seq_len)
-
-
-def spec_config_from_options(spec: str | None, draft_tokens: int, **options: Any) -> SpeculativeConfig | None:
-    """The CLI's --spec / --draft-tokens (None: no speculation)."""
-    if spec is None or spec.strip().lower() in ("", "none", "off"):
-        return None
-    return SpeculativeConfig.from_spec(spec, num_draft_tokens=draft_tokens, **options)

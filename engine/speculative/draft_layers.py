@@ -2,7 +2,7 @@
 attention takes explicit keys/values, so one code path serves training (whole sequences under a
 mask) and drafting (a small cache of its own).
 
-The block reuses engine.model's Attention / FeedForward / RMSNorm, so a drafter block is the
+The block reuses engine.runtime.model's Attention / FeedForward / RMSNorm, so a drafter block is the
 target's block type with its own (smaller) sizes.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import BonsaiError
-from engine.model import Attention, FeedForward, RMSNorm, Transformer, linear, rotary_inverse_frequencies
-from engine.model_config import ModelConfig
+from engine.runtime.model import Attention, FeedForward, RMSNorm, Transformer, linear, rotary_inverse_frequencies
+from engine.sources.model_config import ModelConfig
 
 KINDS = ("mtp", "dflash")
 
@@ -54,7 +54,7 @@ class DrafterConfig:
             raise BonsaiError("an MTP drafter reads the target's last layer only (target_layers = (-1,))")
 
     def block_config(self, vocab_size: int) -> ModelConfig:
-        """The ModelConfig of one drafter block (what engine.model's Attention/FeedForward take)."""
+        """The ModelConfig of one drafter block (what engine.runtime.model's Attention/FeedForward take)."""
         return ModelConfig(architecture="llama", vocab_size=vocab_size, hidden_size=self.hidden_size,
                            intermediate_size=self.intermediate_size, num_layers=self.num_layers,
                            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -123,7 +123,7 @@ class DraftBlock(nn.Module):
 
 
 def rotary(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, T, 1, D/2] of positions [B, T] (the layout engine.model.apply_rotary takes)."""
+    """cos, sin [B, T, 1, D/2] of positions [B, T] (the layout engine.runtime.model.apply_rotary takes)."""
     angles = positions[..., None].float() * inv_freq  # [B, T, D/2]
     return angles.cos()[:, :, None], angles.sin()[:, :, None]
 

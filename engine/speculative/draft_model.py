@@ -14,17 +14,17 @@ from pathlib import Path
 import torch
 
 from engine.errors import BonsaiError
-from engine.loader import LoadedModel
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, probabilities
+from engine.weights.loader import LoadedModel
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams, probabilities
 from engine.speculative.drafter import Draft, Feedback
-from engine.tokenizer import Tokenizer
+from engine.sources.tokenizer import Tokenizer
 
 
 def resolve_draft_model(spec: str) -> Path:
     """The file or directory of `draft:SPEC`: a path, or a model name known to the store (a pulled
     built-in like qwen2.5-coder-0.5b, or a pulled hub repo id)."""
-    from engine import store
+    from engine.sources import store
     try:
         return store.resolve_model(spec)
     except BonsaiError as e:

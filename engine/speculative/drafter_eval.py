@@ -1,7 +1,8 @@
-"""Greedy acceptance of a drafter against its target, measured by drafting for real: a minimal
-greedy speculative loop (propose k, verify in one pass, accept while equal to the target's argmax,
-take the bonus, rewind) over held-out prompts. Its output is the target's plain greedy decoding;
-the tests check that. This is a measuring instrument for `train-drafter`, not the generation core.
+"""Greedy acceptance of a drafter against its target, measured by drafting for real: held-out
+prompts decoded greedily by the engine with the drafter proposing (speculative decoding, so the
+output is the target's plain greedy decoding), the draft statistics read per position. And the same
+figure from one teacher-forced pass per prompt (`teacher_forced_acceptance`), which the tests check
+against the engine's.
 """
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.runner import ModelRunner
-from engine.speculative.drafter import Drafter, Feedback
+from engine.decoding.engine import Engine
+from engine.decoding.generate import generate_text
+from engine.decoding.sampling import greedy_tokens
+from engine.decoding.sequence import Request
+from engine.runtime.runner import ModelRunner
+from engine.speculative.drafter import Drafter
+from engine.speculative.stats import SpecStats
 
 
 @dataclass
@@ -43,6 +49,18 @@ class AcceptanceStats:
             self.offered[i] += 1
             self.per_position[i] += int(i < accepted)
 
+    def add(self, spec: SpecStats) -> None:
+        """A request's draft statistics (its steps without a draft do not count here)."""
+        self.drafted += spec.drafted
+        self.accepted += spec.accepted
+        self.steps += spec.drafted_per_position[0] if spec.drafted_per_position else 0
+        for i, (offered, accepted) in enumerate(zip(spec.drafted_per_position, spec.accepted_per_position)):
+            if i == len(self.offered):
+                self.offered.append(0)
+                self.per_position.append(0)
+            self.offered[i] += offered
+            self.per_position[i] += accepted
+
     def as_dict(self) -> dict:
         return {"drafted": self.drafted, "accepted": self.accepted, "steps": self.steps,
                 "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
@@ -57,55 +75,17 @@ def count_accepted(draft: list[int], target_choice: list[int]) -> int:
     return n
 
 
-@torch.inference_mode()
-def greedy_speculative(runner: ModelRunner, drafter: Drafter, prompt: list[int], max_new_tokens: int, k: int,
-                       stats: AcceptanceStats | None = None, stop_ids: frozenset[int] = frozenset(),
-                       slot_index: int = 0) -> list[int]:
-    """Greedy-decode max_new_tokens after `prompt` (up to and including a stop id) with `drafter`
-    proposing up to k tokens per step; returns the generated ids (identical to plain greedy
-    decoding) and adds to `stats`."""
-    slot = runner.slot(slot_index)
-    slot.reset()
-    drafter.begin(prompt)
-    out = [int(runner.prefill(slot, prompt).argmax())]
-    while len(out) < max_new_tokens and slot.length + 1 < slot.capacity and out[-1] not in stop_ids:
-        room = min(k, max_new_tokens - len(out) - 1, slot.capacity - slot.length - 1)
-        draft = drafter.propose(prompt + out, room)
-        assert len(draft.tokens) <= room, (len(draft.tokens), room)
-        rows = [out[-1], *draft.tokens]
-        logits, hidden = runner.verify(slot, rows, tuple(drafter.hidden_layers))  # [n + 1, V]
-        choice = logits.argmax(-1).tolist()
-        accepted = count_accepted(draft.tokens, choice)
-        slot.rewind(len(rows) - (accepted + 1))
-        kept = {i: h[:accepted + 1] for i, h in hidden.items()} if hidden else None
-        drafter.observe(Feedback(draft, accepted, choice[accepted], kept))
-        if stats is not None:
-            stats.record(len(draft.tokens), accepted)
-        out += draft.tokens[:accepted] + [choice[accepted]]
-    for i, token in enumerate(out):
-        if token in stop_ids:
-            return out[:i + 1]
-    return out[:max_new_tokens]
-
-
 def measure_acceptance(runner: ModelRunner, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
-                       k: int, stop_ids: frozenset[int] = frozenset()) -> AcceptanceStats:
+                       k: int, tokenizer=None) -> AcceptanceStats:
+    """Greedy-decode max_new_tokens after each prompt (up to an end-of-sequence token of `tokenizer`,
+    when given) with `drafter` proposing up to k tokens per step; the drafts' acceptance."""
+    engine = Engine(runner, tokenizer, drafters=[drafter], num_draft_tokens=k)
     stats = AcceptanceStats()
     for prompt in prompts:
-        greedy_speculative(runner, drafter, prompt, max_new_tokens, k, stats, stop_ids)
+        request = Request(prompt, max_tokens=max_new_tokens, ignore_eos=tokenizer is None, text=False,
+                          reuse_prefix=False)
+        stats.add(generate_text(engine, request)[3].speculative)
     return stats
-
-
-@torch.inference_mode()
-def greedy_continuation(runner: ModelRunner, prompt: list[int], max_new_tokens: int,
-                        stop_ids: frozenset[int] = frozenset()) -> list[int]:
-    """The target's plain greedy continuation (up to and including a stop id)."""
-    slot = runner.slot(0)
-    slot.reset()
-    out = [int(runner.prefill(slot, prompt).argmax())]
-    while len(out) < max_new_tokens and out[-1] not in stop_ids:
-        out.append(int(runner.forward(slot, [out[-1]])[-1].argmax()))
-    return out
 
 
 @torch.inference_mode()
@@ -135,14 +115,16 @@ def draft_predictions(target_loaded, module, prompt: list[int], continuation: li
     else:
         anchors = torch.tensor([bonus], device=device)  # [1, n]
         rows = dflash.train_forward(module, target_loaded.model, tokens, hidden, starts, anchors)[0, :, :k]  # [n, k, H]
-    choice = shared_logits(target_loaded.model, rows).argmax(-1).tolist()  # [n, k]
-    return dict(zip(bonus, choice))
+    logits = shared_logits(target_loaded.model, rows)  # [n, k, V]
+    width = logits.shape[1]
+    choice = greedy_tokens(logits.flatten(0, 1))  # [n · k]: the drafts, one read-back
+    return {b: choice[i * width:(i + 1) * width] for i, b in enumerate(bonus)}
 
 
 def teacher_forced_acceptance(target_loaded, module, prompts: list[list[int]], continuations: list[list[int]],
                               k: int, stats: AcceptanceStats | None = None) -> AcceptanceStats:
     """Greedy acceptance of `module` drafting k tokens per step along the target's greedy
-    continuations: the steps greedy_speculative would take, from one batched pass per prompt."""
+    continuations: the steps measure_acceptance takes, from one batched pass per prompt."""
     stats = stats or AcceptanceStats()
     for prompt, continuation in zip(prompts, continuations):
         predictions = draft_predictions(target_loaded, module, prompt, continuation, k)

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from engine.errors import BonsaiError
-from engine.runner import ModelRunner
+from engine.runtime.runner import ModelRunner
 from engine.speculative import dflash, mtp
 from engine.speculative.draft_layers import DrafterConfig, default_config, shared_logits, to_target
 from engine.speculative.drafter_data import DrafterData
@@ -239,5 +239,4 @@ def drafter_acceptance(target_loaded, module: torch.nn.Module, data: DrafterData
     longest = max(len(p) for p in data.eval_prompts)
     runner = ModelRunner(target_loaded, max_seq_len=longest + max_new_tokens + k + 2)
     drafter = make_drafter(module, target_loaded, max_seq_len=runner.max_seq_len)
-    stop = target_loaded.tokenizer.eos_ids if target_loaded.tokenizer is not None else frozenset()
-    return measure_acceptance(runner, drafter, data.eval_prompts, max_new_tokens, k, stop)
+    return measure_acceptance(runner, drafter, data.eval_prompts, max_new_tokens, k, target_loaded.tokenizer)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import SamplingParams, make_generator, probabilities
+from engine.decoding.sampling import SamplingParams, make_generator, probabilities
 from engine.speculative.drafter import Feedback
 
 

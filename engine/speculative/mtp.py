@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model import Linear, RMSNorm, Transformer
+from engine.runtime.model import Linear, RMSNorm, Transformer
 from engine.speculative.draft_layers import (DraftBlock, DrafterConfig, drafter_inverse_frequencies,
                                              init_drafter_weights, rotary, shared_logits, to_target)
 from engine.speculative.drafter import Draft, Feedback

@@ -11,7 +11,7 @@ row i is its distribution for the token after the last accepted token and drafts
   draw it from p_k. q is the drafter's distribution, or a one-hot at the drafted token when the
   drafter has none (n-gram). The output is distributed exactly as plain sampling from p.
 
-p honours the request's temperature, top-k, top-p and min-p (`engine.sampling.probabilities`) and
+p honours the request's temperature, top-k, top-p and min-p (`engine.decoding.sampling.probabilities`) and
 its penalties, which depend on the tokens before each row: row i sees the counts updated by
 drafts[:i] (`penalized_rows`).
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import SamplingParams, apply_penalties, probabilities
+from engine.decoding.sampling import SamplingParams, apply_penalties, probabilities
 
 
 @dataclass(frozen=True)

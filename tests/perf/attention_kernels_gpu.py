@@ -86,8 +86,8 @@ def attention_case(h, kv, d, cache_len, lens, splits_list, reps, dtype=torch.bfl
 
 def quantized_case(h, kv, d, cache_len, n, reps, kv_type):
     """Decode attention of one row over n keys of a (quantized) cache, dequantized in the kernel."""
-    from engine.kv_cache import CacheBatch, KVCache, kv_type_of
-    from engine.model_config import ModelConfig
+    from engine.runtime.kv_cache import CacheBatch, KVCache, kv_type_of
+    from engine.sources.model_config import ModelConfig
     from quant.kv_format import kv_bytes_per_token
     cfg = ModelConfig("qwen3", vocab_size=8, hidden_size=h * d, intermediate_size=8, num_layers=1, num_heads=h,
                       num_kv_heads=kv, head_dim=d)
@@ -113,9 +113,9 @@ def prefill_case(h, kv, d, cached, chunk, reps, kv_type):
     kernel reading the codes (engine/kernels/attention_prefill.py), against what the model did before it
     (KVCache.read dequantizing every row in use, then SDPA with a mask; for bf16: the rows as they are)."""
     from engine.kernels.attention_prefill import prefill_attention, prefill_attention_reference
-    from engine.kv_cache import CacheBatch, KVCache
-    from engine.model import attention
-    from engine.model_config import ModelConfig
+    from engine.runtime.kv_cache import CacheBatch, KVCache
+    from engine.runtime.model import attention
+    from engine.sources.model_config import ModelConfig
     cfg = ModelConfig("qwen3", vocab_size=8, hidden_size=h * d, intermediate_size=8, num_layers=1, num_heads=h,
                       num_kv_heads=kv, head_dim=d)
     n = cached + chunk

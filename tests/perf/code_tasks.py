@@ -48,17 +48,20 @@ def passes(program: str) -> bool:
 
 
 def run_model(model: str, tasks: list[dict], max_tokens: int) -> dict:
-    from engine import store
-    from engine.generate import GenerationRequest, generate_text
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.sources import store
+    from engine.decoding.engine import Engine
+    from engine.decoding.generate import generate_text
+    from engine.decoding.sequence import Request
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
     loaded = load_model(store.resolve_model(model))
     runner = ModelRunner(loaded, max_seq_len=512)
     tok = loaded.require_tokenizer()
     passed, start = [], time.perf_counter()
     for task in tasks:
-        request = GenerationRequest(max_tokens=max_tokens, stop=("\ndef ", "\nclass ", "\nif __name__", "\nprint("))
-        text, _, _, _ = generate_text(runner, tok, tok.encode(task["prompt"]), request)
+        request = Request(tok.encode(task["prompt"]), max_tokens=max_tokens,
+                          stop=("\ndef ", "\nclass ", "\nif __name__", "\nprint("))
+        text, _, _, _ = generate_text(Engine(runner, tok), request)
         program = task["prompt"] + body_of(text) + "\n\n" + task["test"] + "\n"
         if passes(program):
             passed.append(task["name"])

@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from engine import store
-from engine.loader import load_model
-from engine.runner import ModelRunner
+from engine.sources import store
+from engine.weights.loader import load_model
+from engine.runtime.runner import ModelRunner
 
 
 def main() -> None:

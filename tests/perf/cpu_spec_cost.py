@@ -20,19 +20,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def timed(runner, tok, ids, request, **spec):
-    from engine.generate import generate_text
+def timed(runner, tok, ids, max_tokens, drafter=None, num_draft_tokens=4):
+    from engine.decoding.engine import Engine
+    from engine.decoding.generate import generate_text
+    from engine.decoding.sequence import Request
+    engine = Engine(runner, tok, drafters=None if drafter is None else [drafter], num_draft_tokens=num_draft_tokens)
     start = time.process_time()
-    _, out, _, stats = generate_text(runner, tok, ids, request, **spec)
+    _, out, _, stats = generate_text(engine, Request(list(ids), max_tokens=max_tokens))
     return out, time.process_time() - start, stats
 
 
 def main() -> None:
-    from engine import store
+    from engine.sources import store
     from engine.bench.suites import load_suite
-    from engine.generate import GenerationRequest
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
     from engine.speculative.config import SpeculativeConfig, build_drafter
 
     ap = argparse.ArgumentParser()
@@ -55,7 +57,7 @@ def main() -> None:
           flush=True)
     for p in load_suite(args.suite, categories=args.categories.split(",")):
         ids = tok.encode(tok.apply_chat_template(p.messages))
-        request = GenerationRequest(max_tokens=p.max_tokens)
+        request = p.max_tokens
         plain, t_plain, _ = timed(ModelRunner(target, seq), tok, ids, request)
         got, t_spec, stats = timed(ModelRunner(target, seq), tok, ids, request, drafter=drafter,
                                    num_draft_tokens=args.draft_tokens)

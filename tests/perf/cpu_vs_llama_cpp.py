@@ -50,9 +50,9 @@ def fmt(xs: list[float]) -> str:
 
 
 def main() -> None:
-    from engine import store
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.sources import store
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
     from llama_cpp_build import DEFAULT_DIR, build
 
     ap = argparse.ArgumentParser()

@@ -16,18 +16,22 @@ PROMPT = "The history of the printing press begins in the fifteenth century, whe
 
 
 def bench_ours(path, n_tokens: int, reps: int) -> list[float]:
-    from engine.generate import GenerationRequest, generate_text
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.decoding.engine import Engine
+    from engine.decoding.generate import generate_text
+    from engine.decoding.sequence import Request
+    from engine.runtime.runner import ModelRunner
+    from engine.weights.loader import load_model
 
     loaded = load_model(path)
-    runner = ModelRunner(loaded, max_seq_len=512)
+    engine = Engine(ModelRunner(loaded, max_seq_len=512), loaded.tokenizer)
     ids = loaded.tokenizer.encode(PROMPT)
-    request = GenerationRequest(max_tokens=n_tokens, ignore_eos=True, reuse_prefix=False)
-    generate_text(runner, loaded.tokenizer, ids, request)  # warm-up
+
+    def request() -> Request:
+        return Request(ids, max_tokens=n_tokens, ignore_eos=True, reuse_prefix=False)
+    generate_text(engine, request())  # warm-up
     rates = []
     for _ in range(reps):
-        _, out, _, stats = generate_text(runner, loaded.tokenizer, ids, request)
+        _, out, _, stats = generate_text(engine, request())
         assert len(out) == n_tokens
         rates.append(stats.decode_tokens_per_second)
     return rates
@@ -58,7 +62,7 @@ def bench_transformers(path, n_tokens: int, reps: int) -> list[float]:
 
 
 def main() -> None:
-    from engine import store
+    from engine.sources import store
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)

@@ -43,9 +43,9 @@ def llama_cpp_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, chunks:
 
 @torch.inference_mode()
 def bonsai_perplexity(gguf: Path, text: str, ctx: int, chunks: int) -> float:
-    from engine.evaluate import window_logprobs
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.quantization.evaluate import window_logprobs
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
     loaded = load_model(gguf, weight_dtype=torch.float32)
     tok = loaded.tokenizer
     bos = getattr(tok, "bos_id", None) if getattr(tok, "add_bos", False) else None
@@ -77,7 +77,7 @@ def main() -> None:
     if not binary.is_file():
         raise SystemExit(f"{binary} not found: build it first (issue 23's tests/perf/llama_cpp_build.py) or pass "
                          "--llama-bin")
-    from engine.evaluate import default_eval_text
+    from engine.quantization.evaluate import default_eval_text
     text = default_eval_text()
     rows = []
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:

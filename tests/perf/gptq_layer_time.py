@@ -1,6 +1,6 @@
 """Time of `bonsai quantize`'s per-layer work at a model's full shape, with generated weights: one decoder
-layer quantized by GPTQ (+ scale refits) stage by stage on calibration activations (engine.calibration's
-stages, as engine.layerwise runs them), plus one slice of the output layer; the predicted total for the
+layer quantized by GPTQ (+ scale refits) stage by stage on calibration activations (engine.quantization.calibration's
+stages, as engine.quantization.layerwise runs them), plus one slice of the output layer; the predicted total for the
 model is layers × the layer time + the output layer's slices.
 
 Usage: python tests/perf/gptq_layer_time.py [--config configs/models/qwen3-8b.yaml ...] [--device cuda]
@@ -37,9 +37,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import yaml
 
-    from engine.calibration import CalibrationOptions, block_targets, quantize_block
-    from engine.model import Block, Transformer, rotary_inverse_frequencies
-    from engine.model_config import ModelConfig
+    from engine.quantization.calibration import CalibrationOptions, block_targets, quantize_block
+    from engine.runtime.model import Block, Transformer, rotary_inverse_frequencies
+    from engine.sources.model_config import ModelConfig
     from quant.formats import QuantSpec
     from quant.gptq import gptq_with_refits
     dev = torch.device(args.device)

@@ -193,11 +193,11 @@ def step_rows_timing(dev, models: tuple[str, ...] = ("qwen3-8b:tri:int4",),
     slots, and the verify widths (k + 1 rows) that speculative decoding pays per step."""
     import yaml
 
-    from engine.cuda_graphs import DecodeStepRunner
-    from engine.kv_cache import KVCache
-    from engine.loader import load_dummy
-    from engine.model_config import ModelConfig
-    from engine.packed_linear import WeightFormat
+    from engine.runtime.cuda_graphs import DecodeStepRunner
+    from engine.runtime.kv_cache import KVCache
+    from engine.weights.loader import load_dummy
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.formats import WeightFormat
     root = Path(__file__).resolve().parents[2]
     for spec in models:
         name, weights, head = spec.split(":")
@@ -293,10 +293,10 @@ def section_prefill(dev, models: list[str]) -> None:
     """Where a 512-token prefill chunk spends its time, per kernel (the plain model path)."""
     import yaml
 
-    from engine.kv_cache import CacheBatch, KVCache
-    from engine.loader import load_dummy
-    from engine.model_config import ModelConfig
-    from engine.packed_linear import WeightFormat
+    from engine.runtime.kv_cache import CacheBatch, KVCache
+    from engine.weights.loader import load_dummy
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.formats import WeightFormat
     from torch.profiler import ProfilerActivity, profile
     root = Path(__file__).resolve().parents[2]
     for spec in models:
@@ -318,7 +318,7 @@ def section_prefill(dev, models: list[str]) -> None:
         torch.cuda.synchronize()
         t = (time.perf_counter() - t0) / 5
         print(f"prefill {name} {weights}/{head} 512 tokens: {t * 1e3:.1f} ms = {512 / t:.0f} tok/s", flush=True)
-        from engine.cuda_graphs import PrefillGraphs  # the same chunk replayed from a CUDA graph (the runner's path)
+        from engine.runtime.cuda_graphs import PrefillGraphs  # the same chunk replayed from a CUDA graph (the runner's path)
         graphs, tokens = PrefillGraphs(loaded.model, cache, 512), ids[0].tolist()
         graphs.run(0, 0, tokens)  # capture
         graph_ms = []
@@ -352,12 +352,12 @@ def section_prefill(dev, models: list[str]) -> None:
 def section_step(dev, models: list[str]) -> None:
     import yaml
 
-    from engine.cuda_graphs import DecodeStepRunner
+    from engine.runtime.cuda_graphs import DecodeStepRunner
     from engine.kernels.attention_decode import default_num_splits
-    from engine.kv_cache import KVCache
-    from engine.loader import load_dummy
-    from engine.model_config import ModelConfig
-    from engine.packed_linear import WeightFormat
+    from engine.runtime.kv_cache import KVCache
+    from engine.weights.loader import load_dummy
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.formats import WeightFormat
     root = Path(__file__).resolve().parents[2]
     for spec in models:  # name:weights:head
         name, weights, head = spec.split(":")

@@ -9,7 +9,7 @@
     python tests/perf/gpu_memory.py --case configs/models/dense-27b.yaml bin cuda:0 6GB --context 32768 --kv-offload
 
 Each case runs in its own process (the allocator's peaks and its memory fraction are per process):
-plan (engine.memory_plan) → load (dummy weights) → runner (KV cache, CUDA-graph capture) →
+plan (engine.memory.plan) → load (dummy weights) → runner (KV cache, CUDA-graph capture) →
 prefill of --prompt random tokens (several 512-token chunks: the masked attention of later chunks) → a
 --decode-token greedy decode (prompt + decode fill the context: the last prefill chunk attends over
 almost all of it, the plan's worst case). Under a limit the plan may put the embedding table in host memory and shrink the
@@ -41,18 +41,27 @@ def run_case(arch: str, weights: str, head: str, device: str, ctx: int, prompt: 
              limit: str | None, kv_type: str = "bf16", kv_offload: bool = False) -> dict:
     import torch
 
-    from bonsai_cli.gpu_budget import plan_cli_run
+    from bonsai_cli.run_options import dummy_architecture, run_config
     from engine.errors import BonsaiError
-    from engine.loader import load_dummy
-    from engine.memory_limit import usage, within_limit
-    from engine.packed_linear import WeightFormat
-    from engine.runner import ModelRunner
+    from engine.memory.budget import CLI_KEYS, check_budget
+    from engine.memory.limit import limit_device_memory
+    from engine.run.plan import plan_run
+    from engine.weights.loader import load_dummy
+    from engine.memory.limit import usage, within_limit
+    from engine.weights.formats import WeightFormat
+    from engine.runtime.runner import ModelRunner
 
     case = {"arch": Path(arch).stem, "weights": weights, "head_weights": head, "device": device, "context": ctx,
             "max_gpu_memory": limit, "kv_type": kv_type, "kv_offload": kv_offload}
     try:
-        budget = plan_cli_run(arch, device, ctx, limit, load_format="dummy", weights=weights, head_weights=head,
-                              kv_type=kv_type, kv_offload=kv_offload)
+        cfg = run_config(arch, {"--device": device, "--max-seq-len": ctx, "--max-gpu-memory": limit,
+                                "--load-format": "dummy", "--weights": weights, "--head-weights": head,
+                                "--kv-type": kv_type, "--kv-offload": kv_offload})
+        budget = plan_run(cfg, dummy_architecture(arch)[0])
+        check_budget(budget.plan, budget.limit, budget.weights, budget.settings, CLI_KEYS, "--max-gpu-memory",
+                     budget.drafter)
+        if budget.limit is not None:
+            limit_device_memory(budget.limit, device)
     except BonsaiError as e:
         return {**case, "refused": str(e)}
     case.update(plan_bytes=budget.plan.total, plan=budget.plan.categories(), stages={},
@@ -68,8 +77,7 @@ def run_case(arch: str, weights: str, head: str, device: str, ctx: int, prompt: 
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
 
-    from bonsai_cli.common import _dummy_config
-    config, path = _dummy_config(arch)
+    config, path = dummy_architecture(arch)
     try:
         with within_limit(budget.limit, "loading"):
             loaded = load_dummy(config, path.stem, device=device,

@@ -5,7 +5,7 @@
     python3 tests/perf/gpu_offload.py --cpu-smoke         # tiny shapes on the CPU: the same code runs
 
 Prints one JSON line per result. The PCIe bound of a decode step is (bytes it moves host → GPU) /
-(pinned host → GPU bandwidth, measured here). Dummy weights (engine.loader.load_dummy); the KV
+(pinned host → GPU bandwidth, measured here). Dummy weights (engine.weights.loader.load_dummy); the KV
 pool is left at zeros and the slot set to the wanted length (no prefill: speed does not depend on
 the values). "overlap": prefetch of the next layer while one computes (the default); "serial":
 each layer copied just before its use. Resident runs (everything on the GPU) are given for scale.
@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.host_copies import HostAllocator  # noqa: E402
-from engine.loader import load_dummy  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.packed_linear import WeightFormat  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
+from engine.memory.host_copies import HostAllocator  # noqa: E402
+from engine.weights.loader import load_dummy  # noqa: E402
+from engine.sources.model_config import ModelConfig  # noqa: E402
+from engine.weights.formats import WeightFormat  # noqa: E402
+from engine.runtime.runner import ModelRunner  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 TINY = ModelConfig("qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,

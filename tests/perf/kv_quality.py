@@ -4,7 +4,7 @@ against the model's own float KV cache (same weights, same runner, only the cach
 Usage: python tests/perf/kv_quality.py [--types int8,k8v4,int4] [--suite short] [--answer-tokens 48]
        [--long-context 2048] [--long-windows 3] [--device cpu] [--threads 2] [--model GGUF] [--json OUT]
 
-Two sets, scored with engine.evaluate (window_logprobs + Tally: one reference pass per window):
+Two sets, scored with engine.quantization.evaluate (window_logprobs + Tally: one reference pass per window):
 - chat: every prompt of the bench suite (engine/data/suites/short.json) in the chat template, followed
   by the greedy answer of the float-KV model (--answer-tokens at most); each conversation is one window.
 - long: the pydoc topics text (`bonsai eval`'s default) in --long-windows windows of --long-context
@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.evaluate import Tally, default_eval_text, window_logprobs, windows_of  # noqa: E402
+from engine.quantization.evaluate import Tally, default_eval_text, window_logprobs, windows_of  # noqa: E402
 
 
 def model_path(arg: str | None) -> Path:
-    from engine import store
+    from engine.sources import store
     if arg:
         return Path(arg)
     if os.environ.get("BONSAI_SMOLLM2_GGUF"):
@@ -40,13 +40,15 @@ def model_path(arg: str | None) -> Path:
 def chat_sequences(runner, tokenizer, suite: str, answer_tokens: int) -> list[list[int]]:
     """Each suite prompt in the chat template + the float-KV model's greedy answer, as token ids."""
     from engine.bench.suites import load_suite
-    from engine.generate import GenerationRequest, stream_generate
+    from engine.decoding.engine import Engine
+    from engine.decoding.generate import generate_text
+    from engine.decoding.sequence import Request
+    engine = Engine(runner, tokenizer)
     sequences = []
     for prompt in load_suite(suite):
         ids = tokenizer.encode(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True))
-        request = GenerationRequest(max_tokens=min(answer_tokens, prompt.max_tokens or answer_tokens),
-                                    reuse_prefix=False)
-        answer = [t for event in stream_generate(runner, tokenizer, ids, request) for t in event.token_ids]
+        request = Request(ids, max_tokens=min(answer_tokens, prompt.max_tokens or answer_tokens), reuse_prefix=False)
+        answer = generate_text(engine, request)[1]
         sequences.append(ids + answer)
     return sequences
 
@@ -76,8 +78,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from engine.weights.loader import load_model
+    from engine.runtime.runner import ModelRunner
     path = model_path(args.model)
     loaded = load_model(path, device=args.device, weight_dtype=torch.float32 if args.device == "cpu" else None)
     tokenizer = loaded.require_tokenizer()

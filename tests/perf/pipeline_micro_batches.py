@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from bonsai_cli.common import _dummy_config  # noqa: E402
-from engine.memory_budget import dummy_formats, run_settings  # noqa: E402
-from engine.packed_linear import WeightFormat  # noqa: E402
+from bonsai_cli.run_options import dummy_architecture  # noqa: E402
+from engine.memory.budget import dummy_formats, run_settings  # noqa: E402
+from engine.weights.formats import WeightFormat  # noqa: E402
 from engine.pipeline.launch import ModelSource  # noqa: E402
 from engine.pipeline.setup import open_pipeline, plan_pipeline  # noqa: E402
 
@@ -37,11 +37,11 @@ def main() -> None:
     args = ap.parse_args()
     devices = args.devices.split(",")
     sync = torch.cuda.synchronize if devices[0].startswith("cuda") else (lambda: None)
-    config, path = _dummy_config(args.model)
+    config, path = dummy_architecture(args.model)
     fmt = WeightFormat("tri", args.group_size, "int4")
     seq = args.context + args.steps * 2 + 8
     settings = run_settings(config, devices[0], seq, slots=args.slots, kv_type=args.kv_type, dummy=True)
-    formats = dummy_formats(config, "tri", args.group_size, "int4").formats
+    formats = dummy_formats(config, WeightFormat("tri", args.group_size, "int4")).formats
     pp = plan_pipeline(config, formats, settings, devices)
     runner = open_pipeline(ModelSource(architecture=config, name=path.stem, weight_format=fmt), pp, seq,
                            num_slots=args.slots, prefill_chunk_size=512, kv_type=args.kv_type)

@@ -7,14 +7,14 @@ Usage: python tests/perf/quant_methods.py [--rows int4:rtn,int4:gptq,...] [--sam
 
 Calibration text: docstrings of Python standard-library modules (inspect.getdoc of each module and of
 its public classes, functions and methods), never pydoc_data, whose topics are the evaluation text
-(the default of `bonsai eval`). Scoring: engine.evaluate.evaluate on the first 4,096 tokens of the
+(the default of `bonsai eval`). Scoring: engine.quantization.evaluate.evaluate on the first 4,096 tokens of the
 pydoc topics in 512-token windows, the reference being the same GGUF loaded in float32.
 Rows (recipe:method): int4 = int4 g64 everywhere (the tied embedding / output included, by rtn);
 tq = ternary g64 for gate/up/down with q/k/v/o at int4 g64, embedding int4 g64 (rtn);
 tri = ternary g64 everywhere (embedding int4 g64); tqd = tq with down_proj at int4 too;
 bq = 1-bit g64 for gate/up/down with q/k/v/o at int4 g64;
 emb = only the embedding at int4 g64 (what rtn of the tied embedding alone costs).
---rotate: the model rotated first as `bonsai quantize --rotate` does (engine.rotation.load_rotated): the
+--rotate: the model rotated first as `bonsai quantize --rotate` does (engine.quantization.rotation.load_rotated): the
 tied embedding is untied, the output layer is then a separate int4 tensor (gptq / gsq: by GPTQ).
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def plan_for(recipe: str):
 
 
 def quantize_rtn(loaded, plan) -> None:
-    from engine.calibration import block_targets
+    from engine.quantization.calibration import block_targets
     from quant.grids import dequantize
     from quant.gptq import rtn
     model = loaded.model
@@ -93,13 +93,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from engine import store
-    from engine.calibration import CalibrationOptions, calibration_sequences, quantize_with_calibration
-    from engine.evaluate import default_calibration_text, default_eval_text, evaluate
-    from engine.loader import load_model
-    from engine.rotation import load_rotated
-    from engine.runner import ModelRunner
-    from engine.scale_tuning import ScaleTuningOptions, tune_scales
+    from engine.sources import store
+    from engine.quantization.calibration import CalibrationOptions, calibration_sequences, quantize_with_calibration
+    from engine.quantization.evaluate import default_calibration_text, default_eval_text, evaluate
+    from engine.weights.loader import load_model
+    from engine.quantization.rotation import load_rotated
+    from engine.runtime.runner import ModelRunner
+    from engine.quantization.scale_tuning import ScaleTuningOptions, tune_scales
     from quant.gsq import GSQOptions
 
     path = args.model or store.find_pulled(store.DEFAULT_MODEL)

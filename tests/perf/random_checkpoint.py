@@ -36,9 +36,9 @@ def write_random(config_path: Path, layers: int, out: Path, tokenizer_gguf: Path
     import yaml
     from safetensors.torch import save_file
 
-    from engine.gguf_file import GGUFFile
-    from engine.model_config import ModelConfig
-    from engine.tokenizer import Tokenizer
+    from engine.sources.gguf_file import GGUFFile
+    from engine.sources.model_config import ModelConfig
+    from engine.sources.tokenizer import Tokenizer
     hf = yaml.safe_load(config_path.read_text())
     hf = {"model_type": "qwen2" if "Qwen2ForCausalLM" in hf.get("architectures", ()) else "qwen3", **hf,
           "num_hidden_layers": layers, "torch_dtype": "bfloat16"}
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--write-only", action="store_true", help="(internal) write the model and exit")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from engine.quantize import QuantizeOptions, quantize
+    from engine.quantization.quantize import QuantizeOptions, quantize
     from quant.formats import QuantSpec
     from quant.recipe import Recipe, Rule
     src = args.dir / "model"

@@ -21,13 +21,14 @@ from types import SimpleNamespace
 
 import torch
 
-from engine import store
-from engine.loader import load_model
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sources import store
+from engine.weights.loader import load_model
+from engine.runtime.runner import ModelRunner
+from engine.decoding.sampling import SamplingParams
+from engine.decoding.engine import Engine
+from engine.decoding.sequence import Request
 from engine.server.api import _stream
-from engine.server.engine_loop import EngineLoop
-from engine.server.sequence import ServeRequest
+from engine.server.engine_thread import EngineThread
 
 QUESTIONS = ["Write a Python function that reverses a string.", "What is the capital of France?",
              "Explain photosynthesis in two sentences.", "List three prime numbers greater than 100.",
@@ -35,11 +36,11 @@ QUESTIONS = ["Write a Python function that reverses a string.", "What is the cap
              "What is 17 times 23?", "Give me a haiku about autumn."]
 IDLE = ("acquire", "poll", "select")  # waiting for work (a lock, the event loop's selector)
 # parts of the engine thread's host work: (file suffix, function) whose cumulative CPU time is shown
-PARTS = {"Sequence.on_logits (token -> text -> events)": [("server/sequence.py", "on_logits")],
-         "  detokenizing (StreamDecoder.push)": [("engine/detokenize.py", "push")],
+PARTS = {"Sequence.on_logits (token -> text -> events)": [("decoding/sequence.py", "on_logits")],
+         "  detokenizing (StreamDecoder.push)": [("engine/decoding/detokenize.py", "push")],
          "  events to the event loop": [("server/relay.py", "post"), ("serve_loop_profile.py", "emit"),
                                         ("profile_main.py", "emit")],
-         "picking the tokens (sample_rows)": [("engine/sampling.py", "sample_rows")]}
+         "picking the tokens (sample_rows)": [("engine/decoding/sampling.py", "sample_rows")]}
 
 
 def main() -> None:
@@ -59,10 +60,11 @@ def main() -> None:
     tok = loaded.require_tokenizer()
     runner = ModelRunner(loaded, max_seq_len=512, num_slots=args.streams, prefill_chunk_size=256)
     extra = {} if args.budget is None else {"prefill_budget": args.budget}
-    engine = EngineLoop(runner, tok, 512, max_queue=args.requests, **extra)
+    engine = Engine(runner, tok, 512, max_queue=args.requests, **extra)
+    thread = EngineThread(engine)
     # each thread's own CPU time: what the work costs, not how long a busy machine kept it waiting
     engine_prof, loop_prof = cProfile.Profile(time.thread_time), cProfile.Profile(time.thread_time)
-    run = engine._run
+    run = thread._run
 
     def profiled_run() -> None:
         engine_prof.enable()
@@ -70,9 +72,8 @@ def main() -> None:
             run()
         finally:
             engine_prof.disable()
-    engine._run = profiled_run
-    engine._thread = threading.Thread(target=profiled_run, name="bonsai-engine", daemon=True)
-    engine.start()
+    thread._thread = threading.Thread(target=profiled_run, name="bonsai-engine", daemon=True)
+    thread.start()
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
                for q in QUESTIONS]
     served = SimpleNamespace(engine=engine)
@@ -92,8 +93,8 @@ def main() -> None:
             else:
                 def emit(event, queue=queue):
                     loop.call_soon_threadsafe(queue.put_nowait, event)
-            job = ServeRequest(id=f"r{i}", prompt_ids=prompts[i % len(prompts)], max_tokens=args.max_tokens,
-                               emit=emit, sampling=params)
+            job = Request(prompts[i % len(prompts)], max_tokens=args.max_tokens, sampling=params, id=f"r{i}",
+                          emit=emit)
             engine.submit(job)
             chunks = bytes_out = 0
             async for piece in _stream(served, job, queue, (job.id, "m", 0), True, True):
@@ -115,7 +116,7 @@ def main() -> None:
     start = time.perf_counter()
     results = on_loop()
     wall = time.perf_counter() - start
-    engine.stop()
+    thread.stop()
     tokens = engine.metrics.generated_tokens
     print(f"{args.requests} requests, {args.streams} in flight, T={args.temperature}: {tokens} tokens in {wall:.2f} s "
           f"= {tokens / wall:.1f} tok/s; {engine.metrics.decode_steps} decode steps "

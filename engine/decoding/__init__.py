@@ -1,0 +1,1 @@
+"""The decoding core: requests in, tokens and text out (sampling, end rules, speculation, slots)."""

@@ -1,0 +1,298 @@
+"""The engine: the one place where logits become tokens, for one request or many.
+
+`step()` advances every active request by one iteration: requests that were cancelled leave their
+slot; waiting requests get free slots (longest cached prefix first, scheduler.py); prompt chunks run
+for the requests that still have prompt (or inserted) tokens to feed, oldest first, at most
+`prefill_budget` tokens while other slots decode (scheduler.plan_prefill); then one batched decode
+step runs the next token of every decoding slot together, in one forward. So a running request waits
+for at most one budget of prefill between two of its tokens, and a new request's first token comes
+from its last chunk. Events go back to each request through its `emit` (sequence.py). A step that
+fails ends the requests it served with an error and resets their slots; the others go on. Admitting
+a request is guarded the same way (one that cannot start fails alone), and an event callback that
+raises ends only its own request. `close` (the server's thread ending, `failure` saying why) fails
+every active and waiting request at once and refuses new ones: nothing ever waits on a dead engine.
+
+Offline generation is `submit` + `step` until the request finished (generate.py); `bonsai chat`,
+`generate`, `bench` and the drafter trainer drive it that way with one slot, the server
+(engine/server/engine_thread.py) from its own thread with many. `submit` and `cancel` may be called
+from other threads.
+
+With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step
+instead: each decoding slot's drafter proposes tokens, all slots' rows are scored together, each
+slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached tokens
+stay exactly what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the
+whole prompt of the request that takes the slot (the reused prefix included).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from engine.decoding.metrics import Metrics
+from engine.decoding.sampling import sample_rows
+from engine.decoding.scheduler import Scheduler, plan_prefill
+from engine.decoding.sequence import Failed, Request, Sequence, ThinkingRules
+from engine.decoding.spec_step import SpeculativeStep
+from engine.errors import BonsaiError, ServiceUnavailable
+from engine.runtime.runner import Runner
+from engine.sources.tokenizer import Tokenizer
+from engine.speculative.drafter import Drafter
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, runner: Runner, tokenizer: Tokenizer | None, slot_context: int | None = None, max_queue: int = 16,
+                 rules: ThinkingRules | None = None, metrics: Metrics | None = None,
+                 drafters: list[Drafter] | None = None, num_draft_tokens: int = 4, prefill_budget: int | None = None,
+                 spec_method: str | None = None):
+        """tokenizer None: token ids only (generated weights).
+        slot_context: positions one request may use (default: the runner's context). drafters: one per
+        slot (speculative decoding), None: plain decoding; num_draft_tokens: k, the most each drafts
+        a step (spec_method: the name /slots shows, default the drafter's). prefill_budget: prompt
+        tokens run between two decode steps while slots decode (None: one prefill chunk); it also caps
+        the chunk size."""
+        self.runner, self.tokenizer = runner, tokenizer
+        if prefill_budget is not None and prefill_budget < 1:
+            raise BonsaiError(f"the prefill budget must be >= 1 token per step, got {prefill_budget}")
+        self.prefill_budget = prefill_budget or runner.prefill_chunk_size
+        self.prefill_chunk = min(runner.prefill_chunk_size, self.prefill_budget)
+        self.slot_context = min(slot_context or runner.max_seq_len, runner.max_seq_len)
+        self.rules = rules or ThinkingRules()
+        # ids the tokenizer can turn into text: a model's padded vocabulary (or a borrowed tokenizer's
+        # smaller one) is cut to it before choosing
+        vocab = runner.loaded.config.vocab_size
+        self.vocab = min(vocab, tokenizer.vocab_size) if tokenizer is not None else vocab
+        self.metrics = metrics or Metrics()
+        self.scheduler: Scheduler[Request] = Scheduler(runner.cache.slots, max_queue)
+        self.metrics.slots_total = len(runner.cache.slots)
+        self.active: dict[int, Sequence] = {}  # slot index → its request
+        self.spec = None
+        if drafters is not None:
+            assert len(drafters) == len(runner.cache.slots), "one drafter per slot"
+            self.spec = SpeculativeStep(runner, drafters, num_draft_tokens, self.slot_context, self.vocab,
+                                        self.metrics, spec_method)
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)  # notified on submit / cancel (a thread driving step() waits)
+        self.closed = False
+        self.failure: str | None = None  # why the server's engine thread ended on its own (None: it did not)
+        self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.active) or self.scheduler.waiting > 0
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; raises scheduler.QueueFull when every slot and the queue are taken,
+        ServiceUnavailable when the engine is closed (stopping, or stopped by a failure)."""
+        if not request.prompt_ids:
+            raise BonsaiError("the prompt is empty: give at least one token of input")
+        if len(request.prompt_ids) >= self.slot_context:
+            raise BonsaiError(f"the prompt has {len(request.prompt_ids)} tokens but the context holds "
+                              f"{self.slot_context}: shorten it or raise the context (model.max_context, "
+                              "--max-seq-len)")
+        with self.lock:
+            if self.closed:
+                raise ServiceUnavailable(self.failure or "the server is shutting down")
+            self.scheduler.submit(request, request.prompt_ids if request.reuse_prefix else [])
+            self.metrics.queue_waiting = self.scheduler.waiting
+            self.wake.notify()
+
+    def cancel(self, request: Request) -> None:
+        """The client went away: free its slot (or queue place) at the next step."""
+        request.cancelled.set()
+        with self.lock:
+            self.wake.notify()
+
+    def close(self, message: str = "the server is shutting down", status: int = 503) -> None:
+        """Refuse new requests; end the active and waiting ones with `message`."""
+        with self.lock:
+            self.closed = True
+            waiting = self.scheduler.drain()
+        for index in list(self.active):
+            self._fail(index, message, status)
+        for request in waiting:
+            _emit(request, Failed(message, status))
+
+    def forget(self) -> None:
+        """Empty the cache of every slot no request is using (the next prompts are computed afresh)."""
+        with self.lock:
+            for slot in self.runner.cache.slots:
+                if slot.index not in self.active:
+                    slot.reset()
+
+    def slots(self) -> list[dict]:
+        """What /slots shows."""
+        out = []
+        for slot in self.runner.cache.slots:
+            info = self.scheduler.info(slot.index)
+            seq = self.active.get(slot.index)
+            out.append({"id": slot.index, "n_ctx": self.slot_context, "is_processing": seq is not None,
+                        "n_cached": slot.length, "requests_served": info.requests_served,
+                        "cache_hits": info.cache_hits,
+                        "drafter": None if self.spec is None else self.spec.info(slot.index),
+                        "task": None if seq is None else {
+                            "id": seq.request.id, "n_prompt_tokens": len(seq.request.prompt_ids),
+                            "n_cached": seq.stats.cached_tokens, "n_decoded": seq.generated}})
+        return out
+
+    # -- one iteration ----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Admit what waits, then one round of prefill chunks and one decode (or verify) step."""
+        if self.scheduler.waiting:  # a request submitted meanwhile is admitted at the next step
+            with self.lock:
+                self._admit()
+        try:
+            self._step()
+        except Exception as e:  # a bug in the engine itself: fail what is active, keep going
+            log.exception("engine step failed")
+            for index in list(self.active):
+                self._fail(index, f"internal error: {type(e).__name__}: {first_line(e)}")
+
+    def _admit(self) -> None:
+        """Waiting requests into free slots (called holding the lock); one that cannot start fails alone."""
+        for _ in self.scheduler.drop_waiting(lambda r: r.cancelled.is_set()):
+            self.metrics.count_request("cancelled")
+        for a in self.scheduler.assign():
+            method = self.spec.method if self.spec is not None else None
+            try:
+                seq = Sequence(a.request, self.tokenizer, self.rules, self.vocab, self.runner.device, a.reused,
+                               method)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others are admitted
+                log.log(logging.WARNING if isinstance(e, BonsaiError) else logging.ERROR,
+                        "request %s could not start: %s", a.request.id, _message(e),
+                        exc_info=not isinstance(e, BonsaiError))
+                self.scheduler.release(a.slot)  # nothing ran: its cached tokens are still valid
+                self.metrics.count_request("error")
+                _emit(a.request, Failed(_message(e), 400 if isinstance(e, BonsaiError) else 500))
+                continue
+            self.active[a.slot.index] = seq
+            self._to_begin.append(a.slot.index)
+            self.metrics.count_prompt(len(a.request.prompt_ids), a.reused)
+        self.metrics.queue_waiting = self.scheduler.waiting
+        self.metrics.slots_busy = self.scheduler.busy
+
+    def _step(self) -> None:
+        for index, seq in list(self.active.items()):
+            if seq.request.cancelled.is_set():
+                self._end(index, "cancelled")
+        for index in self._to_begin:
+            if self.spec is not None and index in self.active:
+                try:
+                    self.spec.begin(index, self.active[index])
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    log.exception("drafter begin failed")
+                    self._fail(index, _message(e))
+        self._to_begin.clear()
+        self._prefill()
+        self._decode_all()
+        for index, seq in list(self.active.items()):
+            if seq.done:
+                self._end(index, None)
+
+    def _room(self, index: int) -> int:
+        return self.slot_context - self.runner.slot(index).length
+
+    def _prefill(self) -> None:
+        """This iteration's prompt chunks (scheduler.plan_prefill): oldest request first (`active`
+        keeps admission order), within the budget while any slot decodes."""
+        waiting = [(i, len(s.pending)) for i, s in self.active.items() if len(s.pending) > 1 and not s.done]
+        if not waiting:
+            return
+        decoding = any(len(s.pending) == 1 and not s.done for s in self.active.values())
+        for part in plan_prefill(waiting, self.prefill_chunk, self.prefill_budget if decoding else None):
+            if part.slot in self.active:  # not failed by an earlier chunk of this iteration
+                self._prefill_chunk(part.slot, part.size)
+
+    def _prefill_chunk(self, index: int, size: int) -> None:
+        seq, slot = self.active[index], self.runner.slot(index)
+        chunk = seq.pending[:size]
+        try:
+            if len(chunk) > self._room(index):
+                raise BonsaiError(f"the context of the slot ({self.slot_context} tokens) is full")
+            logits = self.runner.forward(slot, chunk, num_logits=1)  # [1, V]
+            seq.pending = seq.pending[len(chunk):]
+            self.metrics.count_prefill()
+            if not seq.pending:
+                seq.on_logits(logits[-1], self._room(index))
+        except Exception as e:
+            self._fail(index, _message(e), 400 if isinstance(e, BonsaiError) else 500)
+
+    def _decode_all(self) -> None:
+        rows = [i for i, s in sorted(self.active.items()) if len(s.pending) == 1 and not s.done]
+        if not rows:
+            return
+        if self.spec is not None:
+            self.spec.step(self.active, rows, lambda i, e: self._fail(i, _message(e)))
+            return
+        seqs = [self.active[i] for i in rows]
+        try:
+            logits = self.runner.decode_batch([self.runner.slot(i) for i in rows],
+                                              [seq.pending[0] for seq in seqs])  # [B, V]
+        except Exception as e:
+            log.exception("batched decode failed")
+            for i in rows:
+                self._fail(i, _message(e))
+            return
+        before = sum(seq.generated for seq in seqs)
+        try:
+            cut = logits[:, :self.vocab] if logits.shape[-1] > self.vocab else logits  # [B, V] ids the tokenizer knows
+            if any(seq.seen is not None for seq in seqs):
+                cut = torch.stack([seq.penalized(cut[row]) for row, seq in enumerate(seqs)])  # [B, V]
+            # every row's token in one call and one read-back (greedy rows: one argmax for all)
+            choices = sample_rows(cut, [seq.request.sampling for seq in seqs], [seq.generator for seq in seqs])
+        except Exception as e:
+            log.exception("sampling failed")
+            for i in rows:
+                self._fail(i, _message(e))
+            return
+        for row, (i, seq) in enumerate(zip(rows, seqs)):
+            try:
+                # its row only where logprobs are asked for: a view per token costs, on the fast path
+                seq.take(choices[row], cut[row] if seq.request.top_logprobs is not None else None, self._room(i))
+            except Exception as e:
+                log.exception("sampling failed")
+                self._fail(i, _message(e))
+        self.metrics.count_step(len(rows), sum(seq.generated for seq in seqs) - before)
+
+    def _end(self, index: int, outcome: str | None) -> None:
+        seq = self.active.pop(index)
+        if outcome == "cancelled":
+            seq.done = True
+            log.info("request %s cancelled (client gone); slot %d is free", seq.request.id, index)
+        with self.lock:
+            self.scheduler.release(self.runner.slot(index))  # its tokens stay cached for the next request
+            self.metrics.slots_busy = self.scheduler.busy
+        self.metrics.count_request(outcome or seq.finish_reason or "stop")
+
+    def _fail(self, index: int, message: str, status: int = 500) -> None:
+        seq = self.active.pop(index, None)
+        if seq is None:
+            return
+        seq.done = True
+        self.runner.slot(index).reset()  # what its KV holds is no longer known
+        _emit(seq.request, Failed(message, status))
+        with self.lock:
+            self.scheduler.release(self.runner.slot(index))
+            self.metrics.slots_busy = self.scheduler.busy
+        self.metrics.count_request("error")
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (one-line errors and logs)."""
+    return str(e).splitlines()[0] if str(e) else ""
+
+
+def _message(e: Exception) -> str:
+    return first_line(e) if isinstance(e, BonsaiError) else f"internal error: {type(e).__name__}: {first_line(e)}"
+
+
+def _emit(request: Request, event: Failed) -> None:
+    """Tell a request it failed; a callback that raises (its client's loop is gone) is logged, not raised."""
+    try:
+        request.emit(event)
+    except Exception as e:  # noqa: BLE001 - one broken callback never ends the others' requests
+        log.warning("request %s: its error could not be delivered (%s: %s)", request.id, type(e).__name__,
+                    first_line(e))

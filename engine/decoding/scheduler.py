@@ -1,0 +1,166 @@
+"""Slots and the waiting queue: plain bookkeeping (no torch), tested without a model.
+
+A slot is one row of the KV cache with the token ids it holds. A slot that finished a request keeps
+its tokens cached; the next request goes to the free slot whose cached tokens share the longest
+prefix with its prompt (ties: the slot idle the longest, so recently used caches survive), and that
+prefix is not computed again. Requests beyond the free slots wait in a bounded FIFO queue; beyond
+the queue they are refused (the server answers 503 with Retry-After).
+
+`plan_prefill` decides the prompt work of one engine iteration: whole chunks, oldest request first,
+within a token budget, so the decoding slots step again after at most that many prefill tokens.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+
+class CachedSlot(Protocol):
+    """What the scheduler needs of a KV slot (engine.runtime.kv_cache.KVSlot has it)."""
+    index: int
+    capacity: int
+    tokens: list[int]
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting queue is full."""
+
+    def __init__(self, waiting: int, retry_after: int):
+        super().__init__(f"the server is busy: all slots are working and {waiting} requests are waiting; "
+                         f"retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+R = TypeVar("R")
+
+
+@dataclass
+class SlotInfo(Generic[R]):
+    slot: CachedSlot
+    request: R | None = None
+    last_used: int = 0  # tick of the last release (LRU among equally good slots)
+    requests_served: int = 0
+    cache_hits: int = 0  # requests that reused part of this slot's cache
+
+
+@dataclass
+class Assignment(Generic[R]):
+    request: R
+    slot: CachedSlot
+    reused: int  # prompt tokens whose cached KV stays (the slot was rewound to this length)
+
+
+@dataclass
+class Scheduler(Generic[R]):
+    slots: list[CachedSlot]
+    max_queue: int = 16
+    retry_after: int = 1
+    _info: list[SlotInfo] = field(init=False)
+    _queue: deque = field(init=False, default_factory=deque)
+    _ticks: itertools.count = field(init=False, default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        assert self.slots, "at least one slot"
+        self._info = [SlotInfo(s) for s in self.slots]
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def busy(self) -> int:
+        return sum(i.request is not None for i in self._info)
+
+    def info(self, index: int) -> SlotInfo:
+        return self._info[index]
+
+    def submit(self, request: R, prompt: list[int]) -> None:
+        """Queue a request (its prompt ids decide its slot). Raises QueueFull when no room is left."""
+        free = len(self._info) - self.busy
+        if len(self._queue) >= self.max_queue + free:  # requests for free slots only pass through
+            raise QueueFull(len(self._queue), self.retry_after)
+        self._queue.append((request, prompt))
+
+    def drop_waiting(self, predicate) -> list[R]:
+        """Remove the waiting requests for which predicate(request) is true (clients gone)."""
+        gone = [r for r, _ in self._queue if predicate(r)]
+        if gone:
+            self._queue = deque(item for item in self._queue if not predicate(item[0]))
+        return gone
+
+    def assign(self) -> list[Assignment[R]]:
+        """Give waiting requests (first come, first served) the free slot with the longest cached
+        prefix of their prompt, and rewind that slot to the part of the prefix kept: at least one
+        prompt token is always left to compute (its logits start the answer)."""
+        out: list[Assignment[R]] = []
+        while self._queue:
+            free = [i for i in self._info if i.request is None]
+            if not free:
+                break
+            request, prompt = self._queue.popleft()
+            best = max(free, key=lambda i: (min(common_prefix(i.slot.tokens, prompt), len(prompt) - 1),
+                                            -i.last_used))
+            reused = max(min(common_prefix(best.slot.tokens, prompt), len(prompt) - 1), 0)
+            del best.slot.tokens[reused:]
+            best.request = request
+            best.requests_served += 1
+            best.cache_hits += reused > 0
+            out.append(Assignment(request, best.slot, reused))
+        return out
+
+    def release(self, slot: CachedSlot) -> None:
+        """The slot's request ended; its tokens stay cached for the next request."""
+        info = self._info[slot.index]
+        assert info.request is not None, f"slot {slot.index} is not busy"
+        info.request = None
+        info.last_used = next(self._ticks)
+
+    def drain(self) -> list[R]:
+        """Empty the queue (shutdown): the requests that were waiting."""
+        items = [r for r, _ in self._queue]
+        self._queue.clear()
+        return items
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    slot: int
+    size: int  # prompt tokens fed in one forward
+
+
+def plan_prefill(waiting: list[tuple[int, int]], chunk: int, budget: int | None) -> list[PrefillChunk]:
+    """The prefill forwards of one engine iteration, run before its decode step.
+
+    waiting: (slot, tokens it still has to feed) of the requests still prefilling, oldest first;
+    a request with one token left decodes instead (that token's logits start its answer, in the
+    batched step). Each prompt is cut in chunks of `chunk` tokens (its last one shorter): the same
+    cuts whatever else runs, so a request's output does not depend on the load. Whole chunks go out
+    first come, first served while their sum fits `budget`, and at least one chunk runs, so prefill
+    always moves; the decoding slots then wait for at most max(budget, chunk) prefill tokens.
+    budget None (no slot is decoding, so nobody waits): one chunk for every waiting request."""
+    assert chunk >= 1 and (budget is None or budget >= 1)
+    out: list[PrefillChunk] = []
+    spent = 0
+    for slot, left in waiting:
+        while left > 1:
+            size = min(chunk, left)
+            if budget is None:
+                out.append(PrefillChunk(slot, size))
+                break
+            if out and spent + size > budget:
+                return out
+            out.append(PrefillChunk(slot, size))
+            spent += size
+            left -= size
+    return out

@@ -1,0 +1,1 @@
+"""Offline quantization: a model in, a bonsai checkpoint (or GGUF) out, and its evaluation."""

@@ -1,0 +1,289 @@
+"""Quantization with calibration data: sequential, layer-wise GPTQ (and GSQ refinement) over the model.
+
+The calibration sequences are embedded once; then, block after block, the inputs of the block's four
+linear groups are collected by running the block (q/k/v: the attention_norm output; o: the attention
+output; gate/up: the ffn_norm output; down: the SwiGLU output, after a rotated model's online
+Hadamard), their Hessians H = Σ xᵀx accumulated, the weights quantized and written back
+(dequantized) into the model, in that order inside the block, so that every later input is computed
+by the already quantized model ("true sequential" GPTQ). A block's tensors are yielded as soon as
+they are done. The output layer is quantized with GPTQ on the final-norm outputs (always GPTQ, also
+for method gsq: its vocabulary-sized logits would cost GSQ too much). The embedding, a gather with no Hessian, is rounded to nearest first, unless it is tied to the
+output layer: then it is quantized last, as the output layer (on SmolLM2-135M, int4 g64 of the tied
+embedding alone: ppl 14.70 → 17.61 by rtn, → 15.44 by GPTQ; mean KL 0.179 → 0.044).
+
+Memory: besides the model, the calibration state is one block's activations for the whole set, at
+the widest point the residual stream twice (in and out) next to the down projection's inputs:
+tokens × (2 · hidden + intermediate) × 4 bytes (float32 activations), plus one Hessian (in² × 8 bytes)
+at a time, plus, for gsq, `gsq_tokens` input rows per layer and GSQ's own state (about 20 floats per
+weight of the layer). 64 × 256 tokens of SmolLM2-135M: about 180 MB.
+Blocks are moved to `device` one at a time (and back), so a GPU holds one block plus that state.
+The model is modified in place: afterwards it holds the dequantized weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import BonsaiError
+from engine.weights.loader import LoadedModel, resolve_device
+from engine.runtime.model import Block
+from quant.grids import dequantize
+from quant.formats import fp16_scales, relative_error
+from quant.gptq import GRIDS, gptq_with_refits, hessian_dtype, rtn
+from quant.gsq import GSQOptions, gsq_refine
+
+METHODS = ("gptq", "gsq")
+FLOAT_TYPES = ("bf16", "f16", "f32", "float")  # a spec with one of these keeps the tensor in float
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    samples: int = 128  # calibration sequences used (the first `samples` given)
+    seq_len: int = 256  # each sequence is cut to this many tokens
+    damp: float = 0.01  # GPTQ: λ = damp · mean diag(H)
+    block_size: int = 128  # GPTQ lazy-update block
+    act_order: bool = False  # GPTQ: columns by decreasing H[i, i] (groups stay contiguous)
+    scale_refits: int = 0  # after GPTQ: rounds of least-squares group scales (quant.gptq.gptq_with_refits)
+    gsq: GSQOptions = field(default_factory=GSQOptions)
+    gsq_tokens: int = 16384  # input rows per layer given to GSQ (a random subsample when there are more)
+    device: str = "cpu"
+    batch_sequences: int = 8  # sequences per forward pass
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "seq_len", "block_size", "gsq_tokens", "batch_sequences"):
+            if int(getattr(self, name)) < 1:
+                raise BonsaiError(f"calibration option {name} must be >= 1, got {getattr(self, name)}")
+        if int(self.scale_refits) < 0:
+            raise BonsaiError(f"calibration option scale_refits must be >= 0, got {self.scale_refits}")
+        if self.seq_len < 2:
+            raise BonsaiError(f"calibration sequences need at least 2 tokens, got seq_len {self.seq_len}")
+        if not self.damp > 0:
+            raise BonsaiError(f"calibration option damp must be > 0, got {self.damp}")
+        if not isinstance(self.gsq, GSQOptions):
+            raise BonsaiError("calibration option gsq must be a GSQOptions")
+
+
+def calibration_sequences(token_ids: list[int], samples: int, seq_len: int) -> list[list[int]]:
+    """Cut one token stream into up to `samples` non-overlapping windows of `seq_len` tokens, spread
+    evenly over the whole text when it holds more than that."""
+    available = len(token_ids) // seq_len
+    if available == 0:
+        raise BonsaiError(f"the calibration text has {len(token_ids)} tokens, fewer than one sequence of "
+                          f"{seq_len}: give a longer text or a smaller --calib-seq-len")
+    starts = sorted({round(i * available / min(samples, available)) * seq_len for i in range(min(samples, available))})
+    return [token_ids[s:s + seq_len] for s in starts]
+
+
+@dataclass
+class Target:
+    """One HF tensor that lives in `param[start:start + rows]` of the engine's (possibly fused) weight."""
+    name: str
+    param: torch.Tensor
+    start: int
+    rows: int
+    spec: Any
+    error: tuple[float, float] | None = None  # (Σ (w - ŵ)², Σ w²) once quantized
+
+
+def block_targets(block: Block, layer: int, cfg, plan) -> dict[str, list[Target]]:
+    """The block's quantized tensors by the input they share: qkv, o, gate_up, down."""
+    p = f"model.layers.{layer}."
+    attn, ffn = block.attention, block.feed_forward
+    f = cfg.intermediate_size
+    groups = {
+        "qkv": [("self_attn.q_proj", attn.wqkv.weight, 0, cfg.q_size),
+                ("self_attn.k_proj", attn.wqkv.weight, cfg.q_size, cfg.kv_size),
+                ("self_attn.v_proj", attn.wqkv.weight, cfg.q_size + cfg.kv_size, cfg.kv_size)],
+        "o": [("self_attn.o_proj", attn.wo.weight, 0, cfg.hidden_size)],
+        "gate_up": [("mlp.gate_proj", ffn.w13.weight, 0, f), ("mlp.up_proj", ffn.w13.weight, f, f)],
+        "down": [("mlp.down_proj", ffn.w2.weight, 0, cfg.hidden_size)],
+    }
+    out = {}
+    for key, parts in groups.items():
+        out[key] = []
+        for part, param, start, rows in parts:
+            name = f"{p}{part}.weight"
+            spec = _checked_spec(plan, name, param.shape[1])
+            if spec is not None:
+                out[key].append(Target(name, param, start, rows, spec))
+    return out
+
+
+def _checked_spec(plan, name: str, in_features: int):
+    spec = plan(name)
+    if spec is None or spec.quant_type in FLOAT_TYPES:
+        return None
+    if spec.quant_type not in GRIDS:
+        raise BonsaiError(f"{name}: unknown quant type '{spec.quant_type}' (use one of {', '.join(GRIDS)})")
+    if spec.group_size < 1 or in_features % spec.group_size:
+        raise BonsaiError(f"{name}: group size {spec.group_size} does not divide its {in_features} input features "
+                          f"(use a group size that divides {in_features}, e.g. 64 or 32)")
+    return spec
+
+
+class LayerInputs:
+    """Hessian H = Σ xᵀx of one layer input (float32 products summed in quant.gptq.hessian_dtype:
+    float64 up to 8192 inputs, else float32) and, for GSQ, the rows of x at fixed token positions."""
+
+    def __init__(self, width: int, device: torch.device, keep_rows: list[torch.Tensor] | None):
+        self.hessian = torch.zeros(width, width, dtype=hessian_dtype(width), device=device)  # [K, K]
+        self.keep_rows, self.kept, self.chunk = keep_rows, [], 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x2 = x.reshape(-1, x.shape[-1]).float()  # [B·T, K]
+        self.hessian += (x2.T @ x2).to(self.hessian.dtype)
+        if self.keep_rows is not None:
+            self.kept.append(x2[self.keep_rows[self.chunk]])
+        self.chunk += 1
+
+    def rows(self) -> torch.Tensor:
+        return torch.cat(self.kept)  # [T_gsq, K]
+
+
+def _attention_output(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The input of o_proj: causal self-attention of the whole sequences x [B, T, H], no KV cache
+    (engine.model.Attention's own projection). Returns [B, T, q_size]."""
+    attn = block.attention
+    cfg = attn.cfg
+    b, t, _ = x.shape
+    q, k, v = attn.project(block.attention_norm(x), cos, sin)  # [B, H, T, D], [B, KV, T, D] x2
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                         enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
+    return out.transpose(1, 2).reshape(b, t, cfg.q_size)
+
+
+def _swiglu(block: Block, h: torch.Tensor) -> torch.Tensor:
+    """The input of down_proj for the residual stream h [B, T, H] (after the online Hadamard of a
+    rotated model): [B, T, F]."""
+    return block.feed_forward.down_input(block.ffn_norm(h))
+
+
+def rotary_tables(model, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.arange(seq_len, device=device)[None, :, None].float() * model.inv_freq.to(device)  # [1, T, D/2]
+    return angles.cos()[:, :, None], angles.sin()[:, :, None]  # [1, T, 1, D/2]
+
+
+def block_forward(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One block over whole sequences x [B, T, H] with the steps the calibration uses."""
+    h = x + block.attention.wo(_attention_output(block, x, cos, sin))
+    return h + block.feed_forward.w2(_swiglu(block, h))
+
+
+def quantize_with_calibration(loaded: LoadedModel, token_ids: list[list[int]], plan: Callable[[str], Any],
+                              method: str, options: CalibrationOptions,
+                              progress: Callable[[str], None] | None = None
+                              ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, Any]]:
+    """Yields (hf_tensor_name, codes int8 [N, K], scales float32 [N, K/G], spec) for every weight the plan
+    quantizes (plan(name) returns an object with .quant_type and .group_size, or None for "keep in
+    float"). method "gptq" | "gsq". Codes and scales are on the CPU."""
+    if method not in METHODS:
+        raise BonsaiError(f"unknown calibration method '{method}': use {' or '.join(METHODS)}")
+    sequences = [list(s[:options.seq_len]) for s in token_ids[:options.samples]]
+    if not sequences or any(len(s) < 2 for s in sequences):
+        raise BonsaiError("calibration needs at least one sequence of 2 or more tokens: give a calibration text")
+    say = progress or (lambda message: None)
+    device = resolve_device(options.device)
+    model, cfg = loaded.model, loaded.config
+    home = next(model.parameters()).device
+    with torch.no_grad():
+        targets = [block_targets(block, i, cfg, plan) for i, block in enumerate(model.layers)]
+        embed_spec = _checked_spec(plan, "model.embed_tokens.weight", cfg.hidden_size)
+        tied = model.lm_head is None  # the embedding is also the output layer: quantized last, as such
+        head = None
+        if tied and embed_spec is not None:
+            head = Target("model.embed_tokens.weight", model.embed.weight, 0, cfg.vocab_size, embed_spec)
+        elif not tied and (head_spec := _checked_spec(plan, "lm_head.weight", cfg.hidden_size)) is not None:
+            head = Target("lm_head.weight", model.lm_head.weight, 0, cfg.vocab_size, head_spec)
+        if embed_spec is not None and not tied:
+            say(f"model.embed_tokens.weight: rtn {embed_spec.quant_type} g{embed_spec.group_size}")
+            weight = model.embed.weight
+            codes, scales = rtn(weight.float(), embed_spec.quant_type, embed_spec.group_size)
+            scales = fp16_scales(scales)  # as stored
+            weight.copy_(dequantize(codes, scales, embed_spec.group_size).to(weight.dtype))
+            yield "model.embed_tokens.weight", codes.cpu(), scales.cpu(), embed_spec
+        # chunks of consecutive sequences of one length, embedded: the residual stream
+        chunks: list[list[list[int]]] = []
+        for s in sequences:
+            if chunks and len(chunks[-1]) < options.batch_sequences and len(chunks[-1][0]) == len(s):
+                chunks[-1].append(s)
+            else:
+                chunks.append([s])
+        act_dtype = model.norm.weight.dtype
+        hidden = [model.embed(torch.tensor(c, device=home)).to(device=device, dtype=act_dtype) for c in chunks]
+        keep = gsq_rows(hidden, options) if method == "gsq" else None
+        for i, block in enumerate(model.layers):
+            block.to(device)
+            hidden = yield from quantize_block(block, hidden, targets[i], keep, method, options, model, say)
+            block.to(home)
+        if head is not None:
+            model.norm.to(device)
+            inputs = LayerInputs(cfg.hidden_size, device, None)
+            for x in hidden:
+                inputs.add(model.norm(x))
+            model.norm.to(home)
+            yield quantize_rows(head, inputs, "gptq", options, say)
+
+
+def gsq_rows(hidden: list[torch.Tensor], options: CalibrationOptions) -> list[torch.Tensor]:
+    """Fixed random token positions (per chunk, flat indices) whose inputs GSQ trains on."""
+    sizes = [x.shape[0] * x.shape[1] for x in hidden]
+    gen = torch.Generator().manual_seed(options.seed)
+    chosen = torch.randperm(sum(sizes), generator=gen)[:options.gsq_tokens].sort().values
+    out, offset = [], 0
+    for size in sizes:
+        local = chosen[(chosen >= offset) & (chosen < offset + size)] - offset
+        out.append(local.to(hidden[0].device))
+        offset += size
+    return out
+
+
+def quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str, list[Target]],
+                    keep, method: str, options: CalibrationOptions, model, say):
+    """Quantize one block stage by stage (generator: yields its tensors, returns the next hidden)."""
+    cfg = model.config
+    device = hidden[0].device
+    tables = {}
+
+    def rope(t: int):
+        if t not in tables:
+            tables[t] = rotary_tables(model, t, device)
+        return tables[t]
+
+    def stage(key: str, width: int, make_inputs: Callable[[int], torch.Tensor]):
+        if not targets[key]:
+            return
+        inputs = LayerInputs(width, device, keep)
+        for c in range(len(hidden)):
+            inputs.add(make_inputs(c))
+        for target in targets[key]:
+            yield quantize_rows(target, inputs, method, options, say)
+
+    yield from stage("qkv", cfg.hidden_size, lambda c: block.attention_norm(hidden[c]))
+    attn_out = [_attention_output(block, x, *rope(x.shape[1])) for x in hidden]  # inputs of o_proj
+    yield from stage("o", cfg.q_size, lambda c: attn_out[c])
+    hidden = [x + block.attention.wo(a) for x, a in zip(hidden, attn_out)]  # residual after attention
+    del attn_out
+    yield from stage("gate_up", cfg.hidden_size, lambda c: block.ffn_norm(hidden[c]))
+    swiglu = [_swiglu(block, h) for h in hidden]  # inputs of down_proj
+    yield from stage("down", cfg.intermediate_size, lambda c: swiglu[c])
+    return [h + block.feed_forward.w2(s) for h, s in zip(hidden, swiglu)]
+
+
+def quantize_rows(target: Target, inputs: LayerInputs, method: str, options: CalibrationOptions, say):
+    spec, g = target.spec, target.spec.group_size
+    say(f"{target.name}: {method} {spec.quant_type} g{g}")
+    param = target.param
+    device = inputs.hessian.device  # the output layer may stay on the CPU while its Hessian is on the GPU
+    w = param[target.start:target.start + target.rows].to(device=device, dtype=torch.float32)  # [N, K]
+    codes, scales = gptq_with_refits(w, inputs.hessian, spec.quant_type, g, options.damp, options.block_size,
+                                     options.act_order, options.scale_refits)
+    if method == "gsq":
+        codes, scales = gsq_refine(w, inputs.rows(), codes, scales, spec.quant_type, g, options.gsq)
+    scales = fp16_scales(scales)  # as stored: later layers calibrate on the weights a reader gets
+    target.error = relative_error(w, codes, scales, g)
+    param[target.start:target.start + target.rows] = dequantize(codes, scales, g).to(param.device, param.dtype)
+    return target.name, codes.cpu(), scales.cpu(), spec

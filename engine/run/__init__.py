@@ -1,0 +1,1 @@
+"""One run: its config (model, runtime, memory, speculation, thinking, context) and its builder."""

@@ -1,0 +1,67 @@
+"""The memory plan of a run config, from the model's metadata alone, before anything loads.
+
+The settings the config leaves open (memory.embedding_on_host, runtime.prefill_chunk_size) are
+chosen here to fit memory.max_gpu_memory (engine.memory.budget.fit_to_budget); the plan counts the
+fused step at every row count the run captures (one per slot, k + 1 per slot with speculation) and
+the drafters' own weights and caches. engine.run.builder.open_run refuses a plan over the limit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.memory.budget import (FitChoice, ModelWeights, drafter_plan, dummy_formats, fit_to_budget, model_formats,
+                                  run_settings)
+from engine.memory.plan import MemoryPlan, RunSettings, make_plan
+from engine.run.config import RunConfig
+from engine.runtime.decode_step import MAX_STEP_ROWS
+from engine.sources import store
+from engine.sources.model_config import ModelConfig
+from engine.weights.loader import open_model_source
+
+
+@dataclass
+class RunPlan:
+    weights: ModelWeights
+    settings: RunSettings
+    plan: MemoryPlan
+    limit: int | None  # memory.max_gpu_memory in bytes
+    choices: list[FitChoice]  # settings the plan chose to fit the limit (embedding in host memory, prefill chunk)
+    drafter: MemoryPlan | None  # what the drafters add (in `plan` already)
+    slot_context: int  # positions one conversation may use
+
+
+def model_path(config: RunConfig, auto_pull: bool = False) -> Path:
+    """model.path resolved (a file or directory, or a pulled name; auto_pull: pull it if missing)."""
+    return store.resolve_model(config.model.path, auto_pull=auto_pull)
+
+
+def plan_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pull: bool = False) -> RunPlan:
+    """The plan of what open_run will allocate on the first device (a pipeline: its split comes from
+    it, engine.pipeline.setup). architecture: the ModelConfig of a load_format: dummy model."""
+    m, rt, mem = config.model, config.runtime, config.memory
+    cuda = rt.first_device.startswith("cuda")
+    if m.load_format == "dummy":
+        assert architecture is not None, "the command passes the architecture of a dummy model"
+        weights = dummy_formats(architecture, m.weight_format, name=m.path)
+        weight_bytes = None
+    else:
+        source = open_model_source(model_path(config, auto_pull))
+        weights = model_formats(source, source.model_config(), m.weight_format, keep_codes=cuda)
+        dtype = config.weight_dtype
+        weight_bytes = None if dtype is None else dtype.itemsize
+    slot_context, seq_len = config.contexts(weights.config.max_position_embeddings)
+    spec = config.spec_config
+    rows = rt.max_batch_size * (spec.num_draft_tokens + 1 if spec is not None else 1)
+    settings = run_settings(weights.config, rt.first_device, seq_len, slots=rt.max_batch_size,
+                            prefill_chunk_size=rt.prefill_chunk_size or 512, kv_type=m.kv_type_name,
+                            graph_rows=min(rows, MAX_STEP_ROWS) if cuda and not mem.kv_offload else 0,
+                            weight_dtype_bytes=weight_bytes, weight_offload=mem.weight_offload,
+                            kv_offload=mem.kv_offload, rotation_block=weights.rotation_block,
+                            dummy=m.load_format == "dummy", embedding_on_host=bool(mem.embedding_on_host))
+    drafter = drafter_plan(spec, settings) if spec is not None else None
+    limit = mem.max_gpu_memory_bytes
+    settings, choices = fit_to_budget(weights, settings, limit, embedding_auto=mem.embedding_on_host is None,
+                                      chunk_auto=rt.prefill_chunk_size is None, drafter=drafter)
+    plan = make_plan(weights.config, weights.formats, settings, drafter)
+    return RunPlan(weights, settings, plan, limit, choices, drafter, slot_context)

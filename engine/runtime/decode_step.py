@@ -1,0 +1,160 @@
+"""One decode step for M ≤ 16 rows with fused kernels — the body the CUDA graph captures.
+
+Unlike `Transformer.forward` (used for prefill), the residual stream stays float32 and every
+projection of a packed layer takes int8 activations made in one fused kernel (RMSNorm → int8, or
+SwiGLU → int8, or plain → int8); the two projections that end a sub-block (o_proj, down_proj) add
+themselves into the residual stream in place. Rows may belong to different slots and positions
+(batched decode, or the rows of a speculative verify step: each row's seq_len is position + 1).
+On the CPU (or without Triton) the same step runs through the kernels' plain-torch references.
+A rotated checkpoint's online Hadamard on the down projection's input runs in plain torch between
+the gate/up product and the activation quantization of down_proj (no fused kernel for it yet).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import kernels_usable
+from engine.runtime.kv_cache import KVCache
+from engine.runtime.model import Transformer
+from engine.weights.packed_linear import PackedLinear
+
+MAX_STEP_ROWS = 16  # rows one fused step takes: the packed GEMV's limit (quant/kernels/packed_gemv.py)
+
+
+@dataclass
+class StepInputs:
+    """Device tensors describing the rows of one step (static buffers when graphed)."""
+    tokens: torch.Tensor  # [M] int64
+    positions: torch.Tensor  # [M] int32, absolute position of each row's token
+    slot_ids: torch.Tensor  # [M] int32
+    seq_lens: torch.Tensor  # [M] int32 = positions + 1 (keys each row attends to)
+    embedded: torch.Tensor | None = None  # [M, H] the rows' embeddings, when the table is in host memory
+    hidden: torch.Tensor | None = None  # [M, H] float32: a pipeline stage's input (model.takes_tokens false)
+
+
+@dataclass
+class Workspace:
+    """Static float32 accumulation buffers of the split-K projections whose consumers read them
+    whole (q/k/v → rope; gate/up → SwiGLU). They start at zero, the projection adds into them with
+    atomics, and the consumer kernel zeroes them again as it reads: no memset between kernels."""
+    qkv: torch.Tensor  # [M, Q + 2KV]
+    gate_up: torch.Tensor  # [M, 2F]
+
+    @staticmethod
+    def make(model: Transformer, rows: int, device: torch.device) -> "Workspace":
+        cfg = model.config
+        return Workspace(torch.zeros(rows, cfg.q_size + 2 * cfg.kv_size, device=device),
+                         torch.zeros(rows, 2 * cfg.intermediate_size, device=device))
+
+
+class _Ops:
+    """The kernels or their references, chosen once per device."""
+
+    def __init__(self, device: torch.device, kernels: bool | None = None):
+        fast = kernels_usable(device) if kernels is None else kernels
+        if fast:
+            from engine.kernels.attention_decode import decode_attention, decode_attention_int8
+            from engine.kernels.rope_cache import qk_norm_rope_write
+            from quant.kernels.act_quant import quantize_activations
+            from quant.kernels.packed_gemv import packed_gemv
+        else:
+            from engine.kernels.attention_decode import decode_attention_reference as decode_attention
+            from engine.kernels.attention_decode import decode_attention_int8_reference as decode_attention_int8
+            from engine.kernels.rope_cache import qk_norm_rope_write_reference as qk_norm_rope_write
+            from quant.kernels.act_quant import quantize_activations_reference as quantize_activations
+            from quant.kernels.packed_gemv import packed_gemv_reference as packed_gemv
+        self.fast = fast
+        self.attention, self.rope_write = decode_attention, qk_norm_rope_write
+        self.attention_int8 = decode_attention_int8  # attention → int8 per head, for a packed o_proj
+        self.quantize, self.gemv = quantize_activations, packed_gemv
+
+
+def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,
+             eps: float = 1e-6, gated: bool = False, residual: torch.Tensor | None = None,
+             tied_weight: torch.Tensor | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+    """norm/SwiGLU (optional) → projection, added into `residual` (or a zeroed workspace buffer
+    `into`) in place when given. Returns the float32 result [M, N]. A gated input of a packed
+    layer is the gate/up workspace buffer: it is zeroed as it is read."""
+    if isinstance(layer, PackedLinear):
+        if isinstance(x, tuple):  # already int8 activations (xq, sx, sumx)
+            xq = x
+        else:
+            xq = ops.quantize(x, layer.group_size, norm_weight, eps, gated=gated, zero_input=gated)
+        target = residual if residual is not None else into
+        y = ops.gemv(*xq, layer.packed, out=target, accumulate=target is not None)
+        if layer.bias is not None:
+            y += layer.bias.float()
+        return y
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    if norm_weight is not None:
+        x = F.rms_norm(x, norm_weight.shape, norm_weight.float(), eps)
+    weight = tied_weight if layer is None else layer.weight
+    y = F.linear(x.to(weight.dtype), weight, None if layer is None else layer.bias).float()  # [M, N]
+    if residual is not None:
+        residual += y
+        return residual
+    return y
+
+
+def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Ops, num_splits: int,
+                ws: Workspace) -> torch.Tensor:
+    """Logits float32 [M, V] for one token per row; K/V of the rows are written to the cache.
+    A pipeline stage (engine.pipeline) runs its own blocks: from the previous stage's residual stream
+    (inputs.hidden) unless it takes tokens, to its residual stream [M, H] unless it gives logits."""
+    cfg = model.config
+    eps = cfg.rms_norm_eps
+    stream = model.weight_stream  # weight offload (never CUDA-graphed): blocks' weights streamed in
+    if stream is not None:
+        stream.begin_pass()
+    if not model.takes_tokens:  # a later pipeline stage: the previous stage's residual stream
+        x = inputs.hidden.clone()  # [M, H]
+    else:
+        rows = inputs.embedded if inputs.embedded is not None else model.embed(inputs.tokens)  # [M, H]
+        x = rows.to(torch.float32, copy=True)  # [M, H] residual stream (never the static input buffer itself)
+    scale = cfg.head_dim ** -0.5
+    for i, block in enumerate(model.layers):
+        if stream is not None:
+            stream.enter(i)
+        att, ffn = block.attention, block.feed_forward
+        scales = cache.layer_read_args(i)  # a quantized cache's scale / min tensors, v_rotate (none for bf16)
+        qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv)  # [M, Q + 2KV]
+        kv = cache.layer(i)  # {name: [slots, KV, S, D]} (KV offload: the layer's streamed-in rows)
+        q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, kv["k"], kv["v"],
+                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           att.q_norm.weight if att.q_norm is not None else None,
+                           att.k_norm.weight if att.k_norm is not None else None, eps,
+                           out_dtype=cache.dtype, zero_input=qkv is ws.qkv,
+                           **cache.layer_write_args(i))  # [M, H, D]
+        if isinstance(att.wo, PackedLinear) and att.wo.group_size == cfg.head_dim:
+            aq = ops.attention_int8(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, scale,
+                                    num_splits, **scales)  # int8 [M, H * D], scales and sums [M, H]
+            _project(ops, aq, att.wo, residual=x)
+        else:
+            a = ops.attention(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, scale,
+                              num_splits, **scales)  # [M, H, D]
+            _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x)
+        gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up)  # [M, 2F]
+        if ffn.down_hadamard:  # a rotated checkpoint: SwiGLU and the online Hadamard in torch, then w2
+            gate, up = gu.chunk(2, dim=-1)
+            z = ffn.rotate_down_input(F.silu(gate) * up)  # [M, F]
+            if gu is ws.gate_up:
+                gu.zero_()  # the split-K workspace starts the next step at zero
+            _project(ops, z, ffn.w2, residual=x)
+        else:
+            _project(ops, gu, ffn.w2, gated=True, residual=x)
+    if not model.gives_logits:
+        return x  # [M, H] float32: the next stage's input
+    head = model.lm_head
+    return _project(ops, x, head, model.norm.weight, eps,
+                    tied_weight=model.embed.weight if head is None else None)  # [M, V]
+
+
+def make_ops(device: torch.device, kernels: bool | None = None) -> _Ops:
+    """The Triton kernels (default on CUDA; on the CPU only under TRITON_INTERPRET) or the references."""
+    return _Ops(device, kernels)
+

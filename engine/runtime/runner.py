@@ -1,0 +1,216 @@
+"""The model runner: the one object that runs the model on its device and owns the KV cache.
+
+`Runner` is what the rest of the engine needs of one: ModelRunner (one device) and
+engine.pipeline.runner.PipelineRunner (rank 0 of a pipeline over several) both are one.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Protocol
+
+import torch
+
+from engine.errors import BonsaiError
+from engine.runtime.decode_step import MAX_STEP_ROWS
+from engine.runtime.kv_cache import CacheBatch, KVCache, KVSlot
+from engine.weights.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+
+class Runner(Protocol):
+    """Slots of a KV cache and the passes that fill them; the callers keep each slot's bookkeeping
+    (KVSlot.tokens) true to what its KV holds."""
+    loaded: LoadedModel  # (a pipeline: stage 0's part; its config is the whole model's)
+    device: torch.device
+    cache: KVCache
+    max_seq_len: int
+    prefill_chunk_size: int
+    decoder: object  # the fused one-row decode step (engine.runtime.cuda_graphs.DecodeStepRunner), None: plain path
+    weight_stream: object  # engine.memory.weight_offload.WeightStreamer, None: weights on the device
+
+    def slot(self, index: int = 0) -> KVSlot: ...
+
+    def forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None = 1) -> torch.Tensor: ...
+
+    def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor: ...
+
+    def decode_batch(self, slots: list[KVSlot], tokens: list[int]) -> torch.Tensor: ...
+
+    def verify(self, slot: KVSlot, tokens: list[int], hidden_layers: tuple[int, ...] = ()
+               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+
+    def step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor: ...
+
+    def prepare_rows(self, max_rows: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, num_slots: int = 1,
+                 prefill_chunk_size: int = 512, fast_decode: bool | None = None, kv_type: str = "bf16",
+                 kv_offload: bool = False, host_kv_bytes: int | None = None,
+                 offload_layers: Iterable[int] | None = None, prefill_graphs: bool | None = None):
+        """fast_decode: one-token steps through the fused decode step (CUDA-graphed on a GPU);
+        default on for CUDA devices. kv_type: the KV cache's element type (bf16 = the model's
+        dtype, int8, int4, k8v4: quant/kv_format.py). kv_offload: the KV pool lives in host memory
+        (engine.memory.kv_offload; host_kv_bytes: the memory granted to it, None: what it needs).
+        offload_layers: weight offload (engine.memory.weight_offload) of these blocks, and the embedding
+        table on the host; None: off. With either offload, steps run eagerly (no CUDA graph).
+        prefill_graphs: full prefill chunks replayed from CUDA graphs (engine.runtime.cuda_graphs.PrefillGraphs;
+        their pool keeps one chunk's activations reserved), where the decode step is graphed. None: on
+        there (a 512-token chunk of an 8B-class packed model: 2.1-2.5x faster on an H200, docs/perf.md);
+        callers under a memory cap pass False (the pool is not in the memory plan)."""
+        cfg = loaded.config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.max_seq_len = int(max_seq_len or min(cfg.max_position_embeddings, 4096))
+        if self.max_seq_len <= 1:
+            raise BonsaiError(f"max_seq_len must be > 1, got {self.max_seq_len}")
+        if prefill_chunk_size < 1:
+            raise BonsaiError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+        self.prefill_chunk_size = prefill_chunk_size
+        if kv_offload:
+            from engine.memory.kv_offload import OffloadedKVCache
+            self.cache = OffloadedKVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
+                                          host_bytes=host_kv_bytes, kv_type=kv_type)
+        else:
+            self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
+                                 kv_type=kv_type)
+        if self.cache.kv_type.key != "float":  # quantized keys are stored minus their mean (kv_calibration)
+            from engine.runtime.kv_calibration import calibration_ids, key_offsets
+            ids = calibration_ids(loaded.tokenizer, cfg.vocab_size)
+            self.cache.key_offset = key_offsets(self.model, cfg, ids, loaded.dtype, self.device)
+        self.weight_stream = None
+        if offload_layers is not None:
+            from engine.memory.weight_offload import WeightStreamer
+            self.weight_stream = WeightStreamer(self.model, offload_layers, self.device)
+        self.use_graph = not kv_offload and offload_layers is None
+        self.decoder = None
+        self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)
+        if fast_decode if fast_decode is not None else self.device.type == "cuda":
+            self.decoder = self._make_decoder()
+        # the attention prologue kernel also serves prefill where the fused step runs (same shapes)
+        self.model.use_fused_prologue(self.decoder is not None and self.decoder.ops.fast)
+        self.prefill_graphs = None
+        graphed = self.decoder is not None and self.decoder.graph is not None
+        from engine.memory.host_embedding import HostEmbedding
+        if graphed and prefill_graphs is not False and not isinstance(self.model.embed, HostEmbedding):
+            from engine.runtime.cuda_graphs import PrefillGraphs
+            self.prefill_graphs = PrefillGraphs(self.model, self.cache, prefill_chunk_size)
+
+    def _make_decoder(self):
+        from engine.runtime.cuda_graphs import DecodeStepRunner
+        from engine.kernels.attention_decode import default_num_splits
+        try:
+            cfg = self.loaded.config
+            splits = default_num_splits(self.max_seq_len, cfg.num_kv_heads, head_dim=cfg.head_dim)
+            return DecodeStepRunner(self.model, self.cache, rows=1, num_splits=splits, use_graph=self.use_graph)
+        except ValueError as e:  # a shape the kernels do not handle: the plain path still works
+            log.warning("fused decode step unavailable (%s); decoding through the plain model path", e)
+            return None
+
+    def slot(self, index: int = 0) -> KVSlot:
+        return self.cache.slots[index]
+
+    @torch.inference_mode()
+    def forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None = 1) -> torch.Tensor:
+        """Run `tokens` after the slot's content, append them to it; logits [n, V] of the last n."""
+        slot.check_room(len(tokens))
+        start, t = slot.length, len(tokens)
+        if t == 1 and self.decoder is not None:
+            logits = self.decoder.run(tokens, [start], [slot.index])  # [1, V]
+            slot.tokens.extend(tokens)
+            return logits.clone()
+        if self.prefill_graphs is not None and self.prefill_graphs.handles(start, t, num_logits):
+            logits = self.prefill_graphs.run(slot.index, start, tokens)  # [1, V]
+            slot.tokens.extend(tokens)
+            return logits
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
+        batch = CacheBatch.make([slot.index], [start], t, self.device)
+        logits = self.model(ids, batch, self.cache, start + t, num_logits)  # [1, n, V]
+        slot.tokens.extend(tokens)
+        return logits[0]
+
+    @torch.inference_mode()
+    def decode_batch(self, slots: list[KVSlot], tokens: list[int]) -> torch.Tensor:
+        """One token for each of several slots (each at its own position) in one forward pass, and
+        append it to its slot: logits [B, V]. Through the fused step (graphed per row count) where
+        there is one, else the model's batched path (per-row positions, masked attention)."""
+        assert len(slots) == len(tokens) and len({s.index for s in slots}) == len(slots)
+        if len(slots) == 1:
+            return self.forward(slots[0], tokens, num_logits=1)
+        for slot in slots:
+            slot.check_room(1)
+        starts = [s.length for s in slots]
+        if self.decoder is not None and len(slots) <= MAX_STEP_ROWS:
+            logits = self.step_rows(tokens, starts, [s.index for s in slots])  # [B, V]
+        else:
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+            batch = CacheBatch.make([s.index for s in slots], starts, 1, self.device)
+            logits = self.model(ids, batch, self.cache, max(starts) + 1, 1)[:, -1]  # [B, V]
+        for slot, token in zip(slots, tokens):
+            slot.tokens.append(token)
+        return logits
+
+    @torch.inference_mode()
+    def verify(self, slot: KVSlot, tokens: list[int], hidden_layers: tuple[int, ...] = ()
+               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Score `tokens` (the last accepted token + drafts) after the slot's content in one pass and
+        append them: logits [T, V] of every row, and {layer: [T, hidden]} for `hidden_layers`.
+        The caller rewinds the slot past the rejected rows (`slot.rewind`). Without hidden states,
+        where a decode step runs fused, the rows run through the same fused step (CUDA-graphed per
+        row count), so each row's logits are those plain decoding would compute."""
+        slot.check_room(len(tokens))
+        start, t = slot.length, len(tokens)
+        if not hidden_layers and 1 < t <= MAX_STEP_ROWS and self.decoder is not None:
+            # each verified token is one row of the fused step: row i attends to keys 0..start+i
+            logits = self.step_rows(tokens, list(range(start, start + t)), [slot.index] * t)  # [T, V]
+            slot.tokens.extend(tokens)
+            return logits, {}
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
+        batch = CacheBatch.make([slot.index], [start], t, self.device)
+        logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, None, hidden_layers)
+        slot.tokens.extend(tokens)
+        return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}
+
+    def prepare_rows(self, max_rows: int) -> None:
+        """Capture the fused step for every row count up to max_rows now (a capture costs a
+        fraction of a second: better before a generation than in the middle of one)."""
+        if self.decoder is None:
+            return
+        from engine.runtime.cuda_graphs import DecodeStepRunner
+        for rows in range(2, min(max_rows, MAX_STEP_ROWS) + 1):
+            if rows not in self._row_steps:
+                self._row_steps[rows] = DecodeStepRunner(self.model, self.cache, rows=rows,
+                                                         num_splits=self.decoder.num_splits,
+                                                         use_graph=self.decoder.graph is not None)
+
+    def step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """One token per row through the fused (graphed) decode step: rows may be several slots
+        (batched decode) or consecutive positions of one slot (speculative verification). Writes
+        each row's K/V at its position; logits [M, V] (a copy). Slot bookkeeping is the caller's.
+        Needs the fused step (`fast_decode`); one graph is captured per row count on first use."""
+        assert self.decoder is not None and 0 < len(tokens) <= MAX_STEP_ROWS
+        rows = len(tokens)
+        step = self.decoder if rows == 1 else self._row_steps.get(rows)
+        if step is None:
+            from engine.runtime.cuda_graphs import DecodeStepRunner
+            step = DecodeStepRunner(self.model, self.cache, rows=rows, num_splits=self.decoder.num_splits,
+                                    use_graph=self.decoder.graph is not None)
+            self._row_steps[rows] = step
+        return step.run(tokens, positions, slots).clone()
+
+    def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
+        """Feed tokens in chunks; logits [V] after the last one."""
+        assert tokens
+        logits = None
+        for i in range(0, len(tokens), self.prefill_chunk_size):
+            logits = self.forward(slot, tokens[i:i + self.prefill_chunk_size], num_logits=1)
+        return logits[-1]
+
+    def close(self) -> None:
+        """Nothing to end on one device (its memory goes with the runner)."""

@@ -1,0 +1,164 @@
+"""Reading GGUF files: metadata, architecture, and tensors under our canonical names.
+
+Canonical names are HF-like and unfused: `embed_tokens.weight`, `norm.weight`, `lm_head.weight`,
+`layers.{i}.{input_layernorm,post_attention_layernorm,q_proj,k_proj,v_proj,o_proj,q_norm,k_norm,
+gate_proj,up_proj,down_proj}.{weight,bias}`, `rope_freqs`.
+"""
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from engine.errors import ModelFileError, UnsupportedModelError
+from engine.sources.gguf_reader import GGUFFormatError, TensorExtent, read_gguf, tensor_bytes
+from engine.sources.model_check import check_tensors, in_file
+from engine.sources.model_config import ModelConfig
+from engine.sources.tokenizer import Tokenizer
+from quant import gguf_codec, gguf_types
+
+_GGUF_MAGIC = b"GGUF"
+_TOP_LEVEL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+          "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+          "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def canonical_name(gguf_name: str) -> str | None:
+    """Our name for a GGUF tensor name, or None for tensors we do not use."""
+    if gguf_name == "rope_freqs.weight":
+        return "rope_freqs"
+    m = _BLOCK_RE.match(gguf_name)
+    if m:
+        part = _BLOCK.get(m.group(2))
+        return f"layers.{m.group(1)}.{part}.{m.group(3)}" if part else None
+    stem, _, kind = gguf_name.rpartition(".")
+    part = _TOP_LEVEL.get(stem)
+    return f"{part}.{kind}" if part else None
+
+
+def gguf_name(canonical: str) -> str:
+    """The GGUF name of a canonical tensor name (the inverse of canonical_name)."""
+    if canonical == "rope_freqs":
+        return "rope_freqs.weight"
+    stem, _, kind = canonical.rpartition(".")
+    top = {v: k for k, v in _TOP_LEVEL.items()}
+    if stem in top:
+        return f"{top[stem]}.{kind}"
+    _, layer, part = stem.split(".")
+    return f"blk.{layer}.{ {v: k for k, v in _BLOCK.items()}[part]}.{kind}"
+
+
+def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row permutation for llama GGUFs (half-split → interleaved rotary)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation for llama GGUFs (interleaved → half-split rotary)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """An opened GGUF: metadata as plain Python values and lazily decoded tensors."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFileError(f"model file not found: {self.path}")
+        try:
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise ModelFileError(f"cannot read {self.path}: {e.strerror or e}; check its permissions") from None
+        if magic != _GGUF_MAGIC:
+            raise ModelFileError(f"{self.path} is not a GGUF file (it does not start with 'GGUF'); "
+                                 "give a .gguf file, a Hugging Face model directory or a bonsai checkpoint")
+        try:
+            self.metadata_types: dict[str, tuple[int, int | None]] = {}
+            self.metadata, extents, self._data = read_gguf(self.path, self.metadata_types)
+        except (GGUFFormatError, OSError, ValueError, struct.error) as e:
+            raise ModelFileError(f"{self.path} is a corrupt or truncated GGUF file ({_first_line(e)}); "
+                                 "download it again") from None
+        self._tensors: dict[str, TensorExtent] = {t.name: t for t in extents}
+
+    @property
+    def tensor_names(self) -> set[str]:
+        return set(self._tensors)
+
+    def model_config(self) -> ModelConfig:
+        """The architecture its metadata declares, checked against its tensors (engine.sources.model_check)."""
+        config = in_file(self.path, lambda: ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names))
+        used = {name: t for t in self._tensors.values() if (name := canonical_name(t.name)) is not None}
+        check_tensors(self.path, config, {name: (t.name, t.shape) for name, t in used.items()}, gguf_name,
+                      f"{config.architecture}.block_count")
+        for t in used.values():
+            if t.type_id not in gguf_types.DECODABLE_TYPES | gguf_types.CODEC_TYPES:
+                raise UnsupportedModelError(f"{self.path}: tensor {t.name} is {gguf_types.type_name(t.type_id)}, "
+                                            "a type bonsai does not decode; use a GGUF of another type")
+        return config
+
+    def tokenizer(self) -> Tokenizer:
+        return in_file(self.path, lambda: Tokenizer.from_gguf_metadata(self.metadata))
+
+    def tensor_info(self) -> list[tuple[str, str, tuple[int, ...], int]]:
+        """(name, type name, torch-order shape, bytes) of every tensor, in file order."""
+        return [(t.name, gguf_types.type_name(t.type_id), t.shape, t.nbytes) for t in self._tensors.values()]
+
+    def iter_canonical_tensors(self, config: ModelConfig, skip: frozenset[str] = frozenset()
+                               ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (canonical name, float32 tensor), one tensor decoded at a time; `skip` names are not read."""
+        for t in self._tensors.values():
+            name = canonical_name(t.name)
+            if name is None or name in skip:
+                continue
+            yield name, self.read_tensor(name, config)
+
+    def read_tensor(self, name: str, config: ModelConfig, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor by canonical name as float32 (llama q/k rows un-permuted); `rows` (start, stop): only
+        those rows of a 2-D tensor are decoded (not for llama q/k, whose rows are permuted)."""
+        t = self._tensors[gguf_name(name)]
+        raw, shape = tensor_bytes(self._data, t), t.shape
+        if rows is not None:
+            assert len(shape) == 2 and not name.endswith(("q_proj.weight", "k_proj.weight"))
+            raw, shape = raw[rows[0]:rows[1]], (rows[1] - rows[0], shape[1])
+        try:
+            tensor = gguf_types.dequantize(raw, t.type_id, shape)
+        except gguf_types.UnsupportedTensorType as e:
+            raise UnsupportedModelError(f"{self.path.name}: tensor {t.name}: {e}") from None
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = _unpermute_rotary(tensor, config.num_heads)
+        elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = _unpermute_rotary(tensor, config.num_kv_heads)
+        return tensor
+
+
+    def iter_quantized_tensors(self, config: ModelConfig
+                               ) -> Iterator[tuple[str, str, int, torch.Tensor, torch.Tensor]]:
+        """Trained-ternary and 1-bit tensors (TQ1_0, TQ2_0, Q1_0, Q2_0) as they are stored, without
+        requantizing: (canonical name, quant type, group size, codes int8 [N, K], scales float32 [N, K/G]).
+        Q2_0 codes are {-1, 0, 1, 2}: 'tri' if a tensor uses no 2, else 'int4'."""
+        for t in self._tensors.values():
+            name = canonical_name(t.name)
+            if name is None or t.type_id not in gguf_codec.IMPORTABLE or len(t.shape) != 2:
+                continue
+            codes, scales = gguf_codec.decode(tensor_bytes(self._data, t), t.type_id, t.shape[-1])
+            quant_type = gguf_codec.IMPORTABLE[t.type_id]
+            if quant_type == "q2_0":
+                quant_type = "int4" if bool((codes == 2).any()) else "tri"
+            heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+            if config.architecture == "llama" and heads is not None:
+                codes, scales = _unpermute_rotary(codes, heads), _unpermute_rotary(scales, heads)
+            yield name, quant_type, t.shape[-1] // scales.shape[-1], codes, scales
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

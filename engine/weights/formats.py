@@ -1,0 +1,147 @@
+"""Run-time weight formats: their names, and the one rule of which linear layer gets which format.
+
+Every linear layer of the model (`linear_modules`: q/k/v fused, o, gate/up fused, down, and an
+untied output layer) runs either in float (the loaded weights, in the weight dtype) or as packed
+low-bit codes in one of quant.packed_layout's layout kinds, with a group size. `linear_formats` is
+the rule, used by the memory plan before loading and by the loader while loading:
+  1. a layer whose stored parts are all quantized in one layout kind and group (a bonsai
+     checkpoint, a TQ1_0 / TQ2_0 / Q1_0 / Q2_0 GGUF) and which packs at its shape keeps those codes
+     (`stored_formats` reads them from metadata; engine.weights.packed_load repacks them);
+  2. any other layer is rounded at load to the run's `WeightFormat`: `quant_type` for the blocks,
+     `head_type` for the output layer (a tied one gets its own packed copy), float for bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import BonsaiError, GroupSizeError
+from engine.sources.checkpoint_file import BonsaiCheckpoint, canonical_name
+from engine.sources.gguf_file import GGUFFile
+from engine.sources.gguf_file import canonical_name as gguf_canonical
+from engine.sources.model_config import ModelConfig
+from quant import gguf_codec, gguf_types
+from quant.packed_layout import KINDS, check_packable
+
+WEIGHT_TYPES = ("bf16", *KINDS)  # what a run may ask for: bf16 (float as loaded) or a packed layout kind
+GROUP_SIZES = (32, 64, 128, 256)
+# a stored tensor's quant type (quant.checkpoint, GGUF's importable types) → the layout it runs in
+STORED_LAYOUT = {"tri": "tri", "tri-dense": "tri", "bin": "bin", "int4": "int4", "int8": "int8"}
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a run asks for its matrices to be held: the blocks' and the output layer's format."""
+    quant_type: str = "bf16"  # bf16 (the source's float weights) | tri | bin | int4 | int8
+    group_size: int = 128
+    head_type: str = "bf16"  # the output layer: bf16 | int4 | int8 | tri | bin
+
+    def __post_init__(self) -> None:
+        for key in ("quant_type", "head_type"):
+            if getattr(self, key) not in WEIGHT_TYPES:
+                raise BonsaiError(f"unknown weight type '{getattr(self, key)}' for {key}: "
+                                  f"use one of {', '.join(WEIGHT_TYPES)}")
+        if self.group_size not in GROUP_SIZES:
+            raise BonsaiError(f"group size {self.group_size} is not supported: use 32, 64, 128 or 256")
+
+    @property
+    def packed(self) -> bool:
+        return self.quant_type != "bf16" or self.head_type != "bf16"
+
+
+@dataclass(frozen=True)
+class LinearFormat:
+    """How one linear layer is held at run time: 'float' or a packed layout kind with its group."""
+    kind: str = "float"
+    group_size: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.kind != "float"
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} g{self.group_size}" if self.packed else "float"
+
+
+def linear_modules(config: ModelConfig) -> list[tuple[str, int, int, list[str]]]:
+    """(module path, out_features, in_features, canonical tensor names it stacks) of every linear
+    layer of engine.runtime.model.Transformer (the output layer only when untied), by global name."""
+    h, f, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    out = []
+    for i in range(config.num_layers):
+        p = f"layers.{i}"
+        out += [(f"{p}.attention.wqkv", q + 2 * kv, h, [f"{p}.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]),
+                (f"{p}.attention.wo", h, q, [f"{p}.o_proj.weight"]),
+                (f"{p}.feed_forward.w13", 2 * f, h, [f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]),
+                (f"{p}.feed_forward.w2", h, f, [f"{p}.down_proj.weight"])]
+    if not config.tie_word_embeddings:
+        out.append(("lm_head", config.vocab_size, h, ["lm_head.weight"]))
+    return out
+
+
+def _packable(kind: str, n: int, k: int, group: int) -> bool:
+    try:
+        check_packable(kind, n, k, group)
+    except ValueError:
+        return False
+    return True
+
+
+def require_packable(kind: str, n: int, k: int, group: int) -> None:
+    """One line when an [n, k] matrix cannot be packed as `kind` with this group (before anything loads)."""
+    try:
+        check_packable(kind, n, k, group)
+    except ValueError as e:
+        raise GroupSizeError(f"cannot pack a [{n}, {k}] matrix as {kind}: {e}") from None
+
+
+def rounded_format(path: str, fmt: WeightFormat) -> LinearFormat:
+    """Rule 2: the format a layer still in float is rounded to at load (the output layer: head_type)."""
+    kind = fmt.head_type if path == "lm_head" else fmt.quant_type
+    return LinearFormat() if kind == "bf16" else LinearFormat(kind, fmt.group_size)
+
+
+def linear_formats(config: ModelConfig, fmt: WeightFormat = WeightFormat(),
+                   stored: dict[str, tuple[str, int]] | None = None) -> dict[str, LinearFormat]:
+    """The run-time format of every linear layer (the module doc's rule), by global module name.
+    stored: canonical tensor name → (layout kind, group) of the tensors kept packed as stored
+    (`stored_formats`; empty or None when the run does not keep stored codes)."""
+    formats: dict[str, LinearFormat] = {}
+    for path, n, k, parts in linear_modules(config):
+        layer = LinearFormat()
+        if stored:
+            found = [stored.get(p) for p in parts]
+            if all(found) and len(set(found)) == 1 and _packable(found[0][0], n, k, found[0][1]):
+                layer = LinearFormat(*found[0])
+        if not layer.packed:
+            layer = rounded_format(path, fmt)
+            if layer.packed:
+                require_packable(layer.kind, n, k, layer.group_size)
+        formats[path] = layer
+    head = rounded_format("lm_head", fmt)
+    if config.tie_word_embeddings and head.packed:
+        require_packable(head.kind, config.vocab_size, config.hidden_size, head.group_size)
+        formats["lm_head"] = head
+    return formats
+
+
+def stored_formats(source, exact: bool = False) -> dict[str, tuple[str, int]]:
+    """canonical tensor name → (packed layout kind, group) of the tensors a source stores quantized
+    in a form the loader keeps packed (engine.weights.packed_load), read from metadata only. exact:
+    leave out GGUF Q2_0 tensors, whose layout (tri or int4) depends on their codes."""
+    out: dict[str, tuple[str, int]] = {}
+    if isinstance(source, BonsaiCheckpoint):
+        for name, entry in source.checkpoint.entries.items():
+            canon = canonical_name(name)
+            if canon is not None and not entry.is_float and entry.quant_type in STORED_LAYOUT:
+                out[canon] = (STORED_LAYOUT[entry.quant_type], entry.group_size)
+    elif isinstance(source, GGUFFile):
+        # Q2_0 runs as tri or int4 depending on its codes (the data): planned as int4, the larger
+        importable = {gguf_types.type_name(i): ({"tri-dense": "tri", "q2_0": "int4"}.get(q, q), gguf_codec.BLOCKS[i][0])
+                      for i, q in gguf_codec.IMPORTABLE.items()}
+        for name, type_name, shape, _ in source.tensor_info():
+            canon = gguf_canonical(name)
+            if canon is not None and type_name in importable and len(shape) == 2:
+                if not (exact and type_name == gguf_types.type_name(gguf_codec.Q2_0_ID)):
+                    out[canon] = importable[type_name]
+    return out
