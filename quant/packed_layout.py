@@ -204,3 +204,31 @@ def random_packed_transient(kind_name: str, out_features: int, in_features: int)
     rows = in_features // layout_kind(kind_name).per_word
     cols = min(out_features, max(1, GENERATE_SLICE_WORDS // rows))
     return 4 * rows * cols * 4
+
+
+# ---- lossless conversions into tri5 (the scales are kept bit for bit) ----
+
+def tri5_from_tq1_0(raw, in_features: int, rows_per_slice: int = 4096):
+    """TQ1_0 GGUF blocks (uint8 [N, K/256·54]: qs[48], qh[4], fp16 d per 256 weights) → a tri5
+    PackedWeight with group size 256: the same trits and the same scale per block, re-laid out."""
+    from quant.gguf_codec import decode
+    from gguf import GGMLQuantizationType
+    n = raw.shape[0]
+    words = torch.empty(tri5_layout.word_rows(in_features), n, dtype=torch.int32)
+    scales = torch.empty(in_features // tri5_layout.SUPER, n, dtype=torch.float16)
+    for r0 in range(0, n, rows_per_slice):
+        codes, d = decode(raw[r0:r0 + rows_per_slice], int(GGMLQuantizationType.TQ1_0), in_features)
+        words[:, r0:r0 + codes.shape[0]] = tri5_layout.pack_tri5_words(codes)
+        scales[:, r0:r0 + codes.shape[0]] = d.t().to(torch.float16)  # exact: d was read from float16
+    return PackedWeight("tri5", words, scales, n, in_features, tri5_layout.SUPER)
+
+
+def tri5_from_tri(pw, columns_per_slice: int = 4096):
+    """A 2-bit `tri` PackedWeight → the same codes and scales in tri5 (group size kept; on pw's device)."""
+    tri5_layout.check_tri5(pw.out_features, pw.in_features, pw.group_size)
+    words = torch.empty(tri5_layout.word_rows(pw.in_features), pw.out_features, dtype=torch.int32, device=pw.words.device)
+    for n0 in range(0, pw.out_features, columns_per_slice):
+        n1 = min(n0 + columns_per_slice, pw.out_features)
+        part = PackedWeight("tri", pw.words[:, n0:n1], pw.scales[:, n0:n1], n1 - n0, pw.in_features, pw.group_size)
+        words[:, n0:n1] = tri5_layout.pack_tri5_words(unpack_codes(part))
+    return PackedWeight("tri5", words, pw.scales.clone(), pw.out_features, pw.in_features, pw.group_size)

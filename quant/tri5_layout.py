@@ -21,7 +21,6 @@ Decoding a byte b (any of the 256 values decodes; the 243 canonical ones are wha
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 SUPER = 256  # inputs per super-block
@@ -127,33 +126,3 @@ def random_tri5_transient(out_features: int, in_features: int) -> int:
     one byte temporary of the same size (int32 each; the tail fix-up's four temporaries are 1/12 of that)."""
     rows = word_rows(in_features)
     return 2 * 4 * rows // ROWS * 12 * min(out_features, max(1, GENERATE_SLICE_WORDS // rows))
-
-
-# ---- lossless conversions into tri5 (the scales are kept bit for bit) ----
-
-def tri5_from_tq1_0(raw: np.ndarray, in_features: int, rows_per_slice: int = 4096):
-    """TQ1_0 GGUF blocks (uint8 [N, K/256·54]: qs[48], qh[4], fp16 d per 256 weights) → a tri5
-    PackedWeight with group size 256: the same trits and the same scale per block, re-laid out."""
-    from quant.gguf_codec import decode
-    from quant.packed_layout import PackedWeight
-    from gguf import GGMLQuantizationType
-    n = raw.shape[0]
-    words = torch.empty(word_rows(in_features), n, dtype=torch.int32)
-    scales = torch.empty(in_features // SUPER, n, dtype=torch.float16)
-    for r0 in range(0, n, rows_per_slice):
-        codes, d = decode(raw[r0:r0 + rows_per_slice], int(GGMLQuantizationType.TQ1_0), in_features)
-        words[:, r0:r0 + codes.shape[0]] = pack_tri5_words(codes)
-        scales[:, r0:r0 + codes.shape[0]] = d.t().to(torch.float16)  # exact: d was read from float16
-    return PackedWeight("tri5", words, scales, n, in_features, SUPER)
-
-
-def tri5_from_tri(pw, columns_per_slice: int = 4096):
-    """A 2-bit `tri` PackedWeight → the same codes and scales in tri5 (group size kept; on pw's device)."""
-    from quant.packed_layout import PackedWeight, unpack_codes
-    check_tri5(pw.out_features, pw.in_features, pw.group_size)
-    words = torch.empty(word_rows(pw.in_features), pw.out_features, dtype=torch.int32, device=pw.words.device)
-    for n0 in range(0, pw.out_features, columns_per_slice):
-        n1 = min(n0 + columns_per_slice, pw.out_features)
-        part = PackedWeight("tri", pw.words[:, n0:n1], pw.scales[:, n0:n1], n1 - n0, pw.in_features, pw.group_size)
-        words[:, n0:n1] = pack_tri5_words(unpack_codes(part))
-    return PackedWeight("tri5", words, pw.scales.clone(), pw.out_features, pw.in_features, pw.group_size)

@@ -17,7 +17,7 @@ from quant.kernels.tri5_dequant import dequantize_tri5_t_reference
 from quant.kernels.tri5_gemv import tri5_gemv, tri5_gemv_reference, tri5_launch_config
 from quant.packed_layout import (LAYOUTS, PackedWeight, check_packable, dequantize, pack, packed_nbytes,
                                  random_packed, unpack_codes)
-from quant.tri5_layout import tri5_from_tq1_0, tri5_from_tri
+from quant.packed_layout import tri5_from_tq1_0, tri5_from_tri
 from tests.perf.gpu_kern import SHAPES as REAL_SHAPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

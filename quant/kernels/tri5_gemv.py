@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from quant.kernels import interpreting, pdl_options
-from quant.kernels.packed_gemv import (_dot4, _dot4_bytes, _program_tile, _write_out, packed_gemv_reference,
+from quant.kernels.gemv_parts import (_dot4, _dot4_bytes, _program_tile, _write_out, packed_gemv_reference,
                                        result_buffer, split_k)
 from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
 from quant.packed_layout import PackedWeight
