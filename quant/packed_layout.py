@@ -140,7 +140,7 @@ def unpack_codes(pw: PackedWeight) -> torch.Tensor:
     kind = layout_kind(pw.kind)
     if kind.base3:
         return tri5_layout.unpack_tri5_codes(pw.words, pw.out_features, pw.in_features)
-    e, steps = kind.per_word, 8 // kind.bits
+    steps = 8 // kind.bits
     w = pw.words.t().to(torch.int64) & 0xFFFFFFFF  # [N, K/E]
     shifts = (8 * torch.arange(4, device=w.device)[None, :]
               + kind.bits * torch.arange(steps, device=w.device)[:, None])  # [j, b]

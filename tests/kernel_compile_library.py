@@ -1,0 +1,72 @@
+"""tests/kernel_compile's cases for the kernels no engine path launches yet (called directly: each is a launch
+site the check would otherwise report as unreached): packed_gemm, the base-3 ternary kernels, the tensor-core
+rows kernel. Built with zero / random inputs: nothing runs, only the launches' signatures matter."""
+from __future__ import annotations
+
+import torch
+
+
+def library_cases():
+    """Kernels that no engine path launches, kept for their tests and tests/perf/gpu_kernels.py: called directly
+    (each is a launch site the check would otherwise report as unreached)."""
+    from quant.kernels.packed_gemm import packed_gemm
+    from quant.packed_layout import KINDS, random_packed
+    for kind in KINDS:
+        for dtype in (torch.bfloat16, torch.float16):
+            pw = random_packed(kind, 128, 256, 64, generator=torch.Generator().manual_seed(0))
+            yield f"library: packed_gemm {kind} {str(dtype)[6:]}", (
+                lambda pw=pw, dtype=dtype: packed_gemm(torch.randn(32, 256, dtype=dtype), pw))
+    yield from _tri5_cases()
+    yield from _mma_cases()
+
+
+def _activations(rows: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 activations as quantize_activations returns them (values do not matter: nothing runs)."""
+    return (torch.zeros(rows, k, dtype=torch.int8), torch.ones(rows, k // group),
+            torch.zeros(rows, k // group, dtype=torch.int32))
+
+
+def _tri5_cases():
+    """The base-3 layout's kernels as the engine will launch them (not wired yet) and tests/perf/gpu_kern.py
+    times them: the one-row GEMV and the row loop (every padded row count, with the warps its launch config
+    gives) at each group size, split-K and one split, added into the output or not, and the prefill
+    dequantizer in both activation dtypes."""
+    from quant.kernels.packed_dequant import dequantize_t
+    from quant.kernels.packed_gemv import packed_gemv
+    from quant.kernels.tri5_gemv import tri5_launch_config
+    from quant.packed_layout import random_packed
+    for i, group in enumerate((64, 128, 256)):
+        pw = random_packed("tri5", 256, 1024, group, generator=torch.Generator().manual_seed(0))
+        for rows in (1, 2, 3, 8, 16):
+            for split in (1, 4):
+                accumulate = (i + rows + split) % 2 == 0
+                yield f"library: tri5 gemv g{group} M={rows} split={split}{' accumulate' if accumulate else ''}", (
+                    lambda pw=pw, rows=rows, split=split, accumulate=accumulate: packed_gemv(
+                        *_activations(rows, 1024, pw.group_size), pw, out=torch.zeros(rows, 256),
+                        accumulate=accumulate, config=(128, split, tri5_launch_config(256, 4, rows)[2])))
+        for dtype in (torch.bfloat16, torch.float16):
+            yield f"library: tri5 dequantize g{group} {str(dtype)[6:]}", (
+                lambda pw=pw, dtype=dtype: dequantize_t(pw, dtype))
+
+
+def _mma_cases():
+    """The tensor-core kernel for 2..16 rows: every packed kind and group size it takes, both padded row
+    counts (8, 16), its launch config's shape (128 columns, 4 warps: wgmma on sm_90) as tests/perf/gpu_kern.py
+    times it and narrower/wider ones (2 warps: mma.sync; 8 warps), split-K and one split, added into the
+    output or not."""
+    from quant.kernels.packed_gemv import packed_gemv
+    from quant.kernels.packed_mma import mma_supported
+    from quant.packed_layout import KINDS, random_packed
+    i = 0
+    for kind in KINDS:
+        for group in (32, 64, 128, 256):
+            if not mma_supported(kind, group):
+                continue
+            pw = random_packed(kind, 256, 1024, group, generator=torch.Generator().manual_seed(0))
+            for rows, config in ((2, (128, 4, 4, 3)), (16, (128, 1, 4, 3)), (5, (64, 2, 2, 3)), (12, (256, 2, 8, 3))):
+                accumulate = i % 3 == 0
+                i += 1
+                yield f"library: mma {kind} g{group} M={rows} {config}{' accumulate' if accumulate else ''}", (
+                    lambda pw=pw, rows=rows, config=config, accumulate=accumulate: packed_gemv(
+                        *_activations(rows, 1024, pw.group_size), pw, out=torch.zeros(rows, 256),
+                        accumulate=accumulate, config=config, variant="mma"))
