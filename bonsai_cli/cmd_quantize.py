@@ -95,7 +95,8 @@ def quantize(
                            eval_tokens=eval_tokens, eval_text=eval_text, allow_lossy_gguf=allow_lossy_gguf)
     path = store.resolve_model(src)
     check_writable(out, gguf)  # a read-only place fails here, not after the work
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed run removes its temporary files too
+    stop = _StopRequest()  # Ctrl-C / a kill: stop between two steps, remove the temporary files, exit 130
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
     try:
@@ -103,11 +104,13 @@ def quantize(
             task = bar.add_task("quantizing", total=None)
 
             def progress(message: str, done: int, total: int) -> None:
+                stop.check()
                 bar.update(task, description=message, **({"completed": done, "total": total} if total else {}))
             report = run_quantize(path, out, opts, progress=progress,
                                   announce=lambda parts: err_console.print(peak_line(parts)))
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if json_out:
         print_json(report.as_dict())
         return
@@ -129,8 +132,24 @@ def peak_line(parts: dict[str, int]) -> str:
             f"{gib['output layer']:.2f}))")
 
 
-def _interrupt(signum, frame):  # noqa: ANN001
-    raise KeyboardInterrupt
+class _StopRequest:
+    """The signal handler of a quantize run. An exception raised from a signal handler lands wherever the
+    main thread is, even inside a lazy import of torch's extensions (seen: a fatal abort with the partial
+    output left behind, or an interrupt no handler caught). So the first signal only records the request,
+    which the next progress report (between two tensors or layers, at most a few seconds apart) acts on;
+    a second signal stops at once."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum, frame) -> None:  # noqa: ANN001
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.count:
+            raise KeyboardInterrupt
 
 
 def print_report(report) -> None:  # noqa: ANN001

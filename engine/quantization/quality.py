@@ -11,6 +11,7 @@ quantization does. The numbers are `bonsai eval`'s (engine.quantization.evaluate
 from __future__ import annotations
 
 import math
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -85,7 +86,8 @@ def score_outputs(ref_states: torch.Tensor, states: torch.Tensor, targets: torch
 
 
 def evaluate_written(checkpoint_dir: Path, config: ModelConfig, windows: list[list[int]], ref_states: torch.Tensor,
-                     reference: FloatSource, device: str, down_block: int) -> EvalResult:
+                     reference: FloatSource, device: str, down_block: int,
+                     progress: Callable[[str, int, int], None] = lambda message, done, total: None) -> EvalResult:
     """Run the windows through the checkpoint in `checkpoint_dir` (or a GGUF exported from it: as written,
     one layer at a time) and
     score its next-token distributions against the reference's final-norm states ref_states [positions, H]
@@ -100,6 +102,7 @@ def evaluate_written(checkpoint_dir: Path, config: ModelConfig, windows: list[li
     states = Batches(ids, embed_batches(source, ids, None, dev))
     with torch.no_grad():
         for i in range(config.num_layers):
+            progress(f"scoring: layer {i + 1}/{config.num_layers}", i, config.num_layers)
             block = load_block(model, i, source, dev, down_block)
             run_block(model, block, states)
             free_block(model, i)

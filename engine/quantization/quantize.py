@@ -221,9 +221,8 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
             tmp = writer.finish()
         if ref_states is not None:
             from engine.quantization.quality import evaluate_written
-            progress("scoring the checkpoint against the source", 0, 0)
             result = evaluate_written(tmp, out_config, eval_ids, ref_states, floats, job.options.device,
-                                      job.down_block)
+                                      job.down_block, progress)
             report.quality = {**result.as_dict(), "text": str(opts.eval_text or "pydoc_data.topics"),
                               "context": EVAL_CONTEXT}
         if opts.gguf is not None:
@@ -238,7 +237,7 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
                 from engine.quantization.quality import evaluate_written
                 gguf_file = tmp / opts.gguf.name if inside else opts.gguf
                 result = evaluate_written(gguf_file, out_config, eval_ids, ref_states, floats, opts.device,
-                                          job.down_block)
+                                          job.down_block, progress)
                 report.gguf_quality = result.as_dict()
         report.seconds, report.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         report.peak_rss_bytes = peak_rss_bytes()
