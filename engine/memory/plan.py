@@ -12,7 +12,7 @@ mirrors an allocation of the code:
   engine.runtime.cuda_graphs.DecodeStepRunner plus its CUDA graph's private pool (the live intermediates of
   engine.runtime.decode_step at their peak, in the caching allocator's segments);
 - prefill: the peak of live activations of one `Transformer.forward` chunk on a GPU (a packed layer
-  of more than GEMV_MAX_ROWS rows is unpacked to a float Wᵀ for cuBLAS, in column slices of at most
+  of more than engine.weights.packed_linear.packed_rows_limit rows is unpacked to a float Wᵀ for cuBLAS, in column slices of at most
   engine.weights.packed_linear.UNPACK_SLICE_BYTES; chunks after the first attend through a mask, in query
   blocks whose float32 scores stay under engine.runtime.model.ATTENTION_SCORE_BYTES, counted as if PyTorch
   ran them in its float32 math backend);
@@ -39,7 +39,7 @@ from engine.memory.host_embedding import check_embedding_on_host
 from engine.runtime.model import attention_block_rows
 from engine.sources.model_config import ModelConfig
 from engine.weights.formats import LinearFormat, linear_modules
-from engine.weights.packed_linear import GEMV_MAX_ROWS, quantize_transient, unpack_columns
+from engine.weights.packed_linear import packed_rows_limit, quantize_transient, unpack_columns
 from quant.kv_format import KV_TYPES, kv_bytes_per_token
 from quant.packed_layout import layout_kind, random_packed_transient
 
@@ -257,10 +257,10 @@ def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
     layer0 = {path.split(".")[-1]: fmt for path, fmt in formats.items() if path.startswith("layers.0.")}
     shapes = {path.split(".")[-1]: (n, k) for path, n, k, _ in linear_modules(config) if path.startswith("layers.0.")}
 
-    def unpacked(name: str) -> int:  # packed layers of > GEMV_MAX_ROWS rows: a float Wᵀ slice for cuBLAS,
+    def unpacked(name: str) -> int:  # packed layers of more rows than stay packed: a float Wᵀ slice for cuBLAS,
         n, k = shapes[name]          # its words and scales copied out, and the slice's product
         fmt = layer0[name]
-        if not fmt.packed or t <= GEMV_MAX_ROWS:
+        if not fmt.packed or t <= packed_rows_limit(s.cuda):
             return 0
         cols = unpack_columns(n, k, d)
         if cols >= n:

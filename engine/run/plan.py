@@ -53,6 +53,8 @@ def plan_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pu
     slot_context, seq_len = config.contexts(weights.config.max_position_embeddings)
     spec = config.spec_config
     rows = rt.max_batch_size * (spec.num_draft_tokens + 1 if spec is not None else 1)
+    if mem.max_gpu_memory_bytes is None and not mem.weight_offload:  # short prompts run through the 16-row step
+        rows = MAX_STEP_ROWS  # (engine.runtime.runner.SHORT_PREFILL_TOKENS), captured with the others
     settings = run_settings(weights.config, rt.first_device, seq_len, slots=rt.max_batch_size,
                             prefill_chunk_size=rt.prefill_chunk_size or 512, kv_type=m.kv_type_name,
                             graph_rows=min(rows, MAX_STEP_ROWS) if cuda and not mem.kv_offload else 0,

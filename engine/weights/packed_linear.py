@@ -18,7 +18,17 @@ from engine.weights.formats import WeightFormat, require_packable, rounded_forma
 from quant import grids
 from quant.packed_layout import KINDS, PackedWeight, pack, random_packed
 
-GEMV_MAX_ROWS = 4  # measured on an H200: above this, unpack-to-bf16 + cuBLAS is faster than the GEMV
+GEMV_MAX_ROWS = 4  # rows the plain-torch reference takes as int8 products (the CPU); more: a float matmul
+# Rows the packed kernels take on CUDA (dp4a, or tensor cores from a few rows: quant.kernels.packed_gemv.
+# default_variant); more are unpacked to bf16 for cuBLAS. Measured on an H200 (tests/perf/gpu_issue20.py
+# --sections paths): at 5-16 rows the packed kernels take 19-56% of unpack + cuBLAS's time (8B tri gate/up,
+# 16 rows: 36.6 µs against 116.6).
+KERNEL_MAX_ROWS = 16
+
+
+def packed_rows_limit(cuda_kernels: bool) -> int:
+    """Up to how many rows a packed layer's product stays packed (see GEMV_MAX_ROWS, KERNEL_MAX_ROWS)."""
+    return KERNEL_MAX_ROWS if cuda_kernels else GEMV_MAX_ROWS
 
 
 class PackedLinear(nn.Module):
@@ -67,11 +77,12 @@ def column_slice(pw: PackedWeight, n0: int, n1: int) -> PackedWeight:
 
 
 def packed_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """x [M, K] @ Wᵀ: the kernels on CUDA (dp4a GEMV for few rows; for more, the codes unpacked to
-    a bf16 Wᵀ — in column slices of UNPACK_SLICE_BYTES — and cuBLAS's tensor-core GEMM), the
+    """x [M, K] @ Wᵀ: the kernels on CUDA (packed_gemv up to KERNEL_MAX_ROWS rows; for more, the codes
+    unpacked to a bf16 Wᵀ — in column slices of UNPACK_SLICE_BYTES — and cuBLAS's tensor-core GEMM), the
     references elsewhere (same maths)."""
-    small = x.shape[0] <= GEMV_MAX_ROWS
-    if kernels_usable(x.device):
+    fast = kernels_usable(x.device)
+    small = x.shape[0] <= packed_rows_limit(fast)
+    if fast:
         if small:
             from quant.kernels.act_quant import quantize_activations
             from quant.kernels.packed_gemv import packed_gemv

@@ -26,6 +26,20 @@ _BYTE_MASK = {1: 0x01010101, 2: 0x03030303, 4: 0x0F0F0F0F, 8: -1}
 # rows 66.4; M = 4: 3-D 64.6, rows 69.0; M = 8: 3-D 191, rows 97 (the 3-D tiles spill from there).
 ROWS_2D_MAX = 2
 ROW_LOOP_FROM = 5
+# From this many rows the tensor-core kernel (quant.kernels.packed_mma) takes a layout's products, where it
+# supports the layout and group size; 17 = never (at most 16 rows). Measured on an H200 (tests/perf/
+# gpu_issue20.py --sections paths, g128, µs summed over the 8B and 27B-class q/k/v, o, gate/up, down):
+# tri 3 rows dp4a 146 / mma 138, 4: 156 / 140, 8: 259 / 150, 16: 553 / 214 (2 rows: 88 / 136);
+# int4 4 rows 205 / 270, 5: 295 / 279, 8: 319 / 286, 16: 552 / 344. bin and int8: not measured, dp4a.
+MMA_FROM_ROWS = {"tri": 3, "bin": 17, "int4": 5, "int8": 17}
+
+
+def default_variant(kind: str, group_size: int, rows: int, in_features: int) -> str:
+    """The kernel packed_gemv runs for `rows` rows of a layout when the caller names none."""
+    from quant.kernels.packed_mma import mma_supported
+    if rows >= MMA_FROM_ROWS.get(kind, 17) and mma_supported(kind, group_size, in_features):
+        return "mma"
+    return "2d" if rows <= ROWS_2D_MAX else "rows" if rows >= ROW_LOOP_FROM else "3d"
 
 
 @triton.jit
@@ -187,12 +201,12 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
     if pw.kind == "tri5":
         from quant.kernels.tri5_gemv import tri5_gemv
         return tri5_gemv(xq, sx, sumx, pw, out, accumulate, config)
+    m, k = xq.shape
+    variant = variant or default_variant(pw.kind, pw.group_size, m, k)
     if variant == "mma":
         from quant.kernels.packed_mma import packed_mma
         return packed_mma(xq, sx, sumx, pw, out, accumulate, config)
-    m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous()
-    variant = variant or ("2d" if m <= ROWS_2D_MAX else "rows" if m >= ROW_LOOP_FROM else "3d")
     row_loop = variant == "rows" and m > 1
     kind = layout_kind(pw.kind)
     ng = k // pw.group_size

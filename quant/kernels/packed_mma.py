@@ -58,6 +58,12 @@ def mma_supported(kind: str, group_size: int, in_features: int | None = None) ->
     return r <= MAX_GROUPS_PER_TILE and (in_features is None or (in_features // group_size) % r == 0)
 
 
+def joinable(kind: str, group_size: int) -> bool:
+    """Whether a tile's planes can go into one product: one group a tile, 2 or 4 planes (tri, int4)."""
+    k = layout_kind(kind)
+    return not k.signed and not k.base3 and 8 // k.bits in (2, 4) and groups_per_tile(kind, group_size) == 1
+
+
 @triton.jit
 def _plane(t, SHIFT: tl.constexpr, FIELD: tl.constexpr, USE_ASM: tl.constexpr):
     """Codes of bit plane SHIFT of the packed bytes t (int8, any shape): (t >> SHIFT) & field, four bytes
@@ -69,6 +75,20 @@ def _plane(t, SHIFT: tl.constexpr, FIELD: tl.constexpr, USE_ASM: tl.constexpr):
                                          dtype=tl.int8, is_pure=True, pack=4)
     else:
         return (t >> SHIFT) & (FIELD & 0xFF)
+
+
+@triton.jit
+def _joined_planes(codes, BITS: tl.constexpr, STEPS: tl.constexpr, FIELD: tl.constexpr, USE_ASM: tl.constexpr):
+    """The STEPS bit planes of codes [BN, KD] side by side: [BN, KD·STEPS], element (b, p·STEPS + q) from
+    byte p, plane q (STEPS = 2) or plane 2·(q % 2) + q // 2 (STEPS = 4: tl.join nests the pairs)."""
+    p0 = _plane(codes, 0, FIELD, USE_ASM)
+    p1 = _plane(codes, BITS, FIELD, USE_ASM)
+    if STEPS == 2:
+        both = tl.join(p0, p1)  # [BN, KD, 2]
+    else:
+        both = tl.join(tl.join(p0, p1), tl.join(_plane(codes, 2 * BITS, FIELD, USE_ASM),
+                                                _plane(codes, 3 * BITS, FIELD, USE_ASM)))  # [BN, KD, 2, 2]
+    return tl.reshape(both, [codes.shape[0], codes.shape[1] * STEPS])
 
 
 @triton.jit
@@ -94,7 +114,7 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
                        BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, SIGNED: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
                        ACCUMULATE: tl.constexpr, EXACT_MAGIC: tl.constexpr, USE_ASM: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       JOIN: tl.constexpr, USE_PDL: tl.constexpr):
     E: tl.constexpr = 32 // BITS  # codes per word
     STEPS: tl.constexpr = 8 // BITS  # bit planes per byte
     FIELD: tl.constexpr = 0x01010101 if BITS == 1 else (0x03030303 if BITS == 2 else 0x0F0F0F0F)
@@ -124,22 +144,32 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
         d1 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         d2 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         d3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
-        for j in tl.static_range(STEPS):
-            if SIGNED:
-                a = codes
-            else:
-                a = _plane(codes, BITS * j, FIELD, USE_ASM)  # [BN, KD] int8 codes
-            x_offs = offs_m[None, :] * K + (k_of + 4 * j)[:, None]  # [KD, BM]
-            for r in tl.static_range(R):
-                x = tl.load(xq_ptr + x_offs, mask=m_mask[None, :] & ((p // GB) == r)[:, None], other=0)  # [KD, BM]
-                if r == 0:
-                    d0 = tl.dot(a, x, d0, out_dtype=tl.int32)
-                elif r == 1:
-                    d1 = tl.dot(a, x, d1, out_dtype=tl.int32)
-                elif r == 2:
-                    d2 = tl.dot(a, x, d2, out_dtype=tl.int32)
+        if JOIN:  # one group a tile: all its planes side by side along K, one product [BN, STEPS·KD] x [STEPS·KD, BM]
+            a = _joined_planes(codes, BITS, STEPS, FIELD, USE_ASM)  # [BN, STEPS * KD] int8 codes
+            kk = tl.arange(0, STEPS * KD)
+            pb = kk // STEPS  # the byte each code comes from
+            q = kk % STEPS
+            j = q if STEPS == 2 else 2 * (q % 2) + q // 2  # its plane (the order _joined_planes interleaves them)
+            k_all = E * (t * (KD // 4) + pb // 4) + pb % 4 + 4 * j  # [STEPS * KD]
+            x = tl.load(xq_ptr + offs_m[None, :] * K + k_all[:, None], mask=m_mask[None, :], other=0)  # [S·KD, BM]
+            d0 = tl.dot(a, x, d0, out_dtype=tl.int32)
+        else:
+            for j in tl.static_range(STEPS):
+                if SIGNED:
+                    a = codes
                 else:
-                    d3 = tl.dot(a, x, d3, out_dtype=tl.int32)
+                    a = _plane(codes, BITS * j, FIELD, USE_ASM)  # [BN, KD] int8 codes
+                x_offs = offs_m[None, :] * K + (k_of + 4 * j)[:, None]  # [KD, BM]
+                for r in tl.static_range(R):
+                    x = tl.load(xq_ptr + x_offs, mask=m_mask[None, :] & ((p // GB) == r)[:, None], other=0)  # [KD, BM]
+                    if r == 0:
+                        d0 = tl.dot(a, x, d0, out_dtype=tl.int32)
+                    elif r == 1:
+                        d1 = tl.dot(a, x, d1, out_dtype=tl.int32)
+                    elif r == 2:
+                        d2 = tl.dot(a, x, d2, out_dtype=tl.int32)
+                    else:
+                        d3 = tl.dot(a, x, d3, out_dtype=tl.int32)
         g = t * R
         acc = _group_epilogue(acc, d0, g, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
                               MULT, OFFSET, EXACT_MAGIC)
@@ -154,33 +184,44 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
     _write_out(out_ptr, tl.trans(acc), offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)  # y [BM, BN]
 
 
-def mma_launch_config(n: int, tiles: int, rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, split_k, num_warps, num_stages): 128 columns over 4 warps (one warpgroup: a 64-row wgmma
-    per half), split-K until ~1024 programs with at least two tiles each. A prediction, not swept yet
-    (tests/perf/gpu_kern.py times this default)."""
-    block_n, warps, stages = 128, 4, 3
-    return block_n, split_k(triton.cdiv(n, block_n), tiles, 1024), warps, stages
+# Per layout: (BLOCK_N, num_warps, num_stages, programs split-K aims for), and whether a tile's planes go into
+# one product (`joinable` layouts only). 128 columns over 4 warps is one warpgroup (a 64-row wgmma per half).
+# Swept on an H200 (tests/perf/gpu_issue20.py --sections sweep: 8 rows, 8B gate/up + down, g128, BLOCK_N
+# 64/128/256 x 4/8 warps x 2-4 stages x 512-2048 programs x joined planes or not, 108 configs a layout):
+# tri best (128, 4, 2, 512) 22.9 + 16.6 µs (before: (128, 4, 3, 1024) 25.4 + 16.4); int4 best
+# (128, 4, 2, 1024) 49.0 + 25.3 (before 49.4 + 25.6). Joined planes lost for both (tri 28.2 + 15.3 at best).
+MMA_LAUNCH = {"tri": (128, 4, 2, 512), "bin": (128, 4, 3, 1024), "int4": (128, 4, 2, 1024), "int8": (128, 4, 3, 1024)}
+JOIN_PLANES = {"tri": False, "int4": False}
+
+
+def mma_launch_config(n: int, tiles: int, rows: int, kind: str = "tri") -> tuple[int, int, int, int]:
+    """(BLOCK_N, split_k, num_warps, num_stages) for an [n, K] matrix of `tiles` K tiles: MMA_LAUNCH's
+    shape, split-K until about its number of programs with at least two tiles each."""
+    block_n, warps, stages, programs = MMA_LAUNCH[kind]
+    return block_n, split_k(triton.cdiv(n, block_n), tiles, programs), warps, stages
 
 
 def packed_mma(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
                out: torch.Tensor | None = None, accumulate: bool = False,
-               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+               config: tuple[int, int, int, int] | None = None, join: bool | None = None) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations on tensor cores → float32 [M, N]; with accumulate,
-    out += y. Same results as packed_gemv (the same integer sums; float sums in another order)."""
+    out += y. Same results as packed_gemv (the same integer sums; float sums in another order).
+    join: a tile's bit planes in one product (`joinable` layouts; default JOIN_PLANES) or one per plane."""
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous() and mma_supported(pw.kind, pw.group_size, k)
     kind = layout_kind(pw.kind)
     ng = k // pw.group_size
     tiles = ng // groups_per_tile(pw.kind, pw.group_size)
-    block_n, split, warps, stages = config or mma_launch_config(pw.out_features, tiles, m)
+    block_n, split, warps, stages = config or mma_launch_config(pw.out_features, tiles, m, pw.kind)
     out = result_buffer(out, m, pw.out_features, xq.device, accumulate, split)
     per_split = triton.cdiv(tiles, split)
     grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(tiles, per_split))
     max_code = 128 if kind.signed else (1 << kind.bits) - 1
+    join = JOIN_PLANES.get(pw.kind, False) if join is None else join
     _packed_mma_kernel[grid](
         xq, sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
         BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, SIGNED=kind.signed, GROUP=pw.group_size,
         BLOCK_M=16 if m > 8 else 8, BLOCK_N=block_n, ATOMIC=split > 1, ACCUMULATE=accumulate,
         EXACT_MAGIC=pw.group_size * max_code * 127 < 2 ** 22, USE_ASM=not interpreting(),
-        num_warps=warps, num_stages=stages, **pdl_options(xq.device))
+        JOIN=join and joinable(pw.kind, pw.group_size), num_warps=warps, num_stages=stages, **pdl_options(xq.device))
     return out
