@@ -30,6 +30,7 @@ import threading
 
 import torch
 
+from engine.decoding.lookahead import Lookahead
 from engine.decoding.metrics import Metrics
 from engine.decoding.sampling import sample_rows
 from engine.decoding.scheduler import Scheduler, plan_prefill
@@ -47,13 +48,14 @@ class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer | None, slot_context: int | None = None, max_queue: int = 16,
                  rules: ThinkingRules | None = None, metrics: Metrics | None = None,
                  drafters: list[Drafter] | None = None, num_draft_tokens: int = 4, prefill_budget: int | None = None,
-                 spec_method: str | None = None):
+                 spec_method: str | None = None, lookahead: bool | None = None):
         """tokenizer None: token ids only (generated weights).
         slot_context: positions one request may use (default: the runner's context). drafters: one per
         slot (speculative decoding), None: plain decoding; num_draft_tokens: k, the most each drafts
         a step (spec_method: the name /slots shows, default the drafter's). prefill_budget: prompt
         tokens run between two decode steps while slots decode (None: one prefill chunk); it also caps
-        the chunk size."""
+        the chunk size. lookahead: launch each plain decode step before the host handles the previous
+        one's tokens (engine.decoding.lookahead; default: on a CUDA device, where the two overlap)."""
         self.runner, self.tokenizer = runner, tokenizer
         if prefill_budget is not None and prefill_budget < 1:
             raise BonsaiError(f"the prefill budget must be >= 1 token per step, got {prefill_budget}")
@@ -79,6 +81,8 @@ class Engine:
         self.closed = False
         self.failure: str | None = None  # why the server's engine thread ended on its own (None: it did not)
         self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
+        on = lookahead if lookahead is not None else runner.device.type == "cuda"
+        self.ahead = Lookahead(runner) if on and getattr(runner, "rewinds_for_free", True) else None
 
     @property
     def has_work(self) -> bool:
@@ -229,8 +233,10 @@ class Engine:
             return
         seqs = [self.active[i] for i in rows]
         try:
-            logits = self.runner.decode_batch([self.runner.slot(i) for i in rows],
-                                              [seq.pending[0] for seq in seqs])  # [B, V]
+            fed = [seq.pending[0] for seq in seqs]
+            logits = self.ahead.take(rows, fed) if self.ahead is not None else None  # [B, V]: launched ahead
+            if logits is None:
+                logits = self.runner.decode_batch([self.runner.slot(i) for i in rows], fed)  # [B, V]
         except Exception as e:
             log.exception("batched decode failed")
             for i in rows:
@@ -248,6 +254,7 @@ class Engine:
             for i in rows:
                 self._fail(i, _message(e))
             return
+        self._launch_ahead(rows, seqs, choices)  # the next step runs while the host handles these tokens
         for row, (i, seq) in enumerate(zip(rows, seqs)):
             try:
                 # its row only where logprobs are asked for: a view per token costs, on the fast path
@@ -257,7 +264,23 @@ class Engine:
                 self._fail(i, _message(e))
         self.metrics.count_step(len(rows), sum(seq.generated for seq in seqs) - before)
 
+    def _launch_ahead(self, rows: list[int], seqs: list[Sequence], choices: list[int]) -> None:
+        """Launch the next decode step of `rows` feeding their chosen tokens, unless it will not be the next
+        step: a request waits or prefills, or a row ends now (its end-of-sequence token, its last token).
+        A row that ends another way (a stop string, a cancel) drops it again (`_end`)."""
+        if self.ahead is None or self.scheduler.waiting or len(rows) != len(self.active) or any(
+                choice in seq.eos or seq.generated + 1 >= seq.request.max_tokens
+                for seq, choice in zip(seqs, choices)):
+            return
+        try:
+            self.ahead.launch(rows, list(choices))
+        except Exception:  # noqa: BLE001 - the step is made again, plainly, at the next iteration
+            log.exception("decode step launched ahead failed")
+            self.ahead.drop_all()
+
     def _end(self, index: int, outcome: str | None) -> None:
+        if self.ahead is not None:
+            self.ahead.drop(index)
         seq = self.active.pop(index)
         if outcome == "cancelled":
             seq.done = True
@@ -272,6 +295,8 @@ class Engine:
         if seq is None:
             return
         seq.done = True
+        if self.ahead is not None:
+            self.ahead.drop(index)
         self.runner.slot(index).reset()  # what its KV holds is no longer known
         _emit(seq.request, Failed(message, status))
         with self.lock:
