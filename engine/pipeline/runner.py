@@ -134,6 +134,9 @@ class PipelineRunner:
         parts = self._passes(passes)
         return torch.cat([p if p.dim() == 2 else p[:, -1] for p in parts])  # [M, V]
 
+    def warm_up(self) -> None:
+        """Nothing: each stage compiles its kernels at its first pass (a pipeline serves long prompts)."""
+
     def prepare_rows(self, max_rows: int) -> None:
         """Capture the fused step of every row count a micro-batch can have, on every stage, now."""
         if self.decoder is None:

@@ -70,6 +70,7 @@ class Run:
                             spec.method if spec is not None else None)
             self.runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None
                                      else self.config.runtime.max_batch_size)
+            self.runner.warm_up()
         check_usage(self.plan.limit, self.loaded.device, "building the engine", self.plan.plan.total)
         return engine
 

@@ -51,6 +51,8 @@ class Runner(Protocol):
 
     def prepare_rows(self, max_rows: int) -> None: ...
 
+    def warm_up(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -202,6 +204,19 @@ class ModelRunner:
                                     [slot.index] * len(piece))  # [P, V]
         slot.tokens.extend(tokens)
         return logits[-1:]
+
+    def warm_up(self) -> None:
+        """Compile now what the first long prompt would compile on a request's critical path (seen: a 1.3 s
+        first-token stall on a fresh GPU machine): one eager prefill chunk past the short-prefill length in
+        slot 0, then the slot emptied. Only where kernels compile (CUDA); a no-op without a free slot."""
+        if self.device.type != "cuda" or not self.cache.slots or self.slot(0).length:
+            return
+        n = min(max(self.short_prefill_tokens + 1, 2), self.max_seq_len - 1, self.prefill_chunk_size)
+        slot = self.slot(0)
+        try:
+            self.forward(slot, [0] * n)
+        finally:
+            slot.reset()
 
     def prepare_rows(self, max_rows: int) -> None:
         """Capture the fused step for every row count up to max_rows now (a capture costs a
