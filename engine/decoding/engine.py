@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch
 
 from engine.decoding.lookahead import Lookahead
 from engine.decoding.metrics import Metrics
+from engine.decoding.spec_gate import SpecGate
 from engine.decoding.sampling import sample_rows
 from engine.decoding.scheduler import Scheduler, plan_prefill
 from engine.decoding.sequence import Failed, Request, Sequence, ThinkingRules
@@ -48,14 +50,16 @@ class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer | None, slot_context: int | None = None, max_queue: int = 16,
                  rules: ThinkingRules | None = None, metrics: Metrics | None = None,
                  drafters: list[Drafter] | None = None, num_draft_tokens: int = 4, prefill_budget: int | None = None,
-                 spec_method: str | None = None, lookahead: bool | None = None):
+                 spec_method: str | None = None, lookahead: bool | None = None, spec_gate: bool | None = None):
         """tokenizer None: token ids only (generated weights).
         slot_context: positions one request may use (default: the runner's context). drafters: one per
         slot (speculative decoding), None: plain decoding; num_draft_tokens: k, the most each drafts
         a step (spec_method: the name /slots shows, default the drafter's). prefill_budget: prompt
         tokens run between two decode steps while slots decode (None: one prefill chunk); it also caps
         the chunk size. lookahead: launch each plain decode step before the host handles the previous
-        one's tokens (engine.decoding.lookahead; default: on a CUDA device, where the two overlap)."""
+        one's tokens (engine.decoding.lookahead; default: on a CUDA device, where the two overlap).
+        spec_gate: with drafters, speculate only while measured faster (engine.decoding.spec_gate; default:
+        on a CUDA device; elsewhere the drafters' planners alone decide, by the pass costs they measure)."""
         self.runner, self.tokenizer = runner, tokenizer
         if prefill_budget is not None and prefill_budget < 1:
             raise BonsaiError(f"the prefill budget must be >= 1 token per step, got {prefill_budget}")
@@ -83,6 +87,11 @@ class Engine:
         self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
         on = lookahead if lookahead is not None else runner.device.type == "cuda"
         self.ahead = Lookahead(runner) if on and getattr(runner, "rewinds_for_free", True) else None
+        # speculate only while it is faster than not (engine.decoding.spec_gate); drafters that read the
+        # target's hidden states need every step, and so always speculate
+        gate = spec_gate if spec_gate is not None else runner.device.type == "cuda"
+        self.gate = (SpecGate() if gate and self.spec is not None and not any(d.hidden_layers for d in drafters)
+                     else None)
 
     @property
     def has_work(self) -> bool:
@@ -228,7 +237,11 @@ class Engine:
         rows = [i for i, s in sorted(self.active.items()) if len(s.pending) == 1 and not s.done]
         if not rows:
             return
-        if self.spec is not None:
+        speculate = self.spec is not None and (self.gate is None or self.gate.speculate(len(rows)))
+        if self.gate is not None:
+            self.gate.begin(speculate, len(rows), self.metrics.generated_tokens, self.metrics.prefill_chunks,
+                            time.perf_counter())
+        if speculate:
             self.spec.step(self.active, rows, lambda i, e: self._fail(i, _message(e)))
             return
         seqs = [self.active[i] for i in rows]

@@ -1,0 +1,70 @@
+"""The choice between a speculative and a plain decode step (engine.decoding.spec_gate): pure bookkeeping
+tested with made-up clocks, and through the engine: switching between the two every step (or at random)
+leaves greedy output equal to plain decoding."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.decoding.spec_gate import SpecGate
+from engine.runtime.runner import ModelRunner
+from engine.speculative.ngram import NgramDrafter
+from tests.engine_runs import run_engine
+from tests.test_spec_generate import TinyTokenizer, tiny_loaded
+
+
+def _feed(gate: SpecGate, rates: dict[bool, float], batch: int, steps: int) -> list[bool]:
+    """Run `steps` steps with a clock in which a step generates `batch` tokens at rates[speculated] tok/s."""
+    generated, now, chosen = 0, 0.0, []
+    for _ in range(steps):
+        spec = gate.speculate(batch)
+        gate.begin(spec, batch, generated, 0, now)
+        chosen.append(spec)
+        generated += batch
+        now += batch / rates[spec]
+    return chosen
+
+
+def test_the_faster_way_wins_and_the_other_is_retried():
+    gate = SpecGate(every=10)
+    chosen = _feed(gate, {True: 100.0, False: 300.0}, batch=8, steps=60)
+    # each way measured first (a step is scored when the next begins), speculation first
+    assert chosen[:4] == [True, True, False, False]
+    assert [i + 1 for i, s in enumerate(chosen) if s and i >= 3] == [10, 20, 30, 40, 50, 60]  # then retried
+    assert gate.rates[(False, 8)] == pytest.approx(300.0) and gate.rates[(True, 8)] == pytest.approx(100.0)
+    # at another batch size the measurements are separate: here speculation is faster
+    chosen = _feed(gate, {True: 500.0, False: 200.0}, batch=1, steps=30)
+    assert chosen[:3] == [True, True, False]
+    assert [61 + i for i, s in enumerate(chosen) if not s] == [63, 64, 70, 80, 90]
+
+
+def test_steps_with_prompt_chunks_are_not_scored():
+    gate = SpecGate()
+    gate.begin(True, 4, 0, 0, 0.0)
+    gate.begin(True, 4, 8, 1, 10.0)  # a prompt chunk ran in between: not scored
+    assert (True, 4) not in gate.rates
+    gate.begin(False, 4, 12, 1, 11.0)
+    assert gate.rates[(True, 4)] == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("policy", ["alternate", "random"])
+def test_switching_leaves_greedy_output_unchanged(one_thread, monkeypatch, policy):
+    loaded = tiny_loaded(scale=0.6)
+    prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
+    tok = TinyTokenizer()
+    _, want, _, _ = run_engine(ModelRunner(loaded, 96), tok, prompt, max_tokens=40, ignore_eos=True)
+    rng = random.Random(3)
+    calls = []
+
+    def speculate(self, batch):
+        calls.append(batch)
+        return len(calls) % 2 == 1 if policy == "alternate" else rng.random() < 0.5
+    monkeypatch.setattr(SpecGate, "speculate", speculate)
+    from tests.engine_runs import engine_over
+    from engine.decoding.generate import generate_text
+    from engine.decoding.sequence import Request
+    engine = engine_over(ModelRunner(loaded, 96), tok, NgramDrafter(1, 3), 4, spec_gate=True)
+    assert engine.gate is not None
+    _, got, _, stats = generate_text(engine, Request(list(prompt), max_tokens=40, ignore_eos=True))
+    assert got == want and len(calls) > 10 and stats.speculative.drafted > 0
