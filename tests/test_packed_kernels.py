@@ -79,13 +79,15 @@ def test_activation_quantization_error_is_half_a_step():
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("rows,config", [(1, (32, 1, 4)), (3, (64, 2, 4))])
-def test_gemv_kernel_matches_reference(kind, rows, config):
+@pytest.mark.parametrize("rows,config,variant", [(1, (32, 1, 4), None), (3, (64, 2, 4), "3d")])
+def test_gemv_kernel_matches_reference(kind, rows, config, variant):
+    # a launch config belongs to the variant it is given with (3 rows of tri default to the mma kernel,
+    # whose configs have four entries: tests/test_packed_mma.py)
     w, _, _, pw = _packed(kind)
     pw = pw.to(DEVICE)
     x = torch.randn(rows, 256, device=DEVICE)
     xq = quantize_activations(x, 64)
-    got = packed_gemv(*xq, pw, config=config)
+    got = packed_gemv(*xq, pw, config=config, variant=variant)
     want = packed_gemv_reference(*xq, pw)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     # and the maths is the real product: close to x Ŵᵀ up to the int8 rounding of x
