@@ -68,3 +68,23 @@ def test_switching_leaves_greedy_output_unchanged(one_thread, monkeypatch, polic
     assert engine.gate is not None
     _, got, _, stats = generate_text(engine, Request(list(prompt), max_tokens=40, ignore_eos=True))
     assert got == want and len(calls) > 10 and stats.speculative.drafted > 0
+
+
+def test_batch_sizes_of_one_class_share_their_measurements():
+    """At 8 slots the batch size moves between 5 and 8 as requests end and begin: one class (5-8), so plain
+    decoding, measured faster once, is kept (per exact size each size was tried both ways again)."""
+    from engine.decoding.spec_gate import size_class
+    assert [size_class(b) for b in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+    gate = SpecGate(every=1000)
+    generated, now, chosen = 0, 0.0, []
+    rates = {True: 100.0, False: 300.0}
+    for i in range(40):
+        batch = (8, 7, 6, 5)[i % 4]
+        spec = gate.speculate(batch)
+        gate.begin(spec, batch, generated, 0, now)
+        chosen.append(spec)
+        generated += batch
+        now += batch / rates[spec]
+    assert chosen[:4] == [True, True, False, False]  # each way measured once for the class, then plain
+    assert not any(chosen[4:])
+    assert set(gate.rates) == {(True, 8), (False, 8)}

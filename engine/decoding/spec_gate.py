@@ -5,8 +5,11 @@ planner), but a speculative step also costs what the pass does not show: draftin
 the planners time by, accepting row by row, and no step launched ahead (engine.decoding.lookahead). At
 high concurrency that made speculation slower than plain decoding (0.72-0.94x at 8 slots on an H200). So
 the engine measures both: the tokens per second of the iterations that speculated and of those that did
-not, per batch size (iterations that also ran prompt chunks are not scored), and takes the faster; the
-slower one is tried again every `every` steps, so a change of workload is seen. Plain bookkeeping, no
+not, per class of batch size (iterations that also ran prompt chunks are not scored), and takes the faster; the
+slower one is tried again every `every` steps, so a change of workload is seen. A class is the batch sizes up to
+a power of two (1, 2, 3-4, 5-8, 9-16, …): with many slots the batch size changes every few steps as requests end
+and begin, and per exact size each new size was tried both ways again (at 8 slots that kept speculation on
+though it lost: 0.93x plain on the H200). Plain bookkeeping, no
 tensors: the choice changes speed only, never the output (greedy output is the same either way).
 """
 from __future__ import annotations
@@ -14,10 +17,15 @@ from __future__ import annotations
 EMA = 0.3  # weight of a new measurement
 
 
+def size_class(batch: int) -> int:
+    """The batch sizes measured together: the smallest power of two ≥ batch."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
 class SpecGate:
     def __init__(self, every: int = 32):
         self.every = every
-        self.rates: dict[tuple[bool, int], float] = {}  # (speculated, batch size) → tokens per second
+        self.rates: dict[tuple[bool, int], float] = {}  # (speculated, size_class(batch)) → tokens per second
         self.steps = 0
         self._open: tuple[bool, int, int, int, float] | None = None  # the step being timed
 
@@ -25,7 +33,8 @@ class SpecGate:
         """Whether the step of `batch` slots speculates: each way measured once first (speculating
         first), then the faster, and every `every` steps the other."""
         self.steps += 1
-        spec, plain = self.rates.get((True, batch)), self.rates.get((False, batch))
+        c = size_class(batch)
+        spec, plain = self.rates.get((True, c)), self.rates.get((False, c))
         if spec is None or plain is None:
             return spec is None
         better = spec >= plain
@@ -41,4 +50,4 @@ class SpecGate:
                 rate = (generated - g0) / (now - t0)
                 old = self.rates.get((was, b))
                 self.rates[(was, b)] = rate if old is None else (1 - EMA) * old + EMA * rate
-        self._open = (speculated, batch, generated, prefills, now)
+        self._open = (speculated, size_class(batch), generated, prefills, now)
