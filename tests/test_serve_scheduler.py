@@ -91,23 +91,27 @@ def chunks(plan: list[PrefillChunk]) -> list[tuple[int, int]]:
 
 def test_prefill_plan_gives_whole_chunks_first_come_first_served_within_the_budget():
     # the oldest request (slot 3) first, as many whole chunks as fit; the next chunk (188) would pass 512
-    assert chunks(plan_prefill([(3, 700), (1, 100), (0, 40)], chunk=256, budget=512)) == [(3, 256), (3, 256)]
+    assert chunks(plan_prefill([(3, 700, 256), (1, 100, 256), (0, 40, 256)], budget=512)) == [(3, 256), (3, 256)]
     # short prompts share a budget; the third's chunk does not fit, and nobody is skipped over (FCFS)
-    assert chunks(plan_prefill([(1, 100), (0, 40), (2, 300), (4, 10)], chunk=256, budget=256)) == [(1, 100), (0, 40)]
+    assert chunks(plan_prefill([(1, 100, 256), (0, 40, 256), (2, 300, 256), (4, 10, 256)], budget=256)) == [(1, 100), (0, 40)]
     # one chunk always runs, even past a small budget, so prefill never starves
-    assert chunks(plan_prefill([(0, 300)], chunk=256, budget=64)) == [(0, 256)]
+    assert chunks(plan_prefill([(0, 300, 256)], budget=64)) == [(0, 256)]
     # the last prompt token is left to the batched decode step (its logits start the answer)
-    assert chunks(plan_prefill([(0, 257)], chunk=256, budget=1000)) == [(0, 256)]
+    assert chunks(plan_prefill([(0, 257, 256)], budget=1000)) == [(0, 256)]
     # nobody decodes (budget None): one chunk for every waiting request
-    assert chunks(plan_prefill([(0, 600), (1, 30)], chunk=256, budget=None)) == [(0, 256), (1, 30)]
-    assert plan_prefill([], chunk=256, budget=512) == []
+    assert chunks(plan_prefill([(0, 600, 256), (1, 30, 256)], budget=None)) == [(0, 256), (1, 30)]
+    assert plan_prefill([], budget=512) == []
+    # each request its own chunk: a short prompt's passes (16) next to a long prompt's chunk
+    assert chunks(plan_prefill([(2, 40, 16), (0, 700, 512)], budget=32)) == [(2, 16), (2, 16)]
+    assert chunks(plan_prefill([(2, 9, 16), (0, 700, 512)], budget=32)) == [(2, 9)]
+    assert chunks(plan_prefill([(0, 700, 512), (2, 40, 16)], budget=32)) == [(0, 512)]
 
 
 def test_prefill_cuts_of_a_prompt_do_not_depend_on_the_other_requests():
     def cuts(waiting: dict[int, int], budget: int | None) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {slot: [] for slot in waiting}
         while any(left > 1 for left in waiting.values()):
-            for c in plan_prefill([(s, n) for s, n in waiting.items() if n > 1], chunk=7, budget=budget):
+            for c in plan_prefill([(s, n, 7) for s, n in waiting.items() if n > 1], budget=budget):
                 out[c.slot].append(c.size)
                 waiting[c.slot] -= c.size
         return out

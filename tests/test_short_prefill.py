@@ -66,3 +66,32 @@ def test_long_chunks_and_several_logits_take_the_eager_path(one_thread, monkeypa
     short.forward(short.slot(0), [5, 6, 7], num_logits=2)  # several logits: the model's path
     short.forward(short.slot(0), [5])  # one token: the one-row decode step
     assert calls == [8] and short.slot(0).length == 8 + 9 + 3 + 1
+
+
+def test_the_engine_cuts_a_short_prompt_in_the_runners_passes(one_thread, monkeypatch):
+    """Through the engine a prompt that fits the short prefill is fed in chunks of its passes (so two passes,
+    the default budget, can run between decode steps of other slots), a longer one in eager chunks; the
+    greedy continuation is the eager prefill's."""
+    from tests.engine_runs import engine_over
+    eager, short = _runners()
+    sizes = []
+    forward = ModelRunner.forward
+
+    def record(self, slot, tokens, num_logits=1):
+        if len(tokens) > 1:
+            sizes.append(len(tokens))
+        return forward(self, slot, tokens, num_logits)
+    monkeypatch.setattr(ModelRunner, "forward", record)
+    engine = engine_over(short, TinyTokenizer(), None, 4)
+    assert (engine.short_cut, engine.prefill_budget) == (4, 8)
+    tok = TinyTokenizer()
+    _, want, _, _ = run_engine(eager, tok, PROMPT, max_tokens=12, ignore_eos=True)
+    assert sizes == [len(PROMPT)]
+    sizes.clear()
+    _, got, _, _ = run_engine(short, tok, PROMPT, max_tokens=12, ignore_eos=True)
+    assert sizes == [4, 4, 3] and got == want
+    sizes.clear()
+    _, short = _runners()  # (a fresh cache: the slot would reuse the prompt it holds)
+    short.short_prefill_tokens = 8  # now the prompt is longer than a short prefill: one eager chunk
+    _, got, _, _ = run_engine(short, tok, PROMPT, max_tokens=12, ignore_eos=True)
+    assert sizes == [len(PROMPT)] and got == want

@@ -139,20 +139,22 @@ class PrefillChunk:
     size: int  # prompt tokens fed in one forward
 
 
-def plan_prefill(waiting: list[tuple[int, int]], chunk: int, budget: int | None) -> list[PrefillChunk]:
+def plan_prefill(waiting: list[tuple[int, int, int]], budget: int | None) -> list[PrefillChunk]:
     """The prefill forwards of one engine iteration, run before its decode step.
 
-    waiting: (slot, tokens it still has to feed) of the requests still prefilling, oldest first;
-    a request with one token left decodes instead (that token's logits start its answer, in the
-    batched step). Each prompt is cut in chunks of `chunk` tokens (its last one shorter): the same
-    cuts whatever else runs, so a request's output does not depend on the load. Whole chunks go out
-    first come, first served while their sum fits `budget`, and at least one chunk runs, so prefill
-    always moves; the decoding slots then wait for at most max(budget, chunk) prefill tokens.
-    budget None (no slot is decoding, so nobody waits): one chunk for every waiting request."""
-    assert chunk >= 1 and (budget is None or budget >= 1)
+    waiting: (slot, tokens it still has to feed, its chunk) of the requests still prefilling, oldest
+    first; a request with one token left decodes instead (that token's logits start its answer, in the
+    batched step). Each prompt is cut in chunks of its `chunk` tokens (its last one shorter; the engine
+    picks a chunk from the prompt alone): the same cuts whatever else runs, so a request's output does not
+    depend on the load. Whole chunks go out first come, first served while their sum fits `budget`, and
+    at least one chunk runs, so prefill always moves; the decoding slots then wait for at most
+    max(budget, chunk) prefill tokens. budget None (no slot is decoding, so nobody waits): one chunk for
+    every waiting request."""
+    assert budget is None or budget >= 1
     out: list[PrefillChunk] = []
     spent = 0
-    for slot, left in waiting:
+    for slot, left, chunk in waiting:
+        assert chunk >= 1
         while left > 1:
             size = min(chunk, left)
             if budget is None:
