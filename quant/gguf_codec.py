@@ -1,7 +1,10 @@
 """GGUF blocks ↔ codes and scales, byte for byte (layouts: shared/field-notes.md §1).
 
-Import (no requantization): TQ2_0, TQ1_0 (ternary, 256-blocks), Q1_0 (1-bit, 128-blocks) and Q2_0
-(codes {-1, 0, 1, 2}, 64-blocks) → codes int8 [N, K] and scales float32 [N, K/B].
+Import (no requantization): TQ2_0, TQ1_0 (ternary, 256-blocks), Q1_0 (1-bit, 128-blocks), Q2_0
+(codes {-1, 0, 1, 2}, 64-blocks) and PrismML's PQ2_0 (Q2_0's block at 128) and PTQ1_0 (base-3 at 128,
+d last) → codes int8 [N, K] and scales float32 [N, K/B]. The Prism layouts are their llama.cpp fork's
+`dequantize_row_pq2_0` / `dequantize_row_ptq1_0` (shared/field-notes.md §13); upstream llama.cpp
+reads neither, so nothing exports them.
 Export: codes + group scales → TQ2_0, TQ1_0, Q1_0, Q2_0, Q4_0, Q8_0 blocks (`export_type` picks the
 one that holds a tensor exactly: a block inside a group repeats its scale). When a block spans several
 groups (group 128 into a 256-block) it gets one scale: the least-squares best for its fixed codes,
@@ -15,10 +18,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 Q2_0_ID = 42  # upstream llama.cpp; not in the gguf package's enum (0.19)
+PQ2_0_ID, PTQ1_0_ID = 142, 143  # PrismML's llama.cpp fork (Ternary-Bonsai files)
+NAMES = {Q2_0_ID: "Q2_0", PQ2_0_ID: "PQ2_0", PTQ1_0_ID: "PTQ1_0"}  # the ids the gguf package lacks
 # (block size, bytes per block) of the types this module reads or writes
 BLOCKS = {int(T.TQ2_0): (256, 66), int(T.TQ1_0): (256, 54), int(T.Q1_0): (128, 18), Q2_0_ID: (64, 18),
-          int(T.Q4_0): (32, 18), int(T.Q8_0): (32, 34)}
-IMPORTABLE = {int(T.TQ2_0): "tri", int(T.TQ1_0): "tri-dense", int(T.Q1_0): "bin", Q2_0_ID: "q2_0"}
+          PQ2_0_ID: (128, 34), PTQ1_0_ID: (128, 28), int(T.Q4_0): (32, 18), int(T.Q8_0): (32, 34)}
+IMPORTABLE = {int(T.TQ2_0): "tri", int(T.TQ1_0): "tri-dense", int(T.Q1_0): "bin", Q2_0_ID: "q2_0",
+              PQ2_0_ID: "q2_0", PTQ1_0_ID: "tri-dense"}
 _SHIFTS2 = np.array([0, 2, 4, 6], dtype=np.uint8)
 _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
 
@@ -59,10 +65,17 @@ def decode(raw: np.ndarray, type_id: int, k: int) -> tuple[torch.Tensor, torch.T
         bits = (b[..., 2:18, None] >> np.arange(8, dtype=np.uint8)) & 1
         codes = bits.astype(np.int8).reshape(rows, nb * 128) * 2 - 1
         scales = _fp16(b[..., 0:2])
-    elif type_id == Q2_0_ID:  # d, qs[16]: element 4j+i at bits 2i of byte j; 0..3 → -1, 0, 1, 2
-        q = (b[..., 2:18, None] >> _SHIFTS2) & 3
-        codes = q.astype(np.int8).reshape(rows, nb * 64) - 1
+    elif type_id in (Q2_0_ID, PQ2_0_ID):  # d, qs[B/4]: element 4j+i at bits 2i of byte j; 0..3 → -1, 0, 1, 2
+        block = BLOCKS[type_id][0]
+        q = (b[..., 2:2 + block // 4, None] >> _SHIFTS2) & 3
+        codes = q.astype(np.int8).reshape(rows, nb * block) - 1
         scales = _fp16(b[..., 0:2])
+    elif type_id == PTQ1_0_ID:  # qs[24] (5 trits a byte: 16 bytes, then 8), qh[2] (4 trits a byte), d
+        first = _trits(b[..., :16], 5).transpose(0, 1, 3, 2).reshape(rows, nb, 80)  # element n*16 + j
+        second = _trits(b[..., 16:24], 5).transpose(0, 1, 3, 2).reshape(rows, nb, 40)  # 80 + n*8 + j
+        last = _trits(b[..., 24:26], 4).transpose(0, 1, 3, 2).reshape(rows, nb, 8)  # 120 + n*2 + j
+        codes = np.concatenate([first, second, last], axis=-1).reshape(rows, nb * 128) - 1
+        scales = _fp16(b[..., 26:28])
     else:
         raise ValueError(f"GGUF type {type_id} is not a ternary / 1-bit type")
     return torch.from_numpy(np.ascontiguousarray(codes)), scales
@@ -112,9 +125,16 @@ def encode(codes: torch.Tensor, scales: torch.Tensor, group_size: int, type_id: 
         q = np.concatenate([(p * weights).sum(-2) for p in parts], axis=-1)  # [N, K/256, 52]
         body = ((q * 256 + 242) // 243).astype(np.uint8)
         out = np.concatenate([body, _fp16_bytes(d)], axis=-1)
-    elif type_id == Q2_0_ID:  # d, qs[16]: element 4j+i at bits 2i of byte j, code + 1
-        q = (c + 1).astype(np.uint8).reshape(n, -1, 16, 4) << _SHIFTS2
+    elif type_id in (Q2_0_ID, PQ2_0_ID):  # d, qs[B/4]: element 4j+i at bits 2i of byte j, code + 1
+        q = (c + 1).astype(np.uint8).reshape(n, -1, block // 4, 4) << _SHIFTS2
         out = np.concatenate([_fp16_bytes(d), np.bitwise_or.reduce(q, axis=-1)], axis=-1)
+    elif type_id == PTQ1_0_ID:
+        t = (c + 1).astype(np.uint16)
+        parts = [t[..., :80].reshape(n, -1, 5, 16), t[..., 80:120].reshape(n, -1, 5, 8),
+                 np.concatenate([t[..., 120:].reshape(n, -1, 4, 2), np.zeros((n, k // 128, 1, 2), np.uint16)], -2)]
+        weights = np.array([81, 27, 9, 3, 1], dtype=np.uint16).reshape(5, 1)
+        q = np.concatenate([(p * weights).sum(-2) for p in parts], axis=-1)  # [N, K/128, 26]
+        out = np.concatenate([((q * 256 + 242) // 243).astype(np.uint8), _fp16_bytes(d)], axis=-1)
     elif type_id == T.Q1_0:
         bits = (c > 0).astype(np.uint8).reshape(n, -1, 16, 8) << np.arange(8, dtype=np.uint8)
         out = np.concatenate([_fp16_bytes(d), np.bitwise_or.reduce(bits, axis=-1)], axis=-1)

@@ -19,7 +19,7 @@ DECODABLE_TYPES: frozenset[T] = frozenset({
     T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0, T.TQ2_0, T.Q1_0,
 })
 # decoded by quant.gguf_codec (the gguf package has no dequantizer for them); Q2_0 is not in its enum
-CODEC_TYPES: frozenset[int] = frozenset({int(T.Q1_0), gguf_codec.Q2_0_ID})
+CODEC_TYPES: frozenset[int] = frozenset({int(T.Q1_0), gguf_codec.Q2_0_ID, gguf_codec.PQ2_0_ID, gguf_codec.PTQ1_0_ID})
 
 
 _CHUNK_BYTES = 1 << 20
@@ -43,8 +43,8 @@ def block_size(type_id: int) -> tuple[int, int]:
 
 
 def type_name(type_id: int) -> str:
-    if type_id == gguf_codec.Q2_0_ID:
-        return "Q2_0"
+    if type_id in gguf_codec.NAMES:
+        return gguf_codec.NAMES[type_id]
     try:
         return T(type_id).name
     except ValueError:

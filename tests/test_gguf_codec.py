@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
-from quant import gguf_codec
+from quant import gguf_codec, gguf_types
 from quant.formats import QuantSpec, quantize_rtn
 from quant.grids import dequantize
 
@@ -39,11 +39,40 @@ def reference_q2_0(raw: np.ndarray) -> np.ndarray:
     return np.array(out, dtype=np.float32).reshape(raw.shape[0], -1)
 
 
+def reference_pq2_0(raw: np.ndarray) -> np.ndarray:
+    """PQ2_0 by the PrismML fork's dequantize_row_pq2_0: 34-byte blocks, fp16 d first, then qs[32]; weight j
+    is (((qs[j / 4] >> 2 * (j % 4)) & 3) - 1) * d."""
+    out = []
+    for block in raw.reshape(-1, 34):
+        d = float(block[:2].view(np.float16)[0])
+        out += [(((int(block[2 + j // 4]) >> (2 * (j % 4))) & 3) - 1) * d for j in range(128)]
+    return np.array(out, dtype=np.float32).reshape(raw.shape[0], -1)
+
+
+def reference_ptq1_0(raw: np.ndarray) -> np.ndarray:
+    """PTQ1_0 by the fork's dequantize_row_ptq1_0: 28-byte blocks, qs[24] read in stages of 16 then 8 bytes
+    (five base-3 digits a byte, digit n of every byte of the stage before digit n + 1), then qh[2] (four
+    digits a byte), fp16 d last; digit n of byte b is ((uint8)(b * 3^n) * 3) >> 8, the weight (digit - 1) * d."""
+    def digit(b: int, n: int) -> int:
+        return (((b * 3 ** n) & 0xFF) * 3) >> 8
+    out = []
+    for block in raw.reshape(-1, 28):
+        qs, qh, d = [int(b) for b in block[:24]], [int(b) for b in block[24:26]], float(block[26:28].view(np.float16)[0])
+        j = 0
+        for stage in (32, 16, 8):
+            while j + stage <= 24:
+                out += [(digit(qs[j + m], n) - 1) * d for n in range(5) for m in range(stage)]
+                j += stage
+        out += [(digit(qh[h], n) - 1) * d for n in range(4) for h in range(2)]
+    return np.array(out, dtype=np.float32).reshape(raw.shape[0], -1)
+
+
 def random_blocks(type_id: int, rows: int, k: int) -> np.ndarray:
     block, size = gguf_codec.BLOCKS[type_id]
     raw = RNG.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
     d = RNG.uniform(0.001, 0.1, size=(rows, k // block)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
-    raw[..., 0:2] = d  # Q1_0 and Q2_0 start with d
+    at = size - 2 if type_id == gguf_codec.PTQ1_0_ID else 0  # Q1_0, Q2_0 and PQ2_0 start with d; PTQ1_0 ends with it
+    raw[..., at:at + 2] = d
     return raw.reshape(rows, -1)
 
 
@@ -56,7 +85,9 @@ def test_ternary_import_is_bit_exact_against_gguf(qtype):
     assert np.array_equal(dequantize(codes, scales, 256).numpy(), gguf_quants.dequantize(raw, qtype))
 
 
-@pytest.mark.parametrize("qtype,reference", [(T.Q1_0, reference_q1_0), (gguf_codec.Q2_0_ID, reference_q2_0)])
+@pytest.mark.parametrize("qtype,reference", [(T.Q1_0, reference_q1_0), (gguf_codec.Q2_0_ID, reference_q2_0),
+                                             (gguf_codec.PQ2_0_ID, reference_pq2_0),
+                                             (gguf_codec.PTQ1_0_ID, reference_ptq1_0)])
 def test_q1_q2_import_matches_the_byte_layout(qtype, reference):
     raw = random_blocks(int(qtype), 3, 256)
     codes, scales = gguf_codec.decode(raw, int(qtype), 256)
@@ -119,6 +150,18 @@ def test_export_types_and_fallbacks():
     assert et("int4", 48, 16) == (T.F16, False) and et("bf16", 64, 0) == (T.F16, False)
 
 
+@pytest.mark.parametrize("qtype,reference", [(gguf_codec.PQ2_0_ID, reference_pq2_0), (gguf_codec.PTQ1_0_ID, reference_ptq1_0)],
+                         ids=["PQ2_0", "PTQ1_0"])
+def test_prism_blocks_round_trip(qtype, reference):
+    """Ternary codes at group 128 → the fork's blocks → the same codes and scales (and the reference values)."""
+    codes, scales = quantize_rtn(QuantSpec("tri", 128), torch.randn(4, 512))
+    raw, err, _ = gguf_codec.encode(codes, scales, 128, qtype)
+    assert err == 0 and raw.shape == (4, 4 * gguf_codec.BLOCKS[qtype][1])
+    back, back_scales = gguf_codec.decode(raw, qtype, 512)
+    assert torch.equal(back, codes) and torch.equal(back_scales, scales.to(torch.float16).float())
+    assert np.array_equal(reference(raw), dequantize(back, back_scales, 128).numpy())
+
+
 def test_bad_row_lengths_are_refused():
     with pytest.raises(ValueError, match="do not hold"):
         gguf_codec.decode(np.zeros((1, 60), np.uint8), int(T.TQ2_0), 256)
@@ -155,28 +198,29 @@ def write_raw_gguf(path, tokenizer_source, qtype: int):
             writer.add_tensor(name, np.ones(shape, np.float32))
             continue
         raws[name] = random_blocks(qtype, *shape)
-        if qtype == gguf_codec.Q2_0_ID:  # the same bytes as Q1_0 of twice the row length; patched below
-            writer.add_tensor(name, raws[name], raw_dtype=T.Q1_0)
+        if qtype in gguf_codec.NAMES:  # not in the gguf package's enum: written as bytes (I8), patched below
+            writer.add_tensor(name, raws[name].view(np.int8), raw_dtype=T.I8)
         else:
             writer.add_tensor(name, raws[name], raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    if qtype == gguf_codec.Q2_0_ID:
+    if qtype in gguf_codec.NAMES:
         data = bytearray(path.read_bytes())
         for name in raws:
             cols = shapes[name][1]
             key = len(name).to_bytes(8, "little") + name.encode()
             at = data.index(key) + len(key)  # n_dims u32, dims u64 x2, type u32
-            assert int.from_bytes(data[at + 4:at + 12], "little") == 2 * cols
+            assert int.from_bytes(data[at + 4:at + 12], "little") == raws[name].shape[1]
             data[at + 4:at + 12] = cols.to_bytes(8, "little")
-            data[at + 20:at + 24] = gguf_codec.Q2_0_ID.to_bytes(4, "little")
+            data[at + 20:at + 24] = qtype.to_bytes(4, "little")
         path.write_bytes(bytes(data))
     return raws
 
 
-@pytest.mark.parametrize("qtype", [int(T.Q1_0), gguf_codec.Q2_0_ID], ids=["Q1_0", "Q2_0"])
+@pytest.mark.parametrize("qtype", [int(T.Q1_0), gguf_codec.Q2_0_ID, gguf_codec.PQ2_0_ID, gguf_codec.PTQ1_0_ID],
+                         ids=["Q1_0", "Q2_0", "PQ2_0", "PTQ1_0"])
 def test_q1_q2_gguf_files_load_and_serve_codes(qtype, tmp_path, smollm2_gguf):
     from engine.sources.gguf_file import GGUFFile
     from engine.weights.loader import load_model
@@ -187,14 +231,17 @@ def test_q1_q2_gguf_files_load_and_serve_codes(qtype, tmp_path, smollm2_gguf):
     floats = dict(source.iter_canonical_tensors(cfg))
     packed = {name: rest for name, *rest in source.iter_quantized_tensors(cfg)}
     assert len(packed) == 16
-    reference = reference_q1_0 if qtype == T.Q1_0 else reference_q2_0
+    reference = {int(T.Q1_0): reference_q1_0, gguf_codec.Q2_0_ID: reference_q2_0, gguf_codec.PQ2_0_ID: reference_pq2_0,
+                 gguf_codec.PTQ1_0_ID: reference_ptq1_0}[qtype]
     quant_type, group, codes, scales = packed["layers.1.down_proj.weight"]
-    assert (quant_type, group) == (("bin", 128) if qtype == T.Q1_0 else ("int4", 64))  # random Q2_0 bytes use code 2
+    # random Q2_0 / PQ2_0 bytes use code 2 (int4); every PTQ1_0 byte holds ternary digits
+    assert (quant_type, group) == {int(T.Q1_0): ("bin", 128), gguf_codec.Q2_0_ID: ("int4", 64),
+                                   gguf_codec.PQ2_0_ID: ("int4", 128), gguf_codec.PTQ1_0_ID: ("tri-dense", 128)}[qtype]
     assert np.array_equal(dequantize(codes, scales, group).numpy(), reference(raws["blk.1.ffn_down.weight"]))
     for name, (_, group, codes, scales) in packed.items():  # q/k rows are unpermuted like the float path
         assert torch.equal(dequantize(codes, scales, group), floats[name]), name
     loaded = load_model(path, weight_dtype=torch.float32)
-    assert ("Q1_0" if qtype == T.Q1_0 else "Q2_0") in loaded.summary.types
+    assert gguf_types.type_name(qtype) in loaded.summary.types
 
 
 @pytest.mark.parametrize("qtype", [T.TQ2_0, T.TQ1_0])
@@ -295,3 +342,22 @@ def test_gguf_export_from_a_hf_source_builds_the_tokenizer(tmp_path, smollm2_ggu
     torch.testing.assert_close(logits_of(gguf, IDS), logits_of(tmp_path / "ckpt", IDS), atol=1e-4, rtol=1e-4)
     expected = transformers_logits(gguf, IDS)  # llama.cpp's q/k layout, undone by transformers
     torch.testing.assert_close(logits_of(gguf, IDS), expected, atol=1e-4 * max(1, float(expected.abs().max())), rtol=0)
+
+
+def test_rotated_prism_files_and_unknown_types_are_refused_in_one_line(tmp_path, smollm2_gguf):
+    """A Hadamard-rotated Prism file would run wrong without its run-time rotation; a type id nobody knows
+    is named with what bonsai reads."""
+    from engine.errors import BonsaiError
+    from engine.sources.gguf_file import GGUFFile
+    path = tmp_path / "m.gguf"
+    write_raw_gguf(path, smollm2_gguf, gguf_codec.PTQ1_0_ID)
+    data = bytearray(path.read_bytes())
+    unknown = data.replace((gguf_codec.PTQ1_0_ID).to_bytes(4, "little") + b"\0" * 4, (199).to_bytes(4, "little") + b"\0" * 4, 1)
+    (tmp_path / "u.gguf").write_bytes(bytes(unknown))
+    with pytest.raises(BonsaiError, match=r"unknown type id 199, which bonsai does not decode \(it reads .*PTQ1_0") as e:
+        GGUFFile(tmp_path / "u.gguf").model_config()
+    assert "\n" not in str(e.value)
+    source = GGUFFile(path)
+    source.metadata["prism.hadamard.block_size"] = 1024
+    with pytest.raises(BonsaiError, match="Hadamard-rotated weights .prism.hadamard.block_size"):
+        source.model_config()

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from engine.errors import ModelFileError, UnsupportedModelError
-from engine.sources.gguf_reader import GGUFFormatError, TensorExtent, read_gguf, tensor_bytes
+from engine.sources.gguf_reader import GGUFFormatError, TensorExtent, UnknownTypeError, read_gguf, tensor_bytes
 from engine.sources.model_check import check_tensors, in_file
 from engine.sources.model_config import ModelConfig
 from engine.sources.tokenizer import Tokenizer
@@ -84,6 +84,9 @@ class GGUFFile:
         try:
             self.metadata_types: dict[str, tuple[int, int | None]] = {}
             self.metadata, extents, self._data = read_gguf(self.path, self.metadata_types)
+        except UnknownTypeError as e:
+            raise UnsupportedModelError(f"{self.path}: {e}, which bonsai does not decode (it reads "
+                                        f"{_known_types()}); use a GGUF of one of those types") from None
         except (GGUFFormatError, OSError, ValueError, struct.error) as e:
             raise ModelFileError(f"{self.path} is a corrupt or truncated GGUF file ({_first_line(e)}); "
                                  "download it again") from None
@@ -101,8 +104,13 @@ class GGUFFile:
                       f"{config.architecture}.block_count")
         for t in used.values():
             if t.type_id not in gguf_types.DECODABLE_TYPES | gguf_types.CODEC_TYPES:
-                raise UnsupportedModelError(f"{self.path}: tensor {t.name} is {gguf_types.type_name(t.type_id)}, "
-                                            "a type bonsai does not decode; use a GGUF of another type")
+                raise UnsupportedModelError(f"{self.path}: tensor {t.name} is {gguf_types.type_name(t.type_id)} "
+                                            f"(type id {t.type_id}), which bonsai does not decode (it reads "
+                                            f"{_known_types()}); use a GGUF of one of those types")
+        rotated = sorted(k for k in self.metadata if k.startswith("prism.hadamard."))
+        if rotated:  # the weights hold a rotation the activations must get at run time: never run them without
+            raise UnsupportedModelError(f"{self.path} holds Hadamard-rotated weights ({', '.join(rotated[:3])}), "
+                                        "a rotation bonsai does not apply at run time; use the file without it")
         return config
 
     def tokenizer(self) -> Tokenizer:
@@ -157,6 +165,10 @@ class GGUFFile:
             if config.architecture == "llama" and heads is not None:
                 codes, scales = _unpermute_rotary(codes, heads), _unpermute_rotary(scales, heads)
             yield name, quant_type, t.shape[-1] // scales.shape[-1], codes, scales
+
+
+def _known_types() -> str:
+    return ", ".join(sorted(gguf_types.type_name(int(i)) for i in gguf_types.DECODABLE_TYPES | gguf_types.CODEC_TYPES))
 
 
 def _first_line(e: BaseException) -> str:

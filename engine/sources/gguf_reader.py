@@ -33,6 +33,10 @@ class GGUFFormatError(ValueError):
     """The bytes do not follow the GGUF layout."""
 
 
+class UnknownTypeError(GGUFFormatError):
+    """A tensor of a type id this version does not know (its size cannot even be computed)."""
+
+
 @dataclass(frozen=True)
 class TensorExtent:
     name: str
@@ -145,7 +149,7 @@ def _extent(name: str, dims: list[int], type_id: int, offset: int, data_start: i
     try:
         block, type_size = block_size(type_id)
     except (ValueError, KeyError):
-        raise GGUFFormatError(f"tensor {name} has unknown type id {type_id}") from None
+        raise UnknownTypeError(f"tensor {name} has unknown type id {type_id}") from None
     if any(d == 0 for d in dims):
         raise GGUFFormatError(f"tensor {name} has a zero dimension {dims}")
     numel = math.prod(dims)

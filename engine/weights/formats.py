@@ -139,9 +139,10 @@ def stored_formats(source, exact: bool = False) -> dict[str, tuple[str, int]]:
         # Q2_0 runs as tri or int4 depending on its codes (the data): planned as int4, the larger
         importable = {gguf_types.type_name(i): ({"tri-dense": "tri", "q2_0": "int4"}.get(q, q), gguf_codec.BLOCKS[i][0])
                       for i, q in gguf_codec.IMPORTABLE.items()}
+        q2_names = {gguf_types.type_name(i) for i, q in gguf_codec.IMPORTABLE.items() if q == "q2_0"}
         for name, type_name, shape, _ in source.tensor_info():
             canon = gguf_canonical(name)
             if canon is not None and type_name in importable and len(shape) == 2:
-                if not (exact and type_name == gguf_types.type_name(gguf_codec.Q2_0_ID)):
+                if not (exact and type_name in q2_names):
                     out[canon] = importable[type_name]
     return out
