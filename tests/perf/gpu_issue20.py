@@ -35,7 +35,7 @@ from quant.kernels.gemv_parts import split_k  # noqa: E402
 from quant.kernels.packed_gemv import packed_gemv, packed_gemv_reference  # noqa: E402
 from quant.kernels.packed_mma import groups_per_tile, joinable, packed_mma  # noqa: E402
 from quant.packed_layout import PackedWeight  # noqa: E402
-from tests.perf.gpu_kern import SHAPES, TINY_SHAPES, Run, relative_error, time_calls  # noqa: E402
+from tests.perf.gpu_kern import SHAPES, TINY_SHAPES, Run, relative_error, rotated, time_calls  # noqa: E402
 
 SWEEP_SHAPES = ("8b gate_up", "8b down")
 PATH_SHAPES = ("8b qkv", "8b o", "8b gate_up", "8b down", "27b qkv", "27b o", "27b gate_up", "27b down")
@@ -44,13 +44,6 @@ ROWS = (1, 2, 3, 4, 5, 8, 12, 16)
 GRID = [(bn, w, st, prog, join) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)
         for prog in (512, 1024, 2048) for join in (False, True)]
 SECTIONS = ("sweep", "paths", "step", "prefill")
-
-
-def rotated(run: Run, pw: PackedWeight) -> list[PackedWeight]:
-    import math
-    copies = max(2, math.ceil(run.rotate_bytes / pw.nbytes))
-    return [pw] + [PackedWeight(pw.kind, pw.words.clone(), pw.scales.clone(), pw.out_features, pw.in_features,
-                                pw.group_size) for _ in range(copies - 1)]
 
 
 def mma_config(pw: PackedWeight, bn: int, warps: int, stages: int, programs: int) -> tuple[int, int, int, int]:

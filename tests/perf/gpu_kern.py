@@ -158,14 +158,19 @@ def time_calls(run: Run, calls: list) -> dict:
             "us_std": (statistics.stdev(samples) if len(samples) > 1 else 0.0) * 1e6, "samples": len(samples)}
 
 
-def time_product(run: Run, pw: PackedWeight, xq, path: str) -> dict:
-    """Timing of one kernel on rotated copies of pw (enough that ROTATE_BYTES lie between two uses of one)."""
+def rotated(run: Run, pw: PackedWeight) -> list[PackedWeight]:
+    """pw and copies of it, enough that ROTATE_BYTES lie between two uses of one (each timed call reads HBM)."""
     copies = max(2, math.ceil(run.rotate_bytes / pw.nbytes))
-    mats = [pw] + [PackedWeight(pw.kind, pw.words.clone(), pw.scales.clone(), pw.out_features, pw.in_features,
+    return [pw] + [PackedWeight(pw.kind, pw.words.clone(), pw.scales.clone(), pw.out_features, pw.in_features,
                                 pw.group_size) for _ in range(copies - 1)]
+
+
+def time_product(run: Run, pw: PackedWeight, xq, path: str) -> dict:
+    """Timing of one kernel on rotated copies of pw."""
+    mats = rotated(run, pw)
     out = torch.zeros(xq[0].shape[0], pw.out_features, device=run.dev)
     timing = time_calls(run, [lambda w=w: product(xq, w, path, out) for w in mats])
-    return {"copies": copies, **timing}
+    return {"copies": len(mats), **timing}
 
 
 def section_copy(run: Run) -> None:
