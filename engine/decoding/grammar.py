@@ -25,6 +25,9 @@ from engine.errors import BonsaiError, one_line
 
 FORMATS = ("hermes", "qwen3_xml", "llama3_json")
 MODES = ("required", "named", "auto")
+# whitespace characters in a row inside JSON (llama.cpp's JSON grammar allows a newline and 20): room for
+# pretty-printed output, never an endless run of blanks from a small model
+MAX_WHITESPACE = 12
 REASONING = (None, "tag", "opened")  # no prefix; the model writes <think>…</think>; the prompt opened it
 
 
@@ -108,14 +111,15 @@ def _schema_object(schema: Any, what: str) -> None:
 
 def _dump(schema: Any, what: str) -> str:
     try:
-        return json.dumps(schema, sort_keys=True, allow_nan=False)
+        return json.dumps(schema, allow_nan=False)  # key order kept: properties come in it
     except (TypeError, ValueError) as e:
         raise GrammarError(f"{what} is not valid JSON: {one_line(e)}") from None
 
 
 # -- the structural tag --------------------------------------------------------------------------
 def _json(schema_text: str, style: str | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": "json_schema", "json_schema": json.loads(schema_text)}
+    out: dict[str, Any] = {"type": "json_schema", "json_schema": json.loads(schema_text),
+                           "max_whitespace_cnt": MAX_WHITESPACE}
     if style:
         out["style"] = style
     return out
