@@ -143,6 +143,11 @@ def weight_tensors(config: ModelConfig, formats: dict[str, LinearFormat], s: Run
             size = n * k * (d if path == "lm_head" else s.weight_dtype_bytes)
         out.append((what, layer, size))
     for i in range(config.num_layers):
+        if config.is_linear(i):  # DeltaNet: conv weights, dt_bias, A_log, its gated norm
+            hc = config.hybrid
+            out.append(("norms", i, (2 * h + hc.conv_dim * hc.conv_kernel + 2 * hc.linear_num_value_heads
+                                     + hc.linear_value_head_dim) * d))
+            continue
         out.append(("norms", i, (2 * h + (2 * config.head_dim if config.qk_norm else 0)) * d))
         if config.attention_bias:
             out.append(("bias", i, (config.q_size + 2 * config.kv_size) * d))
@@ -183,9 +188,13 @@ def _weight_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
 
 def _kv_lines(config: ModelConfig, s: RunSettings) -> tuple[list[PlanLine], list[PlanLine]]:
     kv = KV_TYPES[s.kv_type]
-    per_token = kv_bytes_per_token(kv, config.num_layers, config.num_kv_heads, config.head_dim, s.dtype_bytes)
+    per_token = kv_bytes_per_token(kv, config.num_kv_layers, config.num_kv_heads, config.head_dim, s.dtype_bytes)
     total = per_token * s.max_seq_len * s.slots
     name = f"KV cache {s.kv_label} ({s.slots} × {s.max_seq_len} positions)"
+    if config.hybrid is not None:  # engine.runtime.hybrid_state: fp32 recurrent state + conv window per slot
+        states = PlanLine("kv", f"DeltaNet states ({s.slots} slots × {config.hybrid.counts()['linear_attention']} "
+                          "layers)", config.hybrid.state_bytes_per_slot(s.dtype_bytes) * s.slots)
+        return [PlanLine("kv", name, total), states], []
     if not s.kv_offload:
         return [PlanLine("kv", name, total)], []
     ring = STAGING_LAYERS * total // config.num_layers
