@@ -115,16 +115,10 @@ class GatedDeltaNet(nn.Module):
         hc = self.hc
         b, t, _ = x.shape
         states = cache.states
-        conv_in = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
-        z = self.in_proj_z(x).view(b, t, hc.linear_num_value_heads, hc.linear_value_head_dim)  # [B, T, Hv, Dv]
-        beta = self.in_proj_b(x).float().sigmoid()  # [B, T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [B, T, Hv]
+        conv_in, z, beta, g = self._inputs(x)
         window, rec = states.read(self.index, batch)  # [B, C, K-1], [B, Hv, Dk, Dv] (zeros where a row starts at 0)
         mixed, seen = causal_conv(conv_in, window, self.conv_weight)
-        q, k, v = mixed.transpose(1, 2).split([hc.key_dim, hc.key_dim, hc.value_dim], dim=-1)
-        q = q.reshape(b, t, hc.linear_num_key_heads, hc.linear_key_head_dim)  # [B, T, Hk, Dk]
-        k = k.reshape(b, t, hc.linear_num_key_heads, hc.linear_key_head_dim)  # [B, T, Hk, Dk]
-        v = v.reshape(b, t, hc.linear_num_value_heads, hc.linear_value_head_dim)  # [B, T, Hv, Dv]
+        q, k, v = self._split(mixed, b, t)  # [B, T, Hk, Dk] x2, [B, T, Hv, Dv]
         kept = None
         if states.recording:  # a verify pass: every position's state, for a rollback by copy
             out, rec, kept = recurrent_gated_delta_rule(q, k, v, g, beta, rec, keep_states=True)
@@ -133,8 +127,42 @@ class GatedDeltaNet(nn.Module):
         else:
             out, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec, self.chunk)
         states.write(self.index, batch, seen, rec, kept)
+        return self._output(out, z, x.dtype)
+
+    def over_sequences(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer over whole sequences x [B, T, hidden] from the zero state, no cache (calibration)."""
+        hc = self.hc
+        b, t, _ = x.shape
+        conv_in, z, beta, g = self._inputs(x)
+        mixed, _ = causal_conv(conv_in, conv_in.new_zeros(b, hc.conv_dim, hc.conv_kernel - 1), self.conv_weight)
+        q, k, v = self._split(mixed, b, t)
+        state = x.new_zeros(b, hc.linear_num_value_heads, hc.linear_key_head_dim, hc.linear_value_head_dim,
+                            dtype=torch.float32)
+        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, state, self.chunk)
+        return self._output(out, z, x.dtype)
+
+    def _inputs(self, x: torch.Tensor):
+        """The conv input [B, C, T], output gate z [B, T, Hv, Dv], beta and log decay g [B, T, Hv] of x."""
+        hc = self.hc
+        b, t, _ = x.shape
+        conv_in = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        z = self.in_proj_z(x).view(b, t, hc.linear_num_value_heads, hc.linear_value_head_dim)  # [B, T, Hv, Dv]
+        beta = self.in_proj_b(x).float().sigmoid()  # [B, T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [B, T, Hv]
+        return conv_in, z, beta, g
+
+    def _split(self, mixed: torch.Tensor, b: int, t: int):
+        """q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv] of the conv output [B, C, T]."""
+        hc = self.hc
+        q, k, v = mixed.transpose(1, 2).split([hc.key_dim, hc.key_dim, hc.value_dim], dim=-1)
+        return (q.reshape(b, t, hc.linear_num_key_heads, hc.linear_key_head_dim),
+                k.reshape(b, t, hc.linear_num_key_heads, hc.linear_key_head_dim),
+                v.reshape(b, t, hc.linear_num_value_heads, hc.linear_value_head_dim))
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        b, t = out.shape[:2]
         out = _gated_norm(out, z, self.norm_weight, self.eps)  # [B, T, Hv, Dv]
-        return self.out_proj(out.reshape(b, t, hc.value_dim).to(x.dtype))
+        return self.out_proj(out.reshape(b, t, self.hc.value_dim).to(dtype))
 
 
 def _gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
