@@ -46,6 +46,7 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
     summary = summarize(source)
     arch = {k: v for k, v in vars(config).items() if k != "extra"}
     arch["rope_scaling"] = vars(config.rope_scaling) if config.rope_scaling else None
+    arch["hybrid"] = _hybrid_summary(config)
     rotation = getattr(source, "rotation", None)  # a checkpoint made with --rotate
     if json_out:
         print_json({"path": str(path), "format": summary.format, "architecture": arch, "rotation": rotation,
@@ -61,6 +62,11 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
                 "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
                 "tie_word_embeddings", "qk_norm", "attention_bias"):
         head.add_row(key, str(arch[key]))
+    if arch["hybrid"]:
+        mix = arch["hybrid"]
+        head.add_row("layer mix", f"{mix['deltanet_layers']} Gated DeltaNet + {mix['attention_layers']} gated attention")
+        head.add_row("state per sequence", f"{mix['state_bytes_per_sequence'] / 2**20:,.2f} MiB (DeltaNet, fp32; "
+                     "plus the attention layers' KV)")
     head.add_row("parameters", f"{summary.num_parameters:,} ({summary.num_parameters / 1e6:.1f}M)")
     head.add_row("size", f"{summary.file_bytes / 2**20:,.1f} MiB")
     head.add_row("bits per weight", f"{summary.bits_per_weight:.3f}")
@@ -73,6 +79,16 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
     for t, (n, p, b) in summary.types.items():
         types.add_row(t, str(n), f"{p:,}", f"{b / 2**20:,.1f}", f"{8 * b / max(p, 1):.3f}")
     console.print(types)
+
+
+def _hybrid_summary(config) -> dict | None:
+    """A hybrid model's layer mix and the DeltaNet state one sequence holds (engine.runtime.hybrid_state)."""
+    hc = config.hybrid
+    if hc is None:
+        return None
+    counts = hc.counts()
+    return {**vars(hc), "deltanet_layers": counts["linear_attention"], "attention_layers": counts["full_attention"],
+            "state_bytes_per_sequence": hc.state_bytes_per_slot(4)}
 
 
 def _info_plan(model: Optional[str], plan_file: Path, json_out: bool) -> None:
@@ -155,6 +171,7 @@ def _info_dummy(model: str, weights: str, group_size: int, head_weights: str, js
     nbytes = sum(size for _, _, size in weight_tensors(config, formats, run_settings(config, "cuda", 2)))
     params = config.num_parameters()
     arch = {k: v for k, v in vars(config).items() if k not in ("extra", "rope_scaling")}
+    arch["hybrid"] = _hybrid_summary(config)
     if json_out:
         print_json({"path": str(path), "format": "dummy", "architecture": arch, "parameters": params,
                     "bytes": nbytes, "bits_per_weight": 8 * nbytes / params,

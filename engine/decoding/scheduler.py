@@ -42,6 +42,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _kept(slot: CachedSlot, prompt: list[int]) -> int:
+    """Prompt tokens a slot can keep: the common prefix, one token short of the prompt at most, cut to a
+    length the slot can go back to (a hybrid model's DeltaNet state: all of it or nothing, KVSlot.keepable)."""
+    n = max(min(common_prefix(slot.tokens, prompt), len(prompt) - 1), 0)
+    keepable = getattr(slot, "keepable", None)
+    return keepable(n) if keepable is not None else n
+
+
 R = TypeVar("R")
 
 
@@ -109,9 +117,8 @@ class Scheduler(Generic[R]):
             if not free:
                 break
             request, prompt = self._queue.popleft()
-            best = max(free, key=lambda i: (min(common_prefix(i.slot.tokens, prompt), len(prompt) - 1),
-                                            -i.last_used))
-            reused = max(min(common_prefix(best.slot.tokens, prompt), len(prompt) - 1), 0)
+            best = max(free, key=lambda i: (_kept(i.slot, prompt), -i.last_used))
+            reused = _kept(best.slot, prompt)
             del best.slot.tokens[reused:]
             best.request = request
             best.requests_served += 1

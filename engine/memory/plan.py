@@ -143,6 +143,11 @@ def weight_tensors(config: ModelConfig, formats: dict[str, LinearFormat], s: Run
             size = n * k * (d if path == "lm_head" else s.weight_dtype_bytes)
         out.append((what, layer, size))
     for i in range(config.num_layers):
+        if config.is_linear(i):  # DeltaNet: conv weights, dt_bias, A_log, its gated norm
+            hc = config.hybrid
+            out.append(("norms", i, (2 * h + hc.conv_dim * hc.conv_kernel + 2 * hc.linear_num_value_heads
+                                     + hc.linear_value_head_dim) * d))
+            continue
         out.append(("norms", i, (2 * h + (2 * config.head_dim if config.qk_norm else 0)) * d))
         if config.attention_bias:
             out.append(("bias", i, (config.q_size + 2 * config.kv_size) * d))
@@ -183,9 +188,13 @@ def _weight_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
 
 def _kv_lines(config: ModelConfig, s: RunSettings) -> tuple[list[PlanLine], list[PlanLine]]:
     kv = KV_TYPES[s.kv_type]
-    per_token = kv_bytes_per_token(kv, config.num_layers, config.num_kv_heads, config.head_dim, s.dtype_bytes)
+    per_token = kv_bytes_per_token(kv, config.num_kv_layers, config.num_kv_heads, config.head_dim, s.dtype_bytes)
     total = per_token * s.max_seq_len * s.slots
     name = f"KV cache {s.kv_label} ({s.slots} × {s.max_seq_len} positions)"
+    if config.hybrid is not None:  # engine.runtime.hybrid_state: fp32 recurrent state + conv window per slot
+        states = PlanLine("kv", f"DeltaNet states ({s.slots} slots × {config.hybrid.counts()['linear_attention']} "
+                          "layers)", config.hybrid.state_bytes_per_slot(s.dtype_bytes) * s.slots)
+        return [PlanLine("kv", name, total), states], []
     if not s.kv_offload:
         return [PlanLine("kv", name, total)], []
     ring = STAGING_LAYERS * total // config.num_layers
@@ -218,7 +227,7 @@ def decode_step_bytes(config: ModelConfig, formats: dict[str, LinearFormat], row
     static = m * 8 + 3 * m * 4 + m * (config.q_size + 2 * config.kv_size) * 4 + m * 2 * f * 4
     if s.embedding_on_host:
         static += m * h * d  # the rows' embeddings, copied in before each replay
-    layer0 = {path.split(".")[-1]: fmt for path, fmt in formats.items() if path.startswith("layers.0.")}
+    layer0 = {path.split(".")[-1]: fmt for path, fmt in formats.items() if path.startswith(_attention_layer(config))}
     wo = layer0["wo"]
 
     def act_quant(k: int, fmt: LinearFormat) -> list[int]:  # int8 activations, float32 scales, int32 sums
@@ -254,8 +263,9 @@ def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
     t, sl, d = min(s.prefill_chunk_size, s.max_seq_len), s.max_seq_len, s.dtype_bytes
     h, f, hq, kvh = config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads
     dim = config.head_dim
-    layer0 = {path.split(".")[-1]: fmt for path, fmt in formats.items() if path.startswith("layers.0.")}
-    shapes = {path.split(".")[-1]: (n, k) for path, n, k, _ in linear_modules(config) if path.startswith("layers.0.")}
+    layer0 = {path.split(".")[-1]: fmt for path, fmt in formats.items() if path.startswith(_attention_layer(config))}
+    shapes = {path.split(".")[-1]: (n, k) for path, n, k, _ in linear_modules(config)
+              if path.startswith(_attention_layer(config))}
 
     def unpacked(name: str) -> int:  # packed layers of more rows than stay packed: a float Wᵀ slice for cuBLAS,
         n, k = shapes[name]          # its words and scales copied out, and the slice's product
@@ -287,7 +297,19 @@ def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
         "swiglu": t * 2 * f * d + 2 * t * f * d,
         "down": t * f * d + unpacked("w2") + t * h * d,
     }
+    if config.hybrid is not None:  # a DeltaNet layer (engine.runtime.deltanet, float32 maths): projections,
+        hc, c = config.hybrid, 64  # the conv's inputs, q/k/v per value head, the chunk's [C, C] matrices
+        hv = hc.linear_num_value_heads
+        per_head = t * (2 * hc.linear_key_head_dim + 2 * hc.linear_value_head_dim) * 4
+        phases["deltanet"] = (t * (hc.conv_dim + hc.value_dim) * d * 2 + hc.conv_dim * (t + hc.conv_kernel) * d
+                              + hv * (3 * per_head + 4 * round_up(t, c) * c * 4))
     return {"base": base, **phases}
+
+
+def _attention_layer(config: ModelConfig) -> str:
+    """The module prefix of the first attention layer (a hybrid's first layers are DeltaNet ones)."""
+    first = next((i for i in range(config.num_layers) if not config.is_linear(i)), 0)
+    return f"layers.{first}."
 
 
 def _prefill_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings) -> list[PlanLine]:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from engine.errors import BonsaiError
 from engine.weights.loader import LoadedModel, resolve_device
+from engine.runtime.deltanet import GatedDeltaNet
 from engine.runtime.model import Block
 from quant.grids import dequantize
 from quant.formats import fp16_scales, relative_error
@@ -93,12 +94,19 @@ def block_targets(block: Block, layer: int, cfg, plan) -> dict[str, list[Target]
     """The block's quantized tensors by the input they share: qkv, o, gate_up, down."""
     p = f"model.layers.{layer}."
     attn, ffn = block.attention, block.feed_forward
-    f = cfg.intermediate_size
+    f, q = cfg.intermediate_size, cfg.q_rows
+    if cfg.is_linear(layer):  # a DeltaNet layer: in_proj_b / in_proj_a (one row per head) stay float
+        hc = cfg.hybrid
+        attention = {"qkv": [("linear_attn.in_proj_qkv", attn.in_proj_qkv.weight, 0, hc.conv_dim),
+                             ("linear_attn.in_proj_z", attn.in_proj_z.weight, 0, hc.value_dim)],
+                     "o": [("linear_attn.out_proj", attn.out_proj.weight, 0, cfg.hidden_size)]}
+    else:
+        attention = {"qkv": [("self_attn.q_proj", attn.wqkv.weight, 0, q),
+                             ("self_attn.k_proj", attn.wqkv.weight, q, cfg.kv_size),
+                             ("self_attn.v_proj", attn.wqkv.weight, q + cfg.kv_size, cfg.kv_size)],
+                     "o": [("self_attn.o_proj", attn.wo.weight, 0, cfg.hidden_size)]}
     groups = {
-        "qkv": [("self_attn.q_proj", attn.wqkv.weight, 0, cfg.q_size),
-                ("self_attn.k_proj", attn.wqkv.weight, cfg.q_size, cfg.kv_size),
-                ("self_attn.v_proj", attn.wqkv.weight, cfg.q_size + cfg.kv_size, cfg.kv_size)],
-        "o": [("self_attn.o_proj", attn.wo.weight, 0, cfg.hidden_size)],
+        **attention,
         "gate_up": [("mlp.gate_proj", ffn.w13.weight, 0, f), ("mlp.up_proj", ffn.w13.weight, f, f)],
         "down": [("mlp.down_proj", ffn.w2.weight, 0, cfg.hidden_size)],
     }
@@ -150,10 +158,11 @@ def _attention_output(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: tor
     attn = block.attention
     cfg = attn.cfg
     b, t, _ = x.shape
-    q, k, v = attn.project(block.attention_norm(x), cos, sin)  # [B, H, T, D], [B, KV, T, D] x2
+    q, k, v, gate = attn.project(block.attention_norm(x), cos, sin, with_gate=True)  # [B, H, T, D], [B, KV, T, D] x2
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                          enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
-    return out.transpose(1, 2).reshape(b, t, cfg.q_size)
+    out = out.transpose(1, 2).reshape(b, t, cfg.q_size)
+    return out if gate is None else out * torch.sigmoid(gate.float()).to(out.dtype)  # a hybrid's output gate
 
 
 def _swiglu(block: Block, h: torch.Tensor) -> torch.Tensor:
@@ -169,6 +178,9 @@ def rotary_tables(model, seq_len: int, device: torch.device) -> tuple[torch.Tens
 
 def block_forward(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """One block over whole sequences x [B, T, H] with the steps the calibration uses."""
+    if isinstance(block.attention, GatedDeltaNet):  # a hybrid's DeltaNet layer, from the zero state
+        h = x + block.attention.over_sequences(block.attention_norm(x))
+        return h + block.feed_forward.w2(_swiglu(block, h))
     h = x + block.attention.wo(_attention_output(block, x, cos, sin))
     return h + block.feed_forward.w2(_swiglu(block, h))
 

@@ -157,6 +157,8 @@ def _fits(source_type: str, target_type: str) -> bool:
 def _plan_rotation(source: Any, config, opts: QuantizeOptions) -> Rotation | None:
     if not opts.rotate:
         return None
+    if config.hybrid is not None:
+        raise BonsaiError("--rotate is not supported for hybrid (Qwen3.5/3.6) models yet: quantize without --rotate")
     if getattr(source, "rotation", None):
         raise BonsaiError(f"{source.path} is already rotated (its metadata says bonsai.rotation): quantize it "
                           "without --rotate")
@@ -173,6 +175,8 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     _check_paths(src, out, opts.gguf, opts.force)
     source = open_model_source(src)
     config = source.model_config()
+    if config.hybrid is not None and opts.method != "rtn":  # calibration captures attention-layer inputs only
+        raise BonsaiError(f"--method {opts.method} is not supported for hybrid (Qwen3.5/3.6) models yet: use --method rtn")
     rotation = _plan_rotation(source, config, opts)
     out_rotation = rotation.metadata() if rotation else getattr(source, "rotation", None)
     if opts.gguf is not None and out_rotation and out_rotation.get("down_proj_hadamard"):

@@ -47,6 +47,10 @@ class KVSlot:
             raise BonsaiError(f"the sequence needs {self.length + n} positions but the context holds "
                               f"{self.capacity}: shorten the prompt or raise max_seq_len")
 
+    def keepable(self, n: int) -> int:
+        """The longest prefix of at most n tokens this slot can be cut back to (a KV slot: any)."""
+        return n
+
     def rewind(self, n: int) -> None:
         """Forget the last n tokens (their cache rows are overwritten by later writes)."""
         assert 0 <= n <= self.length, (n, self.length)
@@ -93,6 +97,7 @@ def kv_type_of(name: str | KVType) -> KVType:
 
 class KVCache:
     streamed = False  # True where the storage lives elsewhere and layers are streamed in (engine.memory.kv_offload)
+    states = None  # a hybrid model's DeltaNet states (engine.runtime.hybrid_state.attach_states)
 
     def __init__(self, config: ModelConfig, max_seq_len: int, num_slots: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -102,7 +107,7 @@ class KVCache:
         self.kv_type = kv_type_of(kv_type)
         self.dtype = dtype
         self.elements = {"k": self.kv_type.key, "v": self.kv_type.value}
-        lead = (config.num_layers, num_slots, config.num_kv_heads, max_seq_len)
+        lead = (config.num_kv_layers, num_slots, config.num_kv_heads, max_seq_len)
         # every storage tensor is [L, slots, kv_heads, S, X] (X: elements per row in its format), so
         # code that moves whole rows (offload, slot copies) can treat them alike
         self.tensors: dict[str, torch.Tensor] = {}
@@ -132,7 +137,7 @@ class KVCache:
         self.device = torch.device(device)  # where attention reads the cache
         # per layer, views of every storage tensor: {name: [slots, kv_heads, S, X]} (made once: no
         # per-step view creation on the decode path)
-        self._layers = [{name: t[i] for name, t in self.tensors.items()} for i in range(config.num_layers)]
+        self._layers = [{name: t[i] for name, t in self.tensors.items()} for i in range(config.num_kv_layers)]
 
     @staticmethod
     def _name(name: str, part: str) -> str:

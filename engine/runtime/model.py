@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kernels import kernels_usable
+from engine.runtime.deltanet import GatedDeltaNet
 from engine.runtime.linear import Linear, linear
 from engine.runtime.kv_cache import CacheBatch, KVCache
 from engine.sources.model_config import ModelConfig
@@ -34,36 +35,41 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.layer, self.cfg = layer, cfg
-        self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.layer, self.cfg = layer, cfg  # layer: its KV cache layer
+        self.gated = cfg.hybrid is not None  # q_proj also yields an output gate per head (sigmoid on the output)
+        self.wqkv = Linear(cfg.hidden_size, cfg.q_rows + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.wo = Linear(cfg.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.fused_prologue: torch.Tensor | None = None  # inv_freq when q/k-norm + rotary + KV write run fused
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B, H, T, D], k and v [B, KV, T, D] of x [B, T, hidden]: projection, q/k norms, rotary."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, with_gate: bool = False) -> tuple:
+        """q [B, H, T, D], k and v [B, KV, T, D] of x [B, T, hidden]: projection, q/k norms, rotary
+        (with_gate: and the output gate [B, T, H*D] of a gated attention)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim)  # [B, T, H, D]
+        q, k, v = self.wqkv(x).split([cfg.q_rows, cfg.kv_size, cfg.kv_size], dim=-1)
+        gate = None
+        if self.gated:  # per head: D query values, then D gate values
+            q, gate = q.view(b, t, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, t, cfg.q_size)
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)  # [B, T, H, D]
         k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)  # [B, T, KV, D]
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)  # [B, T, KV, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # [B, H, T, D]
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # [B, KV, T, D]
-        return q, k, v.transpose(1, 2)
+        return (q, k, v.transpose(1, 2), gate) if with_gate else (q, k, v.transpose(1, 2))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 batch: CacheBatch, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
         if self.fused_prologue is not None:
-            q = self._fused_prologue(x, cache, batch)  # [B, H, T, D]; K/V written, q in the keys' space
+            q, gate = self._fused_prologue(x, cache, batch), None  # [B, H, T, D]; K/V written, q in the keys' space
         else:
-            q, k, v = self.project(x, cos, sin)
+            q, k, v, gate = self.project(x, cos, sin, with_gate=True)
             cache.write(self.layer, batch, k, v)
             q = cache.key_space(q)  # [B, H, T, D] rotated where the stored keys are
         if cache.kv_type.quantized:  # read the codes of the positions in use, causal by position
@@ -73,7 +79,10 @@ class Attention(nn.Module):
             keys, values = cache.read(self.layer, batch, kv_len)  # [B, KV, S, D]
             causal = mask is None and t > 1  # a fresh single sequence: the flash kernel's own causal mask
             out = attention(q, keys, values, mask, causal, cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
-        return self.wo(out.transpose(1, 2).reshape(b, t, cfg.q_size))
+        out = out.transpose(1, 2).reshape(b, t, cfg.q_size)  # [B, T, H*D]
+        if self.gated:
+            out = out * torch.sigmoid(gate.float()).to(out.dtype)
+        return self.wo(out)
 
 
     def _fused_prologue(self, x: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
@@ -126,7 +135,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention = Attention(cfg, layer)
+        index = cfg.hybrid.state_index(layer) if cfg.hybrid else layer  # its KV layer, or DeltaNet state
+        self.attention = GatedDeltaNet(cfg, index) if cfg.is_linear(layer) else Attention(cfg, index)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
@@ -203,14 +213,18 @@ def quantized_cache_attention(q: torch.Tensor, cache: KVCache, layer: int, batch
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split (NeoX / HF) rotary: x [B, T, H, D], cos/sin [B, T, 1, D/2]."""
+    """Half-split (NeoX / HF) rotary: x [B, T, H, D], cos/sin [B, T, 1, R/2]; a partial rotary (R < D)
+    turns the first R of each head's D elements and passes the rest."""
+    r = 2 * cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def rotary_inverse_frequencies(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """[D/2] inverse frequencies, with linear / llama3 scaling or GGUF `rope_freqs` factors."""
-    d = cfg.head_dim
+    d = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     rs = cfg.rope_scaling
     if freq_factors is not None:
@@ -315,6 +329,8 @@ class Transformer(nn.Module):
             self.inv_freq.copy_(rotary_inverse_frequencies(cfg, tensor))
             return
         parts = name.split(".")
+        if cfg.hybrid is not None and (name == "norm.weight" or parts[-2] in _CENTRED_NORMS):
+            tensor = tensor.float() + 1  # Qwen3.5 stores these RMSNorm weights minus one: x·(1 + w)
         if parts[0] != "layers":
             target = {"embed_tokens.weight": self.embed.weight, "norm.weight": self.norm.weight,
                       "lm_head.weight": getattr(self.lm_head, "weight", None)}.get(name)
@@ -326,9 +342,14 @@ class Transformer(nn.Module):
             return
         block: Block = self.layers[int(parts[1]) - self.first_layer]
         part, kind = parts[2], parts[3]
-        qkv_rows = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size),
-                    "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
-        if part in qkv_rows:
+        qkv_rows = {"q_proj": (0, cfg.q_rows), "k_proj": (cfg.q_rows, cfg.kv_size),
+                    "v_proj": (cfg.q_rows + cfg.kv_size, cfg.kv_size)}
+        if isinstance(block.attention, GatedDeltaNet) and part not in _BLOCK_PARTS:
+            target = block.attention.parameter_of(part)
+            if target is None:
+                raise KeyError(name)
+            _copy_into(target, tensor.reshape(target.shape) if part == "conv1d" else tensor, name)
+        elif part in qkv_rows:
             start, rows = qkv_rows[part]
             param = block.attention.wqkv.weight if kind == "weight" else block.attention.wqkv.bias
             _copy_into(param[start:start + rows], tensor, name)
@@ -337,15 +358,20 @@ class Transformer(nn.Module):
             _copy_into(block.feed_forward.w13.weight[start:start + cfg.intermediate_size], tensor, name)
         else:
             # a layer being packed while loading is a PackedLinear here (engine.weights.loader), without .weight
-            target = {"o_proj": getattr(block.attention.wo, "weight", None),
+            attn = block.attention
+            target = {"o_proj": getattr(getattr(attn, "wo", None), "weight", None),
                       "down_proj": getattr(block.feed_forward.w2, "weight", None),
                       "input_layernorm": block.attention_norm.weight,
                       "post_attention_layernorm": block.ffn_norm.weight,
-                      "q_norm": block.attention.q_norm.weight if block.attention.q_norm else None,
-                      "k_norm": block.attention.k_norm.weight if block.attention.k_norm else None}.get(part)
+                      "q_norm": attn.q_norm.weight if getattr(attn, "q_norm", None) else None,
+                      "k_norm": attn.k_norm.weight if getattr(attn, "k_norm", None) else None}.get(part)
             if target is None:
                 raise KeyError(name)
             _copy_into(target, tensor, name)
+
+
+_CENTRED_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+_BLOCK_PARTS = ("input_layernorm", "post_attention_layernorm", "gate_proj", "up_proj", "down_proj")
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor, name: str) -> None:

@@ -81,6 +81,13 @@ class ModelRunner:
         if prefill_chunk_size < 1:
             raise BonsaiError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.prefill_chunk_size = prefill_chunk_size
+        self.hybrid = cfg.hybrid is not None
+        if self.hybrid:  # DeltaNet states: what the hybrid path does not (yet) do is refused, never run wrong
+            from engine.runtime.hybrid_state import check_hybrid_run
+            check_hybrid_run(kv_type, kv_offload, offload_layers)
+            fast_decode, prefill_graphs = False, False  # the fused step / graphs have no DeltaNet layer
+            # a slot's state cannot forget a token for free: the Engine's lookahead stays off
+            self.rewinds_for_free = False
         if kv_offload:
             from engine.memory.kv_offload import OffloadedKVCache
             self.cache = OffloadedKVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
@@ -88,6 +95,9 @@ class ModelRunner:
         else:
             self.cache = KVCache(cfg, self.max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
                                  kv_type=kv_type)
+        if self.hybrid:
+            from engine.runtime.hybrid_state import attach_states
+            attach_states(self.cache, cfg)
         if self.cache.kv_type.key != "float":  # quantized keys are stored minus their mean (kv_calibration)
             from engine.runtime.kv_calibration import calibration_ids, key_offsets
             ids = calibration_ids(loaded.tokenizer, cfg.vocab_size)
@@ -188,7 +198,15 @@ class ModelRunner:
             return logits, {}
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         batch = CacheBatch.make([slot.index], [start], t, self.device)
-        logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, None, hidden_layers)
+        states = self.cache.states
+        if states is not None:  # every position's DeltaNet state kept: the caller's rewind restores one
+            states.recording = True
+        try:
+            logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, None, hidden_layers)
+        finally:
+            if states is not None:
+                states.recording = False
+                states.end_recording()
         slot.tokens.extend(tokens)
         return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}
 

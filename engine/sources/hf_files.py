@@ -13,19 +13,35 @@ from engine.sources.model_check import check_tensors, in_file
 from engine.sources.model_config import ModelConfig
 from engine.sources.tokenizer import Tokenizer
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)?\.?([a-z_]+)\.(weight|bias)$")
+# model.language_model.*: the text model inside Qwen3_5ForConditionalGeneration (its vision tower is not read)
+_LAYER_RE = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(self_attn|mlp|linear_attn)?\.?([a-zA-Z_0-9]+)"
+                       r"(?:\.(weight|bias))?$")
+# the DeltaNet layer's tensors (Qwen3.5): canonical part → its name under linear_attn.
+_LINEAR_PARTS = {"in_proj_qkv": "in_proj_qkv", "in_proj_z": "in_proj_z", "in_proj_b": "in_proj_b",
+                 "in_proj_a": "in_proj_a", "out_proj": "out_proj", "conv1d": "conv1d", "linear_norm": "norm",
+                 "dt_bias": "dt_bias", "A_log": "A_log"}
+_BARE = ("dt_bias", "A_log")  # parameters without a .weight suffix: canonical kind "param"
 
 
 def canonical_name(hf_name: str) -> str | None:
     """Our canonical tensor name for a HF Llama/Qwen tensor name, or None if unused."""
     top = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight",
            "lm_head.weight": "lm_head.weight"}
+    hf_name = hf_name.replace("model.language_model.", "model.", 1)
     if hf_name in top:
         return top[hf_name]
     m = _LAYER_RE.match(hf_name)
     if not m:
         return None
-    return f"layers.{m.group(1)}.{m.group(3)}.{m.group(4)}"
+    section, part, kind = m.group(2), m.group(3), m.group(4)
+    if section == "linear_attn":
+        part = "linear_norm" if part == "norm" else part
+        if part not in _LINEAR_PARTS or (kind is None) != (part in _BARE):
+            return None
+        kind = kind or "param"
+    elif kind is None:
+        return None
+    return f"layers.{m.group(1)}.{part}.{kind}"
 
 
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
@@ -39,6 +55,9 @@ def hf_name(canonical: str) -> str:
     if canonical in top:
         return top[canonical]
     _, layer, part, kind = canonical.split(".")
+    if part in _LINEAR_PARTS:
+        suffix = "" if kind == "param" else f".{kind}"
+        return f"model.layers.{layer}.linear_attn.{_LINEAR_PARTS[part]}{suffix}"
     section = "self_attn." if part in _ATTENTION_PARTS else "mlp." if part in _MLP_PARTS else ""
     return f"model.layers.{layer}.{section}{part}.{kind}"
 

@@ -37,8 +37,20 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         block |= {"q_norm.weight": (config.head_dim,), "k_norm.weight": (config.head_dim,)}
     if config.attention_bias:
         block |= {"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)}
+    hc = config.hybrid
     for i in range(config.num_layers):
-        out |= {f"layers.{i}.{part}": shape for part, shape in block.items()}
+        if hc is None:
+            out |= {f"layers.{i}.{part}": shape for part, shape in block.items()}
+            continue
+        # qwen35: gated attention (q_proj also yields the gate) or DeltaNet, by layer_types
+        shapes = {f"{p}.weight": shape for p, shape in config.layer_linear_shapes(i).items()}
+        if hc.is_linear(i):
+            shapes |= {"conv1d.weight": (hc.conv_dim, 1, hc.conv_kernel), "dt_bias.param": (hc.linear_num_value_heads,),
+                       "A_log.param": (hc.linear_num_value_heads,), "linear_norm.weight": (hc.linear_value_head_dim,)}
+        else:
+            shapes |= {p: block[p] for p in block if not p.endswith("proj.weight")}  # norms (and biases)
+        shapes |= {p: block[p] for p in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+        out |= {f"layers.{i}.{part}": shape for part, shape in shapes.items()}
     return out
 
 

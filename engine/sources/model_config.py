@@ -5,11 +5,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import ModelFileError, UnsupportedModelError
+from engine.sources.hybrid_config import HybridConfig
 from engine.sources.model_limits import Fields
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen35")
 _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-                     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                     "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5ForConditionalGeneration": "qwen35"}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                   "qwen3_5_text": "qwen35", "qwen3_5": "qwen35"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class ModelConfig:
     attention_bias: bool = False  # qwen2: biases on q/k/v
     qk_norm: bool = False  # qwen3: RMSNorm on q and k per head
     rope_scaling: RopeScaling | None = None
+    hybrid: HybridConfig | None = None  # qwen35: DeltaNet / gated attention layer mix (engine.sources.hybrid_config)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +57,39 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
+        if (self.architecture == "qwen35") != (self.hybrid is not None):
+            raise UnsupportedModelError("a qwen35 model needs its hybrid layer mix (layer_types), and only it has one")
+        if self.hybrid is not None and len(self.hybrid.layer_types) != self.num_layers:
+            raise UnsupportedModelError(f"layer_types lists {len(self.hybrid.layer_types)} layers, the model has "
+                                        f"{self.num_layers}")
+
+    @property
+    def q_rows(self) -> int:
+        """Rows of the q projection: a hybrid's attention also yields an output gate per head."""
+        return self.q_size * (2 if self.hybrid else 1)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.hybrid.partial_rotary_factor) if self.hybrid else self.head_dim
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache (a hybrid's full-attention layers; every layer of a dense model)."""
+        return self.hybrid.counts()["full_attention"] if self.hybrid else self.num_layers
+
+    def is_linear(self, layer: int) -> bool:
+        return self.hybrid is not None and self.hybrid.is_linear(layer)
+
+    def layer_linear_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of every linear layer of block `layer` (a hybrid's differ by kind)."""
+        if not self.is_linear(layer):
+            shapes = self.linear_shapes()
+            shapes["q_proj"] = (self.q_rows, self.hidden_size)
+            return shapes
+        hc, h, f = self.hybrid, self.hidden_size, self.intermediate_size
+        return {"in_proj_qkv": (hc.conv_dim, h), "in_proj_z": (hc.value_dim, h),
+                "in_proj_b": (hc.linear_num_value_heads, h), "in_proj_a": (hc.linear_num_value_heads, h),
+                "out_proj": (h, hc.value_dim), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
 
     @property
     def q_size(self) -> int:
@@ -68,13 +106,19 @@ class ModelConfig:
                 "o_proj": (h, self.q_size), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
 
     def num_parameters(self) -> int:
-        per_layer = sum(o * i for o, i in self.linear_shapes().values()) + 2 * self.hidden_size
-        if self.attention_bias:
-            per_layer += self.q_size + 2 * self.kv_size
-        if self.qk_norm:
-            per_layer += 2 * self.head_dim
+        total = 0
+        for layer in range(self.num_layers):
+            total += sum(o * i for o, i in self.layer_linear_shapes(layer).values()) + 2 * self.hidden_size
+            if self.is_linear(layer):
+                hc = self.hybrid
+                total += hc.conv_dim * hc.conv_kernel + 2 * hc.linear_num_value_heads + hc.linear_value_head_dim
+                continue
+            if self.attention_bias:
+                total += self.q_size + 2 * self.kv_size
+            if self.qk_norm:
+                total += 2 * self.head_dim
         embed = self.vocab_size * self.hidden_size
-        return self.num_layers * per_layer + embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        return total + embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> "ModelConfig":
@@ -85,11 +129,13 @@ class ModelConfig:
         arch = next((_HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in _HF_ARCHITECTURES), None)
         if arch is None:
             model_type = cfg.get("model_type", "?")
-            arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type) \
-                if isinstance(model_type, str) else None
+            arch = _HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
             if arch is None:
-                raise UnsupportedModelError(
-                    f"unsupported architecture {archs or model_type!r} in config.json: bonsai runs Llama, Qwen2 and Qwen3")
+                raise UnsupportedModelError(f"unsupported architecture {archs or model_type!r} in config.json: "
+                                            "bonsai runs Llama, Qwen2, Qwen3 and Qwen3.5/3.6")
+        if arch == "qwen35" and isinstance(cfg.get("text_config"), dict):  # the VLM wrapper: its text model
+            cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings",
+                                                                         cfg["text_config"].get("tie_word_embeddings"))}
         if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
             raise UnsupportedModelError("sliding-window attention (use_sliding_window: true) is not supported")
         f = Fields(cfg)
@@ -110,8 +156,9 @@ class ModelConfig:
             max_position_embeddings=f.count("max_position_embeddings", "max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen35"),
             rope_scaling=_hf_rope_scaling(f.mapping("rope_scaling") or f.mapping("rope_parameters")),
+            hybrid=HybridConfig.from_hf(cfg, f.count("num_hidden_layers", "num_layers")) if arch == "qwen35" else None,
         )
 
     @staticmethod

@@ -65,6 +65,9 @@ class DraftModelDrafter:
 
     def __init__(self, loaded: LoadedModel, target_vocab_size: int, max_seq_len: int,
                  sampling: SamplingParams | None = None):
+        if loaded.config.hybrid is not None:  # a drafter's slot goes back to any common prefix; a DeltaNet state cannot
+            raise BonsaiError(f"{loaded.path.name} is a hybrid (DeltaNet) model, which cannot draft yet: "
+                              "use a Llama/Qwen2/Qwen3 drafter or --spec ngram")
         self.loaded = loaded
         self.runner = ModelRunner(loaded, max_seq_len=max_seq_len, prefill_graphs=False)  # its memory is planned without them
         self.vocab_size = target_vocab_size

@@ -70,9 +70,15 @@ def linear_modules(config: ModelConfig) -> list[tuple[str, int, int, list[str]]]
     out = []
     for i in range(config.num_layers):
         p = f"layers.{i}"
-        out += [(f"{p}.attention.wqkv", q + 2 * kv, h, [f"{p}.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]),
-                (f"{p}.attention.wo", h, q, [f"{p}.o_proj.weight"]),
-                (f"{p}.feed_forward.w13", 2 * f, h, [f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]),
+        if config.is_linear(i):  # a hybrid's DeltaNet layer (engine.runtime.deltanet)
+            shapes = config.layer_linear_shapes(i)
+            out += [(f"{p}.attention.{n}", *shapes[n], [f"{p}.{n}.weight"])
+                    for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
+        else:
+            out += [(f"{p}.attention.wqkv", config.q_rows + 2 * kv, h,
+                     [f"{p}.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]),
+                    (f"{p}.attention.wo", h, q, [f"{p}.o_proj.weight"])]
+        out += [(f"{p}.feed_forward.w13", 2 * f, h, [f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]),
                 (f"{p}.feed_forward.w2", h, f, [f"{p}.down_proj.weight"])]
     if not config.tie_word_embeddings:
         out.append(("lm_head", config.vocab_size, h, ["lm_head.weight"]))

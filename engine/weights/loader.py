@@ -16,6 +16,7 @@ from engine.runtime.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.sources.checkpoint_file import BonsaiCheckpoint
 from engine.sources.gguf_file import GGUFFile
 from engine.sources.hf_files import HFModelDir
+from engine.sources.model_check import expected_shapes
 from engine.sources.model_config import ModelConfig
 from engine.sources.tokenizer import Tokenizer
 from engine.weights.formats import WeightFormat, linear_formats, linear_modules, stored_formats
@@ -112,17 +113,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def expected_tensor_names(cfg: ModelConfig) -> set[str]:
-    names = {"embed_tokens.weight", "norm.weight"}
-    if not cfg.tie_word_embeddings:
-        names.add("lm_head.weight")
-    parts = ["input_layernorm", "post_attention_layernorm", *cfg.linear_shapes()]
-    if cfg.qk_norm:
-        parts += ["q_norm", "k_norm"]
-    for i in range(cfg.num_layers):
-        names.update(f"layers.{i}.{p}.weight" for p in parts)
-        if cfg.attention_bias:
-            names.update(f"layers.{i}.{p}.bias" for p in ("q_proj", "k_proj", "v_proj"))
-    return names
+    return set(expected_shapes(cfg))
 
 
 def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -164,7 +155,7 @@ def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, wei
 
 def _part_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     """canonical tensor name → (Linear module path, its first row in the module's fused matrix, its rows)."""
-    sizes = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
+    sizes = {"q_proj": config.q_rows, "k_proj": config.kv_size, "v_proj": config.kv_size,
              "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
     out = {}
     for path, n, _, parts in linear_modules(config):
