@@ -233,7 +233,9 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         if err["type"] == "extra_forbidden":
             raise RequestError(f"unknown field '{where}' (this server does not support it)", where) from None
         raise RequestError(f"invalid '{where}': {err['msg']}", where) from None
-    request.check()
+    check = getattr(request, "check", None)  # a model's own rules across fields, when it has some
+    if check is not None:
+        check()
     return request
 
 
