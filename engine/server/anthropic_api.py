@@ -212,9 +212,9 @@ def add_routes(app: FastAPI, state: Any, relays: dict) -> None:
             gen = Generation(served, jobs, relays, family, spec.tool_schemas)
             gen.submit()
         except QueueFull as e:
-            return busy(state, e)
+            return anthropic_error(busy(state, e))
         except BonsaiError as e:
-            return from_exception(e)
+            return anthropic_error(from_exception(e))
         meta = (jobs[0].id, served.model_id, len(jobs[0].prompt_ids), stops)
         if req.stream:
             return StreamingResponse(_stream(gen, meta), media_type="text/event-stream", headers=STREAM_HEADERS)
@@ -231,7 +231,7 @@ def add_routes(app: FastAPI, state: Any, relays: dict) -> None:
                 None, chat_prompt, engine.tokenizer, req.openai_messages(), 1 << 30, 1.0, cfg.thinking.start_tag,
                 req.openai_tools())
         except BonsaiError as e:
-            return from_exception(e)
+            return anthropic_error(from_exception(e))
         return {"input_tokens": len(prompt.ids)}
 
 
@@ -260,7 +260,7 @@ async def _collect(gen: Generation, request: Request, meta: tuple) -> Response:
                         calls[c.index] = {"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "args": ""}
                     calls[c.index]["args"] += c.arguments
             elif isinstance(event, Failed):
-                return error(event.status, event.message, "server_error")
+                return anthropic_error(error(event.status, event.message, "server_error"))
             elif isinstance(event, End):
                 end = event
     finally:

@@ -79,7 +79,7 @@ def create_app(state: ServerState, loader: Callable[..., Served] | None = None) 
             if state.served is None:
                 return _shaped(path, _loading_response(state))
         try:
-            return _shaped(path, await call_next(request))
+            return await call_next(request)
         except Exception as e:  # noqa: BLE001 - one failing request never takes the server down
             log.exception("request %s failed", path)
             return _shaped(path, _error(500, f"internal error: {type(e).__name__}", "server_error"))
