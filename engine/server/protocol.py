@@ -78,8 +78,9 @@ class _Common(ClientFields):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user label, logged with the request
 
-    def sampling(self, vocab: int, choice: int = 0) -> SamplingParams:
-        """Choice `choice`'s sampling: its own seed (seed + choice) when a seed is given."""
+    def sampling(self, vocab: int = MAX_COUNT, choice: int = 0) -> SamplingParams:
+        """Choice `choice`'s sampling: its own seed (seed + choice) when a seed is given; logit_bias ids
+        checked against `vocab`."""
         bias = self.token_bias(vocab)
         seed = self.seed if self.seed is None or not choice else (self.seed + choice) % (SEED_MAX + 1)
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
