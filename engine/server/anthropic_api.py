@@ -26,7 +26,7 @@ from engine.server import protocol as P
 from engine.server.grammar_map import tools_grammar
 from engine.server.openai_api import STREAM_HEADERS, busy
 from engine.server.protocol_body import STRICT, check_tool_schema
-from engine.server.serving import (ChatJob, End, Generation, Piece, error, from_exception, make_chat_jobs, read_json,
+from engine.server.serving import (ChatJob, End, Generation, Piece, error, from_exception, read_json, start_chat,
                                    tool_family)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -192,9 +192,6 @@ def add_routes(app: FastAPI, state: Any, relays: dict) -> None:
             tools = req.openai_tools()
             family = tool_family(served, tools)
             msgs = req.openai_messages()
-            if len(msgs) > cfg.server.max_messages:
-                raise P.RequestError(f"the conversation has {len(msgs)} messages, more than the "
-                                     f"{cfg.server.max_messages} this server takes", "messages")
             sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
             budget = None
             if req.thinking is not None:
@@ -203,19 +200,16 @@ def add_routes(app: FastAPI, state: Any, relays: dict) -> None:
             if len(stops) > 16 or any(len(s) > P.MAX_STOP_CHARS for s in stops):
                 raise P.RequestError(f"stop_sequences takes at most 16 strings of {P.MAX_STOP_CHARS} characters",
                                      "stop_sequences")
-            loop = asyncio.get_running_loop()
-            grammar = req.grammar(served.engine.tokenizer)
             spec = ChatJob(msgs, req.max_tokens, [sampling], stops, tools,
                            {t["function"]["name"]: t["function"]["parameters"] for t in tools or []},
-                           thinking_budget=budget, grammar=grammar, prefix="msg_")
-            jobs = await loop.run_in_executor(None, make_chat_jobs, served, spec)
-            gen = Generation(served, jobs, relays, family, spec.tool_schemas)
-            gen.submit()
+                           thinking_budget=budget, grammar=req.grammar(served.engine.tokenizer), prefix="msg_")
+            gen = await start_chat(served, relays, spec, family, "messages")
         except QueueFull as e:
             return anthropic_error(busy(state, e))
         except BonsaiError as e:
             return anthropic_error(from_exception(e))
-        meta = (jobs[0].id, served.model_id, len(jobs[0].prompt_ids), stops)
+        job = gen.jobs[0]
+        meta = (job.id, served.model_id, len(job.prompt_ids), stops)
         if req.stream:
             return StreamingResponse(_stream(gen, meta), media_type="text/event-stream", headers=STREAM_HEADERS)
         return await _collect(gen, request, meta)

@@ -6,7 +6,6 @@ content_part / output_text.delta or function_call_arguments.delta events and the
 response.completed (or response.incomplete at max_output_tokens)."""
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from typing import Any, AsyncIterator, Literal, Union
@@ -23,7 +22,7 @@ from engine.server import protocol as P
 from engine.server.grammar_map import chat_grammar
 from engine.server.openai_api import STREAM_HEADERS, busy
 from engine.server.protocol_body import EFFORT_BUDGET, STRICT, ChatFields, FunctionDef, NamedFunction, ToolDef
-from engine.server.serving import (ChatJob, End, Generation, Piece, error, from_exception, make_chat_jobs, read_json,
+from engine.server.serving import (ChatJob, End, Generation, Piece, error, from_exception, read_json, start_chat,
                                    tool_family)
 
 
@@ -158,21 +157,16 @@ def add_routes(app: FastAPI, state: Any, relays: dict) -> None:
             tools = fields.template_tools()
             family = tool_family(served, tools)
             msgs = req.messages()
-            if len(msgs) > cfg.server.max_messages:
-                raise P.RequestError(f"the input has {len(msgs)} items, more than the {cfg.server.max_messages} "
-                                     "this server takes", "input")
             budget = EFFORT_BUDGET[req.reasoning.effort] if req.reasoning and req.reasoning.effort else None
             spec = ChatJob(msgs, req.max_output_tokens, [SamplingParams(temperature=req.temperature, top_p=req.top_p)],
                            (), tools, fields.tool_schemas(), thinking_budget=budget,
                            grammar=chat_grammar(fields, served.engine.tokenizer), prefix="resp_")
-            jobs = await asyncio.get_running_loop().run_in_executor(None, make_chat_jobs, served, spec)
-            gen = Generation(served, jobs, relays, family, spec.tool_schemas)
-            gen.submit()
+            gen = await start_chat(served, relays, spec, family, "input")
         except QueueFull as e:
             return busy(state, e)
         except BonsaiError as e:
             return from_exception(e)
-        shell = {"id": jobs[0].id, "object": "response", "created_at": P.now(), "model": served.model_id,
+        shell = {"id": gen.jobs[0].id, "object": "response", "created_at": P.now(), "model": served.model_id,
                  "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                  "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
                  "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else

@@ -97,6 +97,23 @@ def make_chat_jobs(served: Served, chat: ChatJob) -> list[Job]:
                 id=rid if i == 0 else f"{rid}-{i}", **extra) for i, s in enumerate(chat.sampling)]
 
 
+async def start_chat(served: Served, relays: dict, chat: ChatJob, family: str | None, param: str) -> "Generation":
+    """A chat of the Anthropic or Responses front end, checked against the server's caps, submitted."""
+    limits = served.config.server
+    if len(chat.messages) > limits.max_messages:
+        raise P.RequestError(f"the conversation has {len(chat.messages)} messages, more than the "
+                             f"{limits.max_messages} this server takes (server.max_messages); send fewer", param)
+    chars = sum(len(str(m.get("content") or "")) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
+                for m in chat.messages)
+    if chars > limits.max_prompt_chars:
+        raise P.RequestError(f"the request has {chars} characters of {param}, more than the "
+                             f"{limits.max_prompt_chars} this server takes (server.max_prompt_chars); send less", param)
+    jobs = await asyncio.get_running_loop().run_in_executor(None, make_chat_jobs, served, chat)  # template, tokenizer
+    gen = Generation(served, jobs, relays, family, chat.tool_schemas)
+    gen.submit()
+    return gen
+
+
 def check_prompt_length(served: Served, n: int, param: str) -> None:
     context = served.engine.slot_context
     limit = served.config.server.max_prompt_tokens or context - 1
