@@ -150,3 +150,29 @@ def test_responses_refusals(served, body, needle):
     r = post(app, "/v1/responses", {"input": "hi", **body})
     assert r.status_code == 400 and needle in r.json()["error"]["message"]
     assert call(app, [("GET", "/health", None)])[0].status_code == 200
+
+
+HOSTILE = [None, -1, 2**70, 1e308, "x" * 300, [], {}, [{}], {"type": "nope"}, [[[[1]]]], True, "\u0000"]
+VALID = {"/v1/messages": {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+         "/v1/responses": {"input": "hi", "max_output_tokens": 5},
+         "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+         "/tokenize": {"content": "hi"}, "/detokenize": {"tokens": [1, 2]}}
+FIELDS = {"/v1/messages": ["max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "temperature",
+                           "top_k", "thinking", "stream"],
+          "/v1/responses": ["input", "instructions", "tools", "tool_choice", "max_output_tokens", "text", "reasoning",
+                            "temperature"],
+          "/v1/messages/count_tokens": ["messages", "tools"], "/tokenize": ["content", "with_pieces"],
+          "/detokenize": ["tokens"]}
+
+
+@pytest.mark.parametrize("path", list(VALID))
+def test_hostile_bodies_are_4xx_never_500(served, path):
+    app, _, _ = served
+    for field in FIELDS[path]:
+        for value in HOSTILE:
+            r = post(app, path, {**VALID[path], field: value})
+            assert r.status_code < 500, (field, value, r.text)
+            if r.status_code >= 400:
+                message = r.json()["error"]["message"]
+                assert message and "\n" not in message
+    assert call(app, [("GET", "/health", None)])[0].status_code == 200
