@@ -164,13 +164,14 @@ class MessagesRequest(BaseModel):
                 out.append({"role": "user", "content": text})
         return out
 
-    def grammar(self, tokenizer: Any) -> Any:
-        choice = self.tool_choice
-        if choice is None or choice.type in ("auto", "none") or not self.tools:
-            return None
+    def grammar(self, tokenizer: Any, family: str | None) -> Any:
+        """tool_choice any / tool: a forced call; auto: the lazy grammar of the model's call syntax."""
         tools = self.openai_tools()
-        return tools_grammar(tools, "named" if choice.type == "tool" else "required", choice.name,
-                             not choice.disable_parallel_tool_use, tokenizer)
+        if tools is None:
+            return None
+        choice = self.tool_choice or AToolChoice(type="auto")
+        mode = {"auto": "auto", "any": "required", "tool": "named"}[choice.type]
+        return tools_grammar(tools, mode, choice.name, not choice.disable_parallel_tool_use, tokenizer, family)
 
 
 def anthropic_error(response: JSONResponse) -> JSONResponse:
@@ -202,7 +203,7 @@ def add_routes(app: FastAPI, state: Any, relays: dict) -> None:
                                      "stop_sequences")
             spec = ChatJob(msgs, req.max_tokens, [sampling], stops, tools,
                            {t["function"]["name"]: t["function"]["parameters"] for t in tools or []},
-                           thinking_budget=budget, grammar=req.grammar(served.engine.tokenizer), prefix="msg_")
+                           thinking_budget=budget, grammar=req.grammar(served.engine.tokenizer, family), prefix="msg_")
             gen = await start_chat(served, relays, spec, family, "messages")
         except QueueFull as e:
             return anthropic_error(busy(state, e))

@@ -49,7 +49,7 @@ async def _complete(state: Any, relays: dict, request: Request, chat: bool) -> R
         req.check_size(cfg.server.max_messages, cfg.server.max_prompt_chars)
         family = tool_family(served, req.template_tools()) if chat else None
         loop = asyncio.get_running_loop()
-        jobs, echo = await loop.run_in_executor(None, _make_jobs, served, req, chat)  # template + tokenizer
+        jobs, echo = await loop.run_in_executor(None, _make_jobs, served, req, chat, family)  # template + tokenizer
         gen = Generation(served, jobs, relays, family, req.tool_schemas() if chat else None)
         gen.submit()
     except QueueFull as e:
@@ -67,7 +67,7 @@ async def _complete(state: Any, relays: dict, request: Request, chat: bool) -> R
     return await _collect(gen, request, meta, chat, echo)
 
 
-def _make_jobs(served: Served, req: Any, chat: bool) -> tuple[list[Job], str]:
+def _make_jobs(served: Served, req: Any, chat: bool, family: str | None) -> tuple[list[Job], str]:
     engine = served.engine
     vocab = engine.tokenizer.vocab_size
     sampling = [req.sampling(vocab, i) for i in range(req.n)]
@@ -77,7 +77,7 @@ def _make_jobs(served: Served, req: Any, chat: bool) -> tuple[list[Job], str]:
             budget = EFFORT_BUDGET[req.reasoning_effort]
         spec = ChatJob([m.as_dict() for m in req.messages], req.token_limit(), sampling, req.stops(),
                        req.template_tools(), req.tool_schemas(), req.chat_template_kwargs, budget,
-                       req.top_logprobs_wanted(), chat_grammar(req, engine.tokenizer))
+                       req.top_logprobs_wanted(), chat_grammar(req, engine.tokenizer, family))
         return make_chat_jobs(served, spec), ""
     prompt_in = req.prompt_input()
     prompt = completion_prompt(engine.tokenizer, prompt_in)

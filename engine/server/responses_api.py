@@ -160,7 +160,7 @@ def add_routes(app: FastAPI, state: Any, relays: dict) -> None:
             budget = EFFORT_BUDGET[req.reasoning.effort] if req.reasoning and req.reasoning.effort else None
             spec = ChatJob(msgs, req.max_output_tokens, [SamplingParams(temperature=req.temperature, top_p=req.top_p)],
                            (), tools, fields.tool_schemas(), thinking_budget=budget,
-                           grammar=chat_grammar(fields, served.engine.tokenizer), prefix="resp_")
+                           grammar=chat_grammar(fields, served.engine.tokenizer, family), prefix="resp_")
             gen = await start_chat(served, relays, spec, family, "input")
         except QueueFull as e:
             return busy(state, e)

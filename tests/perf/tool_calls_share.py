@@ -77,6 +77,7 @@ def main() -> None:
                 calls = message.get("tool_calls") or []
                 why = "no call: " + repr((message.get("content") or "")[:80]) if not calls else valid(calls[0], want)
                 ok += why is None
+                print(f"  {mode}: {prompt[:50]!r}: {why or 'valid'}", flush=True)
                 if why:
                     notes.append(f"{prompt[:40]!r}: {why}")
             print(f"tool_choice {mode}: {ok}/{min(args.limit, len(PROMPTS))} valid calls ({args.model}, CPU)")
