@@ -52,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--limit", type=int, default=len(PROMPTS))
+    ap.add_argument("--start", type=int, default=0, help="skip the first START prompts")
     ap.add_argument("--modes", default="auto,required")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
@@ -64,7 +65,7 @@ def main() -> None:
     try:
         for mode in args.modes.split(","):
             ok, notes = 0, []
-            for prompt, want in PROMPTS[:args.limit]:
+            for prompt, want in PROMPTS[args.start:args.start + args.limit]:
                 r = httpx.post(server.url + "/v1/chat/completions", timeout=600, json={
                     "messages": [{"role": "user", "content": prompt}], "tools": TOOLS, "tool_choice": mode,
                     "temperature": 0, "max_tokens": 128})
@@ -80,7 +81,7 @@ def main() -> None:
                 print(f"  {mode}: {prompt[:50]!r}: {why or 'valid'}", flush=True)
                 if why:
                     notes.append(f"{prompt[:40]!r}: {why}")
-            print(f"tool_choice {mode}: {ok}/{min(args.limit, len(PROMPTS))} valid calls ({args.model}, CPU)")
+            print(f"tool_choice {mode}: {ok}/{len(PROMPTS[args.start:args.start + args.limit])} valid calls ({args.model}, CPU)")
             for note in notes:
                 print("   ", note)
     finally:
