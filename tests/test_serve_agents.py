@@ -73,7 +73,7 @@ def test_messages_api_with_anthropic(server):
     use = next(b for b in msg.content if b.type == "tool_use")
     assert use.name == "get_weather" and "paris" in use.input["city"].lower()
     reply = client.messages.create(model=MODEL, max_tokens=48, temperature=0, tools=tools, messages=ASK + [
-        {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C and sunny"}]}])
     assert reply.content[0].type == "text" and reply.usage.output_tokens > 0
     with client.messages.stream(model=MODEL, max_tokens=16, system="Answer in one word.", temperature=0,

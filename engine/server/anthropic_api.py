@@ -39,6 +39,7 @@ class TextBlock(BaseModel):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None  # prompt caching is automatic here
+    citations: list[Any] | None = None  # sent back as the API returned them; not used
 
 
 class ToolUseBlock(BaseModel):
