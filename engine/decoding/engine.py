@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from engine.decoding.grammar_match import mask_rows
 from engine.decoding.lookahead import Lookahead
 from engine.decoding.metrics import Metrics
 from engine.decoding.spec_gate import SpecGate
@@ -270,8 +271,11 @@ class Engine:
         before = sum(seq.generated for seq in seqs)
         try:
             cut = logits[:, :self.vocab] if logits.shape[-1] > self.vocab else logits  # [B, V] ids the tokenizer knows
-            if any(seq.seen is not None for seq in seqs):
+            if any(seq.adjusts for seq in seqs):
                 cut = torch.stack([seq.penalized(cut[row]) for row, seq in enumerate(seqs)])  # [B, V]
+            constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+            if constrained:  # a grammar's rows masked (a copy); the other rows untouched, at no cost
+                cut = mask_rows(cut, [seqs[row].grammar for row in constrained], constrained)  # [B, V]
             # every row's token in one call and one read-back (greedy rows: one argmax for all)
             choices = sample_rows(cut, [seq.request.sampling for seq in seqs], [seq.generator for seq in seqs])
         except Exception as e:

@@ -1,7 +1,8 @@
 """Sampling maths: pure functions of logits, tested without any model."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -24,8 +25,16 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or not all(isinstance(t, int) and t >= 0 for t in bias):
+            raise BonsaiError("invalid sampling parameter: logit_bias keys must be token ids (integers >= 0)")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in bias.values()):
+            raise BonsaiError("invalid sampling parameter: logit_bias values must be finite numbers")
+        # clamped to [-100, 100] as OpenAI does (-100 bans a token, +100 all but forces it)
+        object.__setattr__(self, "logit_bias", {t: max(-100.0, min(100.0, float(v))) for t, v in bias.items()})
         checks = [
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
@@ -47,6 +56,12 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """logits [V] plus bias[t] at each biased id t (a copy)."""
+    ids = torch.tensor(list(bias), device=logits.device)
+    return logits.index_add(0, ids, torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype))
 
 
 def apply_penalties(logits: torch.Tensor, seen_counts: torch.Tensor, output_counts: torch.Tensor,
@@ -139,8 +154,8 @@ def greedy_tokens(*logits: torch.Tensor) -> list[int]:
 def top_logprobs(logits: torch.Tensor, token: int, n: int, decode: Callable[[list[int]], str]) -> dict[str, Any]:
     """The OpenAI logprobs entry of `token` chosen from logits [V]: its log-probability and the n most
     likely tokens' (decode: token ids → text)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
-    top = torch.topk(logp, n) if n else None
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [V] (after a grammar's mask: renormalized over allowed ids)
+    top = torch.topk(logp, min(n, int(torch.isfinite(logp).sum()))) if n else None  # never a refused id
 
     def entry(t: int, lp: float) -> dict[str, Any]:
         s = decode([t])

@@ -21,8 +21,10 @@ from typing import Any, Callable
 import torch
 
 from engine.decoding.detokenize import StreamDecoder
+from engine.decoding.grammar import GrammarSpec
+from engine.decoding.grammar_match import GrammarMatch
 from engine.decoding.reasoning import ReasoningSplitter
-from engine.decoding.sampling import SamplingParams, apply_penalties, make_generator, sample, top_logprobs
+from engine.decoding.sampling import SamplingParams, apply_logit_bias, apply_penalties, make_generator, sample, top_logprobs
 from engine.decoding.stats import GenerationStats
 from engine.decoding.stop import StopStringMatcher
 from engine.errors import BonsaiError
@@ -67,6 +69,7 @@ class Request:
     thinking_at_start: bool = False  # the prompt ends inside an opened thought
     split_reasoning: bool = True  # thoughts go out as reasoning; off (raw completions): all text is content
     top_logprobs: int | None = None  # None: no logprobs; n: the chosen token's and the n most likely
+    grammar: GrammarSpec | None = None  # the output must match it (tokens it refuses are masked; it ends the output)
     id: str = ""
     emit: Callable[[Delta | Finished | Failed], None] = lambda event: None
     arrived: float = field(default_factory=time.perf_counter)
@@ -96,6 +99,15 @@ class Sequence:
         if params.uses_penalties:
             self.seen = torch.bincount(torch.tensor(request.prompt_ids, device=device), minlength=vocab).float()
             self.output = torch.zeros(vocab, device=device)  # [V]
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise BonsaiError(f"logit_bias names token id {bad[0]}, but the vocabulary has ids 0..{vocab - 1}")
+        self.bias = params.logit_bias
+        self.grammar: GrammarMatch | None = None
+        if request.grammar is not None:
+            if self.tokenizer is None:
+                raise BonsaiError("a grammar needs the model's tokenizer and text output: this request has neither")
+            self.grammar = GrammarMatch(request.grammar, self.tokenizer, vocab)
         tok = self.tokenizer
         self.decoder = StreamDecoder(tok) if tok is not None else None
         self.matcher = StopStringMatcher(request.stop)
@@ -115,6 +127,11 @@ class Sequence:
         self.first_token: float | None = None
 
     @property
+    def adjusts(self) -> bool:
+        """Whether its logits change before choosing (penalties, logit_bias): `penalized` must run."""
+        return self.seen is not None or bool(self.bias)
+
+    @property
     def generated(self) -> int:
         return self.stats.generated_tokens
 
@@ -123,13 +140,15 @@ class Sequence:
         """Choose after logits [V] and take the token; `room`: positions still free in the slot's
         context budget."""
         logits = self.penalized(logits[:self.vocab])  # [V] the ids the tokenizer knows
+        if self.grammar is not None:
+            logits = self.grammar.masked(logits)  # [V] refused ids at -inf
         self.take(sample(logits, self.request.sampling, self.generator), logits, room)
 
     def penalized(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] (cut to the vocabulary) with this request's penalties applied (as chosen from)."""
-        if self.seen is None:
-            return logits
-        return apply_penalties(logits, self.seen, self.output, self.request.sampling)
+        """logits [V] (cut to the vocabulary) with this request's penalties and logit_bias applied."""
+        if self.seen is not None:
+            logits = apply_penalties(logits, self.seen, self.output, self.request.sampling)
+        return apply_logit_bias(logits, self.bias) if self.bias else logits
 
     def accept(self, tokens: list[int], logits: torch.Tensor, room: int) -> int:
         """Tokens a speculative step verified (the accepted drafts, then the target's bonus), taken
@@ -152,6 +171,8 @@ class Sequence:
             self.stats.prefill_seconds = now - self.started
         self.stats.decode_seconds = now - self.first_token
         self.pending = []
+        if self.grammar is not None and not self.grammar.accept(token):
+            raise AssertionError(f"token {token} was chosen under a mask that refuses it")
         if token in self.eos:
             if not self._lead_into_answer():
                 self.finish("stop")
@@ -175,6 +196,9 @@ class Sequence:
             message = f"\n{self.rules.end_message}\n" if self.rules.end_message else "\n"
             self._force(message + self.rules.end_tag + "\n\n")
         if self.done:
+            return
+        if self.grammar is not None and self.grammar.is_terminated():
+            self.finish("stop")  # the grammar is complete: nothing more may follow
             return
         if self.generated >= self.request.max_tokens or len(self.pending) > room:
             self.finish("length")
@@ -216,6 +240,9 @@ class Sequence:
     def _force(self, text: str) -> None:
         """Insert text into the output as if the model had written it (fed to the model next)."""
         for token in self.tokenizer.encode(text, add_special_tokens=False):
+            if self.grammar is not None and not self.grammar.accept(token):
+                self.finish("stop")  # the grammar refuses the inserted text: the output ends here
+                return
             if self._push_token(token, []):
                 return
             self.pending.append(token)

@@ -35,7 +35,8 @@ from typing import Any, Callable
 import torch
 
 from engine.decoding.metrics import Metrics
-from engine.decoding.sampling import greedy_tokens
+from engine.decoding.grammar_match import apply_mask
+from engine.decoding.sampling import apply_logit_bias, greedy_tokens
 from engine.decoding.sequence import Sequence
 from engine.runtime.decode_step import MAX_STEP_ROWS
 from engine.runtime.runner import Runner
@@ -191,6 +192,8 @@ class SpeculativeStep:
         # by the spans of its last proposal; hidden-state drafters take in their new rows)
         draft = self.slots[index].drafter.propose(context, k)
         n = next((j for j, t in enumerate(draft.tokens[:k]) if t >= self.vocab), min(len(draft.tokens), k))
+        if seq.grammar is not None:  # cut at the first draft the grammar refuses (it could never be accepted)
+            n = seq.grammar.accept_prefix(draft.tokens[:n])
         if n < len(draft.tokens):  # at most k, none the tokenizer cannot print (a padded vocabulary)
             draft = Draft(draft.tokens[:n], draft.probs[:n] if draft.probs is not None else None,
                           draft.source, draft.sources[:n])
@@ -268,7 +271,7 @@ class SpeculativeStep:
     def _read_argmax(self, rows: list[_Row]) -> None:
         """Greedy rows without penalties need only the target's argmax: read back in one transfer
         for all slots (one device sync a step, not one per slot)."""
-        greedy = [r for r in rows if r.seq.request.sampling.greedy and r.seq.seen is None]
+        greedy = [r for r in rows if r.seq.request.sampling.greedy and not r.seq.adjusts and r.seq.grammar is None]
         if not greedy:
             return
         choices = greedy_tokens(*(r.logits[:, :self.vocab] for r in greedy))  # [rows], one read-back
@@ -283,6 +286,10 @@ class SpeculativeStep:
         logits = r.logits[:, :self.vocab]  # [T, V] the ids the tokenizer knows
         if seq.seen is not None:
             logits = penalized_rows(logits, draft.tokens, seq.seen, seq.output, params)  # row i counts drafts[:i]
+        if seq.bias:
+            logits = torch.stack([apply_logit_bias(row, seq.bias) for row in logits])  # [T, V]
+        if seq.grammar is not None:  # row i masked by the grammar's state after drafts[:i]
+            logits = apply_mask(logits.clone(), seq.grammar.draft_masks(draft.tokens))  # [T, V]
         probs = draft.probs[:, :self.vocab] if draft.probs is not None else None  # [k, V]
         verdict = (accept_greedy(r.argmax, draft.tokens) if r.argmax is not None
                    else verify_draft(logits, draft.tokens, probs, params, seq.generator))
