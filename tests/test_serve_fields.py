@@ -90,3 +90,47 @@ def test_probe_endpoints(served):
     assert model.json()["id"] == "scripted" and other.status_code == 404
     assert emb.status_code == 404 and "not offered" in emb.json()["error"]["message"]
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.mark.parametrize("body, kind, mode, name", [
+    ({"response_format": {"type": "json_object"}}, "json_object", None, None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}}, "strict": True}}}, "json_schema", None, None),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_calls", "required", None),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_calls", "named",
+     "get_weather"),
+    ({"tools": TOOLS}, "tool_calls", "auto", None),  # auto: the lazy grammar, on at <tool_call>
+    ({"tools": TOOLS, "tool_choice": "none"}, None, None, None),
+    ({"response_format": {"type": "text"}}, None, None, None),
+])
+def test_response_format_and_tool_choice_become_the_jobs_grammar(served, body, kind, mode, name):
+    app, engine = served
+    r, = call(app, [("POST", CHAT, {"messages": ASK, **body})])
+    assert r.status_code == 200, r.text
+    grammar = engine.jobs[-1].grammar
+    assert (grammar and grammar.kind) == kind
+    if mode is not None:
+        assert (grammar.mode, grammar.name, grammar.fmt) == (mode, name, "hermes")
+
+
+def test_logit_bias_reaches_the_sampler(served):
+    app, engine = served
+    r, = call(app, [("POST", CHAT, {"messages": ASK, "logit_bias": {"5": 2.5, "17": -100}})])
+    assert r.status_code == 200 and engine.jobs[-1].sampling.logit_bias == {5: 2.5, 17: -100.0}
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"response_format": {"type": "json_object"}, "tools": TOOLS}, "together"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}}, "cannot be compiled"),
+    ({"response_format": {"type": "json_schema"}}, "needs its json_schema"),
+])
+def test_grammars_we_cannot_build_are_400s(served, body, needle):
+    app, _ = served
+    r, health = call(app, [("POST", CHAT, {"messages": ASK, **body}), ("GET", "/health", None)])
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert "\n" not in r.json()["error"]["message"] and health.status_code == 200

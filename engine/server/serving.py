@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from engine.decoding.grammar import GrammarSpec
 from engine.decoding.prompts import chat_prompt
 from engine.decoding.sampling import SamplingParams
 from engine.decoding.sequence import Delta, Failed, Finished
@@ -65,7 +66,7 @@ class ChatJob:
     template_kwargs: dict[str, Any] | None = None
     thinking_budget: int | None = None
     top_logprobs: int | None = None
-    grammar: Any = None  # a GrammarSpec (engine/decoding/grammar.py), or None
+    grammar: GrammarSpec | None = None  # the output's constraint (response_format, tool_choice)
     prefix: str = "chatcmpl-"
 
 
@@ -91,10 +92,12 @@ def make_chat_jobs(served: Served, chat: ChatJob) -> list[Job]:
     budget = chat.thinking_budget if chat.thinking_budget is not None else cfg.thinking.budget
     max_tokens = chat.max_tokens or cfg.server.default_max_tokens
     rid = chat.prefix + uuid.uuid4().hex[:24]
-    extra = {"grammar": chat.grammar} if chat.grammar is not None else {}
+    grammar = chat.grammar
+    if grammar is not None and prompt.thinking_at_start:
+        grammar = grammar.with_reasoning(opened=True)  # the thought the prompt opened runs free, then the constraint
     return [Job(prompt.ids, max_tokens=max_tokens, sampling=s, stop=chat.stop, thinking_budget=budget,
                 thinking_at_start=prompt.thinking_at_start, split_reasoning=True, top_logprobs=chat.top_logprobs,
-                id=rid if i == 0 else f"{rid}-{i}", **extra) for i, s in enumerate(chat.sampling)]
+                grammar=grammar, id=rid if i == 0 else f"{rid}-{i}") for i, s in enumerate(chat.sampling)]
 
 
 async def start_chat(served: Served, relays: dict, chat: ChatJob, family: str | None, param: str) -> "Generation":
