@@ -109,3 +109,27 @@ def test_a_template_without_tool_calls_refuses_tools(smollm2_tok):
     r, plain = call(app, [("POST", CHAT, {"messages": ASK, "tools": TOOLS}), ("POST", CHAT, {"messages": ASK})])
     assert r.status_code == 400 and "no tool-call format" in r.json()["error"]["message"]
     assert plain.status_code == 200
+
+
+def test_forced_call_on_a_real_engine_is_schema_valid(tiny_engine_model, smollm2_tok):
+    """tool_choice required on the tiny random model: the grammar in the decoding core makes even noise
+    a valid call of the given tool, which the parser hands back as tool_calls."""
+    import copy
+
+    from tests.serve_inproc import tiny_server
+    from tests.serve_scripted import QWEN_TEMPLATE
+    tok = copy.copy(smollm2_tok)
+    tok.chat_template = QWEN_TEMPLATE
+    app, engine = tiny_server(tiny_engine_model, tok, context=512, default_max_tokens=160)
+    unit = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_unit", "parameters": unit}}]
+    try:
+        r, = call(app, [("POST", CHAT, {"messages": ASK, "tools": tools, "tool_choice": "required", "seed": 3,
+                                        "temperature": 1.0})])
+    finally:
+        engine.stop()
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (tc,) = choice["message"]["tool_calls"]
+    assert tc["function"]["name"] == "get_unit" and json.loads(tc["function"]["arguments"])["unit"] in ("C", "F")
