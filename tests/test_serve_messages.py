@@ -176,3 +176,19 @@ def test_hostile_bodies_are_4xx_never_500(served, path):
                 message = r.json()["error"]["message"]
                 assert message and "\n" not in message
     assert call(app, [("GET", "/health", None)])[0].status_code == 200
+
+
+@pytest.mark.parametrize("path, body, mode", [
+    ("/v1/messages", {"max_tokens": 50, "tools": A_TOOLS, "tool_choice": {"type": "any"}}, "required"),
+    ("/v1/messages", {"max_tokens": 50, "tools": A_TOOLS, "tool_choice": {"type": "tool", "name": "get_weather"}},
+     "named"),
+    ("/v1/messages", {"max_tokens": 50, "tools": A_TOOLS}, "auto"),
+    ("/v1/responses", {"tools": R_TOOLS, "tool_choice": "required"}, "required"),
+])
+def test_forced_tool_choice_is_the_jobs_grammar(served, path, body, mode):
+    app, engine, _ = served
+    ask = {"messages": [{"role": "user", "content": "Weather in Paris?"}]} if path == "/v1/messages" else \
+        {"input": "Weather in Paris?"}
+    r = post(app, path, {**ask, **body})
+    assert r.status_code == 200, r.text
+    assert engine.jobs[-1].grammar.kind == "tool_calls" and engine.jobs[-1].grammar.mode == mode
