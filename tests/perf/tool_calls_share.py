@@ -55,11 +55,12 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=0, help="skip the first START prompts")
     ap.add_argument("--modes", default="auto,required")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="runtime.device of the server (cpu, cuda)")
     args = ap.parse_args()
     path = store.find_pulled(args.model)
     assert path is not None, f"bonsai pull {args.model}"
     tmp = Path(tempfile.mkdtemp())
-    (tmp / "serve.yaml").write_text(f"model:\n  path: {path}\n  max_context: 2048\nruntime:\n  device: cpu\n"
+    (tmp / "serve.yaml").write_text(f"model:\n  path: {path}\n  max_context: 2048\nruntime:\n  device: {args.device}\n"
                                     "  max_batch_size: 1\nserver:\n  default_max_tokens: 128\n")
     server = start_server(tmp / "serve.yaml", tmp / "server.log", threads=args.threads)
     try:
@@ -81,7 +82,8 @@ def main() -> None:
                 print(f"  {mode}: {prompt[:50]!r}: {why or 'valid'}", flush=True)
                 if why:
                     notes.append(f"{prompt[:40]!r}: {why}")
-            print(f"tool_choice {mode}: {ok}/{len(PROMPTS[args.start:args.start + args.limit])} valid calls ({args.model}, CPU)")
+            n = len(PROMPTS[args.start:args.start + args.limit])
+            print(f"tool_choice {mode}: {ok}/{n} valid calls ({args.model}, {args.device})")
             for note in notes:
                 print("   ", note)
     finally:
