@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 MODEL = "qwen2.5-coder-0.5b"
 KEY = "agents-key-0123456789"
 ASK = [{"role": "user", "content": "What's the weather in Paris right now?"}]
+GREEDY = {"temperature": 0}  # anthropic 2.x's create() takes no temperature argument: sent in the body
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +69,15 @@ def test_messages_api_with_anthropic(server):
     client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=600)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
-    msg = client.messages.create(model=MODEL, max_tokens=96, messages=ASK, tools=tools, temperature=0)
+    msg = client.messages.create(model=MODEL, max_tokens=96, messages=ASK, tools=tools, extra_body=GREEDY)
     assert msg.stop_reason == "tool_use"
     use = next(b for b in msg.content if b.type == "tool_use")
     assert use.name == "get_weather" and "paris" in use.input["city"].lower()
-    reply = client.messages.create(model=MODEL, max_tokens=48, temperature=0, tools=tools, messages=ASK + [
+    reply = client.messages.create(model=MODEL, max_tokens=48, extra_body=GREEDY, tools=tools, messages=ASK + [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C and sunny"}]}])
     assert reply.content[0].type == "text" and reply.usage.output_tokens > 0
-    with client.messages.stream(model=MODEL, max_tokens=16, system="Answer in one word.", temperature=0,
+    with client.messages.stream(model=MODEL, max_tokens=16, system="Answer in one word.", extra_body=GREEDY,
                                 messages=[{"role": "user", "content": "What is the capital of France?"}]) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
