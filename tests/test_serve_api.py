@@ -152,7 +152,7 @@ def test_completions_endpoint_stream_and_logprobs(client):
     ({"messages": QUESTION, "temperature": -1}, 400, "temperature"),
     ({"messages": QUESTION, "max_tokens": "5"}, 400, "max_tokens"),
     ({"messages": QUESTION, "frobnicate": 1}, 400, "frobnicate"),
-    ({"messages": QUESTION, "n": 2}, 400, "n=2"),
+    ({"messages": QUESTION, "n": 17}, 400, "n=17"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "tokens"),

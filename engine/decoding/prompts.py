@@ -1,6 +1,7 @@
 """Prompt token ids of a chat (template + context policy) or of a raw completion prompt."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +17,24 @@ class Prompt:
     dropped_messages: int = 0
 
 
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools")
+
+
 def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], context: int, compress_at: float,
-                start_tag: str) -> Prompt:
+                start_tag: str, tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> Prompt:
+    """tools: rendered by the template (its own tool prompt); template_kwargs: its other variables
+    (e.g. enable_thinking). Assistant tool calls and tool results go through the template too."""
+    kwargs = dict(template_kwargs or {})
+    clash = next((k for k in kwargs if k in RESERVED_TEMPLATE_VARIABLES or k in tokenizer.special_tokens_map), None)
+    if clash is not None:
+        raise BonsaiError(f"chat_template_kwargs may not set '{clash}' (the server sets it); leave it out")
+    if tools:
+        kwargs["tools"] = tools
+    messages = template_messages(messages)
+
     def render(msgs: list[dict[str, Any]]) -> str:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs)
 
     cache: dict[int, str] = {}
 
@@ -36,6 +51,34 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], context: i
     text = cache.get(len(fitted.messages)) or render(fitted.messages)
     ids = tokenizer.encode(text, add_special_tokens=False)
     return Prompt(ids, text.rstrip().endswith(start_tag), fitted.dropped)
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them: a call's JSON arguments string parsed to the object the
+    templates render with `tojson`, and every tool result matched to a call earlier in the chat."""
+    called: set[str] = set()
+    out = []
+    for i, m in enumerate(messages):
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = call["function"]
+                try:
+                    args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
+                except ValueError:
+                    raise BonsaiError(f"messages[{i}]: the arguments of tool call '{call['id']}' are not valid JSON; "
+                                      "send them as a JSON object text") from None
+                called.add(call["id"])
+                calls.append({**call, "function": {"name": fn["name"], "arguments": args}})
+            m = {**m, "tool_calls": calls}
+        elif m.get("role") == "tool":
+            if m.get("tool_call_id") is None:
+                raise BonsaiError(f"messages[{i}]: a tool message needs the tool_call_id of the call it answers")
+            if m["tool_call_id"] not in called:
+                raise BonsaiError(f"messages[{i}]: the tool message answers '{m['tool_call_id']}', which no earlier "
+                                  "assistant message called; send the assistant's tool_calls before their results")
+        out.append(m)
+    return out
 
 
 def completion_prompt(tokenizer: Tokenizer, prompt: str | list[int]) -> Prompt:

@@ -46,6 +46,7 @@ class Finished:
     usage: dict[str, Any]
     timings: dict[str, Any]
     stats: GenerationStats
+    stop_sequence: str | None = None  # the stop string that ended the output, if one did
 
 
 @dataclass
@@ -215,7 +216,7 @@ class Sequence:
         self.done = True
         self.finish_reason = reason
         self.pending = []
-        self.request.emit(Finished(reason, self.usage(), self.stats.timings(), self.stats))
+        self.request.emit(Finished(reason, self.usage(), self.stats.timings(), self.stats, self.matcher.matched))
 
     def usage(self) -> dict[str, Any]:
         n, out = self.stats.prompt_tokens, self.generated

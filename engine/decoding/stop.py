@@ -12,12 +12,13 @@ class StopStringMatcher:
     def __init__(self, stops: tuple[str, ...] | list[str]):
         self.stops = tuple(s for s in stops if s)
         self._held = ""
+        self.matched: str | None = None  # the stop string that stopped the text
 
     def push(self, piece: str) -> tuple[str, bool]:
         if not self.stops:
             return piece, False
         text = self._held + piece
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut, self.matched = min(((i, s) for s in self.stops if (i := text.find(s)) >= 0), default=(-1, None))
         if cut >= 0:
             self._held = ""
             return text[:cut], True

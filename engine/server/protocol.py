@@ -8,10 +8,12 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.errors import BonsaiError
 from engine.decoding.sampling import SamplingParams
+from engine.server.protocol_body import MAX_CHOICES, ChatFields, ClientFields, ToolCallIn
+from engine.server.request_error import RequestError
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+__all__ = ["RequestError"]
 # every number a request carries has both bounds (tests/test_engine_guard.py checks it): a value
 # past them is a 400 here, never an error inside the engine
 MAX_COUNT = 2**31 - 1  # token counts and limits (far above any context)
@@ -29,10 +31,12 @@ class TextPart(BaseModel):
 
 class Message(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
     reasoning_content: str | None = None  # a thought sent back in the history (templates may show it)
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls, sent back in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         content = self.content
@@ -44,6 +48,10 @@ class Message(BaseModel):
             out["name"] = self.name
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -52,7 +60,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(ClientFields):
     model_config = STRICT
     model: str | None = None  # one model is served: any name reaches it
     max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
@@ -65,15 +73,20 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(1.0, ge=PENALTY_MIN, le=PENALTY_MAX)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Union[str, list[str], None] = None
-    n: int = Field(1, ge=1, le=MAX_COUNT)
+    n: int = Field(1, ge=1, le=MAX_COUNT)  # at most MAX_CHOICES (check)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user label, logged with the request
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, vocab: int = MAX_COUNT, choice: int = 0) -> SamplingParams:
+        """Choice `choice`'s sampling: its own seed (seed + choice) when a seed is given; logit_bias ids
+        checked against `vocab`."""
+        bias = self.token_bias(vocab)
+        seed = self.seed if self.seed is None or not choice else (self.seed + choice) % (SEED_MAX + 1)
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, seed=self.seed)
+                              frequency_penalty=self.frequency_penalty, seed=seed,
+                              **({"logit_bias": bias} if bias else {}))
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -87,13 +100,14 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check(self) -> None:
-        if self.n != 1:
-            raise RequestError(f"n={self.n} is not supported: this server returns one choice per request (n=1)", "n")
+        if self.n > MAX_CHOICES:
+            raise RequestError(f"n={self.n} asks for more than the {MAX_CHOICES} choices one request may have", "n")
+        self.check_fields()
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options needs stream: true", "stream_options")
 
 
-class ChatRequest(_Common):
+class ChatRequest(_Common, ChatFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
@@ -103,12 +117,17 @@ class ChatRequest(_Common):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def check(self) -> None:
+        super().check()
+        self.check_tools()
+
     def check_size(self, max_messages: int, max_chars: int) -> None:
         """The caps on one request's work, checked before any template or tokenizer runs."""
         if len(self.messages) > max_messages:
             raise RequestError(f"the conversation has {len(self.messages)} messages, more than the {max_messages} "
                                "this server takes (server.max_messages); send fewer", "messages")
-        chars = sum(len(m.text()) + len(m.reasoning_content or "") + len(m.name or "") for m in self.messages)
+        chars = sum(len(m.text()) + len(m.reasoning_content or "") + len(m.name or "")
+                    + sum(len(c.function.arguments) for c in m.tool_calls or []) for m in self.messages)
         _check_chars(chars, max_chars, "messages")
 
     def top_logprobs_wanted(self) -> int | None:
@@ -120,6 +139,7 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str]]
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False  # the prompt's text before the completion
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -145,15 +165,6 @@ def _check_chars(chars: int, limit: int, param: str) -> None:
     if chars > limit:
         raise RequestError(f"the request has {chars} characters of {param}, more than the {limit} this server "
                            "takes (server.max_prompt_chars); send less", param)
-
-
-class RequestError(BonsaiError):
-    """A request the server refuses: HTTP status, OpenAI error type and the offending parameter."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.param, self.status, self.kind, self.code, self.headers = param, status, kind, code, headers or {}
 
 
 def decode_body(raw: bytes) -> Any:
@@ -223,7 +234,9 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         if err["type"] == "extra_forbidden":
             raise RequestError(f"unknown field '{where}' (this server does not support it)", where) from None
         raise RequestError(f"invalid '{where}': {err['msg']}", where) from None
-    request.check()
+    check = getattr(request, "check", None)  # a model's own rules across fields, when it has some
+    if check is not None:
+        check()
     return request
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import functools
 import io
 import pstats
 import threading
@@ -27,7 +26,8 @@ from engine.runtime.runner import ModelRunner
 from engine.decoding.sampling import SamplingParams
 from engine.decoding.engine import Engine
 from engine.decoding.sequence import Request
-from engine.server.api import _stream
+from engine.server.openai_api import _stream
+from engine.server.serving import Generation
 from engine.server.engine_thread import EngineThread
 
 QUESTIONS = ["Write a Python function that reverses a string.", "What is the capital of France?",
@@ -76,28 +76,23 @@ def main() -> None:
     thread.start()
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
                for q in QUESTIONS]
-    served = SimpleNamespace(engine=engine)
+    served = SimpleNamespace(engine=engine, alive=True)
     params = SamplingParams(temperature=args.temperature, top_p=0.95 if args.temperature else 1.0, seed=1)
 
-    relay = []
+    relays: dict = {}
 
     async def one(i: int, sem: asyncio.Semaphore) -> tuple[int, int]:
         async with sem:
             loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            if args.emit == "relay":
-                if not relay:
-                    from engine.server.relay import EventRelay
-                    relay.append(EventRelay(loop))
-                emit = functools.partial(relay[0].post, queue)
-            else:
-                def emit(event, queue=queue):
-                    loop.call_soon_threadsafe(queue.put_nowait, event)
-            job = Request(prompts[i % len(prompts)], max_tokens=args.max_tokens, sampling=params, id=f"r{i}",
-                          emit=emit)
-            engine.submit(job)
+            job = Request(prompts[i % len(prompts)], max_tokens=args.max_tokens, sampling=params, id=f"r{i}")
+            gen = Generation(served, [job], relays)  # emit through the relay
+            if args.emit != "relay":
+                def emit(event, queue=gen.queue):
+                    loop.call_soon_threadsafe(queue.put_nowait, (0, event))
+                job.emit = emit
+            gen.submit()
             chunks = bytes_out = 0
-            async for piece in _stream(served, job, queue, (job.id, "m", 0), True, True):
+            async for piece in _stream(gen, (job.id, "m", 0), True, True, ""):
                 chunks += 1
                 bytes_out += len(piece)
             return chunks, bytes_out
