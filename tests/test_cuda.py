@@ -68,6 +68,7 @@ def test_graphed_prefill_chunks_match_eager_prefill():
     graphed = ModelRunner(loaded, max_seq_len=64, num_slots=2, prefill_chunk_size=8, prefill_graphs=True)
     eager = ModelRunner(loaded, max_seq_len=64, num_slots=2, prefill_chunk_size=8, prefill_graphs=False)
     assert graphed.prefill_graphs is not None and eager.prefill_graphs is None
+    graphed.short_prefill_rows = 0  # chunks up to SHORT_PREFILL_TOKENS would take the graphed decode step instead
     assert ModelRunner(loaded, max_seq_len=64).prefill_graphs is not None  # on by default where decode is graphed
     gen = torch.Generator().manual_seed(0)
     for prompt_len in (21, 16, 21):  # a capture, then replays with other tokens (and a partial last chunk)
@@ -96,6 +97,7 @@ def test_a_prefill_chunk_that_cannot_be_captured_runs_eagerly(monkeypatch):
     tokens = list(range(3, 19))
     want = eager.prefill(eager.slot(0), tokens)
     graphed = ModelRunner(loaded, max_seq_len=64, prefill_chunk_size=8, prefill_graphs=True)
+    graphed.short_prefill_rows = 0  # the prefill graphs, not the graphed decode step short chunks take
     norm_forward = type(model.norm).forward
 
     def syncing(self, x):
