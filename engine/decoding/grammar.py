@@ -42,7 +42,6 @@ class GrammarSpec:
     reasoning: free text inside <think>…</think> allowed before the constraint (`with_reasoning`)."""
     kind: str
     schema: str = ""
-    strict: bool = True
     tools: tuple[tuple[str, str], ...] = ()
     fmt: str = "hermes"
     mode: str = "required"
@@ -78,9 +77,11 @@ class GrammarSpec:
         return GrammarSpec("json_object")
 
     @staticmethod
-    def json_schema(schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
+    def json_schema(schema: dict[str, Any]) -> GrammarSpec:
+        """The output always matches the schema (OpenAI's `strict: true`; xgrammar has no looser mode, so a
+        request's `strict: false` gets the same: the server says so in its API notes)."""
         _schema_object(schema, "the response_format schema")
-        return GrammarSpec("json_schema", schema=_dump(schema, "the response_format schema"), strict=strict)
+        return GrammarSpec("json_schema", schema=_dump(schema, "the response_format schema"))
 
     @staticmethod
     def tool_calls(tools: list[dict[str, Any]], fmt: str = "hermes", mode: str = "required",

@@ -18,7 +18,7 @@ def chat_grammar(req: Any, tokenizer: Any, family: str | None) -> GrammarSpec | 
             raise RequestError("response_format json and tools cannot constrain one answer together; send "
                                "tool_choice none, or leave response_format out", "response_format")
         spec = _built(lambda: GrammarSpec.json_object() if fmt.type == "json_object" else
-                      GrammarSpec.json_schema(fmt.json_schema.schema_, strict=fmt.json_schema.strict is not False),
+                      GrammarSpec.json_schema(fmt.json_schema.schema_),
                       "response_format")
         return _checked(spec, tokenizer, "response_format")
     if mode == "none":
