@@ -69,3 +69,17 @@ def test_prefix_reuse_only_where_the_state_was_saved(loaded, one_thread):
 def test_unsupported_run_options_are_refused(loaded, options, message):
     with pytest.raises(BonsaiError, match=message):
         ModelRunner(loaded, 96, **options)
+
+
+def test_the_memory_plan_counts_the_states_a_verify_pass_keeps(loaded):
+    """With speculation every slot keeps the state after each position of its last verify pass (k + 2 of
+    them: the rollback points): the plan counts them; a dense model and plain decoding have no such line."""
+    from engine.memory.budget import run_settings
+    from engine.memory.plan import _kv_lines
+    cfg = loaded.config
+    per_slot = cfg.hybrid.state_bytes_per_slot(2)
+    spec = _kv_lines(cfg, run_settings(cfg, "cuda", 256, slots=3, verify_positions=6))[0]
+    assert [(line.name.split(" (")[0], line.bytes) for line in spec[1:]] == [
+        ("DeltaNet states", 3 * per_slot), ("DeltaNet verify states", 3 * 6 * per_slot)]
+    plain = _kv_lines(cfg, run_settings(cfg, "cuda", 256, slots=3))[0]
+    assert [line.name.split(" (")[0] for line in plain] == ["KV cache bf16", "DeltaNet states"]

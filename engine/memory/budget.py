@@ -76,7 +76,7 @@ def decode_splits(config: ModelConfig, max_seq_len: int, cuda: bool) -> int:
 def run_settings(config: ModelConfig, device: str, max_seq_len: int, slots: int = 1, prefill_chunk_size: int = 512,
                  kv_type: str = "bf16", graph_rows: int | None = None, weight_dtype_bytes: int | None = None,
                  weight_offload: bool = False, kv_offload: bool = False, rotation_block: int = 0,
-                 dummy: bool = False, embedding_on_host: bool = False) -> RunSettings:
+                 dummy: bool = False, embedding_on_host: bool = False, verify_positions: int = 0) -> RunSettings:
     """Settings as engine.weights.loader / engine.runtime.runner choose them on `device`: bfloat16 on CUDA with the
     fused decode step graphed for 1..graph_rows rows (default: one per slot, up to 16); float32 on
     the CPU with float16 block matrices (float32 for dummy weights) and no fused step."""
@@ -90,7 +90,8 @@ def run_settings(config: ModelConfig, device: str, max_seq_len: int, slots: int 
                        cuda=cuda, dtype_bytes=dtype_bytes, weight_dtype_bytes=weight_dtype_bytes,
                        graph_rows=graph_rows, num_splits=decode_splits(config, max_seq_len, cuda),
                        weight_offload=weight_offload, kv_offload=kv_offload, rotation_block=rotation_block,
-                       embedding_on_host=embedding_on_host, dummy=dummy)
+                       embedding_on_host=embedding_on_host, dummy=dummy,
+                       verify_positions=verify_positions if config.hybrid is not None else 0)
 
 
 def plan_run(weights: ModelWeights, settings: RunSettings, drafter: MemoryPlan | None = None) -> MemoryPlan:

@@ -74,6 +74,7 @@ class RunSettings:
     kv_offload: bool = False
     rotation_block: int = 0  # online Hadamard block of a rotated checkpoint (0: none)
     embedding_on_host: bool = False  # the embedding table in host memory (engine.memory.host_embedding)
+    verify_positions: int = 0  # states a hybrid's verify pass keeps per slot for its rollback (k + 2; 0: no speculation)
     dummy: bool = False  # weights generated (load_format: dummy) rather than read: the load's temporaries
 
     @property
@@ -192,9 +193,13 @@ def _kv_lines(config: ModelConfig, s: RunSettings) -> tuple[list[PlanLine], list
     total = per_token * s.max_seq_len * s.slots
     name = f"KV cache {s.kv_label} ({s.slots} × {s.max_seq_len} positions)"
     if config.hybrid is not None:  # engine.runtime.hybrid_state: fp32 recurrent state + conv window per slot
-        states = PlanLine("kv", f"DeltaNet states ({s.slots} slots × {config.hybrid.counts()['linear_attention']} "
-                          "layers)", config.hybrid.state_bytes_per_slot(s.dtype_bytes) * s.slots)
-        return [PlanLine("kv", name, total), states], []
+        per_slot = config.hybrid.state_bytes_per_slot(s.dtype_bytes)
+        lines = [PlanLine("kv", name, total), PlanLine("kv", f"DeltaNet states ({s.slots} slots × "
+                                                        f"{config.hybrid.counts()['linear_attention']} layers)", per_slot * s.slots)]
+        if s.verify_positions:  # every slot keeps the state after each position of its last verify pass
+            lines.append(PlanLine("kv", f"DeltaNet verify states ({s.slots} slots × {s.verify_positions} positions)",
+                                  per_slot * s.slots * s.verify_positions))
+        return lines, []
     if not s.kv_offload:
         return [PlanLine("kv", name, total)], []
     ring = STAGING_LAYERS * total // config.num_layers

@@ -60,7 +60,8 @@ def plan_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pu
                             graph_rows=min(rows, MAX_STEP_ROWS) if cuda and not mem.kv_offload else 0,
                             weight_dtype_bytes=weight_bytes, weight_offload=mem.weight_offload,
                             kv_offload=mem.kv_offload, rotation_block=weights.rotation_block,
-                            dummy=m.load_format == "dummy", embedding_on_host=bool(mem.embedding_on_host))
+                            dummy=m.load_format == "dummy", embedding_on_host=bool(mem.embedding_on_host),
+                            verify_positions=spec.num_draft_tokens + 2 if spec is not None else 0)
     drafter = drafter_plan(spec, settings) if spec is not None else None
     limit = mem.max_gpu_memory_bytes
     settings, choices = fit_to_budget(weights, settings, limit, embedding_auto=mem.embedding_on_host is None,
