@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import xgrammar
 
 from engine.decoding.grammar import GrammarSpec, compile_spec
 
@@ -20,6 +19,7 @@ from engine.decoding.grammar import GrammarSpec, compile_spec
 class GrammarMatch:
     def __init__(self, spec: GrammarSpec, tokenizer: Any, vocab: int, max_rollback: int = -1):
         """vocab: the width of the logits rows this sequence chooses from."""
+        import xgrammar  # here, not at module import: it imports transformers (~1.7 s a start)
         self.spec, self.vocab = spec, vocab
         eos = sorted(i for i in getattr(tokenizer, "eos_ids", ()) if i < vocab)
         self.matcher = xgrammar.GrammarMatcher(compile_spec(spec, tokenizer, vocab),
@@ -68,12 +68,14 @@ class GrammarMatch:
 
 def bitmask(rows: int, vocab: int) -> torch.Tensor:
     """A bitmask [rows, words] allowing every token (int32, CPU)."""
+    import xgrammar  # here, not at module import: it imports transformers (~1.7 s a start)
     return xgrammar.allocate_token_bitmask(rows, vocab)
 
 
 def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """logits [n, V] (any device) with the tokens whose bit is clear in mask [n, words] at -inf, in
     place where xgrammar's kernel runs (CPU, CUDA), else through torch; returns the logits."""
+    import xgrammar  # here, not at module import: it imports transformers (~1.7 s a start)
     try:
         xgrammar.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True),
                                              vocab_size=logits.shape[-1])

@@ -13,7 +13,6 @@ import re
 import weakref
 from typing import Any
 
-import xgrammar
 
 from engine.sources.tokenizer import byte_alphabet
 
@@ -45,6 +44,7 @@ def token_bytes(tokenizer: Any, size: int) -> list[bytes]:
 
 def tokenizer_info(tokenizer: Any, vocab: int | None = None) -> xgrammar.TokenizerInfo:
     """vocab: the width of the logits rows masked (default the tokenizer's vocabulary)."""
+    import xgrammar  # here, not at module import: it imports transformers (~1.7 s a start)
     size = tokenizer.vocab_size if vocab is None else min(vocab, tokenizer.vocab_size)
     stops = sorted(i for i in getattr(tokenizer, "eos_ids", ()) if i < size)
     return xgrammar.TokenizerInfo(token_bytes(tokenizer, size), xgrammar.VocabType.RAW,
@@ -53,6 +53,7 @@ def tokenizer_info(tokenizer: Any, vocab: int | None = None) -> xgrammar.Tokeniz
 
 def compiler(tokenizer: Any, vocab: int | None = None) -> xgrammar.GrammarCompiler:
     """The grammar compiler for `tokenizer` at logits width `vocab`, built once."""
+    import xgrammar  # here, not at module import: it imports transformers (~1.7 s a start)
     per = _compilers.setdefault(tokenizer, {})
     if vocab not in per:
         per[vocab] = xgrammar.GrammarCompiler(tokenizer_info(tokenizer, vocab), max_threads=1)
