@@ -71,7 +71,7 @@ class BonsaiCheckpoint:
 
     def model_config(self) -> ModelConfig:
         """The architecture config.json declares, checked against the tensors (engine.sources.model_check)."""
-        return checked_config(self.path, self.hf_config, self.tensor_info(), canonical_name)
+        return checked_config(self.path, self.hf_config, self.tensor_info, canonical_name)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_dir(self.path)

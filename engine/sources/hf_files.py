@@ -49,12 +49,13 @@ _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
 
-def checked_config(path: Path, hf_config: dict[str, Any], tensors: list[tuple[str, str, tuple[int, ...], int]],
+def checked_config(path: Path, hf_config: dict[str, Any], tensors: Callable[[], list[tuple[str, str, tuple, int]]],
                    canonical: Callable[[str], str | None]) -> ModelConfig:
     """The ModelConfig of a directory's config.json (`hf_config`), checked against its tensors
-    ((name, type, shape, bytes) as tensor_info gives them; `canonical` maps a stored name to ours)."""
+    (`tensors()`: (name, type, shape, bytes) as tensor_info gives them, read after the config is known
+    to be one we run; `canonical` maps a stored name to ours)."""
     config = in_file(path / "config.json", lambda: ModelConfig.from_hf_config(hf_config))
-    found = {canon: (name, shape) for name, _, shape, _ in tensors if (canon := canonical(name)) is not None}
+    found = {canon: (name, shape) for name, _, shape, _ in tensors() if (canon := canonical(name)) is not None}
     check_tensors(path, config, found, hf_name, "config.json num_hidden_layers")
     return config
 
@@ -113,7 +114,7 @@ class HFModelDir:
 
     def model_config(self) -> ModelConfig:
         """The architecture config.json declares, checked against the tensors (engine.sources.model_check)."""
-        return checked_config(self.path, self.hf_config, self.tensor_info(), canonical_name)
+        return checked_config(self.path, self.hf_config, self.tensor_info, canonical_name)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_dir(self.path)
