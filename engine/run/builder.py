@@ -56,7 +56,7 @@ class Run:
         return min(self.plan.slot_context, self.runner.max_seq_len)
 
     def engine(self, metrics: Metrics | None = None, max_queue: int = 16, prefill_budget: int | None = None,
-               speculative: bool = True) -> Engine:
+               speculative: bool = True, mixed_prefill: bool = True) -> Engine:
         """The decoding engine over this run's slots: the config's thinking rules and, with speculation
         (unless `speculative` is off), one drafter per slot; the fused step is captured now for every
         row count the engine will ask for."""
@@ -68,7 +68,7 @@ class Run:
             engine = Engine(self.runner, self.tokenizer, self.slot_context, max_queue,
                             ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, drafters,
                             spec.num_draft_tokens if spec is not None else 4, prefill_budget,
-                            spec.method if spec is not None else None)
+                            spec.method if spec is not None else None, mixed_prefill=mixed_prefill)
             self.runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None
                                      else self.config.runtime.max_batch_size)
             self.runner.warm_up()
