@@ -13,6 +13,8 @@ from pathlib import Path
 from engine.memory.budget import (FitChoice, ModelWeights, drafter_plan, dummy_formats, fit_to_budget,
                                   host_embedding_possible, model_formats, run_settings)
 from engine.memory.plan import MemoryPlan, RunSettings, make_plan
+from engine.memory.stream_fit import stream_plan
+from engine.memory.streaming import StreamPlan
 from engine.run.config import RunConfig
 from engine.runtime.decode_step import MAX_STEP_ROWS
 from engine.sources import store
@@ -30,6 +32,13 @@ class RunPlan:
     # the blocks streamed with memory.weight_offload: auto: settings.resident_layers)
     drafter: MemoryPlan | None  # what the drafters add (in `plan` already)
     slot_context: int  # positions one conversation may use
+
+    @property
+    def stream(self) -> StreamPlan | None:
+        """With weight offload: which blocks stream and the decode speed that predicts (bonsai info --plan)."""
+        if not self.settings.weight_offload:
+            return None
+        return stream_plan(self.weights.config, self.weights.formats, self.settings)
 
 
 def model_path(config: RunConfig, auto_pull: bool = False) -> Path:
