@@ -36,6 +36,8 @@ def test_choose_streamed_fits_all_some_or_none():
     assert choose_streamed(blocks, 650) == (1, 3, 5, 7)
     assert choose_streamed(blocks, 200) == tuple(range(8))  # every block through the ring of 2
     assert choose_streamed(blocks, 199) is None  # not even the ring
+    # with the allocator's rounding (10 a resident block), 4 streamed need 640: 5 are streamed under 630
+    assert choose_streamed(blocks, 640, [10] * 8) == (1, 3, 5, 7) and choose_streamed(blocks, 630, [10] * 8) == spread(5, 8)
     assert ring_bytes(blocks, (3,)) == 100 and ring_bytes([10, 50, 20], (0, 2)) == 40  # one buffer; the largest
 
 
@@ -74,6 +76,10 @@ def test_the_plan_streams_only_the_blocks_the_budget_cannot_hold():
     per_layer = layer_weight_bytes(QWEN3_8B, weights.formats, got)
     assert host == sum(per_layer[i] for i in streamed)  # the plan's host lines are the streamed blocks' bytes
     assert stream_plan(QWEN3_8B, weights.formats, got).streamed == streamed
+    from engine.memory.plan import block_slack
+    rounding = [line.bytes for line in plan.lines if line.name == "allocator rounding of the resident blocks"]
+    slack = block_slack(QWEN3_8B, weights.formats, got)
+    assert rounding == [sum(slack[i] for i in got.resident_layers)] and rounding[0] > 0
 
 
 def test_a_budget_below_the_staging_ring_is_refused_with_the_smallest_that_works():

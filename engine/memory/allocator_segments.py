@@ -20,3 +20,9 @@ def pool_segment_bytes(sizes: list[int]) -> int:
     mid = sum(_round_block(x) for x in sizes if MIB < x < 10 * MIB)
     big = sum(round_up(x, 2 * MIB) for x in sizes if x >= 10 * MIB)
     return round_up(small, 2 * MIB) + round_up(mid, 20 * MIB) + big
+
+
+def rounding_slack(sizes: list[int]) -> int:
+    """At most what the allocator's segments of these tensors hold beyond their bytes when each one over
+    1 MiB takes a segment of its own rounded up to 2 MiB (an upper bound: a split-off rest may serve others)."""
+    return sum(round_up(x, 2 * MIB) - x for x in sizes if x > MIB)

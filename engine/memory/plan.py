@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import BonsaiError
 from engine.memory.host_embedding import check_embedding_on_host
-from engine.memory.allocator_segments import MIB, pool_segment_bytes, round_up
+from engine.memory.allocator_segments import MIB, pool_segment_bytes, round_up, rounding_slack
 from engine.memory.streaming import ring_bytes, streamed_blocks
 from engine.runtime.model import attention_block_rows
 from engine.sources.model_config import ModelConfig
@@ -186,7 +186,20 @@ def _weight_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
         ring = ring_bytes(layer_bytes, streamed)
         device.append(PlanLine("weights", f"staging ring ({min(STAGING_LAYERS, len(streamed))} layers)", ring,
                                f"weight_offload: {len(streamed)} of {config.num_layers} blocks stream"))
+        if s.cuda:  # a partial offload is planned to the last block: the segments' rounding counted too
+            slack = sum(block_slack(config, formats, s)[i] for i in range(config.num_layers) if i not in streamed)
+            device.append(PlanLine("weights", "allocator rounding of the resident blocks", slack,
+                                   "estimate: each tensor over 1 MiB rounded up to 2 MiB"))
     return device, host
+
+
+def block_slack(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings) -> list[int]:
+    """Per block: the allocator's rounding of its tensors (allocator_segments.rounding_slack)."""
+    sizes: list[list[int]] = [[] for _ in range(config.num_layers)]
+    for _, layer, size in weight_tensors(config, formats, s):
+        if layer is not None:
+            sizes[layer].append(size)
+    return [rounding_slack(x) for x in sizes]
 
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.memory.plan import MemoryPlan, RunSettings, make_plan, weight_tensors
+from engine.memory.plan import MemoryPlan, RunSettings, block_slack, make_plan, weight_tensors
 from engine.memory.streaming import StreamPlan, choose_streamed, ring_bytes, streamed_blocks
 from engine.sources.model_config import ModelConfig
 from engine.weights.formats import LinearFormat
@@ -44,7 +44,9 @@ def stream_to_fit(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
         return None
     per_layer = layer_weight_bytes(config, formats, every)
     fixed = total - ring_bytes(per_layer, tuple(range(config.num_layers)))  # the plan without any block
-    streamed = choose_streamed(per_layer, limit - fixed)
+    # a resident block costs its bytes and, on CUDA, the allocator's rounding of its tensors (plan.block_slack)
+    slack = block_slack(config, formats, every) if s.cuda else [0] * config.num_layers
+    streamed = choose_streamed(per_layer, limit - fixed, slack)
     assert streamed is not None, "every block streamed fits, so some choice does"
     held = set(streamed)
     chosen = dataclasses.replace(every, weight_offload=bool(streamed),

@@ -55,20 +55,22 @@ def ring_bytes(layer_bytes: list[int], streamed: tuple[int, ...]) -> int:
     return min(STAGING_BUFFERS, len(streamed)) * max(layer_bytes[i] for i in streamed)
 
 
-def device_block_bytes(layer_bytes: list[int], streamed: tuple[int, ...]) -> int:
-    """What the blocks put on the GPU: the resident ones whole, the streamed ones through the ring."""
-    held = set(streamed)
-    return sum(b for i, b in enumerate(layer_bytes) if i not in held) + ring_bytes(layer_bytes, streamed)
+def device_block_bytes(layer_bytes: list[int], streamed: tuple[int, ...], slack: list[int] | None = None) -> int:
+    """What the blocks put on the GPU: the resident ones whole (plus their allocator `slack`, if given),
+    the streamed ones through the ring."""
+    held, extra = set(streamed), slack or [0] * len(layer_bytes)
+    return (sum(b + extra[i] for i, b in enumerate(layer_bytes) if i not in held)
+            + ring_bytes(layer_bytes, streamed))
 
 
-def choose_streamed(layer_bytes: list[int], room: int) -> tuple[int, ...] | None:
+def choose_streamed(layer_bytes: list[int], room: int, slack: list[int] | None = None) -> tuple[int, ...] | None:
     """The blocks to stream so that the blocks' GPU bytes (`device_block_bytes`) fit in `room`: the
     fewest, spread over the depth. () when every block fits resident; None when even streaming every
     block (the ring alone) does not fit."""
     n = len(layer_bytes)
     for count in range(n + 1):
         streamed = spread(count, n)
-        if device_block_bytes(layer_bytes, streamed) <= room:
+        if device_block_bytes(layer_bytes, streamed, slack) <= room:
             return streamed
     return None
 
