@@ -4,6 +4,7 @@ memory plan counts. Measured on the CPU by counting the bytes of live tensor sto
 (tests/live_bytes.py), the stand-in for torch.cuda.max_memory_allocated."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -119,14 +120,17 @@ def test_plan_counts_the_27b_items_by_hand():
     assert hosted.total <= 5_500_000_000  # under 6 GB with half a GB to spare
 
 
+GPU_SHAPE = ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=1024, intermediate_size=4096,
+                        num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, qk_norm=True,
+                        max_position_embeddings=4096)
+
+
 @pytest.mark.gpu
 def test_dummy_load_peak_on_a_gpu():
     """torch.cuda.max_memory_allocated over a dummy load: the weights plus at most the planned slice."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
-    config = ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=1024, intermediate_size=4096,
-                         num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, qk_norm=True,
-                         max_position_embeddings=4096)
+    config = GPU_SHAPE
     fmt = WeightFormat("tri", 128, head_type="tri")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -149,9 +153,7 @@ def test_streamed_blocks_never_reach_the_gpu_while_loading():
     blocks' bytes are never allocated there."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
-    config = ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=1024, intermediate_size=4096,
-                         num_layers=4, num_heads=8, num_kv_heads=2, head_dim=128, qk_norm=True,
-                         max_position_embeddings=4096)
+    config = dataclasses.replace(GPU_SHAPE, num_layers=4)
     fmt = WeightFormat("tri", 128, head_type="int4")
     host = frozenset({1, 3})
     torch.cuda.synchronize()
