@@ -1,0 +1,113 @@
+"""The DeltaNet decode kernels (engine/kernels/deltanet_decode.py) vs their plain-torch references, and the
+references vs the model's own maths (engine.runtime.deltanet). Without CUDA the kernels run under Triton's
+interpreter on the CPU (TRITON_INTERPRET is set before the kernel module is imported); the `gpu` test adds
+the Qwen3.6-27B shapes."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from engine.kernels import UnsupportedKernelShape  # noqa: E402
+from engine.kernels.deltanet_decode import (conv_update, conv_update_reference, recurrent_update,  # noqa: E402
+                                            recurrent_update_reference)
+from engine.runtime.deltanet import causal_conv, recurrent_gated_delta_rule  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _conv_inputs(m, c, k, slots, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, c, generator=gen).to(DEVICE)
+    window = torch.randn(slots, c, k - 1, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(c, k, generator=gen).to(DEVICE, dtype)
+    slot_ids = torch.tensor([slots - 1 - i for i in range(m)], dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([0 if i == 1 else 5 + i for i in range(m)], dtype=torch.int32, device=DEVICE)
+    return x, window, weight, slot_ids, positions
+
+
+@pytest.mark.parametrize("m, c, dtype", [(1, 40, torch.float32), (3, 300, torch.bfloat16)])
+def test_conv_update_matches_its_reference(m, c, dtype):
+    x, window, weight, slot_ids, positions = _conv_inputs(m, c, 4, 4, dtype)
+    w_ref = window.clone()
+    ref = conv_update_reference(x, w_ref, weight, slot_ids, positions)
+    got = conv_update(x, window, weight, slot_ids, positions)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(window, w_ref, atol=tol, rtol=tol)  # windows shifted in place, other slots kept
+
+
+def test_conv_reference_is_the_models_causal_conv():
+    x, window, weight, slot_ids, positions = _conv_inputs(2, 24, 4, 3, torch.float32)
+    positions.fill_(3)
+    before = window.clone()
+    got = conv_update_reference(x, window, weight, slot_ids, positions)
+    rows = slot_ids.long()
+    out, seen = causal_conv(x[:, :, None], before[rows], weight)  # [M, C, 1], [M, C, K]
+    torch.testing.assert_close(got, out[:, :, 0])
+    torch.testing.assert_close(window[rows], seen[:, :, 1:])
+
+
+def _recurrent_inputs(m, hk, hv, dk, dv, slots, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(m, hk, dk, generator=gen).to(DEVICE) for _ in range(2))
+    v = torch.randn(m, hv, dv, generator=gen).to(DEVICE)
+    g = -torch.rand(m, hv, generator=gen).to(DEVICE)
+    beta = torch.rand(m, hv, generator=gen).to(DEVICE)
+    state = torch.randn(slots, hv, dk, dv, generator=gen).to(DEVICE) * 0.1
+    slot_ids = torch.tensor([(2 * i + 1) % slots for i in range(m)], dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([0 if i == 0 else 9 for i in range(m)], dtype=torch.int32, device=DEVICE)
+    return q, k, v, g, beta, state, slot_ids, positions
+
+
+@pytest.mark.parametrize("m, hk, hv, dk, dv", [(1, 2, 4, 16, 16), (3, 1, 2, 32, 48), (2, 2, 2, 128, 64)])
+def test_recurrent_update_matches_its_reference(m, hk, hv, dk, dv):
+    q, k, v, g, beta, state, slot_ids, positions = _recurrent_inputs(m, hk, hv, dk, dv, slots=2 * m + 1)
+    s_ref = state.clone()
+    ref = recurrent_update_reference(q, k, v, g, beta, s_ref, slot_ids, positions)
+    got = recurrent_update(q, k, v, g, beta, state, slot_ids, positions)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(state, s_ref, atol=1e-5, rtol=1e-4)
+
+
+def test_recurrent_reference_continues_the_models_recurrence():
+    """Two tokens through the reference, one step each, equal the model's recurrence over both."""
+    q, k, v, g, beta, state, _, _ = _recurrent_inputs(2, 2, 4, 16, 16, slots=1)
+    start = state.clone()
+    one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    outs = [recurrent_update_reference(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state,
+                                       one * 0, one + 4) for t in range(2)]
+    ref, s, _ = recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], start)
+    torch.testing.assert_close(torch.cat(outs), ref[0])
+    torch.testing.assert_close(state, s)
+
+
+def test_bad_shapes_are_refused():
+    q, k, v, g, beta, state, slot_ids, positions = _recurrent_inputs(1, 2, 4, 16, 16, slots=2)
+    with pytest.raises(UnsupportedKernelShape, match="state"):
+        recurrent_update(q, k, v, g, beta, state.double(), slot_ids, positions)
+    x, window, weight, slot_ids, positions = _conv_inputs(1, 8, 4, 2, torch.float32)
+    with pytest.raises(UnsupportedKernelShape, match="window"):
+        conv_update(x, window[:, :4], weight, slot_ids, positions)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_27b_shapes_on_the_gpu():
+    """Qwen3.6-27B: 16 key / 48 value heads of 128, conv channels 2·2048 + 6144; 4 rows of 8 slots."""
+    q, k, v, g, beta, state, slot_ids, positions = _recurrent_inputs(4, 16, 48, 128, 128, slots=8)
+    s_ref = state.clone()
+    ref = recurrent_update_reference(q, k, v, g, beta, s_ref, slot_ids, positions)
+    torch.testing.assert_close(recurrent_update(q, k, v, g, beta, state, slot_ids, positions), ref,
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, s_ref, atol=1e-4, rtol=1e-4)
+    x, window, weight, slot_ids, positions = _conv_inputs(4, 10240, 4, 8, torch.bfloat16)
+    w_ref = window.clone()
+    ref = conv_update_reference(x, w_ref, weight, slot_ids, positions)
+    torch.testing.assert_close(conv_update(x, window, weight, slot_ids, positions), ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(window, w_ref)
