@@ -142,3 +142,31 @@ def test_graphed_hybrid_step_on_cuda_matches_the_cpu(model_dir):
         want = cpu.decode_batch([cpu.slot(0), cpu.slot(1)], [PROMPT[12 + i], OTHER[7 + i]])
         got = gpu.decode_batch([gpu.slot(0), gpu.slot(1)], [PROMPT[12 + i], OTHER[7 + i]]).cpu()
         assert (got - want).abs().max() <= 1e-3
+
+
+def test_packed_hybrid_fused_step_tracks_the_eager_path():
+    """Generated ternary blocks (int4 head): the fused step's int8-activation GEMVs, q/k/v and z sharing one
+    quantization, against the model's eager path on the same packed weights."""
+    from engine.sources.hybrid_config import HybridConfig
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.formats import WeightFormat
+    from engine.weights.loader import load_dummy
+    hc = HybridConfig(("linear_attention", "full_attention", "linear_attention"), 2, 4, 32, 32)
+    cfg = ModelConfig(architecture="qwen35", vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True, max_position_embeddings=256, hybrid=hc)
+    loaded = load_dummy(cfg, "tiny", "cpu", WeightFormat("tri", 128, "int4"), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in loaded.model.named_parameters():
+            if name.endswith(("conv_weight", "A_log", "dt_bias")):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+    fused = ModelRunner(loaded, max_seq_len=32, num_slots=2, prefill_chunk_size=8, fast_decode=True)
+    eager = ModelRunner(loaded, max_seq_len=32, num_slots=2, prefill_chunk_size=8, fast_decode=False)
+    assert fused.decoder is not None and eager.decoder is None
+    for runner in (fused, eager):
+        runner.prefill(runner.slot(0), [t % 256 for t in PROMPT[:9]])
+        runner.prefill(runner.slot(1), [t % 256 for t in OTHER[:4]])
+    for i in range(3):
+        tokens = [PROMPT[9 + i] % 256, OTHER[4 + i] % 256]
+        got = fused.decode_batch([fused.slot(0), fused.slot(1)], tokens)  # [2, V]
+        want = eager.decode_batch([eager.slot(0), eager.slot(1)], tokens)
+        assert (got - want).abs().max() <= 0.05 * want.abs().max() and not torch.equal(got, want)
