@@ -245,7 +245,8 @@ def engine_cases() -> list[Case]:
               replace(base, embedding_on_host=True), replace(base, offload="kv"),
               replace(base, offload="weights", kv_type="k8v4"), replace(base, architecture="llama", offload="weights")]
     # a hybrid (Qwen3.5: DeltaNet + gated attention; bf16 KV only): the DeltaNet decode kernels, both dtypes
-    cases += [Case("qwen35", "bf16", "tri", "int4"), Case("qwen35", "bf16", "bin", "bf16", torch.float16, 64)]
+    # (head_dim 128: DeltaNet heads of 128 as the real models have, the recurrent kernel's 8-warp variant)
+    cases += [Case("qwen35", "bf16", "tri", "int4"), Case("qwen35", "bf16", "bin", "bf16", torch.float16, 64, 128)]
     return cases
 
 
@@ -254,9 +255,10 @@ def _config(case: Case):
     from engine.sources.model_config import ModelConfig
     heads, kv_heads = 4, 2
     hybrid = None
-    if case.architecture == "qwen35":  # one DeltaNet layer, then one gated attention layer
+    if case.architecture == "qwen35":  # one DeltaNet layer (heads of head_dim / 2, or 128), then one gated attention
+        d = 128 if case.head_dim >= 128 else case.head_dim // 2
         hybrid = HybridConfig(("linear_attention", "full_attention"), linear_num_key_heads=2,
-                              linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+                              linear_num_value_heads=4, linear_key_head_dim=d, linear_value_head_dim=d)
     return ModelConfig(architecture=case.architecture, vocab_size=512, hidden_size=256, intermediate_size=512,
                        num_layers=2, num_heads=heads, num_kv_heads=kv_heads, head_dim=case.head_dim,
                        attention_bias=case.architecture == "qwen2", qk_norm=case.architecture in ("qwen3", "qwen35"),

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from engine.kernels import UnsupportedKernelShape  # noqa: E402
 from engine.kernels.deltanet_decode import (conv_update, conv_update_reference, recurrent_update,  # noqa: E402
                                             recurrent_update_reference)
-from engine.runtime.deltanet import causal_conv, recurrent_gated_delta_rule  # noqa: E402
+from engine.runtime.deltanet import _gated_norm, causal_conv, recurrent_gated_delta_rule  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -54,43 +54,53 @@ def test_conv_reference_is_the_models_causal_conv():
 
 
 def _recurrent_inputs(m, hk, hv, dk, dv, slots, seed=0):
+    """q, k, v, a, b, A_log, dt_bias, z, norm_weight, eps, state, slot_ids, positions (recurrent_update's order)."""
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(m, hk, dk, generator=gen).to(DEVICE) for _ in range(2))
-    v = torch.randn(m, hv, dv, generator=gen).to(DEVICE)
-    g = -torch.rand(m, hv, generator=gen).to(DEVICE)
-    beta = torch.rand(m, hv, generator=gen).to(DEVICE)
+    v, z = (torch.randn(m, hv, dv, generator=gen).to(DEVICE) for _ in range(2))
+    a, b = (torch.randn(m, hv, generator=gen).to(DEVICE) * 3 for _ in range(2))
+    a[0, 0] = 30.0  # softplus's linear branch
+    a_log, dt_bias = (torch.randn(hv, generator=gen).to(DEVICE) for _ in range(2))
+    norm_weight = (1 + 0.1 * torch.randn(dv, generator=gen)).to(DEVICE)
     state = torch.randn(slots, hv, dk, dv, generator=gen).to(DEVICE) * 0.1
     slot_ids = torch.tensor([(2 * i + 1) % slots for i in range(m)], dtype=torch.int32, device=DEVICE)
     positions = torch.tensor([0 if i == 0 else 9 for i in range(m)], dtype=torch.int32, device=DEVICE)
-    return q, k, v, g, beta, state, slot_ids, positions
+    return [q, k, v, a, b, a_log, dt_bias, z, norm_weight, 1e-6, state, slot_ids, positions]
+
+
+def _with_state(args, state):
+    return args[:10] + [state] + args[11:]
 
 
 @pytest.mark.parametrize("m, hk, hv, dk, dv", [(1, 2, 4, 16, 16), (3, 1, 2, 32, 48), (2, 2, 2, 128, 64)])
 def test_recurrent_update_matches_its_reference(m, hk, hv, dk, dv):
-    q, k, v, g, beta, state, slot_ids, positions = _recurrent_inputs(m, hk, hv, dk, dv, slots=2 * m + 1)
-    s_ref = state.clone()
-    ref = recurrent_update_reference(q, k, v, g, beta, s_ref, slot_ids, positions)
-    got = recurrent_update(q, k, v, g, beta, state, slot_ids, positions)
+    args = _recurrent_inputs(m, hk, hv, dk, dv, slots=2 * m + 1)
+    s_ref = args[10].clone()
+    ref = recurrent_update_reference(*_with_state(args, s_ref))
+    got = recurrent_update(*args)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(state, s_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(args[10], s_ref, atol=1e-5, rtol=1e-4)
 
 
-def test_recurrent_reference_continues_the_models_recurrence():
-    """Two tokens through the reference, one step each, equal the model's recurrence over both."""
-    q, k, v, g, beta, state, _, _ = _recurrent_inputs(2, 2, 4, 16, 16, slots=1)
+def test_recurrent_reference_continues_the_models_layer_maths():
+    """Two tokens through the reference, one step each, equal the model's gates, recurrence over both and
+    gated RMSNorm (engine.runtime.deltanet)."""
+    q, k, v, a, b, a_log, dt_bias, z, w, eps, state, _, _ = _recurrent_inputs(2, 2, 4, 16, 16, slots=1)
     start = state.clone()
     one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    outs = [recurrent_update_reference(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state,
-                                       one * 0, one + 4) for t in range(2)]
+    outs = [recurrent_update_reference(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1], b[t:t + 1], a_log, dt_bias,
+                                       z[t:t + 1], w, eps, state, one, one + 4) for t in range(2)]
+    beta = b.sigmoid()
+    g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
     ref, s, _ = recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], start)
-    torch.testing.assert_close(torch.cat(outs), ref[0])
+    torch.testing.assert_close(torch.cat(outs), _gated_norm(ref[0], z, w, eps))
     torch.testing.assert_close(state, s)
 
 
 def test_bad_shapes_are_refused():
-    q, k, v, g, beta, state, slot_ids, positions = _recurrent_inputs(1, 2, 4, 16, 16, slots=2)
+    args = _recurrent_inputs(1, 2, 4, 16, 16, slots=2)
     with pytest.raises(UnsupportedKernelShape, match="state"):
-        recurrent_update(q, k, v, g, beta, state.double(), slot_ids, positions)
+        recurrent_update(*_with_state(args, args[10].double()))
     x, window, weight, slot_ids, positions = _conv_inputs(1, 8, 4, 2, torch.float32)
     with pytest.raises(UnsupportedKernelShape, match="window"):
         conv_update(x, window[:, :4], weight, slot_ids, positions)
@@ -100,12 +110,11 @@ def test_bad_shapes_are_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_27b_shapes_on_the_gpu():
     """Qwen3.6-27B: 16 key / 48 value heads of 128, conv channels 2·2048 + 6144; 4 rows of 8 slots."""
-    q, k, v, g, beta, state, slot_ids, positions = _recurrent_inputs(4, 16, 48, 128, 128, slots=8)
-    s_ref = state.clone()
-    ref = recurrent_update_reference(q, k, v, g, beta, s_ref, slot_ids, positions)
-    torch.testing.assert_close(recurrent_update(q, k, v, g, beta, state, slot_ids, positions), ref,
-                               atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(state, s_ref, atol=1e-4, rtol=1e-4)
+    args = _recurrent_inputs(4, 16, 48, 128, 128, slots=8)
+    s_ref = args[10].clone()
+    ref = recurrent_update_reference(*_with_state(args, s_ref))
+    torch.testing.assert_close(recurrent_update(*args), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(args[10], s_ref, atol=1e-4, rtol=1e-4)
     x, window, weight, slot_ids, positions = _conv_inputs(4, 10240, 4, 8, torch.bfloat16)
     w_ref = window.clone()
     ref = conv_update_reference(x, w_ref, weight, slot_ids, positions)

@@ -4,7 +4,8 @@ one token per row, each row a distinct slot, the residual stream x [M, H] float3
 - Gated DeltaNet: the projections through the step's GEMV (q/k/v and the output gate z share one int8
   activation quantization when both are packed; in_proj_a / in_proj_b are float), the conv window and the
   recurrent state updated in place in the slot's buffers (HybridStates.conv / .recurrent, addressed by slot
-  index: engine.kernels.deltanet_decode), the gated RMSNorm, out_proj into x.
+  index: engine.kernels.deltanet_decode, whose recurrent kernel also makes the gates and the gated RMSNorm),
+  out_proj into x.
 - Gated attention: q/k norms, the partial rotary and the K/V write in plain torch on device tensors (the fused
   rope/KV-write kernel rotates whole heads and has no output gate), the decode attention kernel, the sigmoid
   output gate, o_proj into x.
@@ -15,7 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.runtime.deltanet import _gated_norm
 from engine.runtime.model import apply_rotary
 from engine.weights.packed_linear import PackedLinear
 
@@ -35,17 +35,15 @@ def deltanet_step(ops, project, block, x: torch.Tensor, states, slot_ids: torch.
         conv_in, z = project(ops, xq, qkv_layer), project(ops, xq, z_layer)  # [M, C], [M, Hv*Dv]
     else:
         conv_in, z = project(ops, x, qkv_layer, norm, eps), project(ops, x, z_layer, norm, eps)
-    b = project(ops, x, att.in_proj_b, norm, eps)  # [M, Hv]
-    a = project(ops, x, att.in_proj_a, norm, eps)  # [M, Hv]
-    beta = b.sigmoid()
-    g = -att.A_log.float().exp() * F.softplus(a + att.dt_bias.float())  # [M, Hv] log decay
+    normed = F.rms_norm(x, norm.shape, norm.float(), eps)  # [M, H] float32, for the two float gate projections
+    b, a = project(ops, normed, att.in_proj_b), project(ops, normed, att.in_proj_a)  # [M, Hv] each
     mixed = ops.conv_update(conv_in, states.conv[att.index], att.conv_weight, slot_ids, positions)  # [M, C]
     q, k, v = mixed.split([hc.key_dim, hc.key_dim, hc.value_dim], dim=-1)
-    o = ops.recurrent_update(q.view(m, hc.linear_num_key_heads, hc.linear_key_head_dim),
-                             k.view(m, hc.linear_num_key_heads, hc.linear_key_head_dim),
-                             v.view(m, hc.linear_num_value_heads, hc.linear_value_head_dim), g, beta,
-                             states.recurrent[att.index], slot_ids, positions)  # [M, Hv, Dv] float32
-    out = _gated_norm(o, z.view(m, hc.linear_num_value_heads, hc.linear_value_head_dim), att.norm_weight, eps)
+    heads = (m, hc.linear_num_value_heads, hc.linear_value_head_dim)
+    out = ops.recurrent_update(q.view(m, hc.linear_num_key_heads, hc.linear_key_head_dim),
+                               k.view(m, hc.linear_num_key_heads, hc.linear_key_head_dim), v.view(heads), a, b,
+                               att.A_log, att.dt_bias, z.view(heads), att.norm_weight, eps,
+                               states.recurrent[att.index], slot_ids, positions)  # [M, Hv, Dv] float32, gated-normed
     project(ops, out.reshape(m, hc.value_dim), att.out_proj, residual=x)
 
 
