@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import kernels_usable
-from engine.runtime.hybrid_step import deltanet_step, gated_attention_step
+from engine.runtime.hybrid_step import deltanet_step, gated_attention_step, rotary_of
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.model import Transformer
 from engine.weights.packed_linear import PackedLinear
@@ -124,6 +124,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
         rows = inputs.embedded if inputs.embedded is not None else model.embed(inputs.tokens)  # [M, H]
         x = rows.to(torch.float32, copy=True)  # [M, H] residual stream (never the static input buffer itself)
     scale = cfg.head_dim ** -0.5
+    rotary = rotary_of(model, inputs.positions) if cfg.hybrid is not None else None
     for i, block in enumerate(model.layers):
         if stream is not None:
             stream.enter(i)
@@ -132,7 +133,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
             if cfg.is_linear(i + model.first_layer):
                 deltanet_step(ops, _project, block, x, cache.states, inputs.slot_ids, inputs.positions, eps)
             else:
-                gated_attention_step(ops, _project, model, block, cache, x, inputs, num_splits, eps)
+                gated_attention_step(ops, _project, model, block, cache, x, inputs, rotary, num_splits, eps)
             _feed_forward(ops, block, x, ws, eps)
             continue
         scales = cache.layer_read_args(i)  # a quantized cache's scale / min tensors, v_rotate (none for bf16)

@@ -47,9 +47,16 @@ def deltanet_step(ops, project, block, x: torch.Tensor, states, slot_ids: torch.
     project(ops, out.reshape(m, hc.value_dim), att.out_proj, residual=x)
 
 
-def gated_attention_step(ops, project, model, block, cache, x: torch.Tensor, inputs, num_splits: int,
-                         eps: float) -> None:
-    """x [M, H] float32 += the gated attention layer of `block` (its K/V written at the rows' positions)."""
+def rotary_of(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [M, 1, 1, R/2] of the rows' positions (made once a step, shared by its attention layers)."""
+    angles = positions[:, None].float() * model.inv_freq  # [M, R/2]
+    return angles.cos()[:, None, None], angles.sin()[:, None, None]
+
+
+def gated_attention_step(ops, project, model, block, cache, x: torch.Tensor, inputs, rotary: tuple,
+                         num_splits: int, eps: float) -> None:
+    """x [M, H] float32 += the gated attention layer of `block` (its K/V written at the rows' positions);
+    rotary: `rotary_of` the rows' positions."""
     cfg = model.config
     att = block.attention
     m = x.shape[0]
@@ -59,8 +66,7 @@ def gated_attention_step(ops, project, model, block, cache, x: torch.Tensor, inp
     dtype = cache.dtype
     q = att.q_norm(q.to(dtype))  # [M, H, D]
     k = att.k_norm(k.reshape(m, cfg.num_kv_heads, cfg.head_dim).to(dtype))  # [M, KV, D]
-    angles = inputs.positions[:, None].float() * model.inv_freq  # [M, R/2]
-    cos, sin = angles.cos()[:, None, None], angles.sin()[:, None, None]  # [M, 1, 1, R/2]
+    cos, sin = rotary  # [M, 1, 1, R/2]
     q = apply_rotary(q[:, None], cos, sin)[:, 0].contiguous()  # [M, H, D]
     k = apply_rotary(k[:, None], cos, sin)[:, 0]  # [M, KV, D]
     kv = cache.layer(att.layer)  # {name: [slots, KV, S, D]}
