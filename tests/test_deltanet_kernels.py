@@ -120,3 +120,33 @@ def test_the_27b_shapes_on_the_gpu():
     ref = conv_update_reference(x, w_ref, weight, slot_ids, positions)
     torch.testing.assert_close(conv_update(x, window, weight, slot_ids, positions), ref, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(window, w_ref)
+    test_gated_rope_write_matches_its_reference_and_the_models_projection(torch.bfloat16, 24, 4, 256, 32)
+
+
+@pytest.mark.parametrize("dtype, heads, kv_heads, d, half", [(torch.float32, 4, 2, 64, 8),
+                                                             (torch.bfloat16, 3, 1, 32, 16), (torch.float32, 2, 2, 16, 2)])
+def test_gated_rope_write_matches_its_reference_and_the_models_projection(dtype, heads, kv_heads, d, half):
+    from engine.kernels.gated_rope import gated_rope_write, gated_rope_write_reference
+    from engine.runtime.model import RMSNorm, apply_rotary
+    gen = torch.Generator().manual_seed(d)
+    m, slots, seq = 3, 4, 8
+    qkv = torch.randn(m, 2 * (heads + kv_heads) * d, generator=gen).to(DEVICE)
+    positions = torch.tensor([0, 5, 7], dtype=torch.int32, device=DEVICE)
+    slot_ids = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEVICE)
+    inv_freq = (1.0 / 1e4 ** (torch.arange(half, dtype=torch.float32) / half)).to(DEVICE)
+    qn, kn = ((1 + 0.1 * torch.randn(d, generator=gen)).to(DEVICE, dtype) for _ in range(2))
+    caches = [torch.zeros(slots, kv_heads, seq, d, dtype=dtype, device=DEVICE) for _ in range(4)]
+    args = (positions, slot_ids, inv_freq, qn, kn)
+    ref = gated_rope_write_reference(qkv, *args, caches[0], caches[1], heads, kv_heads, d, 1e-6)
+    got = gated_rope_write(qkv, *args, caches[2], caches[3], heads, kv_heads, d, 1e-6)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(caches[2], caches[0], **tol)
+    torch.testing.assert_close(caches[3], caches[1], **tol)
+    # the reference is the eager path's projection maths (RMSNorm modules, then the partial rotary)
+    norm = RMSNorm(d, 1e-6).to(DEVICE, dtype)
+    norm.weight.data.copy_(qn)
+    q = qkv[:, :2 * heads * d].view(m, heads, 2 * d)[..., :d].to(dtype)
+    angles = positions[:, None].float() * inv_freq
+    want = apply_rotary(norm(q)[:, None], angles.cos()[:, None, None], angles.sin()[:, None, None])[:, 0]
+    torch.testing.assert_close(ref, want)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import kernels_usable
-from engine.runtime.hybrid_step import deltanet_step, gated_attention_step, rotary_of
+from engine.runtime.hybrid_step import deltanet_step, gated_attention_step
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.model import Transformer
 from engine.weights.packed_linear import PackedLinear
@@ -71,12 +71,14 @@ class _Ops:
         self.attention, self.rope_write = decode_attention, qk_norm_rope_write
         self.attention_int8 = decode_attention_int8  # attention → int8 per head, for a packed o_proj
         self.quantize, self.gemv = quantize_activations, packed_gemv
-        if fast:  # a hybrid's DeltaNet layers (engine.runtime.hybrid_step)
+        if fast:  # a hybrid's DeltaNet and gated attention layers (engine.runtime.hybrid_step)
             from engine.kernels.deltanet_decode import conv_update, recurrent_update
+            from engine.kernels.gated_rope import gated_rope_write as gated_rope
         else:
             from engine.kernels.deltanet_decode import conv_update_reference as conv_update
             from engine.kernels.deltanet_decode import recurrent_update_reference as recurrent_update
-        self.conv_update, self.recurrent_update = conv_update, recurrent_update
+            from engine.kernels.gated_rope import gated_rope_write_reference as gated_rope
+        self.conv_update, self.recurrent_update, self.gated_rope = conv_update, recurrent_update, gated_rope
 
 
 def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,
@@ -124,7 +126,6 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
         rows = inputs.embedded if inputs.embedded is not None else model.embed(inputs.tokens)  # [M, H]
         x = rows.to(torch.float32, copy=True)  # [M, H] residual stream (never the static input buffer itself)
     scale = cfg.head_dim ** -0.5
-    rotary = rotary_of(model, inputs.positions) if cfg.hybrid is not None else None
     for i, block in enumerate(model.layers):
         if stream is not None:
             stream.enter(i)
@@ -133,7 +134,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
             if cfg.is_linear(i + model.first_layer):
                 deltanet_step(ops, _project, block, x, cache.states, inputs.slot_ids, inputs.positions, eps)
             else:
-                gated_attention_step(ops, _project, model, block, cache, x, inputs, rotary, num_splits, eps)
+                gated_attention_step(ops, _project, model, block, cache, x, inputs, num_splits, eps)
             _feed_forward(ops, block, x, ws, eps)
             continue
         scales = cache.layer_read_args(i)  # a quantized cache's scale / min tensors, v_rotate (none for bf16)

@@ -6,9 +6,9 @@ one token per row, each row a distinct slot, the residual stream x [M, H] float3
   recurrent state updated in place in the slot's buffers (HybridStates.conv / .recurrent, addressed by slot
   index: engine.kernels.deltanet_decode, whose recurrent kernel also makes the gates and the gated RMSNorm),
   out_proj into x.
-- Gated attention: q/k norms, the partial rotary and the K/V write in plain torch on device tensors (the fused
-  rope/KV-write kernel rotates whole heads and has no output gate), the decode attention kernel, the sigmoid
-  output gate, o_proj into x.
+- Gated attention: q/k norms, the partial rotary and the K/V write in one kernel (engine.kernels.gated_rope: the
+  dense models' rope/KV-write kernel rotates whole heads), the decode attention kernel, the sigmoid output gate,
+  o_proj into x.
 Nothing here reads a device value on the host or indexes with a host list: the step stays capturable.
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.runtime.model import apply_rotary
 from engine.weights.packed_linear import PackedLinear
 
 
@@ -47,33 +46,17 @@ def deltanet_step(ops, project, block, x: torch.Tensor, states, slot_ids: torch.
     project(ops, out.reshape(m, hc.value_dim), att.out_proj, residual=x)
 
 
-def rotary_of(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [M, 1, 1, R/2] of the rows' positions (made once a step, shared by its attention layers)."""
-    angles = positions[:, None].float() * model.inv_freq  # [M, R/2]
-    return angles.cos()[:, None, None], angles.sin()[:, None, None]
-
-
-def gated_attention_step(ops, project, model, block, cache, x: torch.Tensor, inputs, rotary: tuple,
-                         num_splits: int, eps: float) -> None:
-    """x [M, H] float32 += the gated attention layer of `block` (its K/V written at the rows' positions);
-    rotary: `rotary_of` the rows' positions."""
+def gated_attention_step(ops, project, model, block, cache, x: torch.Tensor, inputs, num_splits: int,
+                         eps: float) -> None:
+    """x [M, H] float32 += the gated attention layer of `block` (its K/V written at the rows' positions)."""
     cfg = model.config
     att = block.attention
-    m = x.shape[0]
+    m, d = x.shape[0], cfg.head_dim
     qkv = project(ops, x, att.wqkv, block.attention_norm.weight, eps)  # [M, 2Q + 2KV] float32
-    q, k, v = qkv.split([cfg.q_rows, cfg.kv_size, cfg.kv_size], dim=-1)
-    q, gate = q.view(m, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)  # [M, H, D] each: per head q, then gate
-    dtype = cache.dtype
-    q = att.q_norm(q.to(dtype))  # [M, H, D]
-    k = att.k_norm(k.reshape(m, cfg.num_kv_heads, cfg.head_dim).to(dtype))  # [M, KV, D]
-    cos, sin = rotary  # [M, 1, 1, R/2]
-    q = apply_rotary(q[:, None], cos, sin)[:, 0].contiguous()  # [M, H, D]
-    k = apply_rotary(k[:, None], cos, sin)[:, 0]  # [M, KV, D]
     kv = cache.layer(att.layer)  # {name: [slots, KV, S, D]}
-    rows, at = inputs.slot_ids.long(), inputs.positions.long()
-    kv["k"][rows, :, at] = k
-    kv["v"][rows, :, at] = v.reshape(m, cfg.num_kv_heads, cfg.head_dim).to(dtype)
-    a = ops.attention(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, cfg.head_dim ** -0.5,
-                      num_splits)  # [M, H, D]
+    q = ops.gated_rope(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, att.q_norm.weight,
+                       att.k_norm.weight, kv["k"], kv["v"], cfg.num_heads, cfg.num_kv_heads, d, eps)  # [M, H, D]
+    gate = qkv[:, :cfg.q_rows].view(m, cfg.num_heads, 2 * d)[..., d:]  # [M, H, D]: per head, after its queries
+    a = ops.attention(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, d ** -0.5, num_splits)  # [M, H, D]
     out = a.float() * torch.sigmoid(gate)  # [M, H, D]
-    project(ops, out.reshape(m, cfg.q_size).to(dtype), att.wo, residual=x)
+    project(ops, out.reshape(m, cfg.q_size).to(cache.dtype), att.wo, residual=x)
