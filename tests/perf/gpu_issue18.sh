@@ -4,9 +4,9 @@
 #      shapes), and a tiny random hybrid decoded through the CUDA-graphed fused step against the CPU's eager
 #      logits (SmolLM2's metadata-only tokenizer GGUF stands in for its tokenizer files);
 #   2. `bonsai bench` of the 27B shape (configs/models/qwen3.6-27b.yaml, generated weights): ternary and 1-bit
-#      blocks with an int4 head, then bf16; the 0.8B shape (configs/models/qwen3.5-0.8b.yaml) ternary and bf16;
+#      blocks with an int4 head, then bf16; the 0.8B shape (configs/models/qwen3.5-0.8b.yaml) ternary;
 #   3. decode (tg128) of the ternary 27B at 4K and 32K of context (issue 18's "within 15%" target).
-# Results (JSON per bench, the logs, summary.txt) under $OUT.
+# Results (JSON per bench, the logs, summary.txt) under $OUT. Expected ~6-7 minutes (each section has a timeout).
 #   TOK=.tok/smollm2.gguf OUT=out bash tests/perf/gpu_issue18.sh
 # PARTS picks sections (default: all): tests bench depth
 set -u
@@ -18,12 +18,12 @@ part() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 if part tests; then
 echo "== GPU correctness: DeltaNet kernels vs references (27B shapes), graphed hybrid step vs CPU eager"
-BONSAI_SMOLLM2_GGUF="$TOK" timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_deltanet_kernels.py \
+BONSAI_SMOLLM2_GGUF="$TOK" timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_deltanet_kernels.py \
     tests/test_hybrid_fused_step.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
 fi
 bench() {  # name, yaml, weights, head, reps, extra args...
     local name=$1 yaml=$2 weights=$3 head=$4 reps=$5; shift 5
-    timeout 170 $B bench "configs/models/$yaml.yaml" --load-format dummy --device cuda --weights "$weights" \
+    timeout "${LIMIT:-150}" $B bench "configs/models/$yaml.yaml" --load-format dummy --device cuda --weights "$weights" \
         --head-weights "$head" -r "$reps" --no-pg --json "$OUT/bench-$name.json" "$@" > "$OUT/bench-$name.log" 2>&1 \
         || { echo "FAILED $name (exit $?):"; tail -4 "$OUT/bench-$name.log"; }
 }
@@ -32,12 +32,11 @@ echo "== bonsai bench -p 512 -n 128: the 27B shape (tri, bin with an int4 head; 
 bench 27b-tri qwen3.6-27b tri int4 2 -p 512 -n 128
 bench 27b-bin qwen3.6-27b bin int4 2 -p 512 -n 128
 bench 0.8b-tri qwen3.5-0.8b tri int4 3 -p 512 -n 128
-bench 0.8b-bf16 qwen3.5-0.8b bf16 bf16 3 -p 512 -n 128
 bench 27b-bf16 qwen3.6-27b bf16 bf16 2 -p 512 -n 128  # 54 GB of weights: ~13 ms a token at the copy bound
 fi
 if part depth; then
 echo "== decode of the ternary 27B shape at 4K and 32K of context (prefilled untimed)"
-bench 27b-tri-depth qwen3.6-27b tri int4 2 -p 0 -n 128 -d 4096,32768
+LIMIT=200 bench 27b-tri-depth qwen3.6-27b tri int4 2 -p 0 -n 128 -d 4096,32768  # 3 x 36K tokens prefilled eagerly
 fi
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import json, pathlib, sys
