@@ -21,7 +21,7 @@ from engine.runtime.kv_cache import KVCache  # noqa: E402
 from engine.runtime.hybrid_state import attach_states  # noqa: E402
 from engine.runtime.runner import ModelRunner  # noqa: E402
 from engine.weights.loader import load_model  # noqa: E402
-from tests.hybrid_tiny import make_hybrid_model, reference_logits  # noqa: E402
+from tests.hybrid_tiny import make_hybrid_model, reference_logits, tokenizer_dir  # noqa: E402
 
 TOL = 1e-4
 PROMPT = [(i * 37 + 11) % 49152 for i in range(30)]
@@ -30,10 +30,8 @@ OTHER = [(i * 53 + 5) % 49152 for i in range(20)]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, smollm2_gguf):
-    tok = tmp_path_factory.mktemp("tok")
-    transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name).save_pretrained(tok)
     path = tmp_path_factory.mktemp("qwen35-step")
-    return path, make_hybrid_model(path, tok)
+    return path, make_hybrid_model(path, tokenizer_dir(tmp_path_factory, smollm2_gguf))
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +144,8 @@ def test_graphed_hybrid_step_on_cuda_matches_the_cpu(model_dir):
 
 def test_packed_hybrid_fused_step_tracks_the_eager_path():
     """Generated ternary blocks (int4 head): the fused step's int8-activation GEMVs, q/k/v and z sharing one
-    quantization, against the model's eager path on the same packed weights."""
+    quantization, against the model's eager path on the same packed weights (whose one-row products quantize
+    their activations the same way)."""
     from engine.sources.hybrid_config import HybridConfig
     from engine.sources.model_config import ModelConfig
     from engine.weights.formats import WeightFormat
@@ -169,4 +168,4 @@ def test_packed_hybrid_fused_step_tracks_the_eager_path():
         tokens = [PROMPT[9 + i] % 256, OTHER[4 + i] % 256]
         got = fused.decode_batch([fused.slot(0), fused.slot(1)], tokens)  # [2, V]
         want = eager.decode_batch([eager.slot(0), eager.slot(1)], tokens)
-        assert (got - want).abs().max() <= 0.05 * want.abs().max() and not torch.equal(got, want)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # at float32 the same int8 GEMVs as eager
