@@ -92,7 +92,9 @@ def memory_report(budget, device) -> dict[str, Any]:
             "embedding_on_host": budget.settings.embedding_on_host,
             "prefill_chunk_size": budget.settings.prefill_chunk_size,
             "peak_allocated_bytes": used["peak_allocated"] if cuda else None,  # no allocator statistics on the CPU
-            "peak_reserved_bytes": used["peak_reserved"] if cuda else None}
+            "peak_reserved_bytes": used["peak_reserved"] if cuda else None,
+            # weight offload: the streamed blocks and the decode speed their PCIe bound predicts (engine.memory.streaming)
+            "weight_streaming": budget.stream.as_dict() if budget.stream is not None else None}
 
 
 def _copy_megabytes(limit: int | None, device) -> int:

@@ -117,10 +117,12 @@ def _info_plan(model: Optional[str], plan_file: Path, json_out: bool) -> None:
         refusal = str(e)
     if json_out:
         print_json({"model": cfg.model.path, "config": str(plan_file),
-                    **plan_dict(planned.plan, planned.settings, planned.limit, refusal, planned.choices)})
+                    **plan_dict(planned.plan, planned.settings, planned.limit, refusal, planned.choices,
+                                planned.stream)})
         return
     print_plan(Console(), planned.plan, planned.settings, planned.limit, refusal,
-               f"memory plan on {cfg.runtime.device}: {cfg.model.path} with {plan_file.name}", planned.choices)
+               f"memory plan on {cfg.runtime.device}: {cfg.model.path} with {plan_file.name}", planned.choices,
+               planned.stream)
 
 
 def _info_pipeline(cfg, planned, plan_file: Path, json_out: bool) -> None:

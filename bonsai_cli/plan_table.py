@@ -7,14 +7,16 @@ from rich.console import Console
 from rich.table import Table
 
 
-def plan_dict(plan, settings, limit: int | None, refusal: str | None, choices=()) -> dict[str, Any]:
+def plan_dict(plan, settings, limit: int | None, refusal: str | None, choices=(), stream=None) -> dict[str, Any]:
     return {**plan.as_dict(), "settings": vars(settings), "max_gpu_memory": limit,
             "fits": limit is None or plan.total <= limit, "refusal": refusal,
-            "chosen_to_fit": [{"key": c.key, "value": c.value, "why": c.line} for c in choices]}
+            "chosen_to_fit": [{"key": c.key, "value": c.value, "why": c.line} for c in choices],
+            "weight_streaming": stream.as_dict() if stream is not None else None}
 
 
 def print_plan(console: Console, plan, settings, limit: int | None, refusal: str | None, title: str,
-               choices=()) -> None:
+               choices=(), stream=None) -> None:
+    """stream: engine.memory.streaming.StreamPlan of a run that streams blocks (which, and the predicted tok/s)."""
     from engine.memory.budget import format_bytes
     table = Table("category", "item", "MiB", "note", title=title)
     for line in plan.lines:
@@ -31,7 +33,11 @@ def print_plan(console: Console, plan, settings, limit: int | None, refusal: str
     console.print(f"[dim]{'cuda' if s.cuda else 'cpu'}: {s.slots} slot(s) × {s.max_seq_len} positions, "
                   f"KV {s.kv_label}, prefill chunk {s.prefill_chunk_size}, "
                   f"embedding in {'host memory' if s.embedding_on_host else 'device memory'}, "
-                  f"fused step graphed for {s.graph_rows} row count(s)[/dim]")
+                  + (f"fused step graphed for {s.graph_rows} row count(s)" if not (s.weight_offload or s.kv_offload)
+                     else f"fused step for {s.graph_rows} row count(s), run eagerly (offloaded weights or KV)")
+                  + "[/dim]")
+    for line in stream.lines() if stream is not None else ():
+        console.print(f"[cyan]weight streaming: {line}[/cyan]")
     for choice in choices:
         console.print(f"[yellow]chosen to fit max_gpu_memory: {choice.line}[/yellow]")
     if limit is not None:

@@ -37,3 +37,13 @@ class GroupSizeError(BonsaiError):
 
     def for_setting(self, setting: str) -> "GroupSizeError":
         return GroupSizeError(self.problem, setting)
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (one-line errors and logs)."""
+    return str(e).splitlines()[0] if str(e) else ""
+
+
+def error_message(e: Exception) -> str:
+    """What a request that failed on `e` is told: a BonsaiError's line, else the internal error named."""
+    return first_line(e) if isinstance(e, BonsaiError) else f"internal error: {type(e).__name__}: {first_line(e)}"

@@ -115,6 +115,20 @@ def test_masks_allow_exactly_the_grammar_tokens_and_leave_other_rows():
     assert torch.equal(apply_mask(a, mask), apply_mask_torch(b, mask))
 
 
+def test_rows_of_several_grammars_filled_together_equal_each_alone():
+    object_only = GrammarSpec.json_object()
+    ahead = GrammarMatch(PERSON, TOK, V)
+    assert ahead.accept_prefix(TOK.encode('{"age": 1')) == len(TOK.encode('{"age": 1'))
+    for t in TOK.encode('{"age": 1'):
+        assert ahead.accept(t)
+    matches = [GrammarMatch(PERSON, TOK, V), ahead, GrammarMatch(object_only, TOK, V)]
+    logits = torch.randn(4, V)
+    out = mask_rows(logits, matches, [0, 2, 3])  # three rows: the batch filler
+    for row, m in zip([0, 2, 3], matches):
+        assert torch.equal(out[row], m.masked(logits[row]))  # one row: the matcher's own fill
+    assert torch.equal(out[1], logits[1])
+
+
 def test_drafts_cut_at_the_first_refused_token_and_state_kept():
     m = GrammarMatch(PERSON, TOK, V)
     ids = TOK.encode('{"age": x')

@@ -4,6 +4,7 @@ memory plan counts. Measured on the CPU by counting the bytes of live tensor sto
 (tests/live_bytes.py), the stand-in for torch.cuda.max_memory_allocated."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -119,14 +120,17 @@ def test_plan_counts_the_27b_items_by_hand():
     assert hosted.total <= 5_500_000_000  # under 6 GB with half a GB to spare
 
 
+GPU_SHAPE = ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=1024, intermediate_size=4096,
+                        num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, qk_norm=True,
+                        max_position_embeddings=4096)
+
+
 @pytest.mark.gpu
 def test_dummy_load_peak_on_a_gpu():
     """torch.cuda.max_memory_allocated over a dummy load: the weights plus at most the planned slice."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
-    config = ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=1024, intermediate_size=4096,
-                         num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, qk_norm=True,
-                         max_position_embeddings=4096)
+    config = GPU_SHAPE
     fmt = WeightFormat("tri", 128, head_type="tri")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -140,3 +144,29 @@ def test_dummy_load_peak_on_a_gpu():
     s = run_settings(config, "cuda", 4096, dummy=True, embedding_on_host=True)
     planned = load_transient_bytes(config, dummy_formats(config, WeightFormat("tri", 128, "tri")).formats, s)
     assert peak - final <= planned + (1 << 20)
+
+
+@pytest.mark.gpu
+def test_streamed_blocks_never_reach_the_gpu_while_loading():
+    """A dummy load with half the blocks in host memory (weight offload): the GPU's peak over the load
+    is the resident blocks and the rest of the model plus at most the planned slice; the streamed
+    blocks' bytes are never allocated there."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    config = dataclasses.replace(GPU_SHAPE, num_layers=4)
+    fmt = WeightFormat("tri", 128, head_type="int4")
+    host = frozenset({1, 3})
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loaded = load_dummy(config, "tiny", device="cuda", weight_format=fmt, embedding_on_host=True, host_layers=host)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    on_gpu = sum(t.numel() * t.element_size() for t in [*loaded.model.parameters(), *loaded.model.buffers()]
+                 if t.is_cuda)
+    streamed = sum(t.numel() * t.element_size() for i in host
+                   for t in [*loaded.model.layers[i].parameters(), *loaded.model.layers[i].buffers()])
+    assert streamed > 0 and all(not t.is_cuda for i in host for t in loaded.model.layers[i].parameters())
+    s = run_settings(config, "cuda", 4096, dummy=True, embedding_on_host=True)
+    planned = load_transient_bytes(config, dummy_formats(config, fmt).formats, s)
+    assert peak <= on_gpu + planned + (1 << 20), (peak, on_gpu, planned, streamed)

@@ -64,7 +64,7 @@ def test_weights_over_the_limit_suggest_weight_offload_or_nothing():
     weights = dummy_formats(QWEN3_8B, WeightFormat("bf16"))  # 16 GB of float weights
     s = run_settings(QWEN3_8B, "cuda:0", 1024)
     message = refusal(6_000_000_000, s, weights)
-    assert "memory.weight_offload: true" in message and "max_seq_len" not in message
+    assert "memory.weight_offload: auto (streams 27 of 36 blocks" in message and "max_seq_len" not in message
     assert "no single change" in refusal(500_000_000, s, weights)
 
 

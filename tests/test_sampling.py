@@ -90,3 +90,13 @@ def test_sample_rows_gives_what_sample_gives_row_by_row(one_thread):
         assert rows == alone, draw
     assert rows[0] == int(logits[0].argmax()) and rows[4] == int(logits[4].argmax())
     assert sample_rows(logits[:2], [SamplingParams()] * 2, [None, None]) == logits[:2].argmax(-1).tolist()
+
+
+def test_logit_bias_adds_to_every_row_at_its_ids():
+    from engine.decoding.sampling import apply_logit_bias, bias_tensors
+    bias = bias_tensors({1: -100.0, 3: 2.5}, "cpu")
+    logits = torch.zeros(2, 5, dtype=torch.bfloat16)  # [T, V]
+    out = apply_logit_bias(logits, bias)
+    assert out.dtype == torch.bfloat16 and logits.abs().sum() == 0  # a copy
+    assert out[0].tolist() == [0, -100, 0, 2.5, 0] and out[1].tolist() == out[0].tolist()
+    assert apply_logit_bias(torch.ones(5), bias).tolist() == [1, -99, 1, 3.5, 1]  # [V]

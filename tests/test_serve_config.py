@@ -180,8 +180,14 @@ def test_offload_keys(tmp_path):
     assert "memory.host_kv_mib" in error(base + "  host_kv_mib: 512\n", tmp_path)  # without kv_offload
     assert "memory.host_kv_mib" in error(base + "  kv_offload: true\n  host_kv_mib: 0\n", tmp_path)
     assert "host_kv_mib" in error(base + "  host_kv_mb: 512\n", tmp_path)  # the nearest key
+    assert "true (stream every block)" in error(base + "  weight_offload: yes please\n", tmp_path)
+    assert "set memory.max_gpu_memory" in error(base + "  weight_offload: auto\n", tmp_path)
+    assert load(base + "  weight_offload: auto\n  max_gpu_memory: 6GB\n", tmp_path).memory.weight_offload == "auto"
+    from engine.memory.plan import RunSettings
     from engine.run.builder import offloaded_layers
-    assert offloaded_layers(cfg, 3) == {0, 1, 2} and offloaded_layers(load("model:\n  path: m\n", tmp_path), 3) is None
+    assert offloaded_layers(RunSettings(8, weight_offload=True), 3) == {0, 1, 2}
+    assert offloaded_layers(RunSettings(8, weight_offload=True, resident_layers=(0, 2)), 3) == {1}
+    assert offloaded_layers(RunSettings(8), 3) is None
 
 
 def test_flags_build_the_run_config_a_file_builds(tmp_path):

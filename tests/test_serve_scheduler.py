@@ -9,7 +9,7 @@ from engine.errors import BonsaiError
 from engine.decoding.context_policy import fit_conversation
 from engine.decoding.metrics import Metrics
 from engine.decoding.reasoning import ReasoningSplitter
-from engine.decoding.scheduler import PrefillChunk, QueueFull, Scheduler, plan_prefill
+from engine.decoding.scheduler import PrefillChunk, QueueFull, Scheduler, plan_prefill, plan_riders
 
 
 @dataclass
@@ -105,6 +105,19 @@ def test_prefill_plan_gives_whole_chunks_first_come_first_served_within_the_budg
     assert chunks(plan_prefill([(2, 40, 16), (0, 700, 512)], budget=32)) == [(2, 16), (2, 16)]
     assert chunks(plan_prefill([(2, 9, 16), (0, 700, 512)], budget=32)) == [(2, 9)]
     assert chunks(plan_prefill([(0, 700, 512), (2, 40, 16)], budget=32)) == [(0, 512)]
+
+
+def test_riders_fill_the_rows_a_decode_pass_leaves_free_oldest_first():
+    # 3 slots decode in a 16-row pass: 13 rows free, the oldest prompt first, the next one gets the rest
+    assert chunks(plan_riders(3, [(5, 10), (1, 40), (2, 7)], rows=16, min_free=4)) == [(5, 10), (1, 3)]
+    assert chunks(plan_riders(1, [(0, 40)], rows=16, min_free=4)) == [(0, 15)]
+    # a prompt's last token rides too: its logits start the answer
+    assert chunks(plan_riders(2, [(4, 2)], rows=16, min_free=4)) == [(4, 2)]
+    # nobody decodes (the prompts run their own passes), or too few rows free (the prompt would crawl)
+    assert plan_riders(0, [(0, 40)], rows=16, min_free=4) == []
+    assert plan_riders(13, [(0, 40)], rows=16, min_free=4) == []
+    assert chunks(plan_riders(12, [(0, 40)], rows=16, min_free=4)) == [(0, 4)]
+    assert plan_riders(16, [(0, 40)], rows=16, min_free=0) == []  # no row free at all
 
 
 def test_prefill_cuts_of_a_prompt_do_not_depend_on_the_other_requests():

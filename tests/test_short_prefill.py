@@ -9,7 +9,7 @@ import torch
 from engine.runtime.runner import SHORT_PREFILL_TOKENS, ModelRunner
 from engine.weights.formats import WeightFormat
 from engine.weights.loader import load_dummy
-from tests.engine_runs import run_engine
+from tests.engine_runs import engine_over, run_engine
 from tests.test_decode_step import CFG
 from tests.test_spec_generate import TinyTokenizer
 
@@ -95,3 +95,51 @@ def test_the_engine_cuts_a_short_prompt_in_the_runners_passes(one_thread, monkey
     short.short_prefill_tokens = 8  # now the prompt is longer than a short prefill: one eager chunk
     _, got, _, _ = run_engine(short, tok, PROMPT, max_tokens=12, ignore_eos=True)
     assert sizes == [len(PROMPT)] and got == want
+
+
+def test_short_prompts_ride_in_the_decode_pass_of_other_slots(one_thread, monkeypatch):
+    """While a slot decodes, a second request's short prompt goes in the free rows of the decode step's
+    pass (a mixed pass: rows of both slots in one step_rows call), no prefill pass of its own runs, and
+    both requests' greedy outputs are those each gets alone."""
+    from engine.decoding.sequence import Request
+    loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
+    tok = TinyTokenizer()
+    alone = []
+    for prompt in (PROMPT, PROMPT[::-1] + [9]):
+        single = ModelRunner(loaded, 96, fast_decode=True)
+        alone.append(run_engine(single, tok, prompt, max_tokens=10, ignore_eos=True)[1])
+    runner = ModelRunner(loaded, 96, num_slots=2, fast_decode=True)
+    runner.short_prefill_rows = 8
+    runner.prepare_rows(8)
+    passes, forwards = [], []
+    step_rows, forward = ModelRunner.step_rows, ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "step_rows",
+                        lambda self, t, p, s: passes.append(list(s)) or step_rows(self, t, p, s))
+    monkeypatch.setattr(ModelRunner, "forward",
+                        lambda self, slot, t, num_logits=1: forwards.append((slot.index, len(t))) or
+                        forward(self, slot, t, num_logits))
+    engine = engine_over(runner, tok)
+    assert (engine.mix_rows, engine.min_riders) == (8, 2)
+    outs = {0: [], 1: []}
+    first = Request(list(PROMPT), max_tokens=10, ignore_eos=True,
+                    emit=lambda e: outs[0].extend(getattr(e, "token_ids", ())))
+    engine.submit(first)
+    for _ in range(8):  # the first prompt's own passes (nobody decodes yet), then its first decode step
+        engine.step()
+        if any(len(s.pending) == 1 for s in engine.active.values()):
+            break
+    assert engine.active and outs[0], "the first request should decode by now"
+    second = Request(PROMPT[::-1] + [9], max_tokens=10, ignore_eos=True,
+                     emit=lambda e: outs[1].extend(getattr(e, "token_ids", ())))
+    engine.submit(second)
+    forwards.clear()
+    for _ in range(40):
+        if not engine.has_work:
+            break
+        engine.step()
+    assert not engine.has_work
+    mixed = [p for p in passes if set(p) == {0, 1} and len(p) > 2]
+    assert mixed and mixed[0][0] == 0 and mixed[0][1:] == [1] * 7  # the decode row, then 7 prompt rows
+    assert all(index == 0 or n == 1 for index, n in forwards)  # slot 1's prompt ran in no pass of its own
+    assert [outs[0], outs[1]] == alone
+

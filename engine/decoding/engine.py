@@ -4,9 +4,9 @@
 slot; waiting requests get free slots (longest cached prefix first, scheduler.py); prompt chunks run
 for the requests that still have prompt (or inserted) tokens to feed, oldest first, at most
 `prefill_budget` tokens while other slots decode (scheduler.plan_prefill); then one batched decode
-step runs the next token of every decoding slot together, in one forward. So a running request waits
-for at most one budget of prefill between two of its tokens, and a new request's first token comes
-from its last chunk. Events go back to each request through its `emit` (sequence.py). A step that
+step runs the next token of every decoding slot together, in one forward, short prompts riding in the
+rows its pass leaves free (scheduler.plan_riders). So a running request waits for at most one budget
+of prefill between two of its tokens, and a new request's first token comes from its last chunk. Events go back to each request through its `emit` (sequence.py). A step that
 fails ends the requests it served with an error and resets their slots; the others go on. Admitting
 a request is guarded the same way (one that cannot start fails alone), and an event callback that
 raises ends only its own request. `close` (the server's thread ending, `failure` saying why) fails
@@ -36,10 +36,10 @@ from engine.decoding.lookahead import Lookahead
 from engine.decoding.metrics import Metrics
 from engine.decoding.spec_gate import SpecGate
 from engine.decoding.sampling import sample_rows
-from engine.decoding.scheduler import Scheduler, plan_prefill
+from engine.decoding.scheduler import PrefillChunk, Scheduler, plan_prefill, plan_riders
 from engine.decoding.sequence import Failed, Request, Sequence, ThinkingRules
 from engine.decoding.spec_step import SpeculativeStep
-from engine.errors import BonsaiError, ServiceUnavailable
+from engine.errors import BonsaiError, ServiceUnavailable, error_message, first_line
 from engine.runtime.runner import Runner
 from engine.sources.tokenizer import Tokenizer
 from engine.speculative.drafter import Drafter
@@ -51,16 +51,20 @@ class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer | None, slot_context: int | None = None, max_queue: int = 16,
                  rules: ThinkingRules | None = None, metrics: Metrics | None = None,
                  drafters: list[Drafter] | None = None, num_draft_tokens: int = 4, prefill_budget: int | None = None,
-                 spec_method: str | None = None, lookahead: bool | None = None, spec_gate: bool | None = None):
+                 spec_method: str | None = None, lookahead: bool | None = None, spec_gate: bool | None = None,
+                 mixed_prefill: bool = True):
         """tokenizer None: token ids only (generated weights).
         slot_context: positions one request may use (default: the runner's context). drafters: one per
         slot (speculative decoding), None: plain decoding; num_draft_tokens: k, the most each drafts
         a step (spec_method: the name /slots shows, default the drafter's). prefill_budget: prompt
         tokens run between two decode steps while slots decode (None: one prefill chunk, or two passes
-        of the runner's short prefill for a prompt that runs that way); it also caps the chunk size. lookahead: launch each plain decode step before the host handles the previous
-        one's tokens (engine.decoding.lookahead; default: on a CUDA device, where the two overlap).
+        of the runner's short prefill for a prompt that runs that way); it also caps the chunk size.
+        lookahead: launch each plain decode step before the host handles the previous one's tokens
+        (engine.decoding.lookahead; default: on a CUDA device, where the two overlap).
         spec_gate: with drafters, speculate only while measured faster (engine.decoding.spec_gate; default:
-        on a CUDA device; elsewhere the drafters' planners alone decide, by the pass costs they measure)."""
+        on a CUDA device; elsewhere the drafters' planners alone decide, by the pass costs they measure).
+        mixed_prefill: while slots decode (plainly), short prompts ride in the rows their pass leaves free
+        instead of running passes of their own (engine.decoding.scheduler.plan_riders)."""
         self.runner, self.tokenizer = runner, tokenizer
         if prefill_budget is not None and prefill_budget < 1:
             raise BonsaiError(f"the prefill budget must be >= 1 token per step, got {prefill_budget}")
@@ -73,6 +77,10 @@ class Engine:
         self.short_cut = min(rows, self.prefill_chunk) if rows > 1 else 0
         self.short_tokens = getattr(runner, "short_prefill_tokens", 0) if rows > 1 else 0
         self.prefill_budget = prefill_budget or (2 * self.short_cut if self.short_cut else runner.prefill_chunk_size)
+        # mixed passes: a decode step of B slots runs in the fused step's pass of up to `mix_rows` rows, the
+        # free ones fed with short prompts' next tokens, so decoding slots wait for no pass of prefill
+        self.mix_rows = rows if mixed_prefill and rows > 1 and drafters is None else 0
+        self.min_riders = max(1, self.mix_rows // 4)  # fewer free rows: the prompt would crawl
         self.slot_context = min(slot_context or runner.max_seq_len, runner.max_seq_len)
         self.rules = rules or ThinkingRules()
         # ids the tokenizer can turn into text: a model's padded vocabulary (or a borrowed tokenizer's
@@ -183,11 +191,11 @@ class Engine:
                                method)
             except Exception as e:  # noqa: BLE001 - this request fails, the others are admitted
                 log.log(logging.WARNING if isinstance(e, BonsaiError) else logging.ERROR,
-                        "request %s could not start: %s", a.request.id, _message(e),
+                        "request %s could not start: %s", a.request.id, error_message(e),
                         exc_info=not isinstance(e, BonsaiError))
                 self.scheduler.release(a.slot)  # nothing ran: its cached tokens are still valid
                 self.metrics.count_request("error")
-                _emit(a.request, Failed(_message(e), 400 if isinstance(e, BonsaiError) else 500))
+                _emit(a.request, Failed(error_message(e), 400 if isinstance(e, BonsaiError) else 500))
                 continue
             self.active[a.slot.index] = seq
             self._to_begin.append(a.slot.index)
@@ -205,10 +213,11 @@ class Engine:
                     self.spec.begin(index, self.active[index])
                 except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                     log.exception("drafter begin failed")
-                    self._fail(index, _message(e))
+                    self._fail(index, error_message(e))
         self._to_begin.clear()
-        self._prefill()
-        self._decode_all()
+        riders = self._riders()
+        self._prefill(mixing=bool(riders))
+        self._decode_all(riders)
         for index, seq in list(self.active.items()):
             if seq.done:
                 self._end(index, None)
@@ -216,11 +225,21 @@ class Engine:
     def _room(self, index: int) -> int:
         return self.slot_context - self.runner.slot(index).length
 
-    def _prefill(self) -> None:
+    def _riders(self) -> list[PrefillChunk]:
+        """Short prompts' pieces riding in this decode pass (scheduler.plan_riders); none with drafters or a step launched ahead."""
+        if not self.mix_rows or (self.ahead is not None and self.ahead.rows):
+            return []
+        decoding = sum(1 for s in self.active.values() if len(s.pending) == 1 and not s.done)
+        waiting = [(i, len(s.pending)) for i, s in self.active.items()
+                   if 1 < len(s.pending) <= self.short_tokens and not s.done]
+        return plan_riders(decoding, waiting, self.mix_rows, self.min_riders) if waiting else []
+
+    def _prefill(self, mixing: bool = False) -> None:
         """This iteration's prompt chunks (scheduler.plan_prefill): oldest request first (`active`
-        keeps admission order), within the budget while any slot decodes."""
+        keeps admission order), within the budget while any slot decodes. mixing: the short prompts ride
+        in the decode pass instead (all of them: one that found no free row waits for the next)."""
         waiting = [(i, len(s.pending), self._chunk(len(s.pending))) for i, s in self.active.items()
-                   if len(s.pending) > 1 and not s.done]
+                   if len(s.pending) > 1 and not s.done and not (mixing and len(s.pending) <= self.short_tokens)]
         if not waiting:
             return
         decoding = any(len(s.pending) == 1 and not s.done for s in self.active.values())
@@ -244,9 +263,9 @@ class Engine:
             if not seq.pending:
                 seq.on_logits(logits[-1], self._room(index))
         except Exception as e:
-            self._fail(index, _message(e), 400 if isinstance(e, BonsaiError) else 500)
+            self._fail(index, error_message(e), 400 if isinstance(e, BonsaiError) else 500)
 
-    def _decode_all(self) -> None:
+    def _decode_all(self, riders: list[PrefillChunk] = ()) -> None:
         rows = [i for i, s in sorted(self.active.items()) if len(s.pending) == 1 and not s.done]
         if not rows:
             return
@@ -255,18 +274,20 @@ class Engine:
             self.gate.begin(speculate, len(rows), self.metrics.generated_tokens, self.metrics.prefill_chunks,
                             time.perf_counter())
         if speculate:
-            self.spec.step(self.active, rows, lambda i, e: self._fail(i, _message(e)))
+            self.spec.step(self.active, rows, lambda i, e: self._fail(i, error_message(e)))
             return
         seqs = [self.active[i] for i in rows]
         try:
             fed = [seq.pending[0] for seq in seqs]
             logits = self.ahead.take(rows, fed) if self.ahead is not None else None  # [B, V]: launched ahead
-            if logits is None:
+            if logits is None and riders:
+                logits = self._mixed_pass(rows, fed, riders)  # [B, V]
+            elif logits is None:
                 logits = self.runner.decode_batch([self.runner.slot(i) for i in rows], fed)  # [B, V]
         except Exception as e:
             log.exception("batched decode failed")
             for i in rows:
-                self._fail(i, _message(e))
+                self._fail(i, error_message(e))
             return
         before = sum(seq.generated for seq in seqs)
         try:
@@ -281,7 +302,7 @@ class Engine:
         except Exception as e:
             log.exception("sampling failed")
             for i in rows:
-                self._fail(i, _message(e))
+                self._fail(i, error_message(e))
             return
         self._launch_ahead(rows, seqs, choices)  # the next step runs while the host handles these tokens
         for row, (i, seq) in enumerate(zip(rows, seqs)):
@@ -290,8 +311,44 @@ class Engine:
                 seq.take(choices[row], cut[row] if seq.request.top_logprobs is not None else None, self._room(i))
             except Exception as e:
                 log.exception("sampling failed")
-                self._fail(i, _message(e))
+                self._fail(i, error_message(e))
         self.metrics.count_step(len(rows), sum(seq.generated for seq in seqs) - before)
+
+    def _mixed_pass(self, rows: list[int], fed: list[int], riders: list[PrefillChunk]) -> torch.Tensor:
+        """One fused pass: the decode rows' tokens, then each rider's prompt piece at its slot's next
+        positions; the riders' prompts move on (one that ends chooses its first token from its last row).
+        Logits [B, V] of the decode rows."""
+        runner, pieces = self.runner, []
+        tokens, positions, slots = list(fed), [runner.slot(i).length for i in rows], list(rows)
+        for i in rows:
+            runner.slot(i).check_room(1)
+        for part in riders:
+            piece, start = self.active[part.slot].pending[:part.size], runner.slot(part.slot).length
+            if len(piece) > self._room(part.slot):
+                self._fail(part.slot, f"the context of the slot ({self.slot_context} tokens) is full", 400)
+                continue
+            pieces.append((part.slot, piece, len(tokens)))
+            tokens, slots = tokens + piece, slots + [part.slot] * len(piece)
+            positions += range(start, start + len(piece))
+        try:
+            logits = runner.step_rows(tokens, positions, slots)  # [M, V]
+        except Exception as e:
+            for index, _, _ in pieces:  # their KV rows are not known either
+                self._fail(index, error_message(e))
+            raise
+        for i, token in zip(rows, fed):
+            runner.slot(i).tokens.append(token)
+        for index, piece, first in pieces:
+            seq = self.active[index]
+            runner.slot(index).tokens.extend(piece)
+            seq.pending = seq.pending[len(piece):]
+            self.metrics.count_prefill()
+            if not seq.pending:
+                try:
+                    seq.on_logits(logits[first + len(piece) - 1], self._room(index))
+                except Exception as e:  # noqa: BLE001 - this request fails, the decode rows go on
+                    self._fail(index, error_message(e), 400 if isinstance(e, BonsaiError) else 500)
+        return logits[:len(rows)]
 
     def _launch_ahead(self, rows: list[int], seqs: list[Sequence], choices: list[int]) -> None:
         """Launch the next decode step of `rows` feeding their chosen tokens, unless it will not be the next
@@ -332,15 +389,6 @@ class Engine:
             self.scheduler.release(self.runner.slot(index))
             self.metrics.slots_busy = self.scheduler.busy
         self.metrics.count_request("error")
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (one-line errors and logs)."""
-    return str(e).splitlines()[0] if str(e) else ""
-
-
-def _message(e: Exception) -> str:
-    return first_line(e) if isinstance(e, BonsaiError) else f"internal error: {type(e).__name__}: {first_line(e)}"
 
 
 def _emit(request: Request, event: Failed) -> None:

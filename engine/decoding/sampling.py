@@ -58,10 +58,16 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
-def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
-    """logits [V] plus bias[t] at each biased id t (a copy)."""
-    ids = torch.tensor(list(bias), device=logits.device)
-    return logits.index_add(0, ids, torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype))
+def bias_tensors(bias: dict[int, float], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [n] int64, values [n] float32) of a logit_bias, made once per request."""
+    return (torch.tensor(list(bias), dtype=torch.long, device=device),
+            torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """logits [..., V] plus values[j] at id ids[j] of every row, bias = (ids, values) of bias_tensors (a copy)."""
+    ids, values = bias
+    return logits.index_add(-1, ids, values.to(logits.dtype).expand(*logits.shape[:-1], -1))
 
 
 def apply_penalties(logits: torch.Tensor, seen_counts: torch.Tensor, output_counts: torch.Tensor,

@@ -173,3 +173,25 @@ def plan_prefill(waiting: list[tuple[int, int, int]], budget: int | None) -> lis
             spent += size
             left -= size
     return out
+
+
+def plan_riders(decoding: int, waiting: list[tuple[int, int]], rows: int, min_free: int) -> list[PrefillChunk]:
+    """The prompt pieces that ride in the rows a decode step's pass leaves free (a mixed pass).
+
+    decoding: slots decoding this step (one row each); waiting: (slot, tokens it still has to feed) of the
+    short prompts still prefilling, oldest first; rows: the rows a pass holds. The free rows go to the
+    oldest prompts, each piece its next tokens (consecutive positions of its slot). Nothing rides when no
+    slot decodes (the prompts then run their own passes, nobody waits) or fewer than `min_free` rows are
+    free (a prompt would crawl: its own passes serve it better)."""
+    free = rows - decoding
+    if decoding < 1 or free < max(min_free, 1):
+        return []
+    out: list[PrefillChunk] = []
+    for slot, left in waiting:
+        if free == 0:
+            break
+        size = min(left, free)
+        out.append(PrefillChunk(slot, size))
+        free -= size
+    return out
+

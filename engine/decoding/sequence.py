@@ -24,7 +24,8 @@ from engine.decoding.detokenize import StreamDecoder
 from engine.decoding.grammar import GrammarSpec
 from engine.decoding.grammar_match import GrammarMatch
 from engine.decoding.reasoning import ReasoningSplitter
-from engine.decoding.sampling import SamplingParams, apply_logit_bias, apply_penalties, make_generator, sample, top_logprobs
+from engine.decoding.sampling import (SamplingParams, apply_logit_bias, apply_penalties, bias_tensors, make_generator,
+                                     sample, top_logprobs)
 from engine.decoding.stats import GenerationStats
 from engine.decoding.stop import StopStringMatcher
 from engine.errors import BonsaiError
@@ -102,7 +103,7 @@ class Sequence:
         bad = [t for t in params.logit_bias if t >= vocab]
         if bad:
             raise BonsaiError(f"logit_bias names token id {bad[0]}, but the vocabulary has ids 0..{vocab - 1}")
-        self.bias = params.logit_bias
+        self.bias = bias_tensors(params.logit_bias, device) if params.logit_bias else None  # (ids [n], values [n])
         self.grammar: GrammarMatch | None = None
         if request.grammar is not None:
             if self.tokenizer is None:
@@ -129,7 +130,7 @@ class Sequence:
     @property
     def adjusts(self) -> bool:
         """Whether its logits change before choosing (penalties, logit_bias): `penalized` must run."""
-        return self.seen is not None or bool(self.bias)
+        return self.seen is not None or self.bias is not None
 
     @property
     def generated(self) -> int:
@@ -148,7 +149,7 @@ class Sequence:
         """logits [V] (cut to the vocabulary) with this request's penalties and logit_bias applied."""
         if self.seen is not None:
             logits = apply_penalties(logits, self.seen, self.output, self.request.sampling)
-        return apply_logit_bias(logits, self.bias) if self.bias else logits
+        return apply_logit_bias(logits, self.bias) if self.bias is not None else logits
 
     def accept(self, tokens: list[int], logits: torch.Tensor, room: int) -> int:
         """Tokens a speculative step verified (the accepted drafts, then the target's bonus), taken

@@ -286,8 +286,8 @@ class SpeculativeStep:
         logits = r.logits[:, :self.vocab]  # [T, V] the ids the tokenizer knows
         if seq.seen is not None:
             logits = penalized_rows(logits, draft.tokens, seq.seen, seq.output, params)  # row i counts drafts[:i]
-        if seq.bias:
-            logits = torch.stack([apply_logit_bias(row, seq.bias) for row in logits])  # [T, V]
+        if seq.bias is not None:
+            logits = apply_logit_bias(logits, seq.bias)  # [T, V]
         if seq.grammar is not None:  # row i masked by the grammar's state after drafts[:i]
             logits = apply_mask(logits.clone(), seq.grammar.draft_masks(draft.tokens))  # [T, V]
         probs = draft.probs[:, :self.vocab] if draft.probs is not None else None  # [k, V]

@@ -21,6 +21,8 @@ from typing import Callable
 
 from engine.errors import BonsaiError
 from engine.memory.plan import MemoryPlan, PlanLine, RunSettings, make_plan
+from engine.memory.stream_fit import stream_plan, stream_to_fit
+from engine.memory.streaming import layer_ranges
 from engine.runtime.decode_step import MAX_STEP_ROWS
 from engine.sources.model_config import ModelConfig
 from engine.speculative.draft_layers import DrafterConfig
@@ -124,7 +126,7 @@ SERVE_KEYS = {"max_seq_len": "runtime.max_seq_len", "slots": "runtime.max_batch_
               "embedding_on_host": "memory.embedding_on_host"}
 CLI_KEYS = {"max_seq_len": "--max-seq-len", "slots": None, "prefill_chunk_size": None, "kv_type": "--kv-type",
             "kv_offload": "--kv-offload", "weight_offload": None, "embedding_on_host": "--embedding-on-host"}
-FLAG_KEYS = ("kv_offload", "weight_offload", "embedding_on_host")  # switches: 'KEY: true' in a config, a flag on the CLI
+FLAG_KEYS = ("kv_offload", "embedding_on_host")  # switches: 'KEY: true' in a config, a flag on the CLI
 AUTO_CHUNKS = (256, 128, 64)  # prefill chunks fit_to_budget tries, largest first
 
 
@@ -135,7 +137,7 @@ def host_embedding_possible(weights: ModelWeights) -> bool:
 
 def _flag(keys: dict[str, str | None], key: str) -> str:
     name = keys[key]
-    return name if name.startswith("--") else f"{name}: true"
+    return name if name.startswith("--") else f"{name}: {'auto' if key == 'weight_offload' else 'true'}"
 
 
 @dataclass(frozen=True)
@@ -147,11 +149,14 @@ class FitChoice:
 
 
 def fit_to_budget(weights: ModelWeights, s: RunSettings, limit: int | None, embedding_auto: bool,
-                  chunk_auto: bool, drafter: MemoryPlan | None = None) -> tuple[RunSettings, list[FitChoice]]:
+                  chunk_auto: bool, drafter: MemoryPlan | None = None, stream_auto: bool = False
+                  ) -> tuple[RunSettings, list[FitChoice]]:
     """The settings to run with: `s`, or, when its plan is over `limit`, `s` with the embedding
     table in host memory (if embedding_auto and possible) and then the largest prefill chunk of
-    AUTO_CHUNKS below s's that fits (if chunk_auto). When nothing fits, `s` with the embedding
-    choice only (the refusal's advice then starts from there)."""
+    AUTO_CHUNKS below s's that fits (if chunk_auto), and then (if stream_auto: memory.weight_offload
+    auto) the fewest blocks streamed from host memory that fit (engine.memory.stream_fit). When nothing
+    fits, `s` with the embedding choice only, or every block streamed with stream_auto (the refusal's
+    advice then starts from there)."""
     def fits(x: RunSettings) -> bool:
         return plan_run(weights, x, drafter).total <= limit
 
@@ -172,6 +177,16 @@ def fit_to_budget(weights: ModelWeights, s: RunSettings, limit: int | None, embe
                 line = (f"prefill chunk {chunk} tokens instead of {s.prefill_chunk_size} (smaller activations "
                         "under max_gpu_memory; prefill is slower)")
                 return smaller, choices + [FitChoice("prefill_chunk_size", chunk, line)]
+    if stream_auto:
+        streamed = stream_to_fit(weights.config, weights.formats, s, limit, drafter, host_embedding_possible(weights))
+        if streamed is None:  # refused: its plan is the smallest (every block streamed)
+            return dataclasses.replace(s, weight_offload=True, resident_layers=(),
+                                       embedding_on_host=s.embedding_on_host or host_embedding_possible(weights)), choices
+        sp = stream_plan(weights.config, weights.formats, streamed)
+        line = (f"{len(sp.streamed)} of {sp.num_layers} blocks streamed from host memory each pass (layers "
+                f"{layer_ranges(sp.streamed)}; {format_bytes(sp.streamed_bytes)} over PCIe a pass: ~"
+                f"{sp.tokens_per_second():.1f} tok/s predicted), the other {len(sp.resident)} resident")
+        return streamed, choices + [FitChoice("weight_offload", sp.streamed, line)]
     return s, choices
 
 
@@ -198,6 +213,12 @@ def what_fits(weights: ModelWeights, s: RunSettings, limit: int, keys: dict[str,
         chunk = next((c for c in (256, 128, 64, 32) if c < s.prefill_chunk_size and fits(prefill_chunk_size=c)), None)
         if chunk is not None:
             out.append(f"{keys['prefill_chunk_size']} <= {chunk}")
+    if keys.get("weight_offload") and not s.weight_offload:  # the blocks that do not fit, streamed
+        streamed = stream_to_fit(weights.config, weights.formats, s, limit, drafter, host_embedding_possible(weights))
+        if streamed is not None:
+            sp = stream_plan(weights.config, weights.formats, streamed)
+            out.append(f"{keys['weight_offload']}: auto (streams {len(sp.streamed)} of {sp.num_layers} blocks: "
+                       f"~{sp.tokens_per_second():.1f} tok/s predicted)")
     for key in FLAG_KEYS:
         if key == "embedding_on_host" and (s.weight_offload or not host_embedding_possible(weights)):
             continue
@@ -225,6 +246,9 @@ def check_budget(plan: MemoryPlan, limit: int | None, weights: ModelWeights, s: 
     fits = what_fits(weights, s, limit, keys, drafter)
     advice = ("would fit: " + ", or ".join(fits)) if fits else \
         "no single change of the context, KV type, slots or offload makes it fit: use a smaller model or weight type"
+    if s.weight_offload and not s.resident_layers:
+        advice = (f"even with every block streamed from host memory (the staging ring alone on the GPU), "
+                  f"{format_bytes(plan.total)} is the smallest max_gpu_memory this run fits; " + advice)
     raise BonsaiError(f"{option} {format_bytes(limit)}: the memory plan needs {format_bytes(plan.total)} ({parts}); "
                       f"{advice} (see bonsai info MODEL --plan)")
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 from engine.errors import BonsaiError
 from engine.memory.host_embedding import check_embedding_on_host
+from engine.memory.allocator_segments import MIB, pool_segment_bytes, round_up, rounding_slack
+from engine.memory.streaming import ring_bytes, streamed_blocks
 from engine.runtime.model import attention_block_rows
 from engine.sources.model_config import ModelConfig
 from engine.weights.formats import LinearFormat, linear_modules
@@ -43,7 +45,6 @@ from engine.weights.packed_linear import packed_rows_limit, quantize_transient, 
 from quant.kv_format import KV_TYPES, kv_bytes_per_token
 from quant.packed_layout import layout_kind, random_packed_transient
 
-MIB = 1 << 20
 CUBLAS_WORKSPACES = 2 * 32 * MIB  # cuBLAS + cuBLASLt workspaces torch allocates on a Hopper GPU
 SAMPLING_BYTES_PER_LOGIT = 44  # temperature, softmax, sort (values + int64 order), cumsum, masks, scatter
 PENALTY_BYTES_PER_LOGIT = 8  # float32 prompt and output token counts of a sequence (repetition penalties)
@@ -70,7 +71,8 @@ class RunSettings:
     weight_dtype_bytes: int = 2  # float block matrices (float16 on the CPU by default)
     graph_rows: int = 1  # the fused decode step is built for 1..graph_rows rows (0: plain path only)
     num_splits: int = 1  # split-K of the decode attention kernel
-    weight_offload: bool = False
+    weight_offload: bool = False  # blocks streamed from host memory (engine.memory.streaming)
+    resident_layers: tuple[int, ...] = ()  # with weight_offload: the blocks kept on the device (the rest stream)
     kv_offload: bool = False
     rotation_block: int = 0  # online Hadamard block of a rotated checkpoint (0: none)
     embedding_on_host: bool = False  # the embedding table in host memory (engine.memory.host_embedding)
@@ -116,10 +118,6 @@ class MemoryPlan:
                 "host_lines": [vars(line) for line in self.host_lines]}
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def packed_bytes(fmt: LinearFormat, out_features: int, in_features: int) -> int:
     """int32 words [K/E, N] + float16 scales [K/G, N] (quant.packed_layout.PackedWeight.nbytes)."""
     per_word = layout_kind(fmt.kind).per_word
@@ -162,29 +160,47 @@ def _weight_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
                   ) -> tuple[list[PlanLine], list[PlanLine]]:
     tensors = weight_tensors(config, formats, s)
     labels = {path.rsplit(".", 1)[-1]: fmt.label for path, fmt in formats.items()}
-    groups: dict[str, list[int]] = {}
+    streamed = streamed_blocks(config.num_layers, s.weight_offload, s.resident_layers)
+    groups: dict[tuple[str, bool], list[int]] = {}  # (what, streamed) → sizes
     for what, layer, size in tensors:
-        groups.setdefault(what, []).append(size)
+        groups.setdefault((what, layer in streamed), []).append(size)
     device, host = [], []
     layer_bytes = [0] * config.num_layers
     for what, layer, size in tensors:
         if layer is not None:
             layer_bytes[layer] += size
-    for what, sizes in groups.items():
+    table_may_leave = not config.tie_word_embeddings or "lm_head" in formats  # the streamer moves it then
+    for (what, on_host), sizes in groups.items():
         label = labels.get(what, "")
         name = what + (f" ×{len(sizes)}" if len(sizes) > 1 else "") + (f" ({label})" if label else "")
-        per_layer = what not in ("embed", "norm", "inv_freq", "lm_head")
-        if s.weight_offload and (per_layer or what == "embed"):
+        if on_host:
+            host.append(PlanLine("weights", name, sum(sizes), "host RAM (weight_offload: streamed)"))
+        elif s.weight_offload and what == "embed" and table_may_leave:
             host.append(PlanLine("weights", name, sum(sizes), "host RAM (weight_offload)"))
         elif s.embedding_on_host and what == "embed":
             host.append(PlanLine("weights", name, sum(sizes), "host RAM (embedding_on_host): each step's rows "
                                  "are copied in"))
         else:
             device.append(PlanLine("weights", name, sum(sizes)))
-    if s.weight_offload:
-        ring = STAGING_LAYERS * max(layer_bytes)
-        device.append(PlanLine("weights", f"staging ring ({STAGING_LAYERS} layers)", ring, "weight_offload"))
+    if streamed:
+        ring = ring_bytes(layer_bytes, streamed)
+        device.append(PlanLine("weights", f"staging ring ({min(STAGING_LAYERS, len(streamed))} layers)", ring,
+                               f"weight_offload: {len(streamed)} of {config.num_layers} blocks stream"))
+        if s.cuda:  # a partial offload is planned to the last block: the segments' rounding counted too
+            slack = sum(block_slack(config, formats, s)[i] for i in range(config.num_layers) if i not in streamed)
+            device.append(PlanLine("weights", "allocator rounding of the resident blocks", slack,
+                                   "estimate: each tensor over 1 MiB rounded up to 2 MiB"))
     return device, host
+
+
+def block_slack(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings) -> list[int]:
+    """Per block: the allocator's rounding of its tensors (allocator_segments.rounding_slack)."""
+    sizes: list[list[int]] = [[] for _ in range(config.num_layers)]
+    for _, layer, size in weight_tensors(config, formats, s):
+        if layer is not None:
+            sizes[layer].append(size)
+    return [rounding_slack(x) for x in sizes]
+
 
 
 def _kv_lines(config: ModelConfig, s: RunSettings) -> tuple[list[PlanLine], list[PlanLine]]:
@@ -205,20 +221,6 @@ def _kv_lines(config: ModelConfig, s: RunSettings) -> tuple[list[PlanLine], list
     ring = STAGING_LAYERS * total // config.num_layers
     return ([PlanLine("kv", f"KV staging ring ({STAGING_LAYERS} layers)", ring, "kv_offload")],
             [PlanLine("kv", name, total, "host RAM (kv_offload)")])
-
-
-def _round_block(n: int) -> int:
-    return round_up(n, 512)  # the caching allocator's smallest block granularity
-
-
-def pool_segment_bytes(sizes: list[int]) -> int:
-    """What the caching allocator reserves to hold these tensors at once in a private pool: small
-    blocks (≤ 1 MiB) in 2 MiB segments, blocks below 10 MiB in 20 MiB segments, larger ones alone
-    (rounded to 2 MiB)."""
-    small = sum(_round_block(x) for x in sizes if x <= MIB)
-    mid = sum(_round_block(x) for x in sizes if MIB < x < 10 * MIB)
-    big = sum(round_up(x, 2 * MIB) for x in sizes if x >= 10 * MIB)
-    return round_up(small, 2 * MIB) + round_up(mid, 20 * MIB) + big
 
 
 def decode_step_bytes(config: ModelConfig, formats: dict[str, LinearFormat], rows: int, s: RunSettings

@@ -6,7 +6,9 @@ Each offloaded block's tensors are packed into one flat byte buffer on the host,
 one copy. The GPU holds two staging buffers; the k-th offloaded block's tensors are views into buffer
 k % 2, bound once, so the model code runs unchanged. While block k computes, the side stream loads
 block k+1 into the other buffer (the last block of a pass loads the first one of the next pass when
-their buffers differ). Ordering as in engine.memory.kv_offload (engine.memory.host_copies). Offloaded passes run
+their buffers differ). The loader makes the offloaded blocks in host memory already
+(engine.weights.loader, `host_layers`: never on the GPU); each is copied into its pinned flat buffer
+and its loaded tensors freed one block at a time. Ordering as in engine.memory.kv_offload (engine.memory.host_copies). Offloaded passes run
 eagerly (no CUDA graph): their time is the PCIe time of the offloaded bytes.
 
 `bytes_per_layer` and `embedding_bytes` are what the memory plan weighs when it picks the layers.
@@ -78,27 +80,23 @@ class WeightStreamer:
         self.allocator = HostAllocator(pin=self.device.type == "cuda", what="offloaded weights")
         self.copies = CopyStream(self.device, deferred=deferred_copies)
         self.host: list[torch.Tensor] = []  # per offloaded block: its flat bytes in host memory
-        self.layer_bytes: list[int] = []
-        staged: list[tuple[list, list[int]]] = []
-        for layer in self.order:
-            tensors = block_tensors(model.layers[layer])
-            offsets, total = _layout(tensors)
-            flat = self.allocator.empty((total,), torch.uint8)
-            for (_, _, t), offset in zip(tensors, offsets):
-                _view(flat, offset, t).copy_(t)
-            self.host.append(flat)
-            self.layer_bytes.append(total)
-            staged.append((tensors, offsets))
+        self.layer_bytes = [_layout(block_tensors(model.layers[layer]))[1] for layer in self.order]
         size = max(self.layer_bytes, default=0)
         self.staging = [torch.zeros(size, dtype=torch.uint8, device=self.device)
                         for _ in range(min(RING, len(self.order)))]
-        for r, (tensors, offsets) in enumerate(staged):  # bind the block to its staging buffer: the GPU copy goes
+        for r, layer in enumerate(self.order):  # a block at a time: its loaded tensors are freed as it is bound
+            tensors = block_tensors(model.layers[layer])
+            offsets, total = _layout(tensors)
+            flat = self.allocator.empty((total,), torch.uint8)
             for (module, name, t), offset in zip(tensors, offsets):
-                view = _view(self.staging[r % RING], offset, t)
+                _view(flat, offset, t).copy_(t)
+                view = _view(self.staging[r % RING], offset, t)  # bound to its staging buffer: the loaded copy goes
                 if name in module._parameters:
                     module._parameters[name] = nn.Parameter(view, requires_grad=False)
                 else:
                     module._buffers[name] = view
+            del tensors, t
+            self.host.append(flat)
         already = isinstance(model.embed, HostEmbedding)  # memory.embedding_on_host: loaded there
         self.embedding_on_host = already or (embedding and model.lm_head is not None)
         if self.embedding_on_host and not already:

@@ -21,6 +21,13 @@ def stage_holds(stage, config: ModelConfig, name: str) -> bool:
     return True  # the model itself (rotary frequencies), rope_freqs, the block list
 
 
+def layer_index(name: str) -> int | None:
+    """The block number in a module or tensor name (layers.12.attention.wqkv → 12); None outside the blocks."""
+    if name.startswith("layers.") and name != "layers":
+        return int(name.split(".")[1])
+    return None
+
+
 def global_name(name: str, first_layer: int) -> str:
     """A stage model's module name with its layer number made global (layers.0 of a stage from layer 12
     is layers.12)."""

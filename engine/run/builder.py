@@ -21,6 +21,8 @@ from engine.decoding.metrics import Metrics
 from engine.decoding.sequence import ThinkingRules
 from engine.memory.budget import SERVE_KEYS, check_budget
 from engine.memory.limit import check_usage, limit_device_memory, within_limit
+from engine.memory.plan import RunSettings
+from engine.memory.streaming import streamed_blocks
 from engine.pipeline.devices import check_machine_devices
 from engine.pipeline.launch import ModelSource
 from engine.pipeline.setup import PipelinePlan, check_pipeline_budget, open_pipeline, plan_pipeline
@@ -56,7 +58,7 @@ class Run:
         return min(self.plan.slot_context, self.runner.max_seq_len)
 
     def engine(self, metrics: Metrics | None = None, max_queue: int = 16, prefill_budget: int | None = None,
-               speculative: bool = True) -> Engine:
+               speculative: bool = True, mixed_prefill: bool = True) -> Engine:
         """The decoding engine over this run's slots: the config's thinking rules and, with speculation
         (unless `speculative` is off), one drafter per slot; the fused step is captured now for every
         row count the engine will ask for."""
@@ -68,7 +70,7 @@ class Run:
             engine = Engine(self.runner, self.tokenizer, self.slot_context, max_queue,
                             ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, drafters,
                             spec.num_draft_tokens if spec is not None else 4, prefill_budget,
-                            spec.method if spec is not None else None)
+                            spec.method if spec is not None else None, mixed_prefill=mixed_prefill)
             self.runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None
                                      else self.config.runtime.max_batch_size)
             self.runner.warm_up()
@@ -86,29 +88,31 @@ def tokenizer_of(spec: str) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata) if path.is_file() else Tokenizer.from_hf_dir(path)
 
 
-def offloaded_layers(config: RunConfig, num_layers: int) -> frozenset[int] | None:
-    """The blocks whose weights stay in host memory: with memory.weight_offload, every block (a memory
-    plan that places some on the GPU narrows this); None: weight offload is off."""
-    return frozenset(range(num_layers)) if config.memory.weight_offload else None
+def offloaded_layers(settings: RunSettings, num_layers: int) -> frozenset[int] | None:
+    """The blocks whose weights stay in host memory and stream in each pass, as the memory plan chose
+    them (memory.weight_offload true: every block; auto: those max_gpu_memory cannot hold); None: none."""
+    streamed = streamed_blocks(num_layers, settings.weight_offload, settings.resident_layers)
+    return frozenset(streamed) if streamed else None
 
 
 def load_run_model(config: RunConfig, architecture: ModelConfig | None = None, embedding_on_host: bool = False,
-                   auto_pull: bool = False, progress: Progress = lambda stage, fraction: None
-                   ) -> tuple[LoadedModel, Tokenizer | None]:
+                   auto_pull: bool = False, progress: Progress = lambda stage, fraction: None,
+                   host_layers: frozenset[int] = frozenset()) -> tuple[LoadedModel, Tokenizer | None]:
     """The config's model on its device, in its run-time formats, and its tokenizer (a dummy model's
-    from model.tokenizer, checked to fit its vocabulary). For a run, use open_run."""
+    from model.tokenizer, checked to fit its vocabulary); host_layers: blocks made in host memory (the
+    streamed ones: never on the device). For a run, use open_run."""
     m, device = config.model, config.runtime.first_device
     if m.load_format == "dummy":
         assert architecture is not None, "the command passes the architecture of a dummy model"
         name = Path(m.path).stem
         progress(f"generating {name} ({m.quant_type}) on {device}", 0.05)
         loaded = load_dummy(architecture, name, device=device, weight_format=m.weight_format,
-                            embedding_on_host=embedding_on_host)
+                            embedding_on_host=embedding_on_host, host_layers=host_layers)
         return loaded, _dummy_tokenizer(config, architecture)
     path = model_path(config, auto_pull)
     progress(f"loading {path.name} on {device}", 0.05)
     loaded = load_model(path, device=device, weight_dtype=config.weight_dtype, weight_format=m.weight_format,
-                        embedding_on_host=embedding_on_host)
+                        embedding_on_host=embedding_on_host, host_layers=host_layers)
     return loaded, _with_template(config, loaded.tokenizer)
 
 
@@ -133,9 +137,11 @@ def open_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pu
         limit_device_memory(limit, rt.device)
     for choice in planned.choices:
         log.info("to fit memory.max_gpu_memory: %s", choice.line)
+    num_layers = planned.weights.config.num_layers
+    streamed = offloaded_layers(planned.settings, num_layers)
     with within_limit(limit, "loading the model"):
         loaded, tokenizer = load_run_model(config, architecture, planned.settings.embedding_on_host, auto_pull,
-                                           progress)
+                                           progress, streamed or frozenset())
     check_usage(limit, loaded.device, "loading the model", planned.plan.category("weights"))
     stage = "allocating the KV cache" + (" and capturing CUDA graphs" if loaded.device.type == "cuda" else "")
     progress(stage, 0.85)
@@ -144,7 +150,7 @@ def open_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pu
         runner = ModelRunner(loaded, max_seq_len=planned.settings.max_seq_len, num_slots=rt.max_batch_size,
                              prefill_chunk_size=planned.settings.prefill_chunk_size, kv_type=config.model.kv_type_name,
                              kv_offload=mem.kv_offload, host_kv_bytes=mem.host_kv_mib * 2**20 if mem.host_kv_mib else None,
-                             offload_layers=offloaded_layers(config, loaded.config.num_layers),
+                             offload_layers=streamed,
                              prefill_graphs=limit is None)
     check_usage(limit, loaded.device, stage, planned.plan.total)
     return Run(config, loaded, tokenizer, runner, planned, name=_name(config, loaded))

@@ -141,7 +141,9 @@ class RuntimeSection:
 
 @dataclass(frozen=True)
 class MemorySection:
-    weight_offload: bool = False  # blocks' weights in pinned host RAM, streamed in per layer; embedding on the host
+    # blocks' weights in pinned host RAM, streamed in per pass (embedding on the host): false never; auto only the
+    # blocks max_gpu_memory cannot hold (the memory plan picks them); true every block (engine.memory.streaming)
+    weight_offload: bool | str = False
     activation_checkpoint: bool = False
     max_gpu_memory: str | None = None
     pipeline_parallel: bool = False
@@ -162,9 +164,15 @@ class MemorySection:
                 fail("memory.host_kv_mib", "only applies with memory.kv_offload: true; remove it")
             if self.host_kv_mib < 1:
                 fail("memory.host_kv_mib", f"must be >= 1, got {self.host_kv_mib}")
+        if not (isinstance(self.weight_offload, bool) or self.weight_offload == "auto"):
+            fail("memory.weight_offload", f"must be false, auto (stream only the blocks max_gpu_memory cannot hold) "
+                  f"or true (stream every block), got {self.weight_offload!r}")
+        if self.weight_offload == "auto" and self.max_gpu_memory is None:
+            fail("memory.weight_offload", "auto streams the blocks memory.max_gpu_memory cannot hold: set "
+                  "memory.max_gpu_memory (or weight_offload: true to stream every block)")
         if self.weight_offload and self.embedding_on_host is False:
-            fail("memory.embedding_on_host", "false contradicts memory.weight_offload: true, which keeps the table "
-                  "in host memory; remove one of them")
+            fail("memory.embedding_on_host", f"false contradicts memory.weight_offload: {self.weight_offload}, which "
+                  "keeps the table in host memory when it streams blocks; remove one of them")
         if self.activation_checkpoint:
             fail("memory.activation_checkpoint", "is a training option (inference keeps no activations); "
                   "set it to false")

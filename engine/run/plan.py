@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.memory.budget import (FitChoice, ModelWeights, drafter_plan, dummy_formats, fit_to_budget, model_formats,
-                                  run_settings)
+from engine.memory.budget import (FitChoice, ModelWeights, drafter_plan, dummy_formats, fit_to_budget,
+                                  host_embedding_possible, model_formats, run_settings)
 from engine.memory.plan import MemoryPlan, RunSettings, make_plan
+from engine.memory.stream_fit import stream_plan
+from engine.memory.streaming import StreamPlan
 from engine.run.config import RunConfig
 from engine.runtime.decode_step import MAX_STEP_ROWS
 from engine.sources import store
@@ -26,9 +28,17 @@ class RunPlan:
     settings: RunSettings
     plan: MemoryPlan
     limit: int | None  # memory.max_gpu_memory in bytes
-    choices: list[FitChoice]  # settings the plan chose to fit the limit (embedding in host memory, prefill chunk)
+    choices: list[FitChoice]  # settings the plan chose to fit the limit (embedding in host memory, prefill chunk,
+    # the blocks streamed with memory.weight_offload: auto: settings.resident_layers)
     drafter: MemoryPlan | None  # what the drafters add (in `plan` already)
     slot_context: int  # positions one conversation may use
+
+    @property
+    def stream(self) -> StreamPlan | None:
+        """With weight offload: which blocks stream and the decode speed that predicts (bonsai info --plan)."""
+        if not self.settings.weight_offload:
+            return None
+        return stream_plan(self.weights.config, self.weights.formats, self.settings)
 
 
 def model_path(config: RunConfig, auto_pull: bool = False) -> Path:
@@ -53,18 +63,22 @@ def plan_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pu
     slot_context, seq_len = config.contexts(weights.config.max_position_embeddings)
     spec = config.spec_config
     rows = rt.max_batch_size * (spec.num_draft_tokens + 1 if spec is not None else 1)
-    if mem.max_gpu_memory_bytes is None and not mem.weight_offload:  # short prompts run through the 16-row step
+    if mem.max_gpu_memory_bytes is None and mem.weight_offload is not True:  # short prompts run through the 16-row step
         rows = MAX_STEP_ROWS  # (engine.runtime.runner.SHORT_PREFILL_TOKENS), captured with the others
     settings = run_settings(weights.config, rt.first_device, seq_len, slots=rt.max_batch_size,
                             prefill_chunk_size=rt.prefill_chunk_size or 512, kv_type=m.kv_type_name,
                             graph_rows=min(rows, MAX_STEP_ROWS) if cuda and not mem.kv_offload else 0,
-                            weight_dtype_bytes=weight_bytes, weight_offload=mem.weight_offload,
+                            weight_dtype_bytes=weight_bytes, weight_offload=mem.weight_offload is True,
                             kv_offload=mem.kv_offload, rotation_block=weights.rotation_block,
-                            dummy=m.load_format == "dummy", embedding_on_host=bool(mem.embedding_on_host),
+                            dummy=m.load_format == "dummy",
+                            # streaming every block: the table is loaded in host memory (the streamer keeps it there)
+                            embedding_on_host=bool(mem.embedding_on_host)
+                            or (mem.weight_offload is True and host_embedding_possible(weights)),
                             verify_positions=spec.num_draft_tokens + 2 if spec is not None else 0)
     drafter = drafter_plan(spec, settings) if spec is not None else None
     limit = mem.max_gpu_memory_bytes
     settings, choices = fit_to_budget(weights, settings, limit, embedding_auto=mem.embedding_on_host is None,
-                                      chunk_auto=rt.prefill_chunk_size is None, drafter=drafter)
+                                      chunk_auto=rt.prefill_chunk_size is None, drafter=drafter,
+                                      stream_auto=mem.weight_offload == "auto")
     plan = make_plan(weights.config, weights.formats, settings, drafter)
     return RunPlan(weights, settings, plan, limit, choices, drafter, slot_context)

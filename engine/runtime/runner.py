@@ -102,14 +102,14 @@ class ModelRunner:
         if self.hybrid:
             from engine.runtime.hybrid_state import attach_states
             attach_states(self.cache, cfg)
+        self.weight_stream = None
+        if offload_layers is not None:  # before any pass: the loader may have made these blocks in host memory
+            from engine.memory.weight_offload import WeightStreamer
+            self.weight_stream = WeightStreamer(self.model, offload_layers, self.device)
         if self.cache.kv_type.key != "float":  # quantized keys are stored minus their mean (kv_calibration)
             from engine.runtime.kv_calibration import calibration_ids, key_offsets
             ids = calibration_ids(loaded.tokenizer, cfg.vocab_size)
             self.cache.key_offset = key_offsets(self.model, cfg, ids, loaded.dtype, self.device)
-        self.weight_stream = None
-        if offload_layers is not None:
-            from engine.memory.weight_offload import WeightStreamer
-            self.weight_stream = WeightStreamer(self.model, offload_layers, self.device)
         self.use_graph = not kv_offload and offload_layers is None
         self.decoder = None
         self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)

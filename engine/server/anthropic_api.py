@@ -19,14 +19,13 @@ from pydantic import BaseModel, Field
 
 from engine.decoding.prompts import chat_prompt
 from engine.decoding.sampling import SamplingParams
-from engine.decoding.scheduler import QueueFull
 from engine.decoding.sequence import Failed
 from engine.errors import BonsaiError
 from engine.server import protocol as P
 from engine.server.grammar_map import tools_grammar
-from engine.server.openai_api import STREAM_HEADERS, busy
+from engine.server.openai_api import STREAM_HEADERS
 from engine.server.protocol_body import STRICT, check_tool_schema
-from engine.server.serving import (ChatJob, End, Generation, Piece, error, from_exception, read_json, start_chat,
+from engine.server.serving import (ChatJob, End, Generation, Piece, error, from_exception, open_chat, read_json,
                                    tool_family)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -126,6 +125,13 @@ class MessagesRequest(BaseModel):
         if choice is not None and choice.type == "any" and not names:
             raise P.RequestError("tool_choice any needs tools", "tool_choice")
 
+    def stops(self) -> tuple[str, ...]:
+        stops = tuple(s for s in self.stop_sequences or [] if s)
+        if len(stops) > 16 or any(len(s) > P.MAX_STOP_CHARS for s in stops):
+            raise P.RequestError(f"stop_sequences takes at most 16 strings of {P.MAX_STOP_CHARS} characters",
+                                 "stop_sequences")
+        return stops
+
     def openai_tools(self) -> list[dict[str, Any]] | None:
         if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
             return None
@@ -185,33 +191,28 @@ def anthropic_error(response: JSONResponse) -> JSONResponse:
                         status_code=response.status_code, headers=headers)
 
 
+def _chat_job(req: "MessagesRequest", served: Any) -> tuple[ChatJob, str | None, str]:
+    tools = req.openai_tools()
+    family = tool_family(served, tools)
+    sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+    budget = None
+    if req.thinking is not None:
+        budget = 0 if req.thinking.type == "disabled" else req.thinking.budget_tokens
+    spec = ChatJob(req.openai_messages(), req.max_tokens, [sampling], req.stops(), tools,
+                   {t["function"]["name"]: t["function"]["parameters"] for t in tools or []},
+                   thinking_budget=budget, grammar=req.grammar(served.engine.tokenizer, family), prefix="msg_")
+    return spec, family, "messages"
+
+
 def add_routes(app: FastAPI, state: Any, relays: dict) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request):
-        served, cfg = state.served, state.config
-        try:
-            req = P.parse(MessagesRequest, await read_json(request, cfg.server.max_body_bytes))
-            tools = req.openai_tools()
-            family = tool_family(served, tools)
-            msgs = req.openai_messages()
-            sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
-            budget = None
-            if req.thinking is not None:
-                budget = 0 if req.thinking.type == "disabled" else req.thinking.budget_tokens
-            stops = tuple(s for s in req.stop_sequences or [] if s)
-            if len(stops) > 16 or any(len(s) > P.MAX_STOP_CHARS for s in stops):
-                raise P.RequestError(f"stop_sequences takes at most 16 strings of {P.MAX_STOP_CHARS} characters",
-                                     "stop_sequences")
-            spec = ChatJob(msgs, req.max_tokens, [sampling], stops, tools,
-                           {t["function"]["name"]: t["function"]["parameters"] for t in tools or []},
-                           thinking_budget=budget, grammar=req.grammar(served.engine.tokenizer, family), prefix="msg_")
-            gen = await start_chat(served, relays, spec, family, "messages")
-        except QueueFull as e:
-            return anthropic_error(busy(state, e))
-        except BonsaiError as e:
-            return anthropic_error(from_exception(e))
+        opened = await open_chat(state, relays, request, MessagesRequest, _chat_job, anthropic_error)
+        if isinstance(opened, JSONResponse):
+            return opened
+        req, gen = opened
         job = gen.jobs[0]
-        meta = (job.id, served.model_id, len(job.prompt_ids), stops)
+        meta = (job.id, state.served.model_id, len(job.prompt_ids), req.stops())
         if req.stream:
             return StreamingResponse(_stream(gen, meta), media_type="text/event-stream", headers=STREAM_HEADERS)
         return await _collect(gen, request, meta)

@@ -27,6 +27,11 @@ class ServerSection:
     # runtime.prefill_chunk_size chunk; a smaller budget also cuts smaller chunks); smaller: steadier
     # tokens for the running requests, later first tokens for new ones
     max_prefill_tokens_per_step: int | None = None
+    # while slots decode, a short prompt (up to 128 tokens left) rides in the rows the decode step's fused
+    # pass leaves free instead of running passes of its own: the running requests wait for no prefill
+    # (where the step is CUDA-graphed and nothing speculates; max_prefill_tokens_per_step then applies
+    # to the longer prompts)
+    mixed_prefill: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -13,8 +13,9 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from engine.decoding.engine import Engine, first_line
+from engine.decoding.engine import Engine
 from engine.decoding.metrics import Metrics
+from engine.errors import first_line
 from engine.run.builder import Progress, Run, open_run
 from engine.server.config import ServeConfig
 from engine.weights.format_cost import warn_if_rounded
@@ -91,7 +92,8 @@ def start_serving(config: ServeConfig, metrics: Metrics | None = None,
             warn_if_rounded(run.loaded.path, m.quant_type, m.group_size, keep_codes=run.loaded.device.type == "cuda")
         spec, rt = config.spec_config, config.runtime
         progress(f"building each slot's drafter ({spec.method})" if spec is not None else "starting the engine", 0.9)
-        engine = run.engine(metrics, config.server.max_queue, config.server.max_prefill_tokens_per_step)
+        engine = run.engine(metrics, config.server.max_queue, config.server.max_prefill_tokens_per_step,
+                            mixed_prefill=config.server.mixed_prefill)
     except BaseException:
         run.close()
         raise

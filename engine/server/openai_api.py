@@ -18,7 +18,7 @@ from engine.server import protocol as P
 from engine.server.engine_thread import Served
 from engine.server.grammar_map import chat_grammar
 from engine.server.protocol_body import EFFORT_BUDGET
-from engine.server.serving import (ChatJob, End, Generation, Piece, check_prompt_length, error, from_exception,
+from engine.server.serving import (ChatJob, End, Generation, Piece, busy, check_prompt_length, error, from_exception,
                                    make_chat_jobs, read_json, tool_family, total_usage)
 from engine.server.sse import DONE, ChunkLines, sse
 
@@ -34,11 +34,6 @@ def add_routes(app: FastAPI, state: Any, relays: dict) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _complete(state, relays, request, chat=False)
-
-
-def busy(state: Any, e: QueueFull) -> JSONResponse:
-    state.metrics.count_request("rejected_busy")
-    return error(503, str(e), "unavailable_error", headers={"Retry-After": str(e.retry_after)})
 
 
 async def _complete(state: Any, relays: dict, request: Request, chat: bool) -> Response:

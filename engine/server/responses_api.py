@@ -15,15 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from engine.decoding.sampling import SamplingParams
-from engine.decoding.scheduler import QueueFull
 from engine.decoding.sequence import Failed
-from engine.errors import BonsaiError
 from engine.server import protocol as P
 from engine.server.grammar_map import chat_grammar
-from engine.server.openai_api import STREAM_HEADERS, busy
+from engine.server.openai_api import STREAM_HEADERS
 from engine.server.protocol_body import EFFORT_BUDGET, STRICT, ChatFields, FunctionDef, NamedFunction, ToolDef
-from engine.server.serving import (ChatJob, End, Generation, Piece, error, from_exception, read_json, start_chat,
-                                   tool_family)
+from engine.server.serving import ChatJob, End, Generation, Piece, error, open_chat, tool_family
 
 
 class InputText(BaseModel):
@@ -147,25 +144,25 @@ class ResponsesRequest(BaseModel):
         return out
 
 
+def _chat_job(req: "ResponsesRequest", served: Any) -> tuple[ChatJob, str | None, str]:
+    fields = req.chat_fields()
+    tools = fields.template_tools()
+    family = tool_family(served, tools)
+    budget = EFFORT_BUDGET[req.reasoning.effort] if req.reasoning and req.reasoning.effort else None
+    spec = ChatJob(req.messages(), req.max_output_tokens, [SamplingParams(temperature=req.temperature, top_p=req.top_p)],
+                   (), tools, fields.tool_schemas(), thinking_budget=budget,
+                   grammar=chat_grammar(fields, served.engine.tokenizer, family), prefix="resp_")
+    return spec, family, "input"
+
+
 def add_routes(app: FastAPI, state: Any, relays: dict) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request):
-        served, cfg = state.served, state.config
-        try:
-            req = P.parse(ResponsesRequest, await read_json(request, cfg.server.max_body_bytes))
-            fields = req.chat_fields()
-            tools = fields.template_tools()
-            family = tool_family(served, tools)
-            msgs = req.messages()
-            budget = EFFORT_BUDGET[req.reasoning.effort] if req.reasoning and req.reasoning.effort else None
-            spec = ChatJob(msgs, req.max_output_tokens, [SamplingParams(temperature=req.temperature, top_p=req.top_p)],
-                           (), tools, fields.tool_schemas(), thinking_budget=budget,
-                           grammar=chat_grammar(fields, served.engine.tokenizer, family), prefix="resp_")
-            gen = await start_chat(served, relays, spec, family, "input")
-        except QueueFull as e:
-            return busy(state, e)
-        except BonsaiError as e:
-            return from_exception(e)
+        opened = await open_chat(state, relays, request, ResponsesRequest, _chat_job)
+        if isinstance(opened, JSONResponse):
+            return opened
+        req, gen = opened
+        served = state.served
         shell = {"id": gen.jobs[0].id, "object": "response", "created_at": P.now(), "model": served.model_id,
                  "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                  "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,

@@ -11,7 +11,7 @@ import asyncio
 import functools
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from engine.decoding.grammar import GrammarSpec
 from engine.decoding.prompts import chat_prompt
 from engine.decoding.sampling import SamplingParams
+from engine.decoding.scheduler import QueueFull
 from engine.decoding.sequence import Delta, Failed, Finished
 from engine.decoding.sequence import Request as Job
 from engine.errors import BonsaiError, ServiceUnavailable
@@ -115,6 +116,28 @@ async def start_chat(served: Served, relays: dict, chat: ChatJob, family: str | 
     gen = Generation(served, jobs, relays, family, chat.tool_schemas)
     gen.submit()
     return gen
+
+
+async def open_chat(state: Any, relays: dict, request: Request, model: type, build: Callable[[Any, Served], tuple],
+                    shape: Callable[[JSONResponse], JSONResponse] = lambda r: r) -> tuple[Any, "Generation"] | JSONResponse:
+    """Read and parse the body of a chat of the Anthropic or Responses front end as `model`, make its job
+    with `build(req, served) -> (ChatJob, tool family, the request's input field)` and submit it:
+    (req, generation), or the error response (busy: 503; a bad request: 400) in the front end's `shape`."""
+    served = state.served
+    try:
+        req = P.parse(model, await read_json(request, state.config.server.max_body_bytes))
+        chat, family, param = build(req, served)
+        return req, await start_chat(served, relays, chat, family, param)
+    except QueueFull as e:
+        return shape(busy(state, e))
+    except BonsaiError as e:
+        return shape(from_exception(e))
+
+
+def busy(state: Any, e: QueueFull) -> JSONResponse:
+    """503 for a full queue, counted, with the Retry-After the scheduler suggests."""
+    state.metrics.count_request("rejected_busy")
+    return error(503, str(e), "unavailable_error", headers={"Retry-After": str(e.retry_after)})
 
 
 def check_prompt_length(served: Served, n: int, param: str) -> None:

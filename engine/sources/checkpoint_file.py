@@ -12,8 +12,8 @@ import torch
 
 from engine.errors import ModelFileError
 from engine.sources.hf_files import canonical_name as _hf_canonical
+from engine.sources.hf_files import checked_config
 from engine.sources.hf_files import hf_name  # noqa: F401 - the inverse of canonical_name, used with it
-from engine.sources.model_check import check_tensors, in_file
 from engine.sources.model_config import ModelConfig
 from engine.sources.tokenizer import Tokenizer
 from quant.checkpoint import Checkpoint, CheckpointError
@@ -22,9 +22,9 @@ _HF_ARCHITECTURE = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForC
                     "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
 
-def canonical_name(hf_name: str) -> str | None:
+def canonical_name(name: str) -> str | None:
     """Our canonical name of a checkpoint tensor (HF names, plus `rope_freqs` from GGUF sources)."""
-    return "rope_freqs" if hf_name == "rope_freqs" else _hf_canonical(hf_name)
+    return "rope_freqs" if name == "rope_freqs" else _hf_canonical(name)
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -71,11 +71,7 @@ class BonsaiCheckpoint:
 
     def model_config(self) -> ModelConfig:
         """The architecture config.json declares, checked against the tensors (engine.sources.model_check)."""
-        config = in_file(self.path / "config.json", lambda: ModelConfig.from_hf_config(self.hf_config))
-        found = {canon: (name, entry.shape) for name, entry in self.checkpoint.entries.items()
-                 if (canon := canonical_name(name)) is not None}
-        check_tensors(self.path, config, found, hf_name, "config.json num_hidden_layers")
-        return config
+        return checked_config(self.path, self.hf_config, self.tensor_info, canonical_name)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_dir(self.path)

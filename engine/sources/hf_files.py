@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -47,6 +47,17 @@ def canonical_name(hf_name: str) -> str | None:
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
 
+
+
+def checked_config(path: Path, hf_config: dict[str, Any], tensors: Callable[[], list[tuple[str, str, tuple, int]]],
+                   canonical: Callable[[str], str | None]) -> ModelConfig:
+    """The ModelConfig of a directory's config.json (`hf_config`), checked against its tensors
+    (`tensors()`: (name, type, shape, bytes) as tensor_info gives them, read after the config is known
+    to be one we run; `canonical` maps a stored name to ours)."""
+    config = in_file(path / "config.json", lambda: ModelConfig.from_hf_config(hf_config))
+    found = {canon: (name, shape) for name, _, shape, _ in tensors() if (canon := canonical(name)) is not None}
+    check_tensors(path, config, found, hf_name, "config.json num_hidden_layers")
+    return config
 
 def hf_name(canonical: str) -> str:
     """The Hugging Face name of a canonical tensor name (the inverse of canonical_name)."""
@@ -103,11 +114,7 @@ class HFModelDir:
 
     def model_config(self) -> ModelConfig:
         """The architecture config.json declares, checked against the tensors (engine.sources.model_check)."""
-        config = in_file(self.path / "config.json", lambda: ModelConfig.from_hf_config(self.hf_config))
-        found = {canon: (name, shape) for name, _, shape, _ in self.tensor_info()
-                 if (canon := canonical_name(name)) is not None}
-        check_tensors(self.path, config, found, hf_name, "config.json num_hidden_layers")
-        return config
+        return checked_config(self.path, self.hf_config, self.tensor_info, canonical_name)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_dir(self.path)

@@ -11,7 +11,7 @@ import torch
 
 from engine.errors import BonsaiError, ModelFileError
 from engine.memory.host_embedding import HostEmbedding, check_embedding_on_host
-from engine.pipeline.naming import global_name, local_name, stage_holds
+from engine.pipeline.naming import global_name, layer_index, local_name, stage_holds
 from engine.runtime.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.sources.checkpoint_file import BonsaiCheckpoint
 from engine.sources.gguf_file import GGUFFile
@@ -124,13 +124,23 @@ def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtyp
     return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
 
 
+HOST = torch.device("cpu")
+
+
+def placed(name: str, dev: torch.device, host_layers: frozenset[int]) -> torch.device:
+    """Where the module or tensor `name` (global) is made: host memory for the blocks in host_layers
+    (streamed by engine.memory.weight_offload: never allocated on `dev`), else `dev`."""
+    return HOST if host_layers and layer_index(name) in host_layers else dev
+
+
 def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype,
                  meta_weights: frozenset[str] = frozenset(), embedding_on_host: bool = False,
-                 stage=None) -> Transformer:
+                 stage=None, host_layers: frozenset[int] = frozenset()) -> Transformer:
     """The model with uninitialized tensors on `dev`; the weights of the Linear layers named in
     meta_weights (global names) stay on the meta device (they are replaced before use: never allocated);
     embedding_on_host: the embedding table is allocated in host memory (never on `dev`);
-    stage: a pipeline stage (engine.pipeline.split.Stage): only its part is allocated."""
+    stage: a pipeline stage (engine.pipeline.split.Stage): only its part is allocated;
+    host_layers: these blocks are allocated in host memory (`placed`)."""
     with torch.device("meta"):
         model = Transformer(config)
         model.to(dtype)
@@ -143,12 +153,13 @@ def _empty_model(config: ModelConfig, dev: torch.device, dtype: torch.dtype, wei
         name = global_name(local, model.first_layer)
         if not stage_holds(stage, config, name):
             continue
+        where = placed(name, dev, host_layers)
         if name == "embed" and embedding_on_host:
             module.to_empty(device="cpu", recurse=False)
         elif name not in meta_weights:
-            module.to_empty(device=dev, recurse=False)
+            module.to_empty(device=where, recurse=False)
         elif module.bias is not None:
-            module.bias = torch.nn.Parameter(torch.empty_like(module.bias, device=dev), requires_grad=False)
+            module.bias = torch.nn.Parameter(torch.empty_like(module.bias, device=where), requires_grad=False)
     model.inv_freq = rotary_inverse_frequencies(config).to(dev)
     return model
 
@@ -167,15 +178,17 @@ def _part_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     return out
 
 
-def _packed_shells(model: Transformer, targets: dict[str, str], group_size: int, dev: torch.device
-                   ) -> dict[str, PackedWeight]:
+def _packed_shells(model: Transformer, targets: dict[str, str], group_size: int, dev: torch.device,
+                   host_layers: frozenset[int] = frozenset()) -> dict[str, PackedWeight]:
     """Swap the Linear layers in targets (global module path → packed kind) for PackedLinear layers with
-    empty packed buffers on `dev`, filled as their float tensors arrive (`quantize_rows`)."""
+    empty packed buffers on `dev` (host memory for the blocks in host_layers), filled as their float
+    tensors arrive (`quantize_rows`)."""
     out = {}
     for path, kind in targets.items():  # global names; a pipeline stage's layer i is first_layer + i
         local = local_name(path, model.first_layer)
         module = model.get_submodule(local)
-        pw = empty_packed(kind, module.weight.shape[0], module.weight.shape[1], group_size, dev)
+        pw = empty_packed(kind, module.weight.shape[0], module.weight.shape[1], group_size,
+                          placed(path, dev, host_layers))
         parent, _, attr = local.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(pw, module.bias))
         out[path] = pw
@@ -185,7 +198,8 @@ def _packed_shells(model: Transformer, targets: dict[str, str], group_size: int,
 def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dev: torch.device,
                        dtype: torch.dtype, weight_dtype: torch.dtype, path: str | Path, down_hadamard: int = 0,
                        meta_weights: dict[str, list[str]] | None = None, weight_format: WeightFormat | None = None,
-                       embedding_on_host: bool = False, stage=None) -> Transformer:
+                       embedding_on_host: bool = False, stage=None, host_layers: frozenset[int] = frozenset()
+                       ) -> Transformer:
     """A model of `config` from (canonical name, float tensor) pairs (every tensor it needs, once);
     down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs.
     meta_weights: {Linear module name: the canonical tensors it stacks} of layers left unallocated
@@ -193,15 +207,16 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
     packs are packed as their tensors arrive (each tensor rounded, a slice of rows at a time, into
     the final packed buffers: no float copy of the layer is ever allocated on `dev`); a tied output
     layer is left to `pack_linears`. embedding_on_host: the table is loaded into host memory.
-    stage: build only this pipeline stage's part (tensors of other stages are passed over)."""
+    stage: build only this pipeline stage's part (tensors of other stages are passed over).
+    host_layers: these blocks are made in host memory, never on `dev` (`placed`)."""
     meta_weights = meta_weights or {}
     fmt = weight_format or WeightFormat()
     targets = {name: f.kind for name, f in linear_formats(config, fmt).items()
                if f.packed and name not in meta_weights and (name != "lm_head" or not config.tie_word_embeddings)
                and stage_holds(stage, config, name)}  # global module names
     model = _empty_model(config, dev, dtype, weight_dtype, meta_weights=frozenset(meta_weights) | frozenset(targets),
-                         embedding_on_host=embedding_on_host, stage=stage)
-    shells = _packed_shells(model, targets, fmt.group_size, dev)
+                         embedding_on_host=embedding_on_host, stage=stage, host_layers=host_layers)
+    shells = _packed_shells(model, targets, fmt.group_size, dev, host_layers)
     rows_of = _part_rows(config) if shells else {}
     expected = expected_tensor_names(config) - {n for names in meta_weights.values() for n in names}
     expected = {n for n in expected if stage_holds(stage, config, n)}
@@ -231,8 +246,9 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
         if config.intermediate_size % down_hadamard:
             raise ModelFileError(f"{path}: its online Hadamard block {down_hadamard} does not divide the FFN width "
                                  f"{config.intermediate_size}; quantize it again")
-        for block in model.layers:
-            block.feed_forward.set_down_hadamard(down_hadamard, dev)
+        for i, block in enumerate(model.layers):
+            block.feed_forward.set_down_hadamard(down_hadamard, placed(f"layers.{i + model.first_layer}", dev,
+                                                                       host_layers))
     return model
 
 
@@ -246,7 +262,8 @@ def _finish_embedding(model: Transformer, dev: torch.device, on_host: bool) -> N
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None,
-               keep_codes: bool | None = None, embedding_on_host: bool = False, stage=None) -> LoadedModel:
+               keep_codes: bool | None = None, embedding_on_host: bool = False, stage=None,
+               host_layers: frozenset[int] = frozenset()) -> LoadedModel:
     """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
 
     dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the
@@ -256,7 +273,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     (default on CUDA, where the packed kernels are fast; on the CPU floats decode faster);
     embedding_on_host: the embedding table stays in host memory (engine.memory.host_embedding);
     stage: a pipeline stage (engine.pipeline.split.Stage): only its layers (and the embedding / output
-    layer it holds) are read and allocated.
+    layer it holds) are read and allocated; host_layers: these blocks are read and packed in host memory,
+    never allocated on the device (the blocks a WeightStreamer streams).
     """
     start = time.perf_counter()
     dev = resolve_device(device)
@@ -280,13 +298,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     tensors = source.iter_canonical_tensors(config, skip=skip) if skip else source.iter_canonical_tensors(config)
     model = model_from_tensors(config, tensors, dev, dtype, weight_dtype, path,
                                down_hadamard=int(rotation.get("down_proj_hadamard", 0)), meta_weights=stored,
-                               weight_format=weight_format, embedding_on_host=embedding_on_host, stage=stage)
+                               weight_format=weight_format, embedding_on_host=embedding_on_host, stage=stage,
+                               host_layers=host_layers)
     if keep:
-        packed = pack_stored_codes(model, source, config, device=dev)
+        packed = pack_stored_codes(model, source, config, device=dev, host_layers=host_layers)
         packed = {global_name(name, model.first_layer) for name in packed}
         assert set(stored) <= packed, f"planned packed layers were not packed: {sorted(set(stored) - packed)[:3]}"
     if weight_format.packed:
-        pack_linears(model, weight_format, device=dev)  # what is left: a tied output layer's own packed copy
+        pack_linears(model, weight_format, device=dev, host_layers=host_layers)  # what is left: a tied output layer's own packed copy
     _drop_unused_embedding(model)
     _finish_embedding(model, dev, embedding_on_host)
     model.eval()
@@ -309,12 +328,14 @@ def stored_packed_layers(source, config: ModelConfig) -> dict[str, list[str]]:
 @torch.no_grad()
 def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu",
                weight_format: WeightFormat | None = None, dtype: torch.dtype | None = None,
-               seed: int = 0, embedding_on_host: bool = False, stage=None) -> LoadedModel:
+               seed: int = 0, embedding_on_host: bool = False, stage=None,
+               host_layers: frozenset[int] = frozenset()) -> LoadedModel:
     """`load_format: dummy`: the architecture at full size with random weights made directly on the
     device in their run-time format (packed codes for tri/bin/int4/int8), one matrix at a time in
     its final buffer — for speed work. embedding_on_host: the table is made in host memory. Each
     tensor's values depend on the seed and its name only, so a pipeline stage (`stage`: only its
-    part is made) holds the same weights as the whole model."""
+    part is made) holds the same weights as the whole model. host_layers: these blocks are made in host
+    memory, never on the device (the blocks a WeightStreamer streams)."""
     start = time.perf_counter()
     dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
@@ -326,7 +347,7 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
     packed = frozenset(name for name, f in linear_formats(config, weight_format).items()
                        if f.packed and (name != "lm_head" or not config.tie_word_embeddings))
     model = _empty_model(config, dev, dtype, dtype, meta_weights=packed, embedding_on_host=embedding_on_host,
-                         stage=stage)
+                         stage=stage, host_layers=host_layers)
     for param_name, p in model.named_parameters():
         if p.is_meta:
             continue
@@ -335,7 +356,7 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
         elif (weight_format.quant_type == "bf16" or p is model.embed.weight
               or p is getattr(model.lm_head, "weight", None)):
             p.normal_(0.0, 0.02, generator=tensor_generator(p.device, seed, global_name(param_name, model.first_layer)))
-    pack_linears(model, weight_format, dummy=True, seed=seed, device=dev)
+    pack_linears(model, weight_format, dummy=True, seed=seed, device=dev, host_layers=host_layers)
     _drop_unused_embedding(model)
     _finish_embedding(model, dev, embedding_on_host)
     model.eval()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.kernels import kernels_usable
-from engine.pipeline.naming import global_name
+from engine.pipeline.naming import global_name, layer_index
 from engine.runtime.linear import Linear
 from engine.weights.formats import WeightFormat, require_packable, rounded_format
 from quant import grids
@@ -181,12 +181,12 @@ def tensor_generator(device: torch.device, seed: int, name: str) -> torch.Genera
 
 
 def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed: int = 0,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, host_layers: frozenset[int] = frozenset()) -> None:
     """Swap the model's float Linear layers for PackedLinear where the run's format rounds them
     (engine.weights.formats.rounded_format; layers packed from stored codes are PackedLinear by now):
     rounded from the loaded float weights, or random packed codes (dummy), made directly on `device`
     (default: the weights' device; dummy layers may have meta weights, a tied output layer's weight
-    may be a host embedding table)."""
+    may be a host embedding table); the layers of the blocks in host_layers are made in host memory."""
     first = getattr(model, "first_layer", 0)  # a pipeline stage's model: its layers from first_layer
     gives_logits = getattr(model, "gives_logits", True)  # a pipeline stage before the last has no output layer
     if model.lm_head is None and rounded_format("lm_head", fmt).packed and gives_logits:
@@ -199,13 +199,15 @@ def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed:
         if isinstance(module, Linear) and target.packed and (name != "lm_head" or gives_logits):
             targets.append((name, module, target.kind))
     for name, module, kind in targets:
+        where = device if device is not None else module.weight.device
+        if host_layers and layer_index(global_name(name, first)) in host_layers:
+            where = torch.device("cpu")
         if dummy:  # each layer's codes depend on the seed and its (global) name only
-            where = device if device is not None else module.weight.device
             generator = tensor_generator(where, seed, global_name(name, first))
             n, k = module.weight.shape
             pw = random_packed(kind, n, k, fmt.group_size, device=where, generator=generator)
         else:
-            pw = quantize_weight(module.weight.data, kind, fmt.group_size, device)
+            pw = quantize_weight(module.weight.data, kind, fmt.group_size, where)
         bias = module.bias.data if module.bias is not None else None
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(pw, bias))

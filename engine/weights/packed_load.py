@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from engine.pipeline.naming import local_name
+from engine.pipeline.naming import global_name, layer_index, local_name
 from engine.runtime.model import Linear, Transformer
 from engine.weights.formats import STORED_LAYOUT, linear_modules
 from engine.weights.packed_linear import PackedLinear
@@ -33,12 +33,13 @@ def _targets(model: Transformer) -> list[tuple[str, list[str]]]:
     return out
 
 
-def pack_stored_codes(model: Transformer, source, config, device: torch.device | None = None) -> set[str]:
+def pack_stored_codes(model: Transformer, source, config, device: torch.device | None = None,
+                      host_layers: frozenset[int] = frozenset()) -> set[str]:
     """Swap every Linear whose source tensors are stored quantized for a PackedLinear holding those
     codes, on `device` (default: the layer's; a layer may have an unallocated meta weight). The
     source's tensors are read one at a time and a layer is packed as soon as its last part arrives:
     host memory holds the codes of the layers still incomplete, never the whole model's. Returns
-    the names of the layers packed."""
+    the names of the layers packed. host_layers: the layers of these blocks are packed in host memory."""
     if not hasattr(source, "iter_quantized_tensors"):
         return set()
     targets = dict(_targets(model))
@@ -54,7 +55,10 @@ def pack_stored_codes(model: Transformer, source, config, device: torch.device |
         if len(parts) < len(targets[path]):
             continue
         del pending[path]
-        if _pack_layer(model, path, [parts[n] for n in targets[path]], device):
+        where = device
+        if host_layers and layer_index(global_name(path, model.first_layer)) in host_layers:
+            where = torch.device("cpu")
+        if _pack_layer(model, path, [parts[n] for n in targets[path]], where):
             packed.add(path)
     return packed
 

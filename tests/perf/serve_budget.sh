@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ITL against TTFT by the prefill budget (server.max_prefill_tokens_per_step): `bonsai serve` of
 # configs/serve-dummy-bench.yaml (tokenizer TOK) once per budget, `bonsai bench --url --suite short` at LEVELS.
-#   OUT=out TOK=.tok/smollm2.gguf BUDGETS=none,16,32,64 LEVELS=8 REPS=2 bash tests/perf/serve_budget.sh
+# A budget `nomix` is the default budget with server.mixed_prefill off (short prompts in passes of their own).
+#   OUT=out TOK=.tok/smollm2.gguf BUDGETS=none,nomix,16,32 LEVELS=8 REPS=2 bash tests/perf/serve_budget.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; TOK=${TOK:-.tok/smollm2.gguf}
 for b in ${BUDGETS//,/ }; do
@@ -10,7 +11,9 @@ import sys, yaml
 data = yaml.safe_load(open("configs/serve-dummy-bench.yaml"))
 data["model"]["tokenizer"] = sys.argv[1]
 data["server"]["port"] = 18090
-if sys.argv[3] != "none":
+if sys.argv[3] == "nomix":
+    data["server"]["mixed_prefill"] = False
+elif sys.argv[3] != "none":
     data["server"]["max_prefill_tokens_per_step"] = int(sys.argv[3])
 yaml.safe_dump(data, open(sys.argv[2], "w"), sort_keys=False)
 PY
