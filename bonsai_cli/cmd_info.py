@@ -62,11 +62,7 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
                 "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
                 "tie_word_embeddings", "qk_norm", "attention_bias"):
         head.add_row(key, str(arch[key]))
-    if arch["hybrid"]:
-        mix = arch["hybrid"]
-        head.add_row("layer mix", f"{mix['deltanet_layers']} Gated DeltaNet + {mix['attention_layers']} gated attention")
-        head.add_row("state per sequence", f"{mix['state_bytes_per_sequence'] / 2**20:,.2f} MiB (DeltaNet, fp32; "
-                     "plus the attention layers' KV)")
+    _hybrid_rows(head, arch["hybrid"])
     head.add_row("parameters", f"{summary.num_parameters:,} ({summary.num_parameters / 1e6:.1f}M)")
     head.add_row("size", f"{summary.file_bytes / 2**20:,.1f} MiB")
     head.add_row("bits per weight", f"{summary.bits_per_weight:.3f}")
@@ -79,6 +75,14 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
     for t, (n, p, b) in summary.types.items():
         types.add_row(t, str(n), f"{p:,}", f"{b / 2**20:,.1f}", f"{8 * b / max(p, 1):.3f}")
     console.print(types)
+
+
+def _hybrid_rows(table, mix: dict | None) -> None:
+    """A hybrid's layer mix and per-sequence DeltaNet state, as rows of the info table."""
+    if mix:
+        table.add_row("layer mix", f"{mix['deltanet_layers']} Gated DeltaNet + {mix['attention_layers']} gated attention")
+        table.add_row("state per sequence", f"{mix['state_bytes_per_sequence'] / 2**20:,.2f} MiB (DeltaNet, fp32; "
+                      "plus the attention layers' KV)")
 
 
 def _hybrid_summary(config) -> dict | None:
@@ -183,7 +187,9 @@ def _info_dummy(model: str, weights: str, group_size: int, head_weights: str, js
     console.print(f"[bold]{path}[/bold]  (dummy: generated {weights} weights, output layer {head_weights})")
     head = Table(show_header=False, box=None)
     for key, value in arch.items():
-        head.add_row(key, str(value))
+        if key != "hybrid":
+            head.add_row(key, str(value))
+    _hybrid_rows(head, arch["hybrid"])
     head.add_row("parameters", f"{params:,} ({params / 1e9:.2f}B)")
     head.add_row("size on a GPU", f"{nbytes / 2**20:,.1f} MiB (bfloat16 embedding)")
     head.add_row("bits per weight", f"{8 * nbytes / params:.3f}")

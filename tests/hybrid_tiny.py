@@ -34,3 +34,11 @@ def make_hybrid_model(path: Path, tokenizer_dir: Path | None = None, seed: int =
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     """The HF model's logits [T, V] of ids, one full pass without a cache."""
     return model(torch.tensor([ids])).logits[0].float()
+
+
+def tokenizer_dir(tmp_path_factory, gguf: Path) -> Path:
+    """A Hugging Face tokenizer directory made from a GGUF's tokenizer (e.g. SmolLM2's, 49,152 tokens)."""
+    from transformers import AutoTokenizer
+    out = tmp_path_factory.mktemp("tok")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out

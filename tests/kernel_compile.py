@@ -199,7 +199,7 @@ def launch_sites() -> set[tuple[str, int, int]]:
 @dataclass(frozen=True)
 class Case:
     """One combination a config can select, on a tiny generated model."""
-    architecture: str = "qwen3"  # llama | qwen2 (q/k/v biases) | qwen3 (q/k norms)
+    architecture: str = "qwen3"  # llama | qwen2 (q/k/v biases) | qwen3 (q/k norms) | qwen35 (hybrid)
     kv_type: str = "bf16"  # bf16 | int8 | int4 | k8v4
     weights: str = "tri"  # bf16 | tri | bin | int4 | int8 (tri-dense files run the tri layout)
     head: str = "bf16"
@@ -244,17 +244,26 @@ def engine_cases() -> list[Case]:
     cases += [replace(base, down_hadamard=True), replace(base, down_hadamard=True, weights="bin", group_size=64),
               replace(base, embedding_on_host=True), replace(base, offload="kv"),
               replace(base, offload="weights", kv_type="k8v4"), replace(base, architecture="llama", offload="weights")]
+    # a hybrid (Qwen3.5: DeltaNet + gated attention; bf16 KV only): the DeltaNet decode kernels, both dtypes
+    # (head_dim 128: DeltaNet heads of 128 as the real models have, the recurrent kernel's 8-warp variant)
+    cases += [Case("qwen35", "bf16", "tri", "int4"), Case("qwen35", "bf16", "bin", "bf16", torch.float16, 64, 128)]
     return cases
 
 
 def _config(case: Case):
+    from engine.sources.hybrid_config import HybridConfig
     from engine.sources.model_config import ModelConfig
     heads, kv_heads = 4, 2
+    hybrid = None
+    if case.architecture == "qwen35":  # one DeltaNet layer (heads of head_dim / 2, or 128), then one gated attention
+        d = 128 if case.head_dim >= 128 else case.head_dim // 2
+        hybrid = HybridConfig(("linear_attention", "full_attention"), linear_num_key_heads=2,
+                              linear_num_value_heads=4, linear_key_head_dim=d, linear_value_head_dim=d)
     return ModelConfig(architecture=case.architecture, vocab_size=512, hidden_size=256, intermediate_size=512,
                        num_layers=2, num_heads=heads, num_kv_heads=kv_heads, head_dim=case.head_dim,
-                       attention_bias=case.architecture == "qwen2", qk_norm=case.architecture == "qwen3",
+                       attention_bias=case.architecture == "qwen2", qk_norm=case.architecture in ("qwen3", "qwen35"),
                        tie_word_embeddings=case.architecture == "llama" and case.head != "bf16",
-                       max_position_embeddings=4096)
+                       max_position_embeddings=4096, hybrid=hybrid)
 
 
 def run_case(case: Case) -> None:

@@ -119,7 +119,8 @@ def run_model_bench(engine: Engine, tests: list[BenchTest], repetitions: int, sp
 
 def decode_bytes_per_token(runner: Runner, context: int) -> int:
     """Bytes one decode step must read: every matrix (incl. the output layer), one embedding row,
-    and the KV cache of `context` positions."""
+    and the KV cache of `context` positions; a hybrid's DeltaNet state of one slot (fp32 recurrent state
+    and conv window, engine.runtime.hybrid_state) is read and written back: counted twice."""
     model = runner.model
     weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
     weights += sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
@@ -129,7 +130,9 @@ def decode_bytes_per_token(runner: Runner, context: int) -> int:
     weights += emb.shape[1] * emb.element_size()
     cache = runner.cache  # every storage tensor is [L, slots, kv_heads, S, X]: one position of one slot
     per_position = sum(t[:, 0, :, 0].numel() * t.element_size() for t in cache.tensors.values())
-    return weights + context * per_position
+    states = getattr(cache, "states", None)
+    state = 0 if states is None else sum(t[:, 0].numel() * t.element_size() for t in (states.recurrent, states.conv))
+    return weights + context * per_position + 2 * state
 
 
 def measure_copy_bandwidth(device: torch.device, megabytes: int = 0, repeats: int = 5) -> float:

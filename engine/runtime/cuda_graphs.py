@@ -70,6 +70,8 @@ class DecodeStepRunner:
         # warm-up writes K/V (and a quantized cache's scales) at position 0 of slot 0: saved and put
         # back, so a capture in the middle of a generation (a new verify width) leaves the cache as it was.
         saved = {name: t[:, 0, :, 0].clone() for name, t in self.cache.tensors.items()}  # [L, KV, X] each
+        states = self.cache.states  # a hybrid: the warm-up also steps slot 0's DeltaNet state
+        saved_states = [t[:, 0].clone() for t in (states.conv, states.recurrent)] if states is not None else []
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -78,6 +80,8 @@ class DecodeStepRunner:
         torch.cuda.current_stream().wait_stream(stream)
         for name, rows in saved.items():
             self.cache.tensors[name][:, 0, :, 0].copy_(rows)
+        for t, before in zip((states.conv, states.recurrent) if states is not None else (), saved_states):
+            t[:, 0].copy_(before)
         self.graph = torch.cuda.CUDAGraph()
         self.logits = capture(self.graph, self._eager)
 
@@ -96,6 +100,10 @@ class DecodeStepRunner:
             self.inputs.tokens.copy_(ids, non_blocking=True)
             if self.inputs.embedded is not None:
                 self.host_embedding.rows_into(ids, self.inputs.embedded)
+        if self.cache.states is not None:  # a hybrid: each row steps its own slot's DeltaNet state in place
+            assert len(set(slots)) == len(slots), "rows of one fused hybrid step name distinct slots"
+            for slot in slots:
+                self.cache.states.snapshots.pop(slot, None)  # its verify rollback points are past
         pos = torch.tensor(positions, dtype=torch.int32)
         self.inputs.positions.copy_(pos, non_blocking=True)
         self.inputs.seq_lens.copy_(pos + 1, non_blocking=True)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import kernels_usable
+from engine.runtime.hybrid_step import deltanet_step, gated_attention_step
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.model import Transformer
 from engine.weights.packed_linear import PackedLinear
@@ -70,6 +71,14 @@ class _Ops:
         self.attention, self.rope_write = decode_attention, qk_norm_rope_write
         self.attention_int8 = decode_attention_int8  # attention → int8 per head, for a packed o_proj
         self.quantize, self.gemv = quantize_activations, packed_gemv
+        if fast:  # a hybrid's DeltaNet and gated attention layers (engine.runtime.hybrid_step)
+            from engine.kernels.deltanet_decode import conv_update, recurrent_update
+            from engine.kernels.gated_rope import gated_rope_write as gated_rope
+        else:
+            from engine.kernels.deltanet_decode import conv_update_reference as conv_update
+            from engine.kernels.deltanet_decode import recurrent_update_reference as recurrent_update
+            from engine.kernels.gated_rope import gated_rope_write_reference as gated_rope
+        self.conv_update, self.recurrent_update, self.gated_rope = conv_update, recurrent_update, gated_rope
 
 
 def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,
@@ -121,6 +130,13 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
         if stream is not None:
             stream.enter(i)
         att, ffn = block.attention, block.feed_forward
+        if cfg.hybrid is not None:  # engine.runtime.hybrid_step: DeltaNet or gated attention, then the FFN below
+            if cfg.is_linear(i + model.first_layer):
+                deltanet_step(ops, _project, block, x, cache.states, inputs.slot_ids, inputs.positions, eps)
+            else:
+                gated_attention_step(ops, _project, model, block, cache, x, inputs, num_splits, eps)
+            _feed_forward(ops, block, x, ws, eps)
+            continue
         scales = cache.layer_read_args(i)  # a quantized cache's scale / min tensors, v_rotate (none for bf16)
         qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv)  # [M, Q + 2KV]
         kv = cache.layer(i)  # {name: [slots, KV, S, D]} (KV offload: the layer's streamed-in rows)
@@ -138,20 +154,26 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
             a = ops.attention(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, scale,
                               num_splits, **scales)  # [M, H, D]
             _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x)
-        gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up)  # [M, 2F]
-        if ffn.down_hadamard:  # a rotated checkpoint: SwiGLU and the online Hadamard in torch, then w2
-            gate, up = gu.chunk(2, dim=-1)
-            z = ffn.rotate_down_input(F.silu(gate) * up)  # [M, F]
-            if gu is ws.gate_up:
-                gu.zero_()  # the split-K workspace starts the next step at zero
-            _project(ops, z, ffn.w2, residual=x)
-        else:
-            _project(ops, gu, ffn.w2, gated=True, residual=x)
+        _feed_forward(ops, block, x, ws, eps)
     if not model.gives_logits:
         return x  # [M, H] float32: the next stage's input
     head = model.lm_head
     return _project(ops, x, head, model.norm.weight, eps,
                     tied_weight=model.embed.weight if head is None else None)  # [M, V]
+
+
+def _feed_forward(ops: _Ops, block, x: torch.Tensor, ws: Workspace, eps: float) -> None:
+    """x [M, H] float32 += the block's SwiGLU FFN (RMSNorm → gate/up → down)."""
+    ffn = block.feed_forward
+    gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up)  # [M, 2F]
+    if ffn.down_hadamard:  # a rotated checkpoint: SwiGLU and the online Hadamard in torch, then w2
+        gate, up = gu.chunk(2, dim=-1)
+        z = ffn.rotate_down_input(F.silu(gate) * up)  # [M, F]
+        if gu is ws.gate_up:
+            gu.zero_()  # the split-K workspace starts the next step at zero
+        _project(ops, z, ffn.w2, residual=x)
+    else:
+        _project(ops, gu, ffn.w2, gated=True, residual=x)
 
 
 def make_ops(device: torch.device, kernels: bool | None = None) -> _Ops:

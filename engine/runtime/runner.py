@@ -85,7 +85,11 @@ class ModelRunner:
         if self.hybrid:  # DeltaNet states: what the hybrid path does not (yet) do is refused, never run wrong
             from engine.runtime.hybrid_state import check_hybrid_run
             check_hybrid_run(kv_type, kv_offload, offload_layers)
-            fast_decode, prefill_graphs = False, False  # the fused step / graphs have no DeltaNet layer
+            # The fused (graphed) decode step runs DeltaNet layers (engine.runtime.hybrid_step) for rows of
+            # distinct slots; rows at consecutive positions of one slot (verify, short prefill) run the model's
+            # recorded pass instead (`step_rows`). Prefill chunks stay eager: the chunked DeltaNet maths read and
+            # write the slots' states by host lists (not capturable).
+            prefill_graphs = False
             # a slot's state cannot forget a token for free: the Engine's lookahead stays off
             self.rewinds_for_free = False
         if kv_offload:
@@ -112,14 +116,15 @@ class ModelRunner:
         if fast_decode if fast_decode is not None else self.device.type == "cuda":
             self.decoder = self._make_decoder()
         # the attention prologue kernel also serves prefill where the fused step runs (same shapes)
-        self.model.use_fused_prologue(self.decoder is not None and self.decoder.ops.fast)
+        # (not a hybrid's gated attention: the prologue kernel rotates whole heads and has no output gate)
+        self.model.use_fused_prologue(self.decoder is not None and self.decoder.ops.fast and not self.hybrid)
         self.prefill_graphs = None
         graphed = self.decoder is not None and self.decoder.graph is not None
         # prompt chunks of up to short_prefill_tokens run through the fused step, short_prefill_rows positions
         # a pass (0: never), where it is graphed and prefill graphs are allowed (the memory plan then counts
         # the steps of 1..MAX_STEP_ROWS rows); `prepare_rows` captures them
         self.short_prefill_tokens = SHORT_PREFILL_TOKENS
-        self.short_prefill_rows = MAX_STEP_ROWS if graphed and prefill_graphs is not False else 0
+        self.short_prefill_rows = MAX_STEP_ROWS if graphed and prefill_graphs is not False and not self.hybrid else 0
         from engine.memory.host_embedding import HostEmbedding
         if graphed and prefill_graphs is not False and not isinstance(self.model.embed, HostEmbedding):
             from engine.runtime.cuda_graphs import PrefillGraphs
@@ -196,10 +201,19 @@ class ModelRunner:
             logits = self.step_rows(tokens, list(range(start, start + t)), [slot.index] * t)  # [T, V]
             slot.tokens.extend(tokens)
             return logits, {}
+        logits, hidden = self._recorded_pass(slot.index, start, tokens, hidden_layers)
+        slot.tokens.extend(tokens)
+        return logits, hidden
+
+    def _recorded_pass(self, index: int, start: int, tokens: list[int], hidden_layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """tokens after position `start` of slot `index` in one model pass: logits [T, V] of every row and
+        {layer: [T, H]}; a hybrid keeps every position's DeltaNet state (the caller's rewind restores one)."""
+        t = len(tokens)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
-        batch = CacheBatch.make([slot.index], [start], t, self.device)
+        batch = CacheBatch.make([index], [start], t, self.device)
         states = self.cache.states
-        if states is not None:  # every position's DeltaNet state kept: the caller's rewind restores one
+        if states is not None:
             states.recording = True
         try:
             logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, None, hidden_layers)
@@ -207,8 +221,20 @@ class ModelRunner:
             if states is not None:
                 states.recording = False
                 states.end_recording()
-        slot.tokens.extend(tokens)
         return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}
+
+    def _hybrid_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """`step_rows` where a slot has several rows (consecutive positions: a verify): the fused step updates
+        each row's DeltaNet state from its slot's, so each such slot runs a recorded model pass (its
+        rollback points kept, as `verify` does); logits [M, V] in the rows' order."""
+        logits, i = [], 0
+        while i < len(slots):
+            j = i
+            while j < len(slots) and slots[j] == slots[i]:
+                j += 1
+            logits.append(self._recorded_pass(slots[i], positions[i], tokens[i:j])[0])  # [j - i, V]
+            i = j
+        return torch.cat(logits)
 
     def _short_prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
         """A short prompt through the fused (graphed) decode step, P = short_prefill_rows consecutive
@@ -254,6 +280,8 @@ class ModelRunner:
         each row's K/V at its position; logits [M, V] (a copy). Slot bookkeeping is the caller's.
         Needs the fused step (`fast_decode`); one graph is captured per row count on first use."""
         assert self.decoder is not None and 0 < len(tokens) <= MAX_STEP_ROWS
+        if self.hybrid and len(set(slots)) < len(slots):
+            return self._hybrid_rows(tokens, positions, slots)
         rows = len(tokens)
         step = self.decoder if rows == 1 else self._row_steps.get(rows)
         if step is None:

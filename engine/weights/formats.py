@@ -8,7 +8,9 @@ the rule, used by the memory plan before loading and by the loader while loading
      checkpoint, a TQ1_0 / TQ2_0 / Q1_0 / Q2_0 GGUF) and which packs at its shape keeps those codes
      (`stored_formats` reads them from metadata; engine.weights.packed_load repacks them);
   2. any other layer is rounded at load to the run's `WeightFormat`: `quant_type` for the blocks,
-     `head_type` for the output layer (a tied one gets its own packed copy), float for bf16.
+     `head_type` for the output layer (a tied one gets its own packed copy), float for bf16 — except a
+     hybrid's DeltaNet gate projections in_proj_a / in_proj_b (one row per value head), which stay float
+     (as `bonsai quantize` keeps them: engine.quantization.calibration).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from quant.packed_layout import KINDS, check_packable
 WEIGHT_TYPES = ("bf16", *KINDS)  # what a run may ask for: bf16 (float as loaded) or a packed layout kind
 GROUP_SIZES = (32, 64, 128, 256)
 # a stored tensor's quant type (quant.checkpoint, GGUF's importable types) → the layout it runs in
+# a hybrid's DeltaNet decay / beta gate projections (one row per value head): float whatever the run's format
+FLOAT_LINEARS = (".attention.in_proj_a", ".attention.in_proj_b")
 STORED_LAYOUT = {"tri": "tri", "tri-dense": "tri", "bin": "bin", "int4": "int4", "int8": "int8"}
 
 
@@ -103,6 +107,8 @@ def require_packable(kind: str, n: int, k: int, group: int) -> None:
 
 def rounded_format(path: str, fmt: WeightFormat) -> LinearFormat:
     """Rule 2: the format a layer still in float is rounded to at load (the output layer: head_type)."""
+    if path.endswith(FLOAT_LINEARS):
+        return LinearFormat()
     kind = fmt.head_type if path == "lm_head" else fmt.quant_type
     return LinearFormat() if kind == "bf16" else LinearFormat(kind, fmt.group_size)
 
