@@ -58,3 +58,24 @@ def test_generated_hybrid_weights_are_packed_where_the_format_says():
     assert isinstance(att.in_proj_qkv, PackedLinear) and isinstance(att.out_proj, PackedLinear)
     assert type(att.in_proj_a) is Linear and att.in_proj_a.weight.dtype == torch.float32
     assert isinstance(model.layers[1].attention.wqkv, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+
+
+def test_generated_weights_leave_no_float_tensor_uninitialized(monkeypatch):
+    """Seen on the H200 machine: a packed run's float matrices (a hybrid's in_proj_a/b and conv weights) were
+    left as torch.empty memory, NaN there. Fresh allocations are poisoned with NaN here to show any such tensor."""
+    from engine.sources.hybrid_config import HybridConfig
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.loader import load_dummy
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() and t.device.type == "cpu" else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+    hc = HybridConfig(("linear_attention", "full_attention", "linear_attention"), 2, 4, 32, 32)
+    cfg = ModelConfig(architecture="qwen35", vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True, max_position_embeddings=256, hybrid=hc)
+    for fmt in (WeightFormat("tri", 128, "int4"), WeightFormat("bf16")):
+        model = load_dummy(cfg, "tiny", "cpu", fmt, dtype=torch.float32).model
+        bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not p.is_meta and p.isnan().any()]
+        assert bad == [], fmt

@@ -353,8 +353,8 @@ def load_dummy(config: ModelConfig, name: str, device: str | torch.device = "cpu
             continue
         if p.dim() == 1:
             p.fill_(1.0)  # norms (and biases: harmless)
-        elif (weight_format.quant_type == "bf16" or p is model.embed.weight
-              or p is getattr(model.lm_head, "weight", None)):
+        else:  # every float matrix that exists (packed ones are on the meta device): the float layers, the
+            # embedding, a float head, a hybrid's in_proj_a/b and conv weights (float in every format)
             p.normal_(0.0, 0.02, generator=tensor_generator(p.device, seed, global_name(param_name, model.first_layer)))
     pack_linears(model, weight_format, dummy=True, seed=seed, device=dev, host_layers=host_layers)
     _drop_unused_embedding(model)
