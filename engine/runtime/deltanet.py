@@ -104,6 +104,17 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(hc.linear_value_head_dim))
         self.chunk = 64  # positions per chunk of the chunked prefill maths
 
+    def join_gates(self) -> None:
+        """in_proj_b and in_proj_a as one float matrix `gates` [2·Hv, H] (b's rows, then a's) whose halves become
+        those layers' weights (views: no second copy), so the fused decode step projects both in one matmul."""
+        b, a = self.in_proj_b.weight, self.in_proj_a.weight
+        if b.is_meta or a.is_meta or b.dtype != a.dtype or b.device != a.device:
+            return
+        both = torch.cat([b.detach(), a.detach()])  # [2·Hv, H]
+        self.in_proj_b.weight = nn.Parameter(both[:b.shape[0]], requires_grad=False)
+        self.in_proj_a.weight = nn.Parameter(both[b.shape[0]:], requires_grad=False)
+        self.gates = both
+
     def parameter_of(self, part: str) -> torch.Tensor | None:
         """The tensor a canonical part name (engine.sources.hf_files) loads into; None: unknown."""
         if part in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):

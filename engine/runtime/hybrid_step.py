@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.runtime.deltanet import GatedDeltaNet
 from engine.weights.packed_linear import PackedLinear
 
 
@@ -35,7 +36,11 @@ def deltanet_step(ops, project, block, x: torch.Tensor, states, slot_ids: torch.
     else:
         conv_in, z = project(ops, x, qkv_layer, norm, eps), project(ops, x, z_layer, norm, eps)
     normed = F.rms_norm(x, norm.shape, norm.float(), eps)  # [M, H] float32, for the two float gate projections
-    b, a = project(ops, normed, att.in_proj_b), project(ops, normed, att.in_proj_a)  # [M, Hv] each
+    gates = getattr(att, "gates", None)  # in_proj_b and in_proj_a joined (GatedDeltaNet.join_gates): one matmul
+    if gates is not None:
+        b, a = F.linear(normed.to(gates.dtype), gates).float().split(hc.linear_num_value_heads, dim=-1)  # [M, Hv] each
+    else:
+        b, a = project(ops, normed, att.in_proj_b), project(ops, normed, att.in_proj_a)  # [M, Hv] each
     mixed = ops.conv_update(conv_in, states.conv[att.index], att.conv_weight, slot_ids, positions)  # [M, C]
     q, k, v = mixed.split([hc.key_dim, hc.key_dim, hc.value_dim], dim=-1)
     heads = (m, hc.linear_num_value_heads, hc.linear_value_head_dim)
@@ -60,3 +65,11 @@ def gated_attention_step(ops, project, model, block, cache, x: torch.Tensor, inp
     a = ops.attention(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, d ** -0.5, num_splits)  # [M, H, D]
     out = a.float() * torch.sigmoid(gate)  # [M, H, D]
     project(ops, out.reshape(m, cfg.q_size).to(cache.dtype), att.wo, residual=x)
+
+
+def join_gates(model) -> None:
+    """Every DeltaNet layer's in_proj_b / in_proj_a joined into one matrix (before the step is captured)."""
+    for block in model.layers:
+        if isinstance(block.attention, GatedDeltaNet):
+            block.attention.join_gates()
+

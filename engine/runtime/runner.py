@@ -114,6 +114,9 @@ class ModelRunner:
         self.decoder = None
         self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)
         if fast_decode if fast_decode is not None else self.device.type == "cuda":
+            if self.hybrid:  # the DeltaNet gate projections as one matmul in the step (before any capture)
+                from engine.runtime.hybrid_step import join_gates
+                join_gates(self.model)
             self.decoder = self._make_decoder()
         # the attention prologue kernel also serves prefill where the fused step runs (same shapes)
         # (not a hybrid's gated attention: the prologue kernel rotates whole heads and has no output gate)
