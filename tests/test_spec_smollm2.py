@@ -1,5 +1,5 @@
 """Speculative decoding on the real SmolLM2: at temperature 0 every drafter and the mix give
-token for token what plain decoding gives (10 prompts x 128 tokens, past EOS so every answer is
+token for token what plain decoding gives (10 prompts x 80 tokens, past EOS so every answer is
 full length), and bad input fails in one line. One plain reference run per prompt is shared by
 the tests of this file."""
 from __future__ import annotations
@@ -32,7 +32,7 @@ PROMPTS = [
     "Explain what a hash table is in two sentences.",
     "Write a haiku about the sea, then write it again in capital letters.",
 ]
-MAX_TOKENS = 128
+MAX_TOKENS = 80
 SEQ = 512
 
 
@@ -84,6 +84,7 @@ def test_ngram_output_equals_plain_decoding(target, prompts, plain):
     assert stats.steps > 0
     outputs, stats = _spec_outputs(target, prompts[:2], NgramDrafter(1, 4), k=4)
     assert outputs == plain[:2]
+    print(f"fixed k = 4: {stats.accepted} of {stats.drafted} drafts accepted")
     assert stats.accepted > 20 and stats.drafted > stats.accepted  # drafts were accepted and rejected
 
 
