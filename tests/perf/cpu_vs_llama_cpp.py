@@ -37,10 +37,10 @@ def llama_bench(binary: Path, model: Path, threads: int) -> dict[str, float]:
     return result
 
 
-def ours_bench(runner, special_ids, seed: int) -> dict[str, float]:
+def ours_bench(engine, special_ids, seed: int) -> dict[str, float]:
     from engine.bench.model_bench import BenchTest, run_test
-    pp = run_test(runner, BenchTest(N_PROMPT, 0), seed, special_ids)
-    tg = run_test(runner, BenchTest(0, N_GEN), seed, special_ids)
+    pp = run_test(engine, BenchTest(N_PROMPT, 0), seed, special_ids)
+    tg = run_test(engine, BenchTest(0, N_GEN), seed, special_ids)
     return {f"pp{N_PROMPT}": N_PROMPT / pp, f"tg{N_GEN}": N_GEN / tg}
 
 
@@ -76,7 +76,8 @@ def main() -> None:
             print(f"{name}: not pulled (bonsai pull {name}), skipped", flush=True)
             continue
         loaded = load_model(path, "cpu", weight_dtype=wdtype)
-        runner = ModelRunner(loaded, max_seq_len=N_PROMPT + N_GEN + 8)
+        from engine.decoding.engine import Engine
+        runner = Engine(ModelRunner(loaded, max_seq_len=N_PROMPT + N_GEN + 8), None)  # run_test drives an engine
         special = frozenset(loaded.tokenizer.special_ids)
         ours_bench(runner, special, 10_000)  # warm-up (llama-bench warms up inside each call)
         samples = {"bonsai": {}, "llama.cpp": {}}
