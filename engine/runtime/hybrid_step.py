@@ -35,11 +35,12 @@ def deltanet_step(ops, project, block, x: torch.Tensor, states, slot_ids: torch.
         conv_in, z = project(ops, xq, qkv_layer), project(ops, xq, z_layer)  # [M, C], [M, Hv*Dv]
     else:
         conv_in, z = project(ops, x, qkv_layer, norm, eps), project(ops, x, z_layer, norm, eps)
-    normed = F.rms_norm(x, norm.shape, norm.float(), eps)  # [M, H] float32, for the two float gate projections
-    gates = getattr(att, "gates", None)  # in_proj_b and in_proj_a joined (GatedDeltaNet.join_gates): one matmul
+    gates = getattr(att, "gates", None)  # in_proj_b and in_proj_a joined (join_gates): one matmul
     if gates is not None:
+        normed = F.rms_norm(x, norm.shape, att.gates_norm, eps)  # [M, H] float32 (the norm's float copy: no cast)
         b, a = F.linear(normed.to(gates.dtype), gates).float().split(hc.linear_num_value_heads, dim=-1)  # [M, Hv] each
     else:
+        normed = F.rms_norm(x, norm.shape, norm.float(), eps)  # [M, H] float32, for the two float gate projections
         b, a = project(ops, normed, att.in_proj_b), project(ops, normed, att.in_proj_a)  # [M, Hv] each
     mixed = ops.conv_update(conv_in, states.conv[att.index], att.conv_weight, slot_ids, positions)  # [M, C]
     q, k, v = mixed.split([hc.key_dim, hc.key_dim, hc.value_dim], dim=-1)
@@ -68,8 +69,10 @@ def gated_attention_step(ops, project, model, block, cache, x: torch.Tensor, inp
 
 
 def join_gates(model) -> None:
-    """Every DeltaNet layer's in_proj_b / in_proj_a joined into one matrix (before the step is captured)."""
+    """Every DeltaNet layer's in_proj_b / in_proj_a joined into one matrix, and its input norm's float copy made
+    (before the step is captured: no cast of it in every step)."""
     for block in model.layers:
         if isinstance(block.attention, GatedDeltaNet):
             block.attention.join_gates()
+            block.attention.gates_norm = block.attention_norm.weight.detach().float()  # [H]
 
