@@ -127,7 +127,7 @@ class ModelRunner:
         # a pass (0: never), where it is graphed and prefill graphs are allowed (the memory plan then counts
         # the steps of 1..MAX_STEP_ROWS rows); `prepare_rows` captures them
         self.short_prefill_tokens = SHORT_PREFILL_TOKENS
-        self.short_prefill_rows = MAX_STEP_ROWS if graphed and prefill_graphs is not False and not self.hybrid else 0
+        self.short_prefill_rows = MAX_STEP_ROWS if graphed and prefill_graphs is not False else 0  # hybrids: off
         from engine.memory.host_embedding import HostEmbedding
         if graphed and prefill_graphs is not False and not isinstance(self.model.embed, HostEmbedding):
             from engine.runtime.cuda_graphs import PrefillGraphs
