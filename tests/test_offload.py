@@ -26,14 +26,14 @@ PROMPTS = ([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43, 38, 32, 79, 50]
 
 
 def make_runner(fast_decode: bool = False, num_slots: int = 1, kv_offload: bool = False,
-                offload_layers=None, deferred: bool = False, kv_type: str = "bf16") -> ModelRunner:
-    loaded = LoadedModel(model=tiny_model(CFG), tokenizer=None, config=CFG, path=Path("tiny"),
+                offload_layers=None, deferred: bool = False, kv_type: str = "bf16", cfg=CFG) -> ModelRunner:
+    loaded = LoadedModel(model=tiny_model(cfg), tokenizer=None, config=cfg, path=Path("tiny"),
                          summary=TensorSummary("test", 0, 0, 0), device=torch.device("cpu"),
                          dtype=torch.float32, weight_dtype=torch.float32)
     runner = ModelRunner(loaded, max_seq_len=SEQ, num_slots=num_slots, prefill_chunk_size=4, fast_decode=False,
                          kv_offload=kv_offload, offload_layers=offload_layers, kv_type=kv_type)
     if kv_offload and deferred:
-        runner.cache = OffloadedKVCache(CFG, SEQ, num_slots, device="cpu", deferred_copies=True)
+        runner.cache = OffloadedKVCache(cfg, SEQ, num_slots, device="cpu", deferred_copies=True)
     if runner.weight_stream is not None and deferred:
         runner.weight_stream.copies = CopyStream(torch.device("cpu"), deferred=True)
     if fast_decode:  # the fused decode step (reference kernels on the CPU), after the cache is final
@@ -233,3 +233,72 @@ def test_serial_copies_match_resident(one_thread, deferred):
     assert got_tokens == want_tokens
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+class _ReplayOnCPU:
+    """What replaying a captured streamed decode step does, on the CPU: the pass runs from the state the
+    capture assumed (engine.memory.weight_offload.WeightStreamer.prepare_capture, without its synchronize,
+    so a missing wait before the replay still reads stale data), then its copies are joined."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def replay(self) -> None:
+        stream = self.step.weight_stream
+        stream._ready = [None] * len(stream._ready)  # a graph waits on no event from outside it
+        stream._first_loaded = stream.wraps
+        self.step.logits = self.step._eager()
+        stream.join()
+
+
+# one, three (no wrap), two and four (the passes wrap; with four each buffer holds two blocks in turn) streamed
+@pytest.mark.parametrize("layers", [{1}, {0, 2}, {0, 1, 2}, {0, 1, 3, 4}])
+def test_graphed_streamed_steps_match_resident(one_thread, monkeypatch, layers):
+    """The replay protocol of a graphed streamed step (before_replay, the captured pass, join, after_replay),
+    with eager prefill chunks, verify rows and batched decode between replays: outputs equal resident ones."""
+    from engine.runtime import cuda_graphs
+    cfg = dataclasses.replace(TINY, num_layers=5)
+    want_tokens, want = scenario(make_runner(True, 2, cfg=cfg), True)
+    init = cuda_graphs.DecodeStepRunner.__init__
+
+    def with_replay(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        assert self.graph is None  # no CUDA here: the step would run eagerly
+        self.graph = _ReplayOnCPU(self)
+        self.weight_stream.prepare_capture()  # what a capture leaves: nothing known to be loaded
+        self.weight_stream.end_capture()
+
+    monkeypatch.setattr(cuda_graphs.DecodeStepRunner, "__init__", with_replay)
+    runner = make_runner(True, 2, offload_layers=layers, deferred=True, cfg=cfg)
+    assert runner.weight_stream.wraps == (len(layers) % 2 == 0)
+    got_tokens, got = scenario(runner, True)
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layers", [{0, 2, 3}, {0, 1, 3, 4}])  # odd: the graph loads the first block; even: wraps
+def test_graphed_streamed_decode_on_cuda_matches_resident(layers):
+    """On a GPU the streamed fused step is captured with its copies (pinned host memory) and gives the
+    resident graphed step's logits bit for bit, with eager prefill chunks and verify widths in between."""
+    from engine.runtime.model import rotary_inverse_frequencies
+    cfg = dataclasses.replace(TINY, num_layers=5)
+
+    def runner(offload) -> ModelRunner:
+        torch.manual_seed(0)
+        model = tiny_model(cfg).to("cuda", torch.bfloat16)
+        model.inv_freq = rotary_inverse_frequencies(cfg).cuda()
+        loaded = LoadedModel(model=model, tokenizer=None, config=cfg, path=Path("tiny"),
+                             summary=TensorSummary("test", 0, 0, 0), device=torch.device("cuda"),
+                             dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
+        return ModelRunner(loaded, max_seq_len=SEQ, num_slots=2, prefill_chunk_size=4, offload_layers=offload)
+
+    want_tokens, want = scenario(runner(None), True)
+    streamed = runner(layers)
+    assert streamed.weight_stream.graphable and streamed.decoder.graph is not None
+    got_tokens, got = scenario(streamed, True)
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

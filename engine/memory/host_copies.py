@@ -120,7 +120,10 @@ class CopyStream:
         return self._done + len(self._queue)
 
     def compute_waits(self, marker) -> None:
-        """The compute stream waits until the copies before `marker` are done."""
+        """The compute stream waits until the copies before `marker` are done (None: nothing to wait for,
+        the copies are ordered before by the stream already)."""
+        if marker is None:
+            return
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(marker)
             return

@@ -8,8 +8,16 @@ k % 2, bound once, so the model code runs unchanged. While block k computes, the
 block k+1 into the other buffer (the last block of a pass loads the first one of the next pass when
 their buffers differ). The loader makes the offloaded blocks in host memory already
 (engine.weights.loader, `host_layers`: never on the GPU); each is copied into its pinned flat buffer
-and its loaded tensors freed one block at a time. Ordering as in engine.memory.kv_offload (engine.memory.host_copies). Offloaded passes run
-eagerly (no CUDA graph): their time is the PCIe time of the offloaded bytes.
+and its loaded tensors freed one block at a time. Ordering as in engine.memory.kv_offload (engine.memory.host_copies).
+
+The fused decode step of a streamed run is CUDA-graphed (engine.runtime.cuda_graphs) when every host
+buffer is pinned (`graphable`): the copies and their event waits are captured with the compute, so a
+pass costs its PCIe time instead of the host's launch time (an eager pass of a 64-block model is
+host-bound far above its copies: docs/perf.md, session 11). A graph cannot wait on an event from outside
+it, so a replay starts from a fixed state: with an even number of streamed blocks (`wraps`) the first
+one is already in its buffer (the previous pass prefetched it; `before_replay` loads it when an eager
+pass or nothing did), else the graph loads it itself; every copy a graph issues is joined into it
+(`join`) before it ends. Eager passes (prefill chunks) and replays may alternate.
 
 `bytes_per_layer` and `embedding_bytes` are what the memory plan weighs when it picks the layers.
 """
@@ -140,6 +148,50 @@ class WeightStreamer:
 
     def synchronize(self) -> None:
         self.copies.synchronize()
+
+    @property
+    def graphable(self) -> bool:
+        """A pass can be captured in a CUDA graph: on a GPU, every host buffer pinned (a copy from pageable
+        memory is not capturable), copies overlapped."""
+        return self.copies.cuda and self.allocator.pinned_all and self.overlap and bool(self.order)
+
+    @property
+    def wraps(self) -> bool:
+        """The last streamed block of a pass prefetches the first one of the next (their ring buffers differ)."""
+        n = len(self.order)
+        return self.overlap and n > 1 and (n - 1) % RING != 0
+
+    def prepare_capture(self) -> None:
+        """Before capturing a pass: every copy so far complete, and the state each replay starts from (the
+        first block already loaded when the passes wrap; no event from outside the graph to wait on)."""
+        self.synchronize()
+        self._ready = [None] * RING
+        self._first_loaded = self.wraps
+
+    def end_capture(self) -> None:
+        """After a capture (the captured copies did not run): nothing is known to be loaded."""
+        self._ready = [None] * RING
+        self._first_loaded = False
+
+    def join(self) -> None:
+        """The compute stream waits for every copy issued so far (the end of a captured pass)."""
+        self.copies.compute_waits(self.copies.mark())
+
+    def before_replay(self) -> None:
+        """Make the state a replay starts from true: with wrapping passes the first block in its buffer,
+        ordered before the replay (an eager pass may have left its copy in flight, or nothing loaded it)."""
+        if not self.wraps:
+            return
+        if not self._first_loaded:
+            self.copies.after_compute()
+            self._prefetch(0)
+        self.copies.compute_waits(self._ready[0])
+        self._ready[0] = None
+
+    def after_replay(self) -> None:
+        """A replay ended with its copies joined (and, wrapping, the next pass's first block loaded)."""
+        self._ready = [None] * RING
+        self._first_loaded = self.wraps
 
     def _prefetch(self, r: int) -> None:
         self.copies.copy(self.staging[r % RING][:self.layer_bytes[r]], self.host[r])

@@ -56,7 +56,9 @@ class DecodeStepRunner:
         self.workspace = Workspace.make(model, rows, device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        streamed = cache.streamed or model.weight_stream is not None  # offloaded KV or weights: eager
+        # offloaded KV: eager; streamed weights: graphed with their copies where every host buffer is pinned
+        self.weight_stream = model.weight_stream
+        streamed = cache.streamed or (self.weight_stream is not None and not self.weight_stream.graphable)
         # the plain-torch references (kernels off) index with masks, which sync: not capturable, eager
         if use_graph and device.type == "cuda" and not streamed and self.ops.fast:
             self._capture()
@@ -83,7 +85,15 @@ class DecodeStepRunner:
         for t, before in zip((states.conv, states.recurrent) if states is not None else (), saved_states):
             t[:, 0].copy_(before)
         self.graph = torch.cuda.CUDAGraph()
-        self.logits = capture(self.graph, self._eager)
+        stream = self.weight_stream
+        if stream is None:
+            self.logits = capture(self.graph, self._eager)
+            return
+        stream.prepare_capture()  # the copies and their waits are captured too, joined before the graph ends
+        try:
+            self.logits = capture(self.graph, lambda: (self._eager(), stream.join())[0])
+        finally:
+            stream.end_capture()
 
     @torch.inference_mode()
     def run(self, tokens: list[int], positions: list[int], slots: list[int],
@@ -112,7 +122,11 @@ class DecodeStepRunner:
             self.cache.begin_pass(slots, positions, [p + 1 for p in positions])
         if self.graph is None:
             return self._eager()
+        if self.weight_stream is not None:
+            self.weight_stream.before_replay()
         self.graph.replay()
+        if self.weight_stream is not None:
+            self.weight_stream.after_replay()
         return self.logits
 
 

@@ -117,7 +117,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
     (inputs.hidden) unless it takes tokens, to its residual stream [M, H] unless it gives logits."""
     cfg = model.config
     eps = cfg.rms_norm_eps
-    stream = model.weight_stream  # weight offload (never CUDA-graphed): blocks' weights streamed in
+    stream = model.weight_stream  # weight offload: blocks' weights streamed in (graphed: engine.memory.weight_offload)
     if stream is not None:
         stream.begin_pass()
     if not model.takes_tokens:  # a later pipeline stage: the previous stage's residual stream

@@ -66,7 +66,8 @@ class ModelRunner:
         dtype, int8, int4, k8v4: quant/kv_format.py). kv_offload: the KV pool lives in host memory
         (engine.memory.kv_offload; host_kv_bytes: the memory granted to it, None: what it needs).
         offload_layers: weight offload (engine.memory.weight_offload) of these blocks, and the embedding
-        table on the host; None: off. With either offload, steps run eagerly (no CUDA graph).
+        table on the host; None: off. With KV offload steps run eagerly (no CUDA graph); with weight offload the
+        decode step is graphed with its copies (pinned host memory) and prompts run as eager chunks.
         prefill_graphs: full prefill chunks replayed from CUDA graphs (engine.runtime.cuda_graphs.PrefillGraphs;
         their pool keeps one chunk's activations reserved), where the decode step is graphed. None: on
         there (a 512-token chunk of an 8B-class packed model: 2.1-2.5x faster on an H200, docs/perf.md);
@@ -110,7 +111,7 @@ class ModelRunner:
             from engine.runtime.kv_calibration import calibration_ids, key_offsets
             ids = calibration_ids(loaded.tokenizer, cfg.vocab_size)
             self.cache.key_offset = key_offsets(self.model, cfg, ids, loaded.dtype, self.device)
-        self.use_graph = not kv_offload and offload_layers is None
+        self.use_graph = not kv_offload
         self.decoder = None
         self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)
         if fast_decode if fast_decode is not None else self.device.type == "cuda":
@@ -123,6 +124,8 @@ class ModelRunner:
         self.model.use_fused_prologue(self.decoder is not None and self.decoder.ops.fast and not self.hybrid)
         self.prefill_graphs = None
         graphed = self.decoder is not None and self.decoder.graph is not None
+        if self.weight_stream is not None:  # every pass streams the blocks: one eager chunk beats 16-row passes
+            prefill_graphs = False
         # prompt chunks of up to short_prefill_tokens run through the fused step, short_prefill_rows positions
         # a pass (0: never), where it is graphed and prefill graphs are allowed (the memory plan then counts
         # the steps of 1..MAX_STEP_ROWS rows); `prepare_rows` captures them

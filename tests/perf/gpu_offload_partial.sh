@@ -29,7 +29,8 @@ config() {  # $1: max_gpu_memory, $2: weight_offload
     printf 'runtime:\n  device: cuda:0\n  max_batch_size: 1\n  max_seq_len: 1536\n'
     printf 'memory:\n  weight_offload: %s\n  max_gpu_memory: %s\n' "$2" "$1"
 }
-for case in "6GB auto" "8GB auto" "10GB auto" "6GB true"; do
+CASES=${CASES:-"6GB-auto 8GB-auto 10GB-auto 6GB-true"}  # e.g. CASES=6GB-auto
+for case in $CASES; do case=${case/-/ }
     set -- $case; name="$1-$2"
     config "$1" "$2" > "$OUT/partial-$name.yaml"
     echo "== $name: the plan"
