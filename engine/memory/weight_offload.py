@@ -153,7 +153,8 @@ class WeightStreamer:
     def graphable(self) -> bool:
         """A pass can be captured in a CUDA graph: on a GPU, every host buffer pinned (a copy from pageable
         memory is not capturable), copies overlapped."""
-        return self.copies.cuda and self.allocator.pinned_all and self.overlap and bool(self.order)
+        return (self.copies.cuda and self.allocator.pinned_all and self.overlap and bool(self.order)
+                and all(t.is_pinned() for t in self.host))  # torch refuses a captured copy it does not see pinned
 
     @property
     def wraps(self) -> bool:

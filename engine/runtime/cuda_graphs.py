@@ -92,6 +92,9 @@ class DecodeStepRunner:
         stream.prepare_capture()  # the copies and their waits are captured too, joined before the graph ends
         try:
             self.logits = capture(self.graph, lambda: (self._eager(), stream.join())[0])
+        except RuntimeError as e:  # stay correct: the streamed step runs eagerly
+            self.graph, self.logits = None, None
+            log.warning("the streamed decode step runs eagerly: capturing it failed (%s)", str(e).splitlines()[0])
         finally:
             stream.end_capture()
 

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import kernels_usable
 from engine.runtime.linear import Linear
 from engine.sources.model_config import ModelConfig
 
@@ -136,11 +135,6 @@ class GatedDeltaNet(nn.Module):
             out, rec, kept = recurrent_gated_delta_rule(q, k, v, g, beta, rec, keep_states=True)
         elif t == 1:
             out, rec, _ = recurrent_gated_delta_rule(q, k, v, g, beta, rec)
-        elif kernels_usable(x.device):  # a prompt chunk on the GPU: engine.kernels.deltanet_prefill (fp32 dots)
-            from engine.kernels.deltanet_prefill import chunk_gated_delta_rule_triton
-            q, k, v = (y if y.stride(-1) == 1 else y.contiguous() for y in (q, k, v))  # the conv's [B, C, T] views
-            out, rec = chunk_gated_delta_rule_triton(q, k, v, g.contiguous(), beta.contiguous(), rec.contiguous(),
-                                                     dot_precision="ieee")
         else:
             out, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec, self.chunk)
         states.write(self.index, batch, seen, rec, kept)
