@@ -245,8 +245,7 @@ class _ReplayOnCPU:
 
     def replay(self) -> None:
         stream = self.step.weight_stream
-        stream._ready = [None] * len(stream._ready)  # a graph waits on no event from outside it
-        stream._first_loaded = stream.wraps
+        stream.replay_entry()  # a graph waits on no event from outside it
         self.step.logits = self.step._eager()
         stream.join()
 

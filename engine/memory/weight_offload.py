@@ -166,6 +166,10 @@ class WeightStreamer:
         """Before capturing a pass: every copy so far complete, and the state each replay starts from (the
         first block already loaded when the passes wrap; no event from outside the graph to wait on)."""
         self.synchronize()
+        self.replay_entry()
+
+    def replay_entry(self) -> None:
+        """The state a captured pass is recorded from (and each replay runs from)."""
         self._ready = [None] * RING
         self._first_loaded = self.wraps
 
@@ -191,8 +195,7 @@ class WeightStreamer:
 
     def after_replay(self) -> None:
         """A replay ended with its copies joined (and, wrapping, the next pass's first block loaded)."""
-        self._ready = [None] * RING
-        self._first_loaded = self.wraps
+        self.replay_entry()
 
     def _prefetch(self, r: int) -> None:
         self.copies.copy(self.staging[r % RING][:self.layer_bytes[r]], self.host[r])
