@@ -123,7 +123,6 @@ class GatedDeltaNet(nn.Module):
                 "linear_norm": self.norm_weight}.get(part)
 
     def forward(self, x, cos, sin, cache, batch, kv_len, mask) -> torch.Tensor:
-        hc = self.hc
         b, t, _ = x.shape
         states = cache.states
         conv_in, z, beta, g = self._inputs(x)
