@@ -62,6 +62,9 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
         "weight_dtype": str(loaded.weight_dtype).replace("torch.", ""),
         "weights": loaded.weight_format.quant_type, "head_weights": loaded.weight_format.head_type,
         "group_size": loaded.weight_format.group_size, "load_format": loaded.summary.format,
+        "ternary_layout": loaded.weight_format.ternary_layout,
+        "sensitive_layers": list(loaded.weight_format.sensitive_layers),
+        "sensitive_type": loaded.weight_format.sensitive_type,
         "kv_dtype": str(runner.cache.dtype).replace("torch.", ""), "kv_type": runner.cache.kv_type.name,
         "kv_bytes": runner.cache.nbytes, "max_seq_len": runner.max_seq_len,
         "embedding_on_host": budget.settings.embedding_on_host}

@@ -47,6 +47,9 @@ def bench(
     head_weights: Optional[str] = typer.Option(None, "--head-weights", help="run-time format of the output layer "
                                                "(default bf16)"),
     load_format: Optional[str] = typer.Option(None, "--load-format", help=LOAD_FORMAT_HELP + " (default auto)"),
+    ternary_layout: Optional[str] = typer.Option(None, "--ternary-layout", help="ternary matrices' layout: 2bit, "
+                                                 "base3 (17.6% fewer bytes) or auto (base3 when 2bit does not fit "
+                                                 "--max-gpu-memory resident; default)"),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="context to allocate (default: what the "
                                               "tests need)"),
     kv_type: Optional[str] = typer.Option(None, "--kv-type", help=KV_TYPE_HELP + " (default bf16)"),
@@ -89,7 +92,8 @@ def bench(
         raise BonsaiError("-r (repetitions) must be >= 1")
     local = {"--device": device, "--pipeline-parallel": pipeline_parallel, "--weight-dtype": weight_dtype,
              "--weights": weights, "--group-size": group_size, "--head-weights": head_weights,
-             "--load-format": load_format, "--max-seq-len": max_seq_len, "--kv-type": kv_type,
+             "--load-format": load_format, "--ternary-layout": ternary_layout, "--max-seq-len": max_seq_len,
+             "--kv-type": kv_type,
              "--max-gpu-memory": max_gpu_memory, "--embedding-on-host": embedding_on_host, "--kv-offload": kv_offload,
              "--host-kv-mib": host_kv_mib, "--spec": spec, "--draft-tokens": draft_tokens}
     if url:

@@ -33,8 +33,10 @@ def print_plan(console: Console, plan, settings, limit: int | None, refusal: str
     console.print(f"[dim]{'cuda' if s.cuda else 'cpu'}: {s.slots} slot(s) × {s.max_seq_len} positions, "
                   f"KV {s.kv_label}, prefill chunk {s.prefill_chunk_size}, "
                   f"embedding in {'host memory' if s.embedding_on_host else 'device memory'}, "
-                  + (f"fused step graphed for {s.graph_rows} row count(s)" if not (s.weight_offload or s.kv_offload)
-                     else f"fused step for {s.graph_rows} row count(s), run eagerly (offloaded weights or KV)")
+                  + (f"fused step graphed for {s.graph_rows} row count(s)" if not s.kv_offload
+                     else f"fused step for {s.graph_rows} row count(s), run eagerly (offloaded KV)")
+                  + (" with the streamed blocks' copies (pinned host memory; eager when pinning fails)"
+                     if s.weight_offload else "")
                   + "[/dim]")
     for line in stream.lines() if stream is not None else ():
         console.print(f"[cyan]weight streaming: {line}[/cyan]")

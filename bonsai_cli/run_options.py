@@ -17,6 +17,7 @@ FLAG_KEYS = {  # flag → the config key it sets
     "--device": "runtime.device", "--slots": "runtime.max_batch_size", "--weight-dtype": "runtime.weight_dtype",
     "--max-seq-len": "runtime.max_seq_len", "--kv-type": "model.kv_type", "--weights": "model.quant_type",
     "--group-size": "model.group_size", "--head-weights": "model.head_type", "--load-format": "model.load_format",
+    "--ternary-layout": "model.ternary_layout",
     "--pipeline-parallel": "memory.pipeline_parallel", "--kv-offload": "memory.kv_offload",
     "--host-kv-mib": "memory.host_kv_mib", "--max-gpu-memory": "memory.max_gpu_memory",
     "--embedding-on-host": "memory.embedding_on_host", "--spec": "speculative.method",

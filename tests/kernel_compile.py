@@ -210,12 +210,14 @@ class Case:
     down_hadamard: bool = False  # a rotated checkpoint: the online Hadamard before down_proj
     embedding_on_host: bool = False
     offload: str = ""  # "" | "kv" | "weights"
+    ternary_layout: str = "2bit"  # base3: ternary matrices (and a ternary head) in the tri5 layout
 
     @property
     def label(self) -> str:
         extras = [f"g{self.group_size}", f"d{self.head_dim}", f"S{self.max_seq_len}"]
         extras += [name for name, on in (("rotated", self.down_hadamard), ("host-embedding", self.embedding_on_host),
-                                         (f"{self.offload}-offload", bool(self.offload))) if on]
+                                         (f"{self.offload}-offload", bool(self.offload)),
+                                         ("base3", self.ternary_layout == "base3")) if on]
         return (f"{self.architecture} {self.weights}/{self.head} kv={self.kv_type} {str(self.dtype)[6:]} "
                 + " ".join(extras))
 
@@ -244,6 +246,11 @@ def engine_cases() -> list[Case]:
     cases += [replace(base, down_hadamard=True), replace(base, down_hadamard=True, weights="bin", group_size=64),
               replace(base, embedding_on_host=True), replace(base, offload="kv"),
               replace(base, offload="weights", kv_type="k8v4"), replace(base, architecture="llama", offload="weights")]
+    # the base-3 ternary layout (tri5: its GEMV at 1-16 rows, its dequantization for prefill) at each group
+    # it takes, in both dtypes, with a tri5 head, and streamed from host memory
+    cases += [Case(weights="tri", head="tri", group_size=group, dtype=dtype, ternary_layout="base3")
+              for group, dtype in ((128, torch.bfloat16), (64, torch.float16), (256, torch.bfloat16))]
+    cases.append(replace(base, offload="weights", ternary_layout="base3"))
     # a hybrid (Qwen3.5: DeltaNet + gated attention; bf16 KV only): the DeltaNet decode kernels, both dtypes
     # (head_dim 128: DeltaNet heads of 128 as the real models have, the recurrent kernel's 8-warp variant)
     cases += [Case("qwen35", "bf16", "tri", "int4"), Case("qwen35", "bf16", "bin", "bf16", torch.float16, 64, 128)]
@@ -272,7 +279,8 @@ def run_case(case: Case) -> None:
     from engine.weights.formats import WeightFormat
     from engine.runtime.runner import ModelRunner
     cfg = _config(case)
-    fmt = WeightFormat(quant_type=case.weights, group_size=case.group_size, head_type=case.head)
+    fmt = WeightFormat(quant_type=case.weights, group_size=case.group_size, head_type=case.head,
+                       ternary_layout=case.ternary_layout)
     loaded = load_dummy(cfg, "compile-check", "cpu", fmt, dtype=case.dtype, embedding_on_host=case.embedding_on_host)
     if case.down_hadamard:
         for block in loaded.model.layers:

@@ -5,6 +5,7 @@ overwritten while still in use, the second a missing wait."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from pathlib import Path
 
@@ -122,6 +123,14 @@ def test_pinned_regions_are_page_aligned_and_exact():
     assert t.shape == (3, 5, 7) and t.dtype == torch.float16 and t.is_contiguous() and not t.any()
     (ptr, n), = registered
     assert ptr == t.data_ptr() and ptr % alloc.PAGE == 0 and n == alloc.PAGE  # 210 bytes: one page
+    # the storage itself starts at the registered page (torch's is_pinned asks about a storage's first
+    # byte: a view into a larger allocation would read as not pinned, and a graph would not capture it)
+    assert t.untyped_storage().data_ptr() == ptr
+    view = t[1:].view(torch.int16)  # outlives the tensor: the memory stays valid
+    t.fill_(1.5)
+    del t
+    gc.collect()
+    assert view.view(torch.float16).eq(1.5).all()
 
 
 def test_pinning_failure_falls_back_to_pageable_with_one_warning(caplog):
@@ -298,8 +307,8 @@ def test_graphed_streamed_decode_on_cuda_matches_resident(layers):
 
     want_tokens, want = scenario(runner(None), True)
     streamed = runner(layers)
-    print("host blocks pinned as torch sees them:", [t.is_pinned() for t in streamed.weight_stream.host])
-    assert (streamed.decoder.graph is not None) == streamed.weight_stream.graphable
+    assert all(t.is_pinned() for t in streamed.weight_stream.host)  # registered pages torch sees as pinned
+    assert streamed.weight_stream.graphable and streamed.decoder.graph is not None
     got_tokens, got = scenario(streamed, True)
     assert got_tokens == want_tokens
     for g, w in zip(got, want):

@@ -9,6 +9,7 @@ data and a test sees it.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import weakref
@@ -51,9 +52,7 @@ class HostAllocator:
         except (RuntimeError, OSError, AttributeError) as e:  # no CUDA runtime, a driver refusing
             error = str(e)
         if not error:
-            tensor = region[:nbytes].view(dtype).view(shape)
-            weakref.finalize(tensor, _cuda_host_unregister, region.data_ptr())  # before the memory is freed
-            return tensor
+            return _registered_tensor(raw, region.data_ptr(), nbytes, shape, dtype)
         del raw, region
         try:
             return self._torch_pinned(shape, dtype)
@@ -70,6 +69,18 @@ class HostAllocator:
     @staticmethod
     def _torch_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, pin_memory=True)
+
+
+def _registered_tensor(raw: torch.Tensor, ptr: int, nbytes: int, shape: tuple[int, ...],
+                       dtype: torch.dtype) -> torch.Tensor:
+    """A tensor whose storage starts at the registered page `ptr` of `raw` (torch's is_pinned, which a
+    CUDA-graph capture of a copy consults, asks about a storage's first byte: a view into `raw` would
+    start before the registered pages). The buffer object keeps `raw` alive as long as any view of the
+    storage, and unregisters the pages before they are freed."""
+    buffer = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    buffer.owner = raw
+    weakref.finalize(buffer, _cuda_host_unregister, ptr)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _cuda_host_register(ptr: int, nbytes: int) -> int:

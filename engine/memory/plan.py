@@ -43,7 +43,7 @@ from engine.sources.model_config import ModelConfig
 from engine.weights.formats import LinearFormat, linear_modules
 from engine.weights.packed_linear import packed_rows_limit, quantize_transient, unpack_columns
 from quant.kv_format import KV_TYPES, kv_bytes_per_token
-from quant.packed_layout import layout_kind, random_packed_transient
+from quant.packed_layout import packed_nbytes, random_packed_transient
 
 CUBLAS_WORKSPACES = 2 * 32 * MIB  # cuBLAS + cuBLASLt workspaces torch allocates on a Hopper GPU
 SAMPLING_BYTES_PER_LOGIT = 44  # temperature, softmax, sort (values + int64 order), cumsum, masks, scatter
@@ -119,9 +119,8 @@ class MemoryPlan:
 
 
 def packed_bytes(fmt: LinearFormat, out_features: int, in_features: int) -> int:
-    """int32 words [K/E, N] + float16 scales [K/G, N] (quant.packed_layout.PackedWeight.nbytes)."""
-    per_word = layout_kind(fmt.kind).per_word
-    return in_features // per_word * out_features * 4 + in_features // fmt.group_size * out_features * 2
+    """int32 words [K/E, N] (tri5: 13 word rows per 256 inputs) + float16 scales [K/G, N]."""
+    return packed_nbytes(fmt.kind, out_features, in_features, fmt.group_size)
 
 
 def weight_tensors(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings

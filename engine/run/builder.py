@@ -35,6 +35,7 @@ from engine.sources.gguf_file import GGUFFile
 from engine.sources.model_config import ModelConfig
 from engine.sources.tokenizer import Tokenizer
 from engine.speculative.config import build_drafters
+from engine.weights.formats import WeightFormat
 from engine.weights.loader import LoadedModel, load_dummy, load_model
 
 log = logging.getLogger(__name__)
@@ -97,21 +98,24 @@ def offloaded_layers(settings: RunSettings, num_layers: int) -> frozenset[int] |
 
 def load_run_model(config: RunConfig, architecture: ModelConfig | None = None, embedding_on_host: bool = False,
                    auto_pull: bool = False, progress: Progress = lambda stage, fraction: None,
-                   host_layers: frozenset[int] = frozenset()) -> tuple[LoadedModel, Tokenizer | None]:
-    """The config's model on its device, in its run-time formats, and its tokenizer (a dummy model's
-    from model.tokenizer, checked to fit its vocabulary); host_layers: blocks made in host memory (the
-    streamed ones: never on the device). For a run, use open_run."""
+                   host_layers: frozenset[int] = frozenset(), weight_format: WeightFormat | None = None
+                   ) -> tuple[LoadedModel, Tokenizer | None]:
+    """The config's model on its device, in its run-time formats (weight_format: as the plan decided
+    them, default model.weight_format), and its tokenizer (a dummy model's from model.tokenizer, checked
+    to fit its vocabulary); host_layers: blocks made in host memory (the streamed ones: never on the
+    device). For a run, use open_run."""
     m, device = config.model, config.runtime.first_device
+    fmt = weight_format or m.weight_format
     if m.load_format == "dummy":
         assert architecture is not None, "the command passes the architecture of a dummy model"
         name = Path(m.path).stem
         progress(f"generating {name} ({m.quant_type}) on {device}", 0.05)
-        loaded = load_dummy(architecture, name, device=device, weight_format=m.weight_format,
+        loaded = load_dummy(architecture, name, device=device, weight_format=fmt,
                             embedding_on_host=embedding_on_host, host_layers=host_layers)
         return loaded, _dummy_tokenizer(config, architecture)
     path = model_path(config, auto_pull)
     progress(f"loading {path.name} on {device}", 0.05)
-    loaded = load_model(path, device=device, weight_dtype=config.weight_dtype, weight_format=m.weight_format,
+    loaded = load_model(path, device=device, weight_dtype=config.weight_dtype, weight_format=fmt,
                         embedding_on_host=embedding_on_host, host_layers=host_layers)
     return loaded, _with_template(config, loaded.tokenizer)
 
@@ -141,7 +145,7 @@ def open_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pu
     streamed = offloaded_layers(planned.settings, num_layers)
     with within_limit(limit, "loading the model"):
         loaded, tokenizer = load_run_model(config, architecture, planned.settings.embedding_on_host, auto_pull,
-                                           progress, streamed or frozenset())
+                                           progress, streamed or frozenset(), planned.weight_format)
     check_usage(limit, loaded.device, "loading the model", planned.plan.category("weights"))
     stage = "allocating the KV cache" + (" and capturing CUDA graphs" if loaded.device.type == "cuda" else "")
     progress(stage, 0.85)
@@ -165,10 +169,10 @@ def _open_pipeline(config: RunConfig, planned: RunPlan, architecture, progress: 
     pp = plan_pipeline(planned.weights.config, planned.weights.formats, planned.settings, rt.devices, backend)
     check_pipeline_budget(pp, planned.limit, option)
     if m.load_format == "dummy":
-        source = ModelSource(architecture=architecture, name=Path(m.path).stem, weight_format=m.weight_format)
+        source = ModelSource(architecture=architecture, name=Path(m.path).stem, weight_format=planned.weight_format)
     else:
         source = ModelSource(path=str(model_path(config)), weight_dtype=config.weight_dtype,
-                             weight_format=m.weight_format)
+                             weight_format=planned.weight_format)
     split = ", ".join(f"{s.device}: {s.label}" for s in pp.stages)
     progress(f"loading {Path(m.path).name} in {len(pp.stages)} pipeline stages ({split})", 0.05)
     runner = open_pipeline(source, pp, planned.settings.max_seq_len, rt.max_batch_size,

@@ -23,7 +23,8 @@ import torch
 from engine.errors import BonsaiError
 from engine.pipeline.devices import check_pipeline_drafters, check_pipeline_request
 from engine.speculative.config import SpeculativeConfig
-from engine.weights.formats import GROUP_SIZES, WEIGHT_TYPES, WeightFormat
+from engine.weights.formats import GROUP_SIZES, TERNARY_LAYOUTS, WEIGHT_TYPES, WeightFormat
+from quant.formats import BITS_TO_TYPE
 from quant.kv_format import KV_TYPES
 
 WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -50,6 +51,9 @@ class ModelSection:
     name: str | None = None  # the model id /v1/models lists (default: the file or directory name)
     load_format: str = "auto"  # auto | dummy: path is an architecture YAML, random weights (speed work)
     tokenizer: str | None = None  # with dummy: the model (path or pulled name) whose tokenizer to use (text)
+    sensitive_layers: str | None = None  # comma-separated names or regexes kept at sensitive_bits (as quantize's flag)
+    sensitive_bits: int = 4
+    ternary_layout: str = "auto"  # auto | 2bit | base3 (engine.weights.formats.WeightFormat)
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -66,7 +70,15 @@ class ModelSection:
             fail("model.load_format", f"'{self.load_format}' is not auto or dummy")
         if self.load_format != "dummy" and self.tokenizer:
             fail("model.tokenizer", "only applies with load_format: dummy; remove it")
+        if self.sensitive_bits not in BITS_TO_TYPE:
+            fail("model.sensitive_bits", f"must be one of {', '.join(map(str, BITS_TO_TYPE))}, got {self.sensitive_bits}")
         self.kv_type_name  # noqa: B018 — validates the KV keys together
+        if self.ternary_layout not in TERNARY_LAYOUTS:
+            fail("model.ternary_layout", f"'{self.ternary_layout}' is not one of {', '.join(TERNARY_LAYOUTS)}")
+        try:
+            self.weight_format  # noqa: B018 — the patterns
+        except BonsaiError as e:
+            fail("model.sensitive_layers", str(e))
         if self.kv_cache_async_dequant:
             fail("model.kv_cache_async_dequant", "has nothing to overlap: decode attention reads the quantized KV "
                   "cache directly (dequantized in registers, tile by tile); set it to false")
@@ -74,7 +86,9 @@ class ModelSection:
     @property
     def weight_format(self) -> WeightFormat:
         """The run-time format asked for (engine.weights.formats: which layer gets which format)."""
-        return WeightFormat(self.quant_type, self.group_size, self.head_type)
+        patterns = tuple(p.strip() for p in (self.sensitive_layers or "").split(",") if p.strip())
+        return WeightFormat(self.quant_type, self.group_size, self.head_type, patterns,
+                            BITS_TO_TYPE[self.sensitive_bits], self.ternary_layout)
 
     @property
     def kv_type_name(self) -> str:

@@ -7,18 +7,19 @@ the drafters' own weights and caches. engine.run.builder.open_run refuses a plan
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.memory.budget import (FitChoice, ModelWeights, drafter_plan, dummy_formats, fit_to_budget,
                                   host_embedding_possible, model_formats, run_settings)
 from engine.memory.plan import MemoryPlan, RunSettings, make_plan
 from engine.memory.stream_fit import stream_plan
-from engine.memory.streaming import StreamPlan
+from engine.memory.streaming import StreamPlan, streamed_blocks
 from engine.run.config import RunConfig
 from engine.runtime.decode_step import MAX_STEP_ROWS
 from engine.sources import store
 from engine.sources.model_config import ModelConfig
+from engine.weights.formats import WeightFormat
 from engine.weights.loader import open_model_source
 
 
@@ -32,6 +33,7 @@ class RunPlan:
     # the blocks streamed with memory.weight_offload: auto: settings.resident_layers)
     drafter: MemoryPlan | None  # what the drafters add (in `plan` already)
     slot_context: int  # positions one conversation may use
+    weight_format: WeightFormat  # model.weight_format with the ternary layout decided: what the loader makes
 
     @property
     def stream(self) -> StreamPlan | None:
@@ -48,16 +50,43 @@ def model_path(config: RunConfig, auto_pull: bool = False) -> Path:
 
 def plan_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pull: bool = False) -> RunPlan:
     """The plan of what open_run will allocate on the first device (a pipeline: its split comes from
-    it, engine.pipeline.setup). architecture: the ModelConfig of a load_format: dummy model."""
+    it, engine.pipeline.setup). architecture: the ModelConfig of a load_format: dummy model.
+    model.ternary_layout auto: the 2-bit layout (faster kernels), unless its weights do not fit
+    memory.max_gpu_memory resident (over the limit, or blocks streamed): then base-3 (17.6% fewer
+    bytes per ternary matrix: more blocks resident and fewer bytes over PCIe per token)."""
+    m = config.model
+    source = None if m.load_format == "dummy" else open_model_source(model_path(config, auto_pull))
+    fmt = m.weight_format
+    if fmt.ternary_layout != "auto":
+        return _plan(config, architecture, source, fmt)
+    planned = _plan(config, architecture, source, replace(fmt, ternary_layout="2bit"))
+    if not _ternary(planned) or (planned.limit is None and config.memory.weight_offload is not True):
+        return planned
+    streamed = streamed_blocks(planned.weights.config.num_layers, planned.settings.weight_offload,
+                               planned.settings.resident_layers)
+    if not streamed and (planned.limit is None or planned.plan.total <= planned.limit):
+        return planned
+    base3 = _plan(config, architecture, source, replace(fmt, ternary_layout="base3"))
+    if _ternary(base3, "tri5"):
+        base3.choices.insert(0, FitChoice("ternary_layout", "base3", "ternary matrices in the base-3 layout, 17.6% "
+                                          "fewer bytes than the 2-bit one, whose weights do not fit resident "
+                                          "(model.ternary_layout: 2bit keeps it)"))
+    return base3
+
+
+def _ternary(planned: RunPlan, kind: str = "tri") -> bool:
+    return any(f.kind == kind for f in planned.weights.formats.values())
+
+
+def _plan(config: RunConfig, architecture: ModelConfig | None, source, fmt: WeightFormat) -> RunPlan:
     m, rt, mem = config.model, config.runtime, config.memory
     cuda = rt.first_device.startswith("cuda")
-    if m.load_format == "dummy":
+    if source is None:
         assert architecture is not None, "the command passes the architecture of a dummy model"
-        weights = dummy_formats(architecture, m.weight_format, name=m.path)
+        weights = dummy_formats(architecture, fmt, name=m.path)
         weight_bytes = None
     else:
-        source = open_model_source(model_path(config, auto_pull))
-        weights = model_formats(source, source.model_config(), m.weight_format, keep_codes=cuda)
+        weights = model_formats(source, source.model_config(), fmt, keep_codes=cuda)
         dtype = config.weight_dtype
         weight_bytes = None if dtype is None else dtype.itemsize
     slot_context, seq_len = config.contexts(weights.config.max_position_embeddings)
@@ -81,4 +110,4 @@ def plan_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pu
                                       chunk_auto=rt.prefill_chunk_size is None, drafter=drafter,
                                       stream_auto=mem.weight_offload == "auto")
     plan = make_plan(weights.config, weights.formats, settings, drafter)
-    return RunPlan(weights, settings, plan, limit, choices, drafter, slot_context)
+    return RunPlan(weights, settings, plan, limit, choices, drafter, slot_context, fmt)

@@ -14,18 +14,21 @@ the rule, used by the memory plan before loading and by the loader while loading
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from engine.errors import BonsaiError, GroupSizeError
 from engine.sources.checkpoint_file import BonsaiCheckpoint, canonical_name
 from engine.sources.gguf_file import GGUFFile
 from engine.sources.gguf_file import canonical_name as gguf_canonical
+from engine.sources.hf_files import hf_name
 from engine.sources.model_config import ModelConfig
 from quant import gguf_codec, gguf_types
 from quant.packed_layout import KINDS, check_packable
 
 WEIGHT_TYPES = ("bf16", *KINDS)  # what a run may ask for: bf16 (float as loaded) or a packed layout kind
 GROUP_SIZES = (32, 64, 128, 256)
+TERNARY_LAYOUTS = ("auto", "2bit", "base3")
 # a stored tensor's quant type (quant.checkpoint, GGUF's importable types) → the layout it runs in
 # a hybrid's DeltaNet decay / beta gate projections (one row per value head): float whatever the run's format
 FLOAT_LINEARS = (".attention.in_proj_a", ".attention.in_proj_b")
@@ -34,22 +37,50 @@ STORED_LAYOUT = {"tri": "tri", "tri-dense": "tri", "bin": "bin", "int4": "int4",
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a run asks for its matrices to be held: the blocks' and the output layer's format."""
+    """How a run asks for its matrices to be held: the blocks' and the output layer's format, the
+    blocks kept at more bits (`sensitive_layers`: regular expressions searched in the layers' Hugging
+    Face names, as `bonsai quantize --sensitive-layers` takes them; a fused q/k/v or gate/up matrix is
+    sensitive when one of its parts is), and the ternary layout: `2bit` (tri), `base3` (tri5, 17.6%
+    fewer bytes, slower kernels on small matrices) or `auto` (the memory plan takes base3 when the 2-bit
+    weights would not fit the budget: engine.run.plan)."""
     quant_type: str = "bf16"  # bf16 (the source's float weights) | tri | bin | int4 | int8
     group_size: int = 128
     head_type: str = "bf16"  # the output layer: bf16 | int4 | int8 | tri | bin
+    sensitive_layers: tuple[str, ...] = ()
+    sensitive_type: str = "int4"
+    ternary_layout: str = "auto"  # auto | 2bit | base3
 
     def __post_init__(self) -> None:
-        for key in ("quant_type", "head_type"):
+        for key in ("quant_type", "head_type", "sensitive_type"):
             if getattr(self, key) not in WEIGHT_TYPES:
                 raise BonsaiError(f"unknown weight type '{getattr(self, key)}' for {key}: "
                                   f"use one of {', '.join(WEIGHT_TYPES)}")
         if self.group_size not in GROUP_SIZES:
             raise BonsaiError(f"group size {self.group_size} is not supported: use 32, 64, 128 or 256")
+        if self.ternary_layout not in TERNARY_LAYOUTS:
+            raise BonsaiError(f"unknown ternary layout '{self.ternary_layout}': use one of {', '.join(TERNARY_LAYOUTS)}")
+        for pattern in self.sensitive_layers:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise BonsaiError(f"sensitive layer pattern {pattern!r} is not a valid regular expression ({e})") from None
 
     @property
     def packed(self) -> bool:
-        return self.quant_type != "bf16" or self.head_type != "bf16"
+        return self.quant_type != "bf16" or self.head_type != "bf16" or bool(self.sensitive_layers)
+
+    @property
+    def ternary_kind(self) -> str:
+        """The layout ternary matrices run in: tri5 with base3, tri otherwise (auto before the plan decides)."""
+        return "tri5" if self.ternary_layout == "base3" else "tri"
+
+    def kind(self, asked: str) -> str:
+        """The layout kind of a matrix asked to be `asked` (tri → this run's ternary layout)."""
+        return self.ternary_kind if asked == "tri" else asked
+
+    def is_sensitive(self, parts: list[str]) -> bool:
+        """Whether a matrix stacking these canonical tensors is kept at sensitive_type."""
+        return any(re.search(p, hf_name(part)) for p in self.sensitive_layers for part in parts)
 
 
 @dataclass(frozen=True)
@@ -105,12 +136,27 @@ def require_packable(kind: str, n: int, k: int, group: int) -> None:
         raise GroupSizeError(f"cannot pack a [{n}, {k}] matrix as {kind}: {e}") from None
 
 
+def module_parts(path: str) -> list[str]:
+    """The canonical tensor names a linear module (by global name) stacks: linear_modules' parts."""
+    if path == "lm_head":
+        return ["lm_head.weight"]
+    prefix, _, name = path.rpartition(".")
+    layer = prefix.split(".")[1]
+    stacked = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",), "w13": ("gate_proj", "up_proj"),
+               "w2": ("down_proj",)}
+    return [f"layers.{layer}.{part}.weight" for part in stacked.get(name, (name,))]
+
+
 def rounded_format(path: str, fmt: WeightFormat) -> LinearFormat:
-    """Rule 2: the format a layer still in float is rounded to at load (the output layer: head_type)."""
+    """Rule 2: the format a layer still in float is rounded to at load (by global name; the output layer:
+    head_type; a sensitive block matrix: sensitive_type; ternary in the run's ternary layout)."""
     if path.endswith(FLOAT_LINEARS):
         return LinearFormat()
-    kind = fmt.head_type if path == "lm_head" else fmt.quant_type
-    return LinearFormat() if kind == "bf16" else LinearFormat(kind, fmt.group_size)
+    if path == "lm_head":
+        kind = fmt.head_type
+    else:
+        kind = fmt.sensitive_type if fmt.is_sensitive(module_parts(path)) else fmt.quant_type
+    return LinearFormat() if kind == "bf16" else LinearFormat(fmt.kind(kind), fmt.group_size)
 
 
 def linear_formats(config: ModelConfig, fmt: WeightFormat = WeightFormat(),
@@ -119,14 +165,25 @@ def linear_formats(config: ModelConfig, fmt: WeightFormat = WeightFormat(),
     stored: canonical tensor name → (layout kind, group) of the tensors kept packed as stored
     (`stored_formats`; empty or None when the run does not keep stored codes)."""
     formats: dict[str, LinearFormat] = {}
-    for path, n, k, parts in linear_modules(config):
+    modules = linear_modules(config)
+    blocks = [hf_name(p) for path, _, _, parts in modules if path != "lm_head" and not path.endswith(FLOAT_LINEARS)
+              for p in parts]
+    for pattern in fmt.sensitive_layers:
+        if not any(re.search(pattern, name) for name in blocks):
+            roles = sorted({name.split(".")[-2] for name in blocks})
+            raise BonsaiError(f"sensitive layer pattern {pattern!r} matches no layer; the layers are {', '.join(roles)}")
+    for path, n, k, parts in modules:
         layer = LinearFormat()
         if stored:
             found = [stored.get(p) for p in parts]
             if all(found) and len(set(found)) == 1 and _packable(found[0][0], n, k, found[0][1]):
                 layer = LinearFormat(*found[0])
+                if layer.kind == "tri" and _packable(fmt.ternary_kind, n, k, layer.group_size):
+                    layer = LinearFormat(fmt.ternary_kind, layer.group_size)  # the same codes, re-laid out
         if not layer.packed:
             layer = rounded_format(path, fmt)
+            if layer.kind == "tri5" and not _packable("tri5", n, k, layer.group_size):
+                layer = LinearFormat("tri", layer.group_size)  # base-3 needs K a multiple of 256
             if layer.packed:
                 require_packable(layer.kind, n, k, layer.group_size)
         formats[path] = layer

@@ -301,7 +301,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                                weight_format=weight_format, embedding_on_host=embedding_on_host, stage=stage,
                                host_layers=host_layers)
     if keep:
-        packed = pack_stored_codes(model, source, config, device=dev, host_layers=host_layers)
+        packed = pack_stored_codes(model, source, config, device=dev, host_layers=host_layers,
+                                   ternary=weight_format.ternary_kind)
         packed = {global_name(name, model.first_layer) for name in packed}
         assert set(stored) <= packed, f"planned packed layers were not packed: {sorted(set(stored) - packed)[:3]}"
     if weight_format.packed:

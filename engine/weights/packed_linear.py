@@ -14,9 +14,9 @@ from torch import nn
 from engine.kernels import kernels_usable
 from engine.pipeline.naming import global_name, layer_index
 from engine.runtime.linear import Linear
-from engine.weights.formats import WeightFormat, require_packable, rounded_format
+from engine.weights.formats import WeightFormat, linear_formats, require_packable, rounded_format
 from quant import grids
-from quant.packed_layout import KINDS, PackedWeight, pack, random_packed
+from quant.packed_layout import PackedWeight, pack, random_packed, word_rows
 
 GEMV_MAX_ROWS = 4  # rows the plain-torch reference takes as int8 products (the CPU); more: a float matmul
 # Rows the packed kernels take on CUDA (dp4a, or tensor cores from a few rows: quant.kernels.packed_gemv.
@@ -116,8 +116,8 @@ def _sliced_matmul(x: torch.Tensor, pw: PackedWeight, unpack_t) -> torch.Tensor:
 # MB whatever the matrix (a 27B model's gate/up is 220 M weights).
 QUANTIZE_SLICE_ELEMENTS = 1 << 21
 # peak temporaries per weight of one slice: float32 groups, codes, int64 fields and their shifted
-# sums (measured on the CPU with tests/live_bytes.py: tri 45.1, the others 19.0, from bf16 rows)
-QUANTIZE_BYTES_PER_ELEMENT = {"tri": 46, "bin": 20, "int4": 20, "int8": 20}
+# sums (measured on the CPU with tests/live_bytes.py: tri 45.1, tri5 45.3, the others 19.0, from bf16 rows)
+QUANTIZE_BYTES_PER_ELEMENT = {"tri": 46, "tri5": 46, "bin": 20, "int4": 20, "int8": 20}
 
 
 def quantize_slice_rows(in_features: int) -> int:
@@ -135,14 +135,13 @@ def empty_packed(kind: str, out_features: int, in_features: int, group_size: int
                  device: torch.device | str) -> PackedWeight:
     """The final buffers of a packed [N, K] matrix, filled by `quantize_rows` (or a checkpoint's codes)."""
     require_packable(kind, out_features, in_features, group_size)
-    e = KINDS[kind].per_word
-    return PackedWeight(kind, torch.empty(in_features // e, out_features, dtype=torch.int32, device=device),
+    return PackedWeight(kind, torch.empty(word_rows(kind, in_features), out_features, dtype=torch.int32, device=device),
                         torch.empty(in_features // group_size, out_features, dtype=torch.float16, device=device),
                         out_features, in_features, group_size)
 
 
 def _rtn(w: torch.Tensor, kind: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if kind == "tri":
+    if kind in ("tri", "tri5"):
         return grids.ternary_rtn(w, group_size)
     if kind == "bin":
         return grids.binary_rtn(w, group_size)
@@ -193,10 +192,11 @@ def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed:
         emb = model.embed.weight  # tied: the output layer gets its own packed copy
         model.lm_head = Linear(emb.shape[1], emb.shape[0])
         model.lm_head.weight = emb
+    formats = linear_formats(model.config, fmt)  # by global name
     targets = []
     for name, module in model.named_modules():
-        target = rounded_format(name, fmt)
-        if isinstance(module, Linear) and target.packed and (name != "lm_head" or gives_logits):
+        target = formats.get(global_name(name, first))
+        if isinstance(module, Linear) and target is not None and target.packed and (name != "lm_head" or gives_logits):
             targets.append((name, module, target.kind))
     for name, module, kind in targets:
         where = device if device is not None else module.weight.device

@@ -34,12 +34,13 @@ def _targets(model: Transformer) -> list[tuple[str, list[str]]]:
 
 
 def pack_stored_codes(model: Transformer, source, config, device: torch.device | None = None,
-                      host_layers: frozenset[int] = frozenset()) -> set[str]:
+                      host_layers: frozenset[int] = frozenset(), ternary: str = "tri") -> set[str]:
     """Swap every Linear whose source tensors are stored quantized for a PackedLinear holding those
     codes, on `device` (default: the layer's; a layer may have an unallocated meta weight). The
     source's tensors are read one at a time and a layer is packed as soon as its last part arrives:
     host memory holds the codes of the layers still incomplete, never the whole model's. Returns
-    the names of the layers packed. host_layers: the layers of these blocks are packed in host memory."""
+    the names of the layers packed. host_layers: the layers of these blocks are packed in host memory.
+    ternary: the layout ternary codes run in (tri, or tri5 where the shape allows: the same codes)."""
     if not hasattr(source, "iter_quantized_tensors"):
         return set()
     targets = dict(_targets(model))
@@ -58,12 +59,13 @@ def pack_stored_codes(model: Transformer, source, config, device: torch.device |
         where = device
         if host_layers and layer_index(global_name(path, model.first_layer)) in host_layers:
             where = torch.device("cpu")
-        if _pack_layer(model, path, [parts[n] for n in targets[path]], where):
+        if _pack_layer(model, path, [parts[n] for n in targets[path]], where, ternary):
             packed.add(path)
     return packed
 
 
-def _pack_layer(model: Transformer, path: str, parts: list[tuple], device: torch.device | None) -> bool:
+def _pack_layer(model: Transformer, path: str, parts: list[tuple], device: torch.device | None,
+                ternary: str = "tri") -> bool:
     """Pack one layer from its parts' (quant type, group, codes [n, K], scales [n, K/G]) if they share
     a layout kind and group size and the shape is packable; else leave it float (and say why)."""
     kinds = {STORED_LAYOUT.get(p[0]) for p in parts}
@@ -74,6 +76,8 @@ def _pack_layer(model: Transformer, path: str, parts: list[tuple], device: torch
     kind, group = kinds.pop(), groups.pop()
     codes = torch.cat([p[2] for p in parts])  # [N, K]
     scales = torch.cat([p[3] for p in parts])  # [N, K/G]
+    if kind == "tri" and ternary == "tri5" and _packable("tri5", codes.shape[0], codes.shape[1], group):
+        kind = "tri5"
     try:
         check_packable(kind, codes.shape[0], codes.shape[1], group)
     except ValueError as e:
@@ -84,4 +88,12 @@ def _pack_layer(model: Transformer, path: str, parts: list[tuple], device: torch
     pw = pack(kind, codes, scales, group).to(device if device is not None else module.weight.device)
     parent, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(pw, bias))
+    return True
+
+
+def _packable(kind: str, n: int, k: int, group: int) -> bool:
+    try:
+        check_packable(kind, n, k, group)
+    except ValueError:
+        return False
     return True
