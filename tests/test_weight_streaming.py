@@ -196,7 +196,7 @@ def test_info_plan_lists_the_streamed_layers_and_the_prediction(tmp_path, capsys
     # a streamed block saves its bytes only past the ring's two: half a block short streams three of four
     assert len(ws["streamed_layers"]) == 3
     assert f"streamed from pinned host memory each pass: layers {layer_ranges(tuple(ws['streamed_layers']))}" in text
-    assert "predicted decode (a bound, not a measurement)" in text and "run eagerly" in text
+    assert "predicted decode (a bound, not a measurement)" in text and "with the streamed blocks' copies" in text
 
 
 def test_a_run_with_auto_loads_and_streams_the_planned_blocks(tmp_path, one_thread):
