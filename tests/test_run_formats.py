@@ -162,3 +162,28 @@ def test_base3_on_cuda_matches_2bit(tri_checkpoint):
            for layout in ("2bit", "base3")]
     for x, y in zip(*got):
         torch.testing.assert_close(y.float(), x.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_seed_recipe_quantized_and_generated_hold_the_same_formats(tri_checkpoint, tmp_path, capsys):
+    """`bonsai quantize --quant-type tri --group-size 128 --sensitive-layers q_proj,k_proj,v_proj,o_proj
+    --sensitive-bits 4 --head-bits 4` of a float model, loaded, holds per layer the formats load_format: dummy
+    makes from the same keys in a serve config."""
+    from bonsai_cli.main import main
+    from engine.sources.checkpoint_file import BonsaiCheckpoint
+    from engine.weights.formats import stored_formats
+    hf, _ = tri_checkpoint
+    out = tmp_path / "seed"
+    try:
+        main(["quantize", str(hf), str(out), "--method", "rtn", "--no-eval", "--quant-type", "tri", "--group-size",
+              "128", "--sensitive-layers", ",".join(QKVO), "--sensitive-bits", "4", "--head-bits", "4"])
+    except SystemExit as e:
+        assert not e.code, capsys.readouterr().err
+    source = BonsaiCheckpoint(out)
+    config = source.model_config()
+    quantized = linear_formats(config, WeightFormat(), stored_formats(source))
+    generated = linear_formats(config, RunConfig.from_dict({"model": {
+        "path": "x", "quant_type": "tri", "group_size": 128, "head_type": "int4",
+        "sensitive_layers": ",".join(QKVO), "sensitive_bits": 4}}).model.weight_format)
+    assert quantized == generated
+    assert kinds(quantized) == {"wqkv": "int4 g128", "wo": "int4 g128", "w13": "tri g128", "w2": "tri g128"}
+    assert quantized["lm_head"].label == "int4 g128"

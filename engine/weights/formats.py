@@ -7,10 +7,13 @@ the rule, used by the memory plan before loading and by the loader while loading
   1. a layer whose stored parts are all quantized in one layout kind and group (a bonsai
      checkpoint, a TQ1_0 / TQ2_0 / Q1_0 / Q2_0 GGUF) and which packs at its shape keeps those codes
      (`stored_formats` reads them from metadata; engine.weights.packed_load repacks them);
-  2. any other layer is rounded at load to the run's `WeightFormat`: `quant_type` for the blocks,
-     `head_type` for the output layer (a tied one gets its own packed copy), float for bf16 — except a
+  2. any other layer is rounded at load to the run's `WeightFormat`: `quant_type` for the blocks
+     (`sensitive_type` for those `sensitive_layers` names), `head_type` for the output layer (a tied one
+     gets its own packed copy), float for bf16 — except a
      hybrid's DeltaNet gate projections in_proj_a / in_proj_b (one row per value head), which stay float
      (as `bonsai quantize` keeps them: engine.quantization.calibration).
+Ternary matrices, stored or rounded, run in the 2-bit `tri` layout or, with `ternary_layout: base3`, in
+`tri5` where K is a multiple of 256 (the same codes and scales: a re-layout, never a re-rounding).
 """
 from __future__ import annotations
 
