@@ -195,6 +195,10 @@ def test_a_fully_rotated_file_computes_the_unrotated_model(arch, tmp_path, smoll
                      prism_meta(32, signs, all_linears(), ["token_embd.weight"]))
     want = logits_every_way(ref)
     assert_same(logits_every_way(rot), want, 1e-4)
+    streamed = ModelRunner(load_model(rot, weight_dtype=torch.float32), max_seq_len=64, fast_decode=False,
+                           offload_layers={1})  # block 1's weights and rotations streamed from host memory
+    assert streamed.weight_stream is not None
+    assert_same({"prefill": streamed.forward(streamed.slot(), IDS, num_logits=None)}, want, 1e-4)
     # the planted bug: the folded weights read unrotated inputs
     loaded = load_model(rot, weight_dtype=torch.float32)
     for block in loaded.model.layers:
