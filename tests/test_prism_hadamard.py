@@ -7,6 +7,7 @@ W' = W·diag(s)·(I ⊗ H_b/√b) gives W' R(x) = W x, and the same map on the e
 E'[t] with R⁻¹(E'[t]) = (I ⊗ H_b/√b) E'[t] ⊙ s = E[t]."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -207,6 +208,26 @@ def test_a_fully_rotated_file_computes_the_unrotated_model(arch, tmp_path, smoll
     runner = ModelRunner(loaded, max_seq_len=64, fast_decode=False)
     bad = runner.forward(runner.slot(), IDS, num_logits=None)
     assert float((bad - want["prefill"]).abs().max()) > 0.05 * float(want["prefill"].abs().max())
+
+
+def test_pipeline_stages_take_the_rotations_of_their_own_blocks(tmp_path, smollm2_gguf, vocab, one_thread):
+    """Two stages (layer 0 + embedding, layer 1 + head) of a rotated file chained = the unrotated model."""
+    from engine.pipeline.split import Stage
+    from engine.runtime.kv_cache import CacheBatch, KVCache
+    plain = random_tensors("llama", vocab, seed=8)
+    signs = {w: np.random.default_rng(9).choice([-1.0, 1.0], w) for w in (128, 256)}
+    ref = write_gguf(tmp_path / "plain.gguf", smollm2_gguf, "llama", plain)
+    rot = write_gguf(tmp_path / "rot.gguf", smollm2_gguf, "llama", rotated_copy(plain, "llama", all_linears(), True, 32, signs),
+                     prism_meta(32, signs, all_linears(), ["token_embd.weight"]))
+    want = logits_every_way(ref)["prefill"]
+    x = torch.tensor([IDS])
+    for first, end in ((0, 1), (1, 2)):
+        model = load_model(rot, weight_dtype=torch.float32, stage=Stage(first, 2, "cpu", first, end)).model
+        assert (model.lm_head_rotation is not None) == (end == 2) and len(model.layers) == 1
+        assert model.layers[0].feed_forward.w2_rotation is not None
+        cache = KVCache(dataclasses.replace(model.config, num_layers=1), 64, 1)
+        x, _ = model.forward_hidden(x, CacheBatch.make([0], [0], len(IDS), "cpu"), cache, len(IDS), None)
+    torch.testing.assert_close(x[0], want, atol=1e-4 * float(want.abs().max()), rtol=0)
 
 
 def test_a_partly_rotated_tied_file_with_identity_signs(tmp_path, smollm2_gguf, vocab, one_thread):
