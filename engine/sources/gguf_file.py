@@ -177,13 +177,13 @@ class GGUFFile:
 
 
 def _unrotate_rows(table: torch.Tensor, spec: InputRotationSpec) -> torch.Tensor:
-    """Rows E'[t] of an inverse-folded embedding → the hidden rows WHT_b(E'[t]) ⊙ s they stand for."""
+    """Rows E'[t] of an inverse-folded embedding (float32 [V, H], its own memory: gguf_types.dequantize copies
+    out of the read-only map) → the hidden rows WHT_b(E'[t]) ⊙ s they stand for, in place."""
     h1, h2 = block_hadamard_factors(spec.block)
     signs = None if spec.signs is None else torch.tensor(spec.signs, dtype=torch.float32)  # [H]
-    out = torch.empty_like(table)  # [V, H] float32
-    for start in range(0, table.shape[0], 4096):  # a slice at a time (the float32 temporaries stay small)
-        out[start:start + 4096] = signed_block_hadamard(table[start:start + 4096], signs, h1, h2, inverse=True)
-    return out
+    for start in range(0, table.shape[0], 4096):  # a slice at a time: the temporaries stay small
+        table[start:start + 4096] = signed_block_hadamard(table[start:start + 4096], signs, h1, h2, inverse=True)
+    return table
 
 
 def _known_types() -> str:
