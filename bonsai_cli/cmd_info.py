@@ -48,6 +48,9 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
     arch["rope_scaling"] = vars(config.rope_scaling) if config.rope_scaling else None
     arch["hybrid"] = _hybrid_summary(config)
     rotation = getattr(source, "rotation", None)  # a checkpoint made with --rotate
+    prism = getattr(source, "prism", None)  # a GGUF with PrismML's folded Hadamard rotation
+    if prism is not None:
+        rotation = prism.summary()
     if json_out:
         print_json({"path": str(path), "format": summary.format, "architecture": arch, "rotation": rotation,
                     "parameters": summary.num_parameters, "bytes": summary.file_bytes,
@@ -66,7 +69,12 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
     head.add_row("parameters", f"{summary.num_parameters:,} ({summary.num_parameters / 1e6:.1f}M)")
     head.add_row("size", f"{summary.file_bytes / 2**20:,.1f} MiB")
     head.add_row("bits per weight", f"{summary.bits_per_weight:.3f}")
-    if rotation:
+    if prism is not None:
+        widths = ", ".join(map(str, rotation["sign_widths"]))
+        head.add_row("rotation", f"Prism Hadamard, block {prism.block} "
+                     f"({f'signs for widths {widths}' if widths else 'no signs'}) on the inputs of "
+                     f"{rotation['weights']} weights" + (", embedding un-rotated" if rotation["embedding"] else ""))
+    elif rotation:
         block = rotation.get("down_proj_hadamard")
         head.add_row("rotation", f"{rotation.get('residual')} (folded)"
                      + (f", online Hadamard {block} on down_proj's input" if block else ""))

@@ -106,6 +106,19 @@ def block_hadamard(x: torch.Tensor, h1: torch.Tensor, h2: torch.Tensor) -> torch
     return y.reshape(x.shape).to(x.dtype)
 
 
+def signed_block_hadamard(x: torch.Tensor, signs: torch.Tensor | None, h1: torch.Tensor, h2: torch.Tensor,
+                          inverse: bool = False) -> torch.Tensor:
+    """R(x) = (x ⊙ s) · (I ⊗ H_b) on the last dimension (signs None: all +1), in float32, returned in x's
+    dtype; inverse: R⁻¹(x) = (x · (I ⊗ H_b)) ⊙ s (H_b symmetric and orthonormal: its own inverse)."""
+    y = x.float()  # [..., n]
+    if signs is not None and not inverse:
+        y = y * signs.float()
+    y = block_hadamard(y, h1, h2)  # [..., n] float32
+    if signs is not None and inverse:
+        y = y * signs.float()
+    return y.to(x.dtype)
+
+
 def block_hadamard_matrix(n: int, block: int) -> torch.Tensor:
     """The dense I_{n/block} ⊗ H_block [n, n] float64 that `block_hadamard` multiplies by (for folding)."""
     assert n % block == 0

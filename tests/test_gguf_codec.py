@@ -344,9 +344,8 @@ def test_gguf_export_from_a_hf_source_builds_the_tokenizer(tmp_path, smollm2_ggu
     torch.testing.assert_close(logits_of(gguf, IDS), expected, atol=1e-4 * max(1, float(expected.abs().max())), rtol=0)
 
 
-def test_rotated_prism_files_and_unknown_types_are_refused_in_one_line(tmp_path, smollm2_gguf):
-    """A Hadamard-rotated Prism file would run wrong without its run-time rotation; a type id nobody knows
-    is named with what bonsai reads."""
+def test_unknown_types_are_refused_in_one_line(tmp_path, smollm2_gguf):
+    """A type id nobody knows is named with what bonsai reads (Prism's rotation: tests/test_prism_hadamard.py)."""
     from engine.errors import BonsaiError
     from engine.sources.gguf_file import GGUFFile
     path = tmp_path / "m.gguf"
@@ -357,7 +356,3 @@ def test_rotated_prism_files_and_unknown_types_are_refused_in_one_line(tmp_path,
     with pytest.raises(BonsaiError, match=r"unknown type id 199, which bonsai does not decode \(it reads .*PTQ1_0") as e:
         GGUFFile(tmp_path / "u.gguf").model_config()
     assert "\n" not in str(e.value)
-    source = GGUFFile(path)
-    source.metadata["prism.hadamard.block_size"] = 1024
-    with pytest.raises(BonsaiError, match="Hadamard-rotated weights .prism.hadamard.block_size"):
-        source.model_config()

@@ -108,7 +108,7 @@ def test_a_missing_online_hadamard_breaks_the_function(tiny, one_thread):
     """The planted bug: weights folded with H, the run time not applying it."""
     ref, rot = _rotated(tiny.hf, online=True)
     for block in rot.model.layers:
-        block.feed_forward.down_hadamard = 0
+        block.feed_forward.w2_rotation = None
     want, got = _logits(ref, IDS), _logits(rot, IDS)
     assert (got - want).abs().max() > 1e-2 * want.abs().max()
 

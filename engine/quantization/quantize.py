@@ -175,6 +175,9 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     _check_paths(src, out, opts.gguf, opts.force)
     source = open_model_source(src)
     config = source.model_config()
+    if getattr(source, "prism", None) is not None:  # its weights read rotated inputs: a checkpoint would lose that
+        raise BonsaiError(f"{src} holds PrismML's folded Hadamard rotation, which bonsai checkpoints do not "
+                          "record: run the GGUF as it is (bonsai generate / serve) instead of quantizing it")
     if config.hybrid is not None and opts.method != "rtn":  # calibration captures attention-layer inputs only
         raise BonsaiError(f"--method {opts.method} is not supported for hybrid (Qwen3.5/3.6) models yet: use --method rtn")
     rotation = _plan_rotation(source, config, opts)

@@ -6,8 +6,10 @@ SwiGLU → int8, or plain → int8); the two projections that end a sub-block (o
 themselves into the residual stream in place. Rows may belong to different slots and positions
 (batched decode, or the rows of a speculative verify step: each row's seq_len is position + 1).
 On the CPU (or without Triton) the same step runs through the kernels' plain-torch references.
-A rotated checkpoint's online Hadamard on the down projection's input runs in plain torch between
-the gate/up product and the activation quantization of down_proj (no fused kernel for it yet).
+A layer whose weight holds a folded rotation (engine.runtime.input_rotation: a rotated checkpoint's
+down projection, a Prism GGUF's projections) gets its input made in plain torch (RMSNorm / SwiGLU /
+attention output, then the rotation) before the activation quantization: the fused prologues would
+quantize the unrotated input (no fused kernel for the rotation yet).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from engine.kernels import kernels_usable
 from engine.runtime.hybrid_step import deltanet_step, gated_attention_step
+from engine.runtime.input_rotation import InputRotation
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.model import Transformer
 from engine.weights.packed_linear import PackedLinear
@@ -83,10 +86,17 @@ class _Ops:
 
 def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,
              eps: float = 1e-6, gated: bool = False, residual: torch.Tensor | None = None,
-             tied_weight: torch.Tensor | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
-    """norm/SwiGLU (optional) → projection, added into `residual` (or a zeroed workspace buffer
-    `into`) in place when given. Returns the float32 result [M, N]. A gated input of a packed
-    layer is the gate/up workspace buffer: it is zeroed as it is read."""
+             tied_weight: torch.Tensor | None = None, into: torch.Tensor | None = None,
+             rotation: InputRotation | None = None) -> torch.Tensor:
+    """norm/SwiGLU (optional) → rotation (optional) → projection, added into `residual` (or a zeroed
+    workspace buffer `into`) in place when given. Returns the float32 result [M, N]. A gated input of a
+    packed layer is the gate/up workspace buffer: it is zeroed as it is read (not with a rotation: the
+    caller zeroes it)."""
+    if rotation is not None:  # the norm in torch, then the rotation: never quantize the unrotated input
+        assert not gated and not isinstance(x, tuple), "a rotated input is made by the caller"
+        if norm_weight is not None:
+            x = F.rms_norm(x.float(), norm_weight.shape, norm_weight.float(), eps)  # [M, K]
+        x, norm_weight = rotation(x), None  # [M, K]
     if isinstance(layer, PackedLinear):
         if isinstance(x, tuple):  # already int8 activations (xq, sx, sumx)
             xq = x
@@ -129,7 +139,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
     for i, block in enumerate(model.layers):
         if stream is not None:
             stream.enter(i)
-        att, ffn = block.attention, block.feed_forward
+        att = block.attention
         if cfg.hybrid is not None:  # engine.runtime.hybrid_step: DeltaNet or gated attention, then the FFN below
             if cfg.is_linear(i + model.first_layer):
                 deltanet_step(ops, _project, block, x, cache.states, inputs.slot_ids, inputs.positions, eps)
@@ -138,7 +148,8 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
             _feed_forward(ops, block, x, ws, eps)
             continue
         scales = cache.layer_read_args(i)  # a quantized cache's scale / min tensors, v_rotate (none for bf16)
-        qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv)  # [M, Q + 2KV]
+        qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv,
+                       rotation=att.wqkv_rotation)  # [M, Q + 2KV]
         kv = cache.layer(i)  # {name: [slots, KV, S, D]} (KV offload: the layer's streamed-in rows)
         q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, kv["k"], kv["v"],
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -146,29 +157,30 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
                            att.k_norm.weight if att.k_norm is not None else None, eps,
                            out_dtype=cache.dtype, zero_input=qkv is ws.qkv,
                            **cache.layer_write_args(i))  # [M, H, D]
-        if isinstance(att.wo, PackedLinear) and att.wo.group_size == cfg.head_dim:
+        if isinstance(att.wo, PackedLinear) and att.wo.group_size == cfg.head_dim and att.wo_rotation is None:
             aq = ops.attention_int8(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, scale,
                                     num_splits, **scales)  # int8 [M, H * D], scales and sums [M, H]
             _project(ops, aq, att.wo, residual=x)
         else:
             a = ops.attention(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, scale,
                               num_splits, **scales)  # [M, H, D]
-            _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x)
+            _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x, rotation=att.wo_rotation)
         _feed_forward(ops, block, x, ws, eps)
     if not model.gives_logits:
         return x  # [M, H] float32: the next stage's input
     head = model.lm_head
-    return _project(ops, x, head, model.norm.weight, eps,
-                    tied_weight=model.embed.weight if head is None else None)  # [M, V]
+    return _project(ops, x, head, model.norm.weight, eps, tied_weight=model.embed.weight if head is None else None,
+                    rotation=model.lm_head_rotation)  # [M, V]
 
 
 def _feed_forward(ops: _Ops, block, x: torch.Tensor, ws: Workspace, eps: float) -> None:
     """x [M, H] float32 += the block's SwiGLU FFN (RMSNorm → gate/up → down)."""
     ffn = block.feed_forward
-    gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up)  # [M, 2F]
-    if ffn.down_hadamard:  # a rotated checkpoint: SwiGLU and the online Hadamard in torch, then w2
+    gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up,
+                  rotation=ffn.w13_rotation)  # [M, 2F]
+    if ffn.w2_rotation is not None:  # w2's weight holds a folded rotation: SwiGLU and the rotation in torch, then w2
         gate, up = gu.chunk(2, dim=-1)
-        z = ffn.rotate_down_input(F.silu(gate) * up)  # [M, F]
+        z = ffn.w2_rotation(F.silu(gate) * up)  # [M, F]
         if gu is ws.gate_up:
             gu.zero_()  # the split-K workspace starts the next step at zero
         _project(ops, z, ffn.w2, residual=x)

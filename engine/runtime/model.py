@@ -14,10 +14,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kernels import kernels_usable
 from engine.runtime.deltanet import GatedDeltaNet
+from engine.runtime.input_rotation import InputRotation, rotated
 from engine.runtime.linear import Linear, linear
 from engine.runtime.kv_cache import CacheBatch, KVCache
 from engine.sources.model_config import ModelConfig
-from quant.rotation import block_hadamard, block_hadamard_factors
+from engine.sources.prism_rotation import InputRotationSpec
 
 
 class RMSNorm(nn.Module):
@@ -39,6 +40,8 @@ class Attention(nn.Module):
         self.gated = cfg.hybrid is not None  # q_proj also yields an output gate per head (sigmoid on the output)
         self.wqkv = Linear(cfg.hidden_size, cfg.q_rows + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.wo = Linear(cfg.q_size, cfg.hidden_size)
+        self.wqkv_rotation: InputRotation | None = None  # the rotations of folded weights' inputs (input_rotation)
+        self.wo_rotation: InputRotation | None = None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.fused_prologue: torch.Tensor | None = None  # inv_freq when q/k-norm + rotary + KV write run fused
@@ -48,7 +51,7 @@ class Attention(nn.Module):
         (with_gate: and the output gate [B, T, H*D] of a gated attention)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q, k, v = self.wqkv(x).split([cfg.q_rows, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, k, v = self.wqkv(rotated(self.wqkv_rotation, x)).split([cfg.q_rows, cfg.kv_size, cfg.kv_size], dim=-1)
         gate = None
         if self.gated:  # per head: D query values, then D gate values
             q, gate = q.view(b, t, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
@@ -82,7 +85,7 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(b, t, cfg.q_size)  # [B, T, H*D]
         if self.gated:
             out = out * torch.sigmoid(gate.float()).to(out.dtype)
-        return self.wo(out)
+        return self.wo(rotated(self.wo_rotation, out))
 
 
     def _fused_prologue(self, x: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
@@ -91,7 +94,7 @@ class Attention(nn.Module):
         from engine.kernels.rope_cache import qk_norm_rope_write
         cfg = self.cfg
         b, t, _ = x.shape
-        qkv = self.wqkv(x).reshape(b * t, -1)  # [B*T, Q + 2KV]
+        qkv = self.wqkv(rotated(self.wqkv_rotation, x)).reshape(b * t, -1)  # [B*T, Q + 2KV]
         kv = cache.layer(self.layer)  # {name: [slots, KV, S, D]}
         q = qk_norm_rope_write(qkv, batch.positions.reshape(-1), batch.slot_ids.repeat_interleave(t),
                                self.fused_prologue, kv["k"], kv["v"], cfg.num_heads,
@@ -107,25 +110,23 @@ class FeedForward(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)  # gate; up
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.down_hadamard = 0  # block of the online Hadamard on w2's input (a rotated checkpoint); 0: none
-        self.register_buffer("hadamard_h1", None, persistent=False)  # [b1, b1], H_block = H_b1 ⊗ H_b2
-        self.register_buffer("hadamard_h2", None, persistent=False)  # [b2, b2]
+        self.w13_rotation: InputRotation | None = None  # the rotations of folded weights' inputs (input_rotation)
+        self.w2_rotation: InputRotation | None = None
+
+    @property
+    def down_hadamard(self) -> int:
+        """The block of the rotation on w2's input (an online Hadamard), 0 without one."""
+        return 0 if self.w2_rotation is None else self.w2_rotation.block
 
     def set_down_hadamard(self, block: int, device: torch.device | str) -> None:
         """Apply I ⊗ H_block to the SwiGLU output before w2 (whose weight then holds W·H_block)."""
         assert block and self.intermediate % block == 0, f"block {block} does not divide {self.intermediate}"
-        self.down_hadamard = block
-        self.hadamard_h1, self.hadamard_h2 = block_hadamard_factors(block, torch.float32, device)
+        self.w2_rotation = InputRotation(InputRotationSpec(self.intermediate, block), device)
 
     def down_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The input of w2 for x [.., H]: SwiGLU of gate/up, then the online Hadamard if any → [.., F]."""
-        gate, up = self.w13(x).split(self.intermediate, dim=-1)
-        return self.rotate_down_input(F.silu(gate) * up)
-
-    def rotate_down_input(self, z: torch.Tensor) -> torch.Tensor:
-        if not self.down_hadamard:
-            return z
-        return block_hadamard(z, self.hadamard_h1, self.hadamard_h2)  # [.., F]
+        """The input of w2 for x [.., H]: SwiGLU of gate/up, then w2's input rotation if any → [.., F]."""
+        gate, up = self.w13(rotated(self.w13_rotation, x)).split(self.intermediate, dim=-1)
+        return rotated(self.w2_rotation, F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.down_input(x))
@@ -253,6 +254,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head_rotation: InputRotation | None = None  # a folded output layer's input rotation
         self.register_buffer("inv_freq", rotary_inverse_frequencies(cfg), persistent=False)
         # weight offload (engine.memory.weight_offload): streams offloaded blocks' weights in before each block
         self.weight_stream = None
@@ -277,6 +279,7 @@ class Transformer(nn.Module):
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer: the tied embedding, or lm_head (a Linear or a PackedLinear)."""
+        x = rotated(self.lm_head_rotation, x)
         return linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
 
     def forward(self, tokens: torch.Tensor, batch: CacheBatch, cache: KVCache, kv_len: int,

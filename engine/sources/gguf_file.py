@@ -17,8 +17,11 @@ from engine.errors import ModelFileError, UnsupportedModelError
 from engine.sources.gguf_reader import GGUFFormatError, TensorExtent, UnknownTypeError, read_gguf, tensor_bytes
 from engine.sources.model_check import check_tensors, in_file
 from engine.sources.model_config import ModelConfig
+from engine.sources import prism_rotation
+from engine.sources.prism_rotation import InputRotationSpec
 from engine.sources.tokenizer import Tokenizer
 from quant import gguf_codec, gguf_types
+from quant.rotation import block_hadamard_factors, signed_block_hadamard
 
 _GGUF_MAGIC = b"GGUF"
 _TOP_LEVEL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
@@ -91,6 +94,11 @@ class GGUFFile:
             raise ModelFileError(f"{self.path} is a corrupt or truncated GGUF file ({_first_line(e)}); "
                                  "download it again") from None
         self._tensors: dict[str, TensorExtent] = {t.name: t for t in extents}
+        # a Prism file's folded Hadamard rotation (engine.sources.prism_rotation), placed by model_config:
+        # {linear layer: its input's rotation} for the run time, and the embedding's, undone as it is read
+        self.prism = prism_rotation.parse(self.metadata, str(self.path))
+        self.input_rotations: dict[str, InputRotationSpec] = {}
+        self.embedding_rotation: InputRotationSpec | None = None
 
     @property
     def tensor_names(self) -> set[str]:
@@ -107,10 +115,9 @@ class GGUFFile:
                 raise UnsupportedModelError(f"{self.path}: tensor {t.name} is {gguf_types.type_name(t.type_id)} "
                                             f"(type id {t.type_id}), which bonsai does not decode (it reads "
                                             f"{_known_types()}); use a GGUF of one of those types")
-        rotated = sorted(k for k in self.metadata if k.startswith("prism.hadamard."))
-        if rotated:  # the weights hold a rotation the activations must get at run time: never run them without
-            raise UnsupportedModelError(f"{self.path} holds Hadamard-rotated weights ({', '.join(rotated[:3])}), "
-                                        "a rotation bonsai does not apply at run time; use the file without it")
+        if self.prism is not None:  # the weights hold a rotation the activations get at run time
+            self.input_rotations, self.embedding_rotation = prism_rotation.place(
+                self.prism, config, self.tensor_names, str(self.path))
         return config
 
     def tokenizer(self) -> Tokenizer:
@@ -145,6 +152,8 @@ class GGUFFile:
             tensor = _unpermute_rotary(tensor, config.num_heads)
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute_rotary(tensor, config.num_kv_heads)
+        elif name == "embed_tokens.weight" and self.embedding_rotation is not None:
+            tensor = _unrotate_rows(tensor, self.embedding_rotation)
         return tensor
 
 
@@ -165,6 +174,16 @@ class GGUFFile:
             if config.architecture == "llama" and heads is not None:
                 codes, scales = _unpermute_rotary(codes, heads), _unpermute_rotary(scales, heads)
             yield name, quant_type, t.shape[-1] // scales.shape[-1], codes, scales
+
+
+def _unrotate_rows(table: torch.Tensor, spec: InputRotationSpec) -> torch.Tensor:
+    """Rows E'[t] of an inverse-folded embedding (float32 [V, H], its own memory: gguf_types.dequantize copies
+    out of the read-only map) → the hidden rows WHT_b(E'[t]) ⊙ s they stand for, in place."""
+    h1, h2 = block_hadamard_factors(spec.block)
+    signs = None if spec.signs is None else torch.tensor(spec.signs, dtype=torch.float32)  # [H]
+    for start in range(0, table.shape[0], 4096):  # a slice at a time: the temporaries stay small
+        table[start:start + 4096] = signed_block_hadamard(table[start:start + 4096], signs, h1, h2, inverse=True)
+    return table
 
 
 def _known_types() -> str:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import BonsaiError
+from engine.runtime.input_rotation import rotated
 from engine.runtime.model import Attention, FeedForward, RMSNorm, Transformer, linear, rotary_inverse_frequencies
 from engine.sources.model_config import ModelConfig
 
@@ -155,7 +156,7 @@ def shared_logits(target: Transformer, hidden: torch.Tensor, vocab_rows: torch.T
     weight = target.embed.weight if target.lm_head is None else getattr(target.lm_head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         raise BonsaiError("training on a sub-vocabulary needs a float LM head; use --train-vocab full")
-    return linear(x.float(), weight[vocab_rows].float())  # [.., S]
+    return linear(rotated(target.lm_head_rotation, x).float(), weight[vocab_rows].float())  # [.., S]
 
 
 def to_target(module: nn.Module, target_loaded) -> nn.Module:

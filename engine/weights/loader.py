@@ -12,12 +12,14 @@ import torch
 from engine.errors import BonsaiError, ModelFileError
 from engine.memory.host_embedding import HostEmbedding, check_embedding_on_host
 from engine.pipeline.naming import global_name, layer_index, local_name, stage_holds
+from engine.runtime.input_rotation import set_input_rotations
 from engine.runtime.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.sources.checkpoint_file import BonsaiCheckpoint
 from engine.sources.gguf_file import GGUFFile
 from engine.sources.hf_files import HFModelDir
 from engine.sources.model_check import expected_shapes
 from engine.sources.model_config import ModelConfig
+from engine.sources.prism_rotation import InputRotationSpec
 from engine.sources.tokenizer import Tokenizer
 from engine.weights.formats import WeightFormat, linear_formats, linear_modules, stored_formats
 from engine.weights.packed_linear import PackedLinear, empty_packed, pack_linears, quantize_rows, tensor_generator
@@ -198,10 +200,12 @@ def _packed_shells(model: Transformer, targets: dict[str, str], group_size: int,
 def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dev: torch.device,
                        dtype: torch.dtype, weight_dtype: torch.dtype, path: str | Path, down_hadamard: int = 0,
                        meta_weights: dict[str, list[str]] | None = None, weight_format: WeightFormat | None = None,
-                       embedding_on_host: bool = False, stage=None, host_layers: frozenset[int] = frozenset()
-                       ) -> Transformer:
+                       embedding_on_host: bool = False, stage=None, host_layers: frozenset[int] = frozenset(),
+                       input_rotations: dict[str, InputRotationSpec] | None = None) -> Transformer:
     """A model of `config` from (canonical name, float tensor) pairs (every tensor it needs, once);
-    down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs.
+    down_hadamard > 0: the online Hadamard of a rotated checkpoint on the down projections' inputs;
+    input_rotations: {linear layer (global path): its input's rotation} of a file with folded rotations
+    (engine.runtime.input_rotation; a Prism GGUF's, engine.sources.prism_rotation).
     meta_weights: {Linear module name: the canonical tensors it stacks} of layers left unallocated
     (packed later from stored codes): `tensors` does not hold those. weight_format: the layers it
     packs are packed as their tensors arrive (each tensor rounded, a slice of rows at a time, into
@@ -242,13 +246,14 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelFileError(f"{path} lacks tensors the architecture needs: {', '.join(missing[:3])}{more}")
+    specs = dict(input_rotations or {})
     if down_hadamard:
         if config.intermediate_size % down_hadamard:
             raise ModelFileError(f"{path}: its online Hadamard block {down_hadamard} does not divide the FFN width "
                                  f"{config.intermediate_size}; quantize it again")
-        for i, block in enumerate(model.layers):
-            block.feed_forward.set_down_hadamard(down_hadamard, placed(f"layers.{i + model.first_layer}", dev,
-                                                                       host_layers))
+        specs.update({f"layers.{i}.feed_forward.w2": InputRotationSpec(config.intermediate_size, down_hadamard)
+                      for i in range(config.num_layers)})
+    set_input_rotations(model, specs, lambda name: placed(name, dev, host_layers))
     return model
 
 
@@ -299,7 +304,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     model = model_from_tensors(config, tensors, dev, dtype, weight_dtype, path,
                                down_hadamard=int(rotation.get("down_proj_hadamard", 0)), meta_weights=stored,
                                weight_format=weight_format, embedding_on_host=embedding_on_host, stage=stage,
-                               host_layers=host_layers)
+                               host_layers=host_layers, input_rotations=getattr(source, "input_rotations", None))
     if keep:
         packed = pack_stored_codes(model, source, config, device=dev, host_layers=host_layers,
                                    ternary=weight_format.ternary_kind)
