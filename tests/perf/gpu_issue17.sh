@@ -50,7 +50,7 @@ PY
     for model in qwen3-8b dense-27b; do for layout in 2bit base3; do
         echo "== $model ternary + int4 head, $layout"
         bench "$model-$layout" configs/models/$model.yaml --load-format dummy --weights tri --head-weights int4 \
-            --ternary-layout $layout --device cuda -p 512 -n 128 -r 3 --no-pg
+            --ternary-layout $layout --device cuda -p 512 -n 128 -r 2 --no-pg
     done; done
     exit 0
 fi
