@@ -115,7 +115,7 @@ def _run_tests(report, run, tests, prompts, suite, repetitions, save, vs_plain, 
     loaded, runner = run.loaded, run.runner
     engine = run.engine()  # with the config's drafters, if any
     if prompts is not None:
-        loaded.require_tokenizer()
+        run.require_tokenizer()  # a generated model's borrowed one (model.tokenizer) counts
         plain = run.engine(speculative=False) if vs_plain else None
         _run_suite(report, "suite", engine, suite, prompts, repetitions, save, plain)
         if vs_plain:

@@ -78,7 +78,7 @@ def generate(
 
 def prompt_ids(run, prompt: str, chat: bool, system: Optional[str]) -> list[int]:
     """The prompt's token ids, through the chat template with --chat."""
-    tok = run.loaded.require_tokenizer()
+    tok = run.require_tokenizer()
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))

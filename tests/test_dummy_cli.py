@@ -67,3 +67,20 @@ def test_group_size_not_dividing_is_one_line(smollm2_gguf, capsys):
     # SmolLM2's hidden size 576 is not a multiple of 128
     proc = bonsai_in_process(capsys, "bench", str(smollm2_gguf), "--weights", "int8", "-p", "8", "-n", "2", "-r", "1")
     assert_one_line_error(proc, "choose another --group-size")
+
+
+def test_a_generated_model_with_a_borrowed_tokenizer_takes_text(tmp_path, capsys, smollm2_gguf):
+    """model.tokenizer gives generated weights a tokenizer: bench's suites and generate take text."""
+    arch = tmp_path / "tiny.yaml"
+    arch.write_text(TINY.replace("vocab_size: 1024", "vocab_size: 49152").replace("hidden_size: 256", "hidden_size: 64")
+                    .replace("intermediate_size: 512", "intermediate_size: 128").replace("head_dim: 64", "head_dim: 16"))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  path: {arch}\n  load_format: dummy\n  tokenizer: {smollm2_gguf}\n  quant_type: tri\n"
+                      "  group_size: 32\nruntime:\n  device: cpu\n  max_seq_len: 256\n")
+    out = tmp_path / "suite.json"
+    proc = bonsai_in_process(capsys, "bench", "--config", str(config), "--suite", "short", "--categories", "code",
+                             "--limit", "1", "-r", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["suite"]
+    proc = bonsai_in_process(capsys, "generate", "--config", str(config), "--prompt", "hi", "--max-tokens", "3")
+    assert proc.returncode == 0, proc.stderr

@@ -53,6 +53,10 @@ class Run:
     pipeline: PipelinePlan | None = None
     name: str = ""  # model.name, else the model file's or directory's name
 
+    def require_tokenizer(self) -> Tokenizer:
+        """The run's tokenizer (a generated model's: model.tokenizer's), or the one-line refusal of text."""
+        return self.tokenizer if self.tokenizer is not None else self.loaded.require_tokenizer()
+
     @property
     def slot_context(self) -> int:
         """Positions one conversation may use."""

@@ -58,7 +58,8 @@ class LoadedModel:
     def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise BonsaiError(f"{self.path} has generated (dummy) weights and no tokenizer: it can only be "
-                              "benchmarked with random tokens (bonsai bench -p/-n), not given text")
+                              "benchmarked with random tokens (bonsai bench -p/-n), not given text; set "
+                              "model.tokenizer to a model whose tokenizer it should borrow")
         return self.tokenizer
 
 
