@@ -105,6 +105,9 @@ def test_stored_codes_reorder_like_the_floats(hf_dir, gguf_f32):
         assert torch.equal(c.float() * s.repeat_interleave(group, 1), gguf_qwen35.from_stored(name, dense, config))
     codes, scales = torch.zeros(64, 64, dtype=torch.int8), torch.ones(64, 2)  # group 32 splits a 16-wide head
     assert gguf_qwen35.codes_from_stored("layers.0.out_proj.weight", codes, scales, config) is None
+    src = GGUFFile(gguf_f32)  # the loader plans those as floats from the metadata alone
+    assert not src.keeps_codes("layers.0.out_proj.weight", 32) and src.keeps_codes("layers.0.out_proj.weight", 16)
+    assert src.keeps_codes("layers.0.in_proj_qkv.weight", 256) and src.keeps_codes("layers.3.o_proj.weight", 256)
 
 
 def test_writer_mirrors_the_converter_on_named_tensors():

@@ -113,6 +113,10 @@ class GGUFFile:
         """Its name of a canonical tensor (the inverse of canonical)."""
         return gguf_qwen35.gguf_name(canonical) if self._qwen35 else gguf_name(canonical)
 
+    def keeps_codes(self, canonical: str, group: int) -> bool:
+        """Whether iter_quantized_tensors yields this matrix's stored codes (qwen35: gguf_qwen35.keeps_codes)."""
+        return not self._qwen35 or gguf_qwen35.keeps_codes(canonical, group, self.metadata)
+
     def canonical_shape(self, canonical: str, stored: tuple[int, ...]) -> tuple[int, ...]:
         """The shape read_tensor gives a tensor stored with torch-order shape `stored`."""
         return gguf_qwen35.canonical_shape(canonical, stored) if self._qwen35 else tuple(stored)

@@ -128,7 +128,20 @@ def codes_from_stored(name: str, codes: torch.Tensor, scales: torch.Tensor, conf
         return codes[rows], scales[rows]
     group = codes.shape[1] // scales.shape[1]
     vd = config.hybrid.linear_value_head_dim
-    if vd % group:
+    if _splits_groups(name, group, True, vd):
         return None
     cols = _grouped(torch.arange(codes.shape[1])[None, :], 1, config, vd)[0]  # [K]
     return codes[:, cols], scales[:, cols[::group] // group]
+
+
+def _splits_groups(name: str, group: int, reordered: bool, value_head_dim: int) -> bool:
+    return reordered and name.endswith("out_proj.weight") and value_head_dim % group != 0
+
+
+def keeps_codes(name: str, group: int, meta: dict) -> bool:
+    """Whether a matrix's stored codes (scale groups of `group` along a row) stay packable once the
+    V-head reorder is undone, from the file's metadata alone (engine.weights.formats.stored_formats)."""
+    nk, nv, inner = (meta.get(f"qwen35.ssm.{k}") for k in ("group_count", "time_step_rank", "inner_size"))
+    if not all(isinstance(v, int) and v > 0 for v in (nk, nv, inner)):
+        return False  # model_config() refuses the file
+    return not _splits_groups(name, group, nk != nv, inner // nv)
