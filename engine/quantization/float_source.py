@@ -14,7 +14,6 @@ import torch
 from engine.sources.checkpoint_file import BonsaiCheckpoint, canonical_name, hf_name
 from engine.errors import ModelFileError
 from engine.sources.gguf_file import GGUFFile
-from engine.sources.gguf_file import canonical_name as gguf_canonical_name
 from engine.sources.hf_files import HFModelDir
 from engine.quantization.lora import LoraAdapter
 from engine.sources.model_config import ModelConfig
@@ -46,9 +45,10 @@ class FloatSource:
                         self.shapes[canon] = shape
         else:
             for name, _, shape, _ in source.tensor_info():
-                canon = gguf_canonical_name(name) if isinstance(source, GGUFFile) else canonical_name(name)
+                canon = source.canonical(name) if isinstance(source, GGUFFile) else canonical_name(name)
                 if canon is not None:
-                    self.shapes[canon] = tuple(shape)
+                    self.shapes[canon] = source.canonical_shape(canon, shape) if isinstance(source, GGUFFile) \
+                        else tuple(shape)
         if config.tie_word_embeddings:
             self.shapes.pop(HEAD, None)  # a copy some tied checkpoints ship
             if rotation is not None:

@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 
 from engine.errors import ModelFileError, UnsupportedModelError
+from engine.sources import gguf_qwen35
 from engine.sources.gguf_reader import GGUFFormatError, TensorExtent, UnknownTypeError, read_gguf, tensor_bytes
 from engine.sources.model_check import check_tensors, in_file
 from engine.sources.model_config import ModelConfig
@@ -104,11 +105,36 @@ class GGUFFile:
     def tensor_names(self) -> set[str]:
         return set(self._tensors)
 
+    @property
+    def _qwen35(self) -> bool:
+        return self.metadata.get("general.architecture") == "qwen35"
+
+    def canonical(self, stored: str) -> str | None:
+        """Our name for one of its tensor names (canonical_name, or engine.sources.gguf_qwen35's)."""
+        if not self._qwen35:
+            return canonical_name(stored)
+        layers, mtp = self.metadata.get("qwen35.block_count"), self.metadata.get("qwen35.nextn_predict_layers", 0)
+        return gguf_qwen35.canonical_name(stored, layers - mtp if isinstance(layers, int) and isinstance(mtp, int)
+                                          else None)
+
+    def stored_name(self, canonical: str) -> str:
+        """Its name of a canonical tensor (the inverse of canonical)."""
+        return gguf_qwen35.gguf_name(canonical) if self._qwen35 else gguf_name(canonical)
+
+    def keeps_codes(self, canonical: str, group: int) -> bool:
+        """Whether iter_quantized_tensors yields this matrix's stored codes (qwen35: gguf_qwen35.keeps_codes)."""
+        return not self._qwen35 or gguf_qwen35.keeps_codes(canonical, group, self.metadata)
+
+    def canonical_shape(self, canonical: str, stored: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape read_tensor gives a tensor stored with torch-order shape `stored`."""
+        return gguf_qwen35.canonical_shape(canonical, stored) if self._qwen35 else tuple(stored)
+
     def model_config(self) -> ModelConfig:
         """The architecture its metadata declares, checked against its tensors (engine.sources.model_check)."""
         config = in_file(self.path, lambda: ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names))
-        used = {name: t for t in self._tensors.values() if (name := canonical_name(t.name)) is not None}
-        check_tensors(self.path, config, {name: (t.name, t.shape) for name, t in used.items()}, gguf_name,
+        used = {name: t for t in self._tensors.values() if (name := self.canonical(t.name)) is not None}
+        check_tensors(self.path, config, {name: (t.name, self.canonical_shape(name, t.shape))
+                                          for name, t in used.items()}, self.stored_name,
                       f"{config.architecture}.block_count")
         for t in used.values():
             if t.type_id not in gguf_types.DECODABLE_TYPES | gguf_types.CODEC_TYPES:
@@ -131,7 +157,7 @@ class GGUFFile:
                                ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (canonical name, float32 tensor), one tensor decoded at a time; `skip` names are not read."""
         for t in self._tensors.values():
-            name = canonical_name(t.name)
+            name = self.canonical(t.name)
             if name is None or name in skip:
                 continue
             yield name, self.read_tensor(name, config)
@@ -139,10 +165,11 @@ class GGUFFile:
     def read_tensor(self, name: str, config: ModelConfig, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """One tensor by canonical name as float32 (llama q/k rows un-permuted); `rows` (start, stop): only
         those rows of a 2-D tensor are decoded (not for llama q/k, whose rows are permuted)."""
-        t = self._tensors[gguf_name(name)]
+        t = self._tensors[self.stored_name(name)]
         raw, shape = tensor_bytes(self._data, t), t.shape
         if rows is not None:
             assert len(shape) == 2 and not name.endswith(("q_proj.weight", "k_proj.weight"))
+            assert not (config.architecture == "qwen35" and gguf_qwen35.transformed(name))
             raw, shape = raw[rows[0]:rows[1]], (rows[1] - rows[0], shape[1])
         try:
             tensor = gguf_types.dequantize(raw, t.type_id, shape)
@@ -152,6 +179,8 @@ class GGUFFile:
             tensor = _unpermute_rotary(tensor, config.num_heads)
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute_rotary(tensor, config.num_kv_heads)
+        elif config.architecture == "qwen35":  # (a rotated hybrid file is refused: engine.sources.prism_rotation)
+            tensor = gguf_qwen35.from_stored(name, tensor, config)
         elif name == "embed_tokens.weight" and self.embedding_rotation is not None:
             tensor = _unrotate_rows(tensor, self.embedding_rotation)
         return tensor
@@ -163,7 +192,7 @@ class GGUFFile:
         requantizing: (canonical name, quant type, group size, codes int8 [N, K], scales float32 [N, K/G]).
         Q2_0 codes are {-1, 0, 1, 2}: 'tri' if a tensor uses no 2, else 'int4'."""
         for t in self._tensors.values():
-            name = canonical_name(t.name)
+            name = self.canonical(t.name)
             if name is None or t.type_id not in gguf_codec.IMPORTABLE or len(t.shape) != 2:
                 continue
             codes, scales = gguf_codec.decode(tensor_bytes(self._data, t), t.type_id, t.shape[-1])
@@ -173,6 +202,10 @@ class GGUFFile:
             heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
             if config.architecture == "llama" and heads is not None:
                 codes, scales = _unpermute_rotary(codes, heads), _unpermute_rotary(scales, heads)
+            if config.architecture == "qwen35":
+                if (ordered := gguf_qwen35.codes_from_stored(name, codes, scales, config)) is None:
+                    continue
+                codes, scales = ordered
             yield name, quant_type, t.shape[-1] // scales.shape[-1], codes, scales
 
 

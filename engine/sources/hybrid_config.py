@@ -81,3 +81,34 @@ class HybridConfig:
                             f.count("linear_value_head_dim", "head_dim", 128),
                             f.count("linear_conv_kernel_dim", "num_layers", 4),
                             float(partial))
+
+    @staticmethod
+    def from_gguf(meta: dict[str, Any], num_layers: int, head_dim: int) -> "HybridConfig":
+        """The layer mix of a llama.cpp `qwen35` GGUF (docs/qwen35_gguf.md): ssm.group_count key heads,
+        ssm.time_step_rank value heads, ssm.state_size the key head dim, ssm.inner_size all value dims,
+        DeltaNet layers where (i + 1) % full_attention_interval != 0 unless attention.recurrent_layers
+        lists them, rope.dimension_count / attention.key_length the rotary part."""
+        f = Fields(meta, "qwen35.")
+        key_heads = f.count("ssm.group_count", "num_heads")
+        value_heads = f.count("ssm.time_step_rank", "num_heads")
+        inner = f.count("ssm.inner_size", "intermediate_size")
+        if inner % value_heads:
+            raise UnsupportedModelError(f"qwen35.ssm.inner_size ({inner}) is not a multiple of "
+                                        f"qwen35.ssm.time_step_rank ({value_heads}); the file's metadata is inconsistent")
+        recurrent = meta.get("qwen35.attention.recurrent_layers")
+        if recurrent is None:
+            interval = f.count("full_attention_interval", "num_layers", 4)
+            recurrent = [(i + 1) % interval != 0 for i in range(num_layers)]
+        if not isinstance(recurrent, list) or len(recurrent) < num_layers:
+            raise UnsupportedModelError(f"qwen35.attention.recurrent_layers must list one flag per layer "
+                                        f"({num_layers}), got {recurrent!r:.80}")
+        if f.count("attention.value_length", "head_dim", head_dim) != head_dim:
+            raise UnsupportedModelError(f"qwen35.attention.value_length ({meta['qwen35.attention.value_length']}) "
+                                        f"differs from attention.key_length ({head_dim}); bonsai runs equal ones")
+        rotary = f.count("rope.dimension_count", "head_dim", head_dim)
+        if rotary > head_dim or rotary % 2:
+            raise UnsupportedModelError(f"qwen35.rope.dimension_count is {rotary}; it must be even and at most "
+                                        f"attention.key_length ({head_dim})")
+        return HybridConfig(tuple(LINEAR if r else FULL for r in recurrent[:num_layers]), key_heads, value_heads,
+                            f.count("ssm.state_size", "head_dim"), inner // value_heads,
+                            f.count("ssm.conv_kernel", "num_layers"), rotary / head_dim)

@@ -183,22 +183,30 @@ class ModelConfig:
             scaling = RopeScaling("linear", factor=f.number("rope.scaling.factor"))
         elif scaling_type not in ("none", None):
             raise UnsupportedModelError(f"unsupported rope scaling '{scaling_type}' in the GGUF")
+        layers = f.count("block_count", "num_layers")
+        if arch == "qwen35":  # llama.cpp appends the MTP blocks to block_count
+            mtp = meta.get("qwen35.nextn_predict_layers", 0)
+            if not isinstance(mtp, int) or not 0 <= mtp < layers:
+                raise ModelFileError(f"qwen35.nextn_predict_layers is {mtp!r:.40}; it must be in 0..block_count-1")
+            layers -= mtp
+        head_dim = f.count("attention.key_length", "head_dim", hidden // heads)
         return ModelConfig(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=f.count("feed_forward_length", "intermediate_size"),
-            num_layers=f.count("block_count", "num_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=f.count("attention.head_count_kv", "num_kv_heads", heads),
-            head_dim=f.count("attention.key_length", "head_dim", hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=f.number("attention.layer_norm_rms_epsilon", 1e-6, high=1.0),
             rope_theta=f.number("rope.freq_base", 10000.0),
             max_position_embeddings=f.count("context_length", "max_position_embeddings", 4096),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names or arch == "qwen35",
             rope_scaling=scaling,
+            hybrid=HybridConfig.from_gguf(meta, layers, head_dim) if arch == "qwen35" else None,
         )
 
 

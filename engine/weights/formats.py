@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from engine.errors import BonsaiError, GroupSizeError
 from engine.sources.checkpoint_file import BonsaiCheckpoint, canonical_name
 from engine.sources.gguf_file import GGUFFile
-from engine.sources.gguf_file import canonical_name as gguf_canonical
 from engine.sources.hf_files import hf_name
 from engine.sources.model_config import ModelConfig
 from quant import gguf_codec, gguf_types
@@ -213,8 +212,9 @@ def stored_formats(source, exact: bool = False) -> dict[str, tuple[str, int]]:
                       for i, q in gguf_codec.IMPORTABLE.items()}
         q2_names = {gguf_types.type_name(i) for i, q in gguf_codec.IMPORTABLE.items() if q == "q2_0"}
         for name, type_name, shape, _ in source.tensor_info():
-            canon = gguf_canonical(name)
-            if canon is not None and type_name in importable and len(shape) == 2:
+            canon = source.canonical(name)
+            if canon is not None and type_name in importable and len(shape) == 2 \
+                    and source.keeps_codes(canon, importable[type_name][1]):
                 if not (exact and type_name in q2_names):
                     out[canon] = importable[type_name]
     return out
