@@ -122,7 +122,8 @@ def linear_modules(config: ModelConfig) -> list[tuple[str, int, int, list[str]]]
     return out
 
 
-def _packable(kind: str, n: int, k: int, group: int) -> bool:
+def packable(kind: str, n: int, k: int, group: int) -> bool:
+    """Whether an [n, k] matrix packs as `kind` with this group."""
     try:
         check_packable(kind, n, k, group)
     except ValueError:
@@ -178,13 +179,13 @@ def linear_formats(config: ModelConfig, fmt: WeightFormat = WeightFormat(),
         layer = LinearFormat()
         if stored:
             found = [stored.get(p) for p in parts]
-            if all(found) and len(set(found)) == 1 and _packable(found[0][0], n, k, found[0][1]):
+            if all(found) and len(set(found)) == 1 and packable(found[0][0], n, k, found[0][1]):
                 layer = LinearFormat(*found[0])
-                if layer.kind == "tri" and _packable(fmt.ternary_kind, n, k, layer.group_size):
+                if layer.kind == "tri" and packable(fmt.ternary_kind, n, k, layer.group_size):
                     layer = LinearFormat(fmt.ternary_kind, layer.group_size)  # the same codes, re-laid out
         if not layer.packed:
             layer = rounded_format(path, fmt)
-            if layer.kind == "tri5" and not _packable("tri5", n, k, layer.group_size):
+            if layer.kind == "tri5" and not packable("tri5", n, k, layer.group_size):
                 layer = LinearFormat("tri", layer.group_size)  # base-3 needs K a multiple of 256
             if layer.packed:
                 require_packable(layer.kind, n, k, layer.group_size)

@@ -13,7 +13,7 @@ import torch
 
 from engine.pipeline.naming import global_name, layer_index, local_name
 from engine.runtime.model import Linear, Transformer
-from engine.weights.formats import STORED_LAYOUT, linear_modules
+from engine.weights.formats import STORED_LAYOUT, linear_modules, packable
 from engine.weights.packed_linear import PackedLinear
 from quant.packed_layout import check_packable, pack
 
@@ -76,7 +76,7 @@ def _pack_layer(model: Transformer, path: str, parts: list[tuple], device: torch
     kind, group = kinds.pop(), groups.pop()
     codes = torch.cat([p[2] for p in parts])  # [N, K]
     scales = torch.cat([p[3] for p in parts])  # [N, K/G]
-    if kind == "tri" and ternary == "tri5" and _packable("tri5", codes.shape[0], codes.shape[1], group):
+    if kind == "tri" and ternary == "tri5" and packable("tri5", codes.shape[0], codes.shape[1], group):
         kind = "tri5"
     try:
         check_packable(kind, codes.shape[0], codes.shape[1], group)
@@ -88,12 +88,4 @@ def _pack_layer(model: Transformer, path: str, parts: list[tuple], device: torch
     pw = pack(kind, codes, scales, group).to(device if device is not None else module.weight.device)
     parent, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(pw, bias))
-    return True
-
-
-def _packable(kind: str, n: int, k: int, group: int) -> bool:
-    try:
-        check_packable(kind, n, k, group)
-    except ValueError:
-        return False
     return True
