@@ -36,10 +36,11 @@ MAX_GPU_MEMORY_HELP = ("hard GPU memory limit, e.g. 6GB or 5.5GiB: the memory pl
                        "shrinks when that makes it fit) and the CUDA allocator is capped at it (no cap on the CPU)")
 EMBEDDING_ON_HOST_HELP = ("keep the embedding table in host memory (each step copies its tokens' rows to the GPU; the "
                           "decode step stays CUDA-graphed). Default: only when --max-gpu-memory needs it")
-WEIGHT_DTYPE_HELP = ("matrix storage: auto (on CPU float16 matrices: ~1.75x faster decode, mean KL 2e-6 vs "
+WEIGHT_DTYPE_HELP = ("matrix storage: auto (on CPU float16 matrices: half float32's bytes, mean KL 2e-6 vs "
                      "float32, greedy output may differ at exact near-ties; on GPU the compute dtype), "
                      "float32 (exact), float16, bfloat16 (on a CPU with AVX512-BF16: one bf16 GEMM at every row "
-                     "count, so a speculative verify pass costs about one decode step; plain decode ~1.3x slower)")
+                     "count, so a speculative verify pass costs about one decode step and prompts run 2-7x "
+                     "faster; plain decode 0.8-1.15x float16's, docs/perf.md)")
 WEIGHTS_HELP = ("run-time weight format of the block matrices: bf16 (as loaded) or tri | bin | int4 | int8 "
                 "(rounded to nearest at load, or generated with --load-format dummy), run by the packed kernels")
 KV_TYPE_HELP = ("KV-cache element type: bf16 (the model's dtype), int8 (per-row scale), int4 (groups of 32, "

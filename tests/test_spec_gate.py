@@ -48,8 +48,9 @@ def test_steps_with_prompt_chunks_are_not_scored():
     assert gate.rates[(True, 4)] == pytest.approx(4.0)
 
 
+@pytest.mark.parametrize("lookahead", [False, True])  # on: as on a GPU (a plain step launches the next one)
 @pytest.mark.parametrize("policy", ["alternate", "random"])
-def test_switching_leaves_greedy_output_unchanged(one_thread, monkeypatch, policy):
+def test_switching_leaves_greedy_output_unchanged(one_thread, monkeypatch, policy, lookahead):
     loaded = tiny_loaded(scale=0.6)
     prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
     tok = TinyTokenizer()
@@ -64,10 +65,12 @@ def test_switching_leaves_greedy_output_unchanged(one_thread, monkeypatch, polic
     from tests.engine_runs import engine_over
     from engine.decoding.generate import generate_text
     from engine.decoding.sequence import Request
-    engine = engine_over(ModelRunner(loaded, 96), tok, NgramDrafter(1, 3), 4, spec_gate=True)
-    assert engine.gate is not None
+    runner = ModelRunner(loaded, 96)
+    engine = engine_over(runner, tok, NgramDrafter(1, 3), 4, spec_gate=True, lookahead=lookahead)
+    assert engine.gate is not None and (engine.ahead is not None) == lookahead
     _, got, _, stats = generate_text(engine, Request(list(prompt), max_tokens=40, ignore_eos=True))
     assert got == want and len(calls) > 10 and stats.speculative.drafted > 0
+    assert runner.slot(0).tokens == prompt + want[:-1]  # the slot holds what plain decoding leaves
 
 
 def test_batch_sizes_of_one_class_share_their_measurements():

@@ -117,6 +117,28 @@ def test_cpu_bf16_matrices_give_every_row_the_same_result_at_any_width(threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_float16_matrices_give_a_verified_row_the_decode_steps_result(threads):
+    """The CPU float16 path (the default matrices under float32 activations): each of 2..8 rows (a verify
+    pass of k + 1 rows) is bit-identical to the same row run alone (the decode step), within float16
+    rounding of float32; more rows go through one float32 GEMM."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((8960, 1536), (896, 4864), (64, 32)):
+            w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / 30).half()  # [N, K]
+            x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))  # [9, K]
+            alone = torch.cat([linear(x[i:i + 1], w) for i in range(9)])  # [9, N]
+            assert alone.dtype == torch.float32
+            for rows in range(2, 9):
+                assert torch.equal(linear(x[:rows], w), alone[:rows]), (n, k, rows)
+            want = x @ w.float().T  # [9, N]
+            assert (alone - want).abs().max() < 2e-3 * want.abs().max()
+            assert (linear(x, w) - want).abs().max() < 1e-4 * want.abs().max()  # 9 rows: float32
+    finally:
+        torch.set_num_threads(previous)
+
+
 @needs_bf16_gemm
 def test_greedy_output_with_cpu_bf16_matrices_equals_plain_decoding(one_thread):
     loaded = tiny_loaded()

@@ -6,22 +6,21 @@ for the requests that still have prompt (or inserted) tokens to feed, oldest fir
 `prefill_budget` tokens while other slots decode (scheduler.plan_prefill); then one batched decode
 step runs the next token of every decoding slot together, in one forward, short prompts riding in the
 rows its pass leaves free (scheduler.plan_riders). So a running request waits for at most one budget
-of prefill between two of its tokens, and a new request's first token comes from its last chunk. Events go back to each request through its `emit` (sequence.py). A step that
-fails ends the requests it served with an error and resets their slots; the others go on. Admitting
-a request is guarded the same way (one that cannot start fails alone), and an event callback that
-raises ends only its own request. `close` (the server's thread ending, `failure` saying why) fails
-every active and waiting request at once and refuses new ones: nothing ever waits on a dead engine.
+of prefill between two of its tokens, and a new request's first token comes from its last chunk. Events
+go back to each request through its `emit` (sequence.py). A step that fails ends the requests it served
+with an error and resets their slots; the others go on. Admitting a request is guarded the same way (one
+that cannot start fails alone), and an event callback that raises ends only its own request. `close` (the
+server's thread ending, `failure` saying why) fails every active and waiting request at once and refuses new
+ones: nothing ever waits on a dead engine.
 
-Offline generation is `submit` + `step` until the request finished (generate.py); `bonsai chat`,
-`generate`, `bench` and the drafter trainer drive it that way with one slot, the server
-(engine/server/engine_thread.py) from its own thread with many. `submit` and `cancel` may be called
-from other threads.
+Offline generation is `submit` + `step` until the request finished (generate.py); `bonsai chat`, `generate`,
+`bench` and the drafter trainer drive it that way with one slot, the server (engine/server/engine_thread.py)
+from its own thread with many. `submit` and `cancel` may be called from other threads.
 
-With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step
-instead: each decoding slot's drafter proposes tokens, all slots' rows are scored together, each
-slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached tokens
-stay exactly what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the
-whole prompt of the request that takes the slot (the reused prefix included).
+With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step instead: each
+decoding slot's drafter proposes tokens, all slots' rows are scored together, each slot keeps its accepted run
+plus the target's token and rewinds past the rest, so its cached tokens stay exactly what its KV holds and
+prefix reuse keeps working. A slot's drafter is begun on the whole prompt of the request that takes the slot.
 """
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ class Engine:
         self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
         on = lookahead if lookahead is not None else runner.device.type == "cuda"
         self.ahead = Lookahead(runner) if on and getattr(runner, "rewinds_for_free", True) else None
-        # speculate only while it is faster than not (engine.decoding.spec_gate); drafters that read the
-        # target's hidden states need every step, and so always speculate
+        # speculate only while faster than not (spec_gate); drafters reading hidden states need every step
         gate = spec_gate if spec_gate is not None else runner.device.type == "cuda"
         self.gate = (SpecGate() if gate and self.spec is not None and not any(d.hidden_layers for d in drafters)
                      else None)
@@ -274,6 +272,8 @@ class Engine:
             self.gate.begin(speculate, len(rows), self.metrics.generated_tokens, self.metrics.prefill_chunks,
                             time.perf_counter())
         if speculate:
+            if self.ahead is not None:  # a plain step launched ahead is not this one: its slots forget its token
+                self.ahead.drop_all()
             self.spec.step(self.active, rows, lambda i, e: self._fail(i, error_message(e)))
             return
         seqs = [self.active[i] for i in rows]
