@@ -153,10 +153,10 @@ def all_linears(tied: bool = False) -> list[str]:
     return [f"blk.{i}.{p}.weight" for i in range(LAYERS) for p in parts] + ([] if tied else ["output.weight"])
 
 
-def logits_every_way(path, **load) -> dict[str, torch.Tensor]:
+def logits_every_way(path, device: str = "cpu", **load) -> dict[str, torch.Tensor]:
     """One prompt's logits: a prefill pass (every row), token-by-token eager decoding, the fused decode step
-    (the kernels' CPU references) and a speculative verify pass through it."""
-    loaded = load_model(path, weight_dtype=torch.float32, **load)
+    (the kernels' CPU references; on CUDA the Triton kernels, graphed) and a speculative verify pass through it."""
+    loaded = load_model(path, device, weight_dtype=torch.float32 if device == "cpu" else None, **load)
     out = {}
     eager = ModelRunner(loaded, max_seq_len=64, fast_decode=False)
     out["prefill"] = eager.forward(eager.slot(), IDS, num_logits=None)  # [T, V]
@@ -168,7 +168,7 @@ def logits_every_way(path, **load) -> dict[str, torch.Tensor]:
     fused.forward(fused.slot(), IDS[:4])
     out["fused"] = torch.cat([fused.forward(fused.slot(), [t]) for t in IDS[4:8]])  # [4, V]
     out["verify"] = fused.verify(fused.slot(), IDS[8:])[0]  # [4, V]
-    return out
+    return {key: logits.float().cpu() for key, logits in out.items()}
 
 
 def assert_same(got: dict, want: dict, atol: float) -> None:
@@ -245,10 +245,8 @@ def test_a_partly_rotated_tied_file_with_identity_signs(tmp_path, smollm2_gguf, 
     assert model.lm_head_rotation is None and model.layers[1].feed_forward.w2_rotation.signs is None
 
 
-def test_ternary_pq2_weights_in_the_rotated_basis(tmp_path, smollm2_gguf, vocab, one_thread):
-    """Ternary PQ2_0 codes stand for the folded weights W'; the reference is an independent float file of
-    W = unfold(dequantize(W')). Loaded as floats it matches tightly; served packed as stored (int8
-    activations, through the rotation before the quantization) it matches to the activations' rounding."""
+def pq2_files(tmp_path, smollm2_gguf, vocab: int):
+    """(an independent float file of W = unfold(dequantize(W')), the rotated file of ternary PQ2_0 codes W')."""
     plain = random_tensors("llama", vocab, seed=4)
     rng = np.random.default_rng(5)
     signs = {w: rng.choice([-1.0, 1.0], w) for w in (128, 256)}
@@ -263,6 +261,23 @@ def test_ternary_pq2_weights_in_the_rotated_basis(tmp_path, smollm2_gguf, vocab,
     ref = write_gguf(tmp_path / "ref.gguf", smollm2_gguf, "llama", reference)
     rot = write_gguf(tmp_path / "rot.gguf", smollm2_gguf, "llama", stored,
                      prism_meta(32, signs, names, []), raw=raw)
+    return ref, rot
+
+
+@pytest.mark.gpu
+def test_a_rotated_ternary_file_on_the_gpu(tmp_path, smollm2_gguf, vocab):
+    """The rotated PQ2_0 file on CUDA: its codes packed as stored through the Triton kernels (the activations
+    rotated before their int8 quantization), the decode step graphed, bf16 activations: the CPU float32
+    logits of the unrotated W to the activations' rounding."""
+    ref, rot = pq2_files(tmp_path, smollm2_gguf, vocab)
+    assert_same(logits_every_way(rot, "cuda", keep_codes=True), logits_every_way(ref), 0.08)
+
+
+def test_ternary_pq2_weights_in_the_rotated_basis(tmp_path, smollm2_gguf, vocab, one_thread):
+    """Ternary PQ2_0 codes stand for the folded weights W'; the reference is an independent float file of
+    W = unfold(dequantize(W')). Loaded as floats it matches tightly; served packed as stored (int8
+    activations, through the rotation before the quantization) it matches to the activations' rounding."""
+    ref, rot = pq2_files(tmp_path, smollm2_gguf, vocab)
     want = logits_every_way(ref)
     assert_same(logits_every_way(rot, keep_codes=False), want, 1e-4)
     packed = logits_every_way(rot, keep_codes=True)

@@ -15,7 +15,8 @@ import torch
 
 from engine.errors import ModelFileError, UnsupportedModelError
 from engine.sources import gguf_qwen35
-from engine.sources.gguf_reader import GGUFFormatError, TensorExtent, UnknownTypeError, read_gguf, tensor_bytes
+from engine.sources.gguf_reader import (GGUFFormatError, TensorExtent, UnknownTypeError, read_gguf, release_pages,
+                                       tensor_bytes)
 from engine.sources.model_check import check_tensors, in_file
 from engine.sources.model_config import ModelConfig
 from engine.sources import prism_rotation
@@ -175,6 +176,7 @@ class GGUFFile:
             tensor = gguf_types.dequantize(raw, t.type_id, shape)
         except gguf_types.UnsupportedTensorType as e:
             raise UnsupportedModelError(f"{self.path.name}: tensor {t.name}: {e}") from None
+        release_pages(self._data, t)  # decoded: its bytes leave the resident set (a view would fault them back)
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = _unpermute_rotary(tensor, config.num_heads)
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -196,6 +198,7 @@ class GGUFFile:
             if name is None or t.type_id not in gguf_codec.IMPORTABLE or len(t.shape) != 2:
                 continue
             codes, scales = gguf_codec.decode(tensor_bytes(self._data, t), t.type_id, t.shape[-1])
+            release_pages(self._data, t)
             quant_type = gguf_codec.IMPORTABLE[t.type_id]
             if quant_type == "q2_0":
                 quant_type = "int4" if bool((codes == 2).any()) else "tri"

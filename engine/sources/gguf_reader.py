@@ -11,6 +11,7 @@ offsets aligned, nothing past the end) and `general.alignment` against GGUF's (a
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,3 +174,17 @@ def tensor_bytes(data: np.memmap, t: TensorExtent) -> np.ndarray:
     raw = data[t.offset:t.offset + t.nbytes]
     rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
     return raw.reshape(rows, -1)
+
+
+def release_pages(data: np.memmap, t: TensorExtent) -> None:
+    """Drop one tensor's pages of the mapped file from this process's resident set once it is decoded (they
+    stay in the page cache; a later read faults them in again): a reader that goes tensor by tensor, as
+    `bonsai quantize` does, then holds one tensor of the file resident, not every page it has read (0.5B
+    GGUF, every tensor read: RSS +463 MiB without, docs/quality.md)."""
+    mapped = getattr(data, "_mmap", None)
+    if mapped is None or not hasattr(mapped, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return  # not a file mapping numpy made, or no madvise here: pages stay until the mapping closes
+    start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+    stop = min(-(-(t.offset + t.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE, len(mapped))
+    if stop > start:
+        mapped.madvise(mmap.MADV_DONTNEED, start, stop - start)
