@@ -26,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 N_PROMPT, N_GEN = 64, 32
 
 
-def llama_bench(binary: Path, model: Path, threads: int) -> dict[str, float]:
+def llama_bench(binary: Path, model: Path, threads: int, repack: bool = True) -> dict[str, float]:
     """One llama-bench invocation (one timed repetition per test): {'pp64': tok/s, 'tg32': tok/s}."""
     out = subprocess.run([str(binary), "-m", str(model), "-p", str(N_PROMPT), "-n", str(N_GEN), "-t", str(threads),
-                          "-r", "1", "-o", "json"], capture_output=True, text=True, check=True).stdout
+                          "-r", "1", "-o", "json", "--repack", "1" if repack else "0"],
+                         capture_output=True, text=True, check=True).stdout
     result = {}
     for row in json.loads(out):
         name = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
@@ -62,6 +63,8 @@ def main() -> None:
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-repack", action="store_true", help="llama-bench --repack 0 (its weight repacking off: "
+                    "the 0.3.36 build segfaults at load on Qwen2.5-Coder-0.5B on an AMX machine without it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     binary = build(args.llama_dir) / "llama-bench"
@@ -82,7 +85,7 @@ def main() -> None:
         ours_bench(runner, special, 10_000)  # warm-up (llama-bench warms up inside each call)
         samples = {"bonsai": {}, "llama.cpp": {}}
         for r in range(args.rounds):
-            runs = [("llama.cpp", lambda: llama_bench(binary, path, args.threads)),
+            runs = [("llama.cpp", lambda: llama_bench(binary, path, args.threads, not args.no_repack)),
                     ("bonsai", lambda: ours_bench(runner, special, r + 1))]
             for engine, run in (runs if r % 2 == 0 else runs[::-1]):
                 for test, tps in run().items():

@@ -31,9 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 DEFAULT_BIN = Path("/work/build/llama.cpp/build/bin")
 
 
-def llama_cpp_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int) -> float:
+def llama_cpp_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int,
+                         no_repack: bool = False) -> float:
     proc = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx),
-                           "--chunks", str(chunks), "-t", str(threads)], capture_output=True, text=True)
+                           "--chunks", str(chunks), "-t", str(threads)] + (["-nr"] if no_repack else []),
+                          capture_output=True, text=True)
     found = re.search(r"Final estimate: PPL = ([0-9.eE+-]+)", proc.stdout + proc.stderr)
     if proc.returncode != 0 or not found:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
@@ -71,6 +73,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-repack", action="store_true", help="llama.cpp's -nr: its CPU weight repacking off (in "
+                    "0.3.36 it crashes on Q1_0 matrices: exit -11 on our 1-bit Qwen2.5-Coder-0.5B export)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     binary = args.llama_bin / "llama-perplexity"
@@ -84,7 +88,8 @@ def main() -> None:
         f.write(text)
     for gguf in args.gguf:
         t0 = time.perf_counter()
-        theirs = llama_cpp_perplexity(binary, gguf, Path(f.name), args.ctx, args.chunks, args.threads)
+        theirs = llama_cpp_perplexity(binary, gguf, Path(f.name), args.ctx, args.chunks, args.threads,
+                                      args.no_repack)
         t1 = time.perf_counter()
         ours = bonsai_perplexity(gguf, text, args.ctx, args.chunks)
         t2 = time.perf_counter()
