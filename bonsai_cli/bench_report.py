@@ -27,7 +27,8 @@ def write_json(report: dict[str, Any], path: Path) -> None:
 def _weights(m: dict[str, Any]) -> str:
     packed = m.get("weights", "bf16")
     if packed == "bf16" and m.get("head_weights", "bf16") == "bf16":
-        return m["weight_dtype"]
+        int4 = m.get("int4_layers", 0)
+        return m["weight_dtype"] + (f" + {int4} int4 as stored" if int4 else "")
     return f"{packed} g{m.get('group_size')} (head {m.get('head_weights')})"
 
 

@@ -10,7 +10,8 @@ import typer
 from bonsai_cli.common import err_console, print_json, spec_summary
 from bonsai_cli.run_options import (CONFIG_HELP, DEVICE_HELP, DRAFT_TOKENS_HELP, EMBEDDING_ON_HOST_HELP,
                                     HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, KV_TYPE_HELP, MAX_GPU_MEMORY_HELP,
-                                    PIPELINE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, open_cli_run, run_config)
+                                    PIPELINE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP,
+                                    CPU_INT4_HELP, OUTPUT_DTYPE_HELP, open_cli_run, run_config)
 
 
 def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
@@ -42,6 +43,8 @@ def generate(
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     pipeline_parallel: bool = typer.Option(False, "--pipeline-parallel", help=PIPELINE_HELP),
     weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help=WEIGHT_DTYPE_HELP + " (default auto)"),
+    cpu_int4: Optional[bool] = typer.Option(None, "--cpu-int4/--no-cpu-int4", help=CPU_INT4_HELP),
+    output_dtype: Optional[str] = typer.Option(None, "--output-dtype", help=OUTPUT_DTYPE_HELP),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="context length to allocate "
                                               "(default 4096, or the model's positions if fewer)"),
     kv_type: Optional[str] = typer.Option(None, "--kv-type", help=KV_TYPE_HELP + " (default bf16)"),
@@ -68,7 +71,8 @@ def generate(
     sampling = sampling_from_options(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty,
                                      frequency_penalty, seed)
     cfg = run_config(model, {"--device": device, "--pipeline-parallel": pipeline_parallel,
-                             "--weight-dtype": weight_dtype, "--max-seq-len": max_seq_len, "--kv-type": kv_type,
+                             "--weight-dtype": weight_dtype,
+                             "--cpu-int4": cpu_int4, "--output-dtype": output_dtype, "--max-seq-len": max_seq_len, "--kv-type": kv_type,
                              "--kv-offload": kv_offload, "--host-kv-mib": host_kv_mib, "--spec": spec,
                              "--draft-tokens": draft_tokens, "--max-gpu-memory": max_gpu_memory,
                              "--embedding-on-host": embedding_on_host}, config)

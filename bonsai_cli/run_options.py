@@ -15,6 +15,7 @@ from bonsai_cli.common import err_console
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
 FLAG_KEYS = {  # flag → the config key it sets
     "--device": "runtime.device", "--slots": "runtime.max_batch_size", "--weight-dtype": "runtime.weight_dtype",
+    "--cpu-int4": "runtime.cpu_int4", "--output-dtype": "runtime.output_dtype",
     "--max-seq-len": "runtime.max_seq_len", "--kv-type": "model.kv_type", "--weights": "model.quant_type",
     "--group-size": "model.group_size", "--head-weights": "model.head_type", "--load-format": "model.load_format",
     "--ternary-layout": "model.ternary_layout",
@@ -41,6 +42,12 @@ WEIGHT_DTYPE_HELP = ("matrix storage: auto (on CPU float16 matrices: half float3
                      "float32 (exact), float16, bfloat16 (on a CPU with AVX512-BF16: one bf16 GEMM at every row "
                      "count, so a speculative verify pass costs about one decode step and prompts run 2-7x "
                      "faster; plain decode 0.8-1.15x float16's, docs/perf.md)")
+CPU_INT4_HELP = ("on the CPU, run a GGUF's Q4_0/Q4_1/Q4_K block matrices as stored with torch's int4 kernel (4.5 "
+                 "bits a weight read per token instead of float16's 16; bfloat16 activations, quality in "
+                 "docs/quality.md). Default: on when --weight-dtype is auto and the weights are as loaded")
+OUTPUT_DTYPE_HELP = ("the CPU output layer: float32 (exact), float16 (one float16 GEMM, the logits near each row's "
+                     "largest recomputed in float32: the same greedy choice, 2-5x fewer bytes a token) or auto "
+                     "(float16 when --weight-dtype is auto)")
 WEIGHTS_HELP = ("run-time weight format of the block matrices: bf16 (as loaded) or tri | bin | int4 | int8 "
                 "(rounded to nearest at load, or generated with --load-format dummy), run by the packed kernels")
 KV_TYPE_HELP = ("KV-cache element type: bf16 (the model's dtype), int8 (per-row scale), int4 (groups of 32, "

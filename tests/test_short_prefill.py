@@ -4,6 +4,7 @@ CPU (the fused step asked for, its plain-torch references) with 4 rows a pass: t
 as the eager prefill, the same greedy continuation, and longer chunks still go the eager way."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.runtime.runner import SHORT_PREFILL_TOKENS, ModelRunner
@@ -143,3 +144,73 @@ def test_short_prompts_ride_in_the_decode_pass_of_other_slots(one_thread, monkey
     assert all(index == 0 or n == 1 for index, n in forwards)  # slot 1's prompt ran in no pass of its own
     assert [outs[0], outs[1]] == alone
 
+
+
+@pytest.mark.parametrize("gate_speculates", [False, True])
+def test_with_drafters_prompts_ride_only_in_steps_the_gate_keeps_plain(one_thread, monkeypatch, gate_speculates):
+    """Drafters attached: a short prompt rides in a decode pass only when the gate keeps that step plain (a
+    verify pass has no free rows); either way both requests' greedy outputs are those each gets alone."""
+    from engine.decoding.sequence import Request
+    from engine.decoding.spec_gate import SpecGate
+    from engine.speculative.ngram import NgramDrafter
+    loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
+    tok = TinyTokenizer()
+    prompts = (PROMPT, PROMPT[::-1] + [9])
+    alone = [run_engine(ModelRunner(loaded, 96, fast_decode=True), tok, p, max_tokens=10, ignore_eos=True)[1]
+             for p in prompts]
+    runner = ModelRunner(loaded, 96, num_slots=2, fast_decode=True)
+    runner.short_prefill_rows = 8
+    runner.prepare_rows(8)
+    from engine.decoding.engine import Engine
+    mixed, mixed_pass = [], Engine._mixed_pass
+    monkeypatch.setattr(Engine, "_mixed_pass", lambda self, rows, fed, riders: mixed.append(len(riders)) or
+                        mixed_pass(self, rows, fed, riders))
+    monkeypatch.setattr(SpecGate, "speculate", lambda self, batch: gate_speculates)
+    monkeypatch.setattr(SpecGate, "peek", lambda self, batch: gate_speculates)
+    engine = engine_over(runner, tok, NgramDrafter(1, 3), 4, spec_gate=True)
+    assert engine.gate is not None and engine.mix_rows == 8
+    outs = {0: [], 1: []}
+    engine.submit(Request(list(prompts[0]), max_tokens=10, ignore_eos=True,
+                          emit=lambda e: outs[0].extend(getattr(e, "token_ids", ()))))
+    for _ in range(8):
+        engine.step()
+        if any(len(s.pending) == 1 for s in engine.active.values()):
+            break
+    engine.submit(Request(list(prompts[1]), max_tokens=10, ignore_eos=True,
+                          emit=lambda e: outs[1].extend(getattr(e, "token_ids", ()))))
+    for _ in range(60):
+        if not engine.has_work:
+            break
+        engine.step()
+    assert not engine.has_work
+    assert bool(mixed) != gate_speculates
+    assert [outs[0], outs[1]] == alone
+
+
+def test_riders_planned_before_a_prompt_finished_prefill_are_cut_to_the_pass(one_thread):
+    """Riders are planned before this iteration's prompt chunks; a prompt that finishes then decodes in the
+    same pass, one row more: the riders are re-planned to fit (a pass over its rows failed every request)."""
+    from engine.decoding.scheduler import PrefillChunk
+    from engine.decoding.sequence import Request
+    loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
+    runner = ModelRunner(loaded, 96, num_slots=3, fast_decode=True)
+    runner.short_prefill_rows = 8
+    runner.prepare_rows(8)
+    engine = engine_over(runner, TinyTokenizer())
+    failed = []
+    for prompt in (PROMPT, PROMPT[::-1]):
+        engine.submit(Request(list(prompt), max_tokens=30, ignore_eos=True,
+                              emit=lambda e: failed.append(e) if type(e).__name__ == "Failed" else None))
+    for _ in range(20):
+        engine.step()
+        if len([s for s in engine.active.values() if len(s.pending) == 1]) == 2:
+            break
+    third = Request(list(PROMPT) + [4, 4], max_tokens=30, ignore_eos=True)
+    engine.submit(third)
+    with engine.lock:
+        engine._admit()
+    slot = next(i for i, s in engine.active.items() if len(s.pending) > 1)
+    left = len(engine.active[slot].pending)
+    engine._decode_all([PrefillChunk(slot, 7)])  # planned for one decode row: two decode now
+    assert len(engine.active[slot].pending) == left - 6 and not failed
+    assert all(not s.done for s in engine.active.values())

@@ -26,17 +26,36 @@ def _feed(gate: SpecGate, rates: dict[bool, float], batch: int, steps: int) -> l
     return chosen
 
 
-def test_the_faster_way_wins_and_the_other_is_retried():
-    gate = SpecGate(every=10)
-    chosen = _feed(gate, {True: 100.0, False: 300.0}, batch=8, steps=60)
+def test_the_faster_way_wins_and_the_other_is_retried_ever_less_often():
+    gate = SpecGate(every=10, max_every=40)
+    chosen = _feed(gate, {True: 100.0, False: 300.0}, batch=8, steps=200)
     # each way measured first (a step is scored when the next begins), speculation first
     assert chosen[:4] == [True, True, False, False]
-    assert [i + 1 for i, s in enumerate(chosen) if s and i >= 3] == [10, 20, 30, 40, 50, 60]  # then retried
+    # then retried after 10 steps, and after twice as many each time it is still slower (at most 40)
+    assert [i + 1 for i, s in enumerate(chosen) if s and i >= 3] == [10, 31, 72, 113, 154, 195]
     assert gate.rates[(False, 8)] == pytest.approx(300.0) and gate.rates[(True, 8)] == pytest.approx(100.0)
     # at another batch size the measurements are separate: here speculation is faster
     chosen = _feed(gate, {True: 500.0, False: 200.0}, batch=1, steps=30)
     assert chosen[:3] == [True, True, False]
-    assert [61 + i for i, s in enumerate(chosen) if not s] == [63, 64, 70, 80, 90]
+    assert [201 + i for i, s in enumerate(chosen) if not s] == [203, 204, 210]  # the next try: 231
+
+
+def test_a_try_that_finds_the_other_way_faster_switches_and_resets_the_wait():
+    gate = SpecGate(every=10)
+    _feed(gate, {True: 100.0, False: 300.0}, batch=4, steps=40)
+    assert gate.period[4] == 40  # two tries found speculation slower
+    chosen = _feed(gate, {True: 900.0, False: 300.0}, batch=4, steps=60)  # the workload changed
+    first = chosen.index(True)  # its try (scored when the next step has already been chosen, plainly)
+    assert chosen[first + 1:first + 12] == [False] + [True] * 9 + [False]  # kept; plain tried after 10 steps
+    assert all(chosen[first + 12:first + 32]) and gate.period[4] == 20  # that try found plain slower: twice as long
+
+
+def test_peek_says_what_the_next_step_will_choose_without_counting_it():
+    gate = SpecGate(every=10)
+    _feed(gate, {True: 100.0, False: 300.0}, batch=8, steps=8)
+    for _ in range(5):
+        steps, expected = gate.steps, gate.peek(8)
+        assert gate.steps == steps and gate.speculate(8) == expected
 
 
 def test_steps_with_prompt_chunks_are_not_scored():

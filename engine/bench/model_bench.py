@@ -22,6 +22,7 @@ from engine.errors import BonsaiError
 from engine.runtime.linear import Linear
 from engine.runtime.runner import Runner
 from engine.speculative.stats import SpecStats
+from engine.runtime.cpu_int4 import Int4CpuLinear
 from engine.weights.packed_linear import PackedLinear
 
 
@@ -123,7 +124,7 @@ def decode_bytes_per_token(runner: Runner, context: int) -> int:
     and conv window, engine.runtime.hybrid_state) is read and written back: counted twice."""
     model = runner.model
     weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
-    weights += sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
+    weights += sum(m.nbytes for m in model.modules() if isinstance(m, (PackedLinear, Int4CpuLinear)))
     emb = model.embed.weight
     if model.lm_head is None:
         weights += emb.numel() * emb.element_size()  # tied: the embedding is the output matrix

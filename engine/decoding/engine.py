@@ -13,14 +13,14 @@ that cannot start fails alone), and an event callback that raises ends only its 
 server's thread ending, `failure` saying why) fails every active and waiting request at once and refuses new
 ones: nothing ever waits on a dead engine.
 
-Offline generation is `submit` + `step` until the request finished (generate.py); `bonsai chat`, `generate`,
-`bench` and the drafter trainer drive it that way with one slot, the server (engine/server/engine_thread.py)
-from its own thread with many. `submit` and `cancel` may be called from other threads.
+Offline generation is `submit` + `step` until the request finished (generate.py); `bonsai chat`, `generate`, `bench`
+and the drafter trainer drive it that way with one slot, the server (engine/server/engine_thread.py) from its own
+thread with many. `submit` and `cancel` may be called from other threads.
 
-With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step instead: each
-decoding slot's drafter proposes tokens, all slots' rows are scored together, each slot keeps its accepted run
-plus the target's token and rewinds past the rest, so its cached tokens stay exactly what its KV holds and
-prefix reuse keeps working. A slot's drafter is begun on the whole prompt of the request that takes the slot.
+With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step instead (unless the
+gate keeps it plain: spec_gate.py): each decoding slot's drafter proposes tokens, all slots' rows are scored together,
+each slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached tokens stay exactly
+what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the whole prompt of the request.
 """
 from __future__ import annotations
 
@@ -78,12 +78,11 @@ class Engine:
         self.prefill_budget = prefill_budget or (2 * self.short_cut if self.short_cut else runner.prefill_chunk_size)
         # mixed passes: a decode step of B slots runs in the fused step's pass of up to `mix_rows` rows, the
         # free ones fed with short prompts' next tokens, so decoding slots wait for no pass of prefill
-        self.mix_rows = rows if mixed_prefill and rows > 1 and drafters is None else 0
+        self.mix_rows = rows if mixed_prefill and rows > 1 else 0  # with drafters: in steps the gate keeps plain
         self.min_riders = max(1, self.mix_rows // 4)  # fewer free rows: the prompt would crawl
         self.slot_context = min(slot_context or runner.max_seq_len, runner.max_seq_len)
         self.rules = rules or ThinkingRules()
-        # ids the tokenizer can turn into text: a model's padded vocabulary (or a borrowed tokenizer's
-        # smaller one) is cut to it before choosing
+        # ids the tokenizer can turn into text: a model's padded vocabulary (or a borrowed tokenizer's smaller one) is cut
         vocab = runner.loaded.config.vocab_size
         self.vocab = min(vocab, tokenizer.vocab_size) if tokenizer is not None else vocab
         self.metrics = metrics or Metrics()
@@ -104,8 +103,7 @@ class Engine:
         self.ahead = Lookahead(runner) if on and getattr(runner, "rewinds_for_free", True) else None
         # speculate only while faster than not (spec_gate); drafters reading hidden states need every step
         gate = spec_gate if spec_gate is not None else runner.device.type == "cuda"
-        self.gate = (SpecGate() if gate and self.spec is not None and not any(d.hidden_layers for d in drafters)
-                     else None)
+        self.gate = SpecGate() if gate and self.spec is not None and not any(d.hidden_layers for d in drafters) else None
 
     @property
     def has_work(self) -> bool:
@@ -151,21 +149,18 @@ class Engine:
                     slot.reset()
 
     def slots(self) -> list[dict]:
-        """What /slots shows."""
-        out = []
+        out = []  # what /slots shows
         for slot in self.runner.cache.slots:
             info = self.scheduler.info(slot.index)
             seq = self.active.get(slot.index)
             out.append({"id": slot.index, "n_ctx": self.slot_context, "is_processing": seq is not None,
-                        "n_cached": slot.length, "requests_served": info.requests_served,
-                        "cache_hits": info.cache_hits,
+                        "n_cached": slot.length, "requests_served": info.requests_served, "cache_hits": info.cache_hits,
                         "drafter": None if self.spec is None else self.spec.info(slot.index),
                         "task": None if seq is None else {
                             "id": seq.request.id, "n_prompt_tokens": len(seq.request.prompt_ids),
                             "n_cached": seq.stats.cached_tokens, "n_decoded": seq.generated}})
         return out
 
-    # -- one iteration ----------------------------------------------------------------------------
     def step(self) -> None:
         """Admit what waits, then one round of prefill chunks and one decode (or verify) step."""
         if self.scheduler.waiting:  # a request submitted meanwhile is admitted at the next step
@@ -224,10 +219,12 @@ class Engine:
         return self.slot_context - self.runner.slot(index).length
 
     def _riders(self) -> list[PrefillChunk]:
-        """Short prompts' pieces riding in this decode pass (scheduler.plan_riders); none with drafters or a step launched ahead."""
+        """Short prompts' pieces riding in this decode pass (scheduler.plan_riders); none if it speculates or a step runs ahead."""
         if not self.mix_rows or (self.ahead is not None and self.ahead.rows):
             return []
         decoding = sum(1 for s in self.active.values() if len(s.pending) == 1 and not s.done)
+        if self.spec is not None and (self.gate is None or self.gate.peek(decoding)):
+            return []
         waiting = [(i, len(s.pending)) for i, s in self.active.items()
                    if 1 < len(s.pending) <= self.short_tokens and not s.done]
         return plan_riders(decoding, waiting, self.mix_rows, self.min_riders) if waiting else []
@@ -277,6 +274,8 @@ class Engine:
             self.spec.step(self.active, rows, lambda i, e: self._fail(i, error_message(e)))
             return
         seqs = [self.active[i] for i in rows]
+        if riders and len(rows) + sum(p.size for p in riders) > self.mix_rows:  # a prompt's prefill ended: more rows
+            riders = plan_riders(len(rows), [(p.slot, p.size) for p in riders], self.mix_rows, self.min_riders)
         try:
             fed = [seq.pending[0] for seq in seqs]
             logits = self.ahead.take(rows, fed) if self.ahead is not None else None  # [B, V]: launched ahead
@@ -315,9 +314,8 @@ class Engine:
         self.metrics.count_step(len(rows), sum(seq.generated for seq in seqs) - before)
 
     def _mixed_pass(self, rows: list[int], fed: list[int], riders: list[PrefillChunk]) -> torch.Tensor:
-        """One fused pass: the decode rows' tokens, then each rider's prompt piece at its slot's next
-        positions; the riders' prompts move on (one that ends chooses its first token from its last row).
-        Logits [B, V] of the decode rows."""
+        """One fused pass: the decode rows' tokens, then each rider's prompt piece at its slot's next positions; the
+        riders' prompts move on (one that ends chooses its first token from its last row). Logits [B, V] of the decode rows."""
         runner, pieces = self.runner, []
         tokens, positions, slots = list(fed), [runner.slot(i).length for i in rows], list(rows)
         for i in rows:
@@ -351,10 +349,11 @@ class Engine:
         return logits[:len(rows)]
 
     def _launch_ahead(self, rows: list[int], seqs: list[Sequence], choices: list[int]) -> None:
-        """Launch the next decode step of `rows` feeding their chosen tokens, unless it will not be the next
-        step: a request waits or prefills, or a row ends now (its end-of-sequence token, its last token).
-        A row that ends another way (a stop string, a cancel) drops it again (`_end`)."""
-        if self.ahead is None or self.scheduler.waiting or len(rows) != len(self.active) or any(
+        """Launch the next decode step of `rows` feeding their chosen tokens, unless it will not be the next step:
+        a request waits or prefills, the gate will speculate, or a row ends now (its end-of-sequence token, its
+        last token). A row that ends another way (a stop string, a cancel) drops it again (`_end`)."""
+        gate_speculates = self.gate is not None and self.gate.peek(len(rows))
+        if self.ahead is None or self.scheduler.waiting or len(rows) != len(self.active) or gate_speculates or any(
                 choice in seq.eos or seq.generated + 1 >= seq.request.max_tokens
                 for seq, choice in zip(seqs, choices)):
             return

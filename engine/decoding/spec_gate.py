@@ -6,7 +6,9 @@ the planners time by, accepting row by row, and no step launched ahead (engine.d
 high concurrency that made speculation slower than plain decoding (0.72-0.94x at 8 slots on an H200). So
 the engine measures both: the tokens per second of the iterations that speculated and of those that did
 not, per class of batch size (iterations that also ran prompt chunks are not scored), and takes the faster; the
-slower one is tried again every `every` steps, so a change of workload is seen. A class is the batch sizes up to
+slower one is tried again after `every` steps, so a change of workload is seen, and after twice as many each
+time a try finds it still slower (up to MAX_EVERY: at 8 slots on an H200 the tries alone cost 11% of plain
+decoding's speed, 2026-12-04). A plain step does not launch the next one ahead when that one will speculate. A class is the batch sizes up to
 a power of two (1, 2, 3-4, 5-8, 9-16, …): with many slots the batch size changes every few steps as requests end
 and begin, and per exact size each new size was tried both ways again (at 8 slots that kept speculation on
 though it lost: 0.93x plain on the H200). Plain bookkeeping, no
@@ -15,6 +17,7 @@ tensors: the choice changes speed only, never the output (greedy output is the s
 from __future__ import annotations
 
 EMA = 0.3  # weight of a new measurement
+MAX_EVERY = 1024  # the longest wait between two tries of the slower way
 
 
 def size_class(batch: int) -> int:
@@ -23,31 +26,63 @@ def size_class(batch: int) -> int:
 
 
 class SpecGate:
-    def __init__(self, every: int = 32):
-        self.every = every
+    def __init__(self, every: int = 32, max_every: int = MAX_EVERY):
+        self.every, self.max_every = every, max_every
         self.rates: dict[tuple[bool, int], float] = {}  # (speculated, size_class(batch)) → tokens per second
         self.steps = 0
-        self._open: tuple[bool, int, int, int, float] | None = None  # the step being timed
+        # per class: steps between two tries of the slower way (doubled each time a try confirms it slower, so
+        # a way that keeps losing costs ever less; back to `every` when a try finds it faster) and the next try
+        self.period: dict[int, int] = {}
+        self.retry_at: dict[int, int] = {}
+        self._open: tuple[bool, int, int, int, float, bool] | None = None  # the step being timed
+        self._trial = False  # the step just chosen is a try of the slower way
+
+    def _choice(self, c: int, step: int) -> tuple[bool, bool]:
+        """(speculate, a try of the slower way) for a step of class c at step number `step`."""
+        spec, plain = self.rates.get((True, c)), self.rates.get((False, c))
+        if spec is None or plain is None:
+            return spec is None, False
+        better = spec >= plain
+        due = self.retry_at.get(c, step - step % self.every + self.every)
+        return (not better, True) if step >= due else (better, False)
 
     def speculate(self, batch: int) -> bool:
         """Whether the step of `batch` slots speculates: each way measured once first (speculating
-        first), then the faster, and every `every` steps the other."""
+        first), then the faster, and now and then the other (`period`)."""
         self.steps += 1
         c = size_class(batch)
-        spec, plain = self.rates.get((True, c)), self.rates.get((False, c))
-        if spec is None or plain is None:
-            return spec is None
-        better = spec >= plain
-        return (not better) if self.steps % self.every == 0 else better
+        choice, trial = self._choice(c, self.steps)
+        if trial:
+            self.retry_at[c] = self.steps + self.period.get(c, self.every)
+        elif (True, c) in self.rates and (False, c) in self.rates:
+            self.retry_at.setdefault(c, self.steps - self.steps % self.every + self.every)
+        self._trial = trial
+        return choice
+
+    def peek(self, batch: int) -> bool:
+        """What `speculate(batch)` will answer at the next step (no bookkeeping): a plain step does not
+        launch the next one ahead when that one speculates (it would be dropped: engine.decoding.lookahead)."""
+        return self._choice(size_class(batch), self.steps + 1)[0]
 
     def begin(self, speculated: bool, batch: int, generated: int, prefills: int, now: float) -> None:
         """A decode step begins (after this iteration's prompt chunks): the previous step is scored by the
         tokens generated since it began over the time since, unless prompt chunks ran in between
         (`prefills`: the engine's count of prompt chunks run)."""
         if self._open is not None:
-            was, b, g0, p0, t0 = self._open
+            was, b, g0, p0, t0, trial = self._open
             if prefills == p0 and generated > g0 and now > t0:
                 rate = (generated - g0) / (now - t0)
                 old = self.rates.get((was, b))
                 self.rates[(was, b)] = rate if old is None else (1 - EMA) * old + EMA * rate
-        self._open = (speculated, size_class(batch), generated, prefills, now)
+                if trial:
+                    self._after_try(was, b)
+        self._open = (speculated, size_class(batch), generated, prefills, now, self._trial)
+        self._trial = False
+
+    def _after_try(self, tried: bool, c: int) -> None:
+        """A try of the slower way was scored: still slower, wait twice as long before the next; faster now,
+        the other way is the slower one and is tried after `every` steps."""
+        still_slower = (self.rates[(tried, c)] < self.rates[(not tried, c)]) if tried else \
+            (self.rates[(False, c)] <= self.rates[(True, c)])
+        self.period[c] = min(2 * self.period.get(c, self.every), self.max_every) if still_slower else self.every
+        self.retry_at[c] = self.steps + self.period[c]

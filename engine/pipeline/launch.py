@@ -47,6 +47,8 @@ class ModelSource:
     weight_dtype: torch.dtype | None = None
     weight_format: object = None  # engine.weights.formats.WeightFormat
     seed: int = 0
+    cpu_int4: bool = False  # a CPU stage runs a GGUF's 4-bit matrices as stored (load_model)
+    narrow_head: bool = False  # a CPU stage's output layer in float16, top logits exact (load_model)
 
     def load(self, device: str, stage: Stage):
         from engine.weights.loader import load_dummy, load_model
@@ -54,7 +56,8 @@ class ModelSource:
             return load_dummy(self.architecture, self.name, device=device, weight_format=self.weight_format,
                               seed=self.seed, stage=stage)
         return load_model(self.path, device=device, weight_dtype=self.weight_dtype,
-                          weight_format=self.weight_format, stage=stage)
+                          weight_format=self.weight_format, stage=stage, cpu_int4=self.cpu_int4,
+                          narrow_head=self.narrow_head)
 
 
 @dataclass(frozen=True)

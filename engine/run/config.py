@@ -12,9 +12,6 @@ machine before loading, not here.
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,18 +19,15 @@ import torch
 
 from engine.errors import BonsaiError
 from engine.pipeline.devices import check_pipeline_drafters, check_pipeline_request
+from engine.run.config_keys import build, fail, parse_bytes  # noqa: F401 - fail, parse_bytes: also this module's API
 from engine.speculative.config import SpeculativeConfig
 from engine.weights.formats import GROUP_SIZES, TERNARY_LAYOUTS, WEIGHT_TYPES, WeightFormat
 from quant.formats import BITS_TO_TYPE
 from quant.kv_format import KV_TYPES
 
 WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16")
+OUTPUT_DTYPES = ("auto", "float32", "float16")
 DECODE_ALGORITHMS = ("standard", "speculative")
-
-
-def fail(path: str, message: str) -> None:
-    """The one-line error of a key with a wrong value."""
-    raise BonsaiError(f"config {path}: {message}")
 
 
 @dataclass(frozen=True)
@@ -124,6 +118,12 @@ class RuntimeSection:
     decode_algorithm: str = "standard"
     draft_model: str | None = None  # "none": draftless (n-gram) speculation; a path: a draft model
     weight_dtype: str = "auto"  # auto: on the CPU float16 for one slot (gemv), float32 for several (GEMM)
+    # on the CPU, a GGUF's Q4_0/Q4_1/Q4_K block matrices run as stored (torch's int4 kernel, bfloat16
+    # activations); default (None): when weight_dtype is auto and model.quant_type bf16 (as loaded)
+    cpu_int4: bool | None = None
+    # the CPU output layer: float32 (exact), float16 (one float16 GEMM, the top logits recomputed exactly:
+    # engine.runtime.narrow_head); auto: float16 when weight_dtype is auto and the device the CPU
+    output_dtype: str = "auto"
 
     @property
     def devices(self) -> list[str]:
@@ -149,6 +149,12 @@ class RuntimeSection:
             fail("runtime.decode_algorithm", f"'{self.decode_algorithm}' is not one of {', '.join(DECODE_ALGORITHMS)}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             fail("runtime.weight_dtype", f"'{self.weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
+        if self.cpu_int4 and any(d != "cpu" for d in devices):
+            fail("runtime.cpu_int4", f"applies to the CPU only, the device is {self.device}; remove it")
+        if self.output_dtype not in OUTPUT_DTYPES:
+            fail("runtime.output_dtype", f"'{self.output_dtype}' is not one of {', '.join(OUTPUT_DTYPES)}")
+        if self.output_dtype == "float16" and any(d != "cpu" for d in devices):
+            fail("runtime.output_dtype", f"float16 applies to the CPU only, the device is {self.device}; use auto")
         if self.draft_model is not None and self.decode_algorithm != "speculative":
             fail("runtime.draft_model", "only applies with runtime.decode_algorithm: speculative; remove it")
 
@@ -322,6 +328,23 @@ class RunConfig:
             return torch.float32 if cpu and self.runtime.max_batch_size > 1 else None
         return getattr(torch, name)
 
+    @property
+    def cpu_int4(self) -> bool:
+        """Whether a GGUF's 4-bit block matrices run as stored on the CPU (runtime.cpu_int4; by default when
+        the matrices' dtype and format are left to bonsai)."""
+        rt = self.runtime
+        if rt.cpu_int4 is not None:
+            return rt.cpu_int4
+        return rt.first_device == "cpu" and rt.weight_dtype == "auto" and self.model.quant_type == "bf16"
+
+    @property
+    def narrow_head(self) -> bool:
+        """Whether the CPU output layer runs in float16 with exact top logits (runtime.output_dtype)."""
+        rt = self.runtime
+        if rt.output_dtype != "auto":
+            return rt.output_dtype == "float16"
+        return rt.first_device == "cpu" and rt.weight_dtype == "auto"
+
     @classmethod
     def from_dict(cls, data: Any, ignore: tuple[str, ...] = ()) -> "RunConfig":
         """From a mapping of sections; `ignore`: sections another reader owns (a serve file's
@@ -329,71 +352,3 @@ class RunConfig:
         if isinstance(data, dict) and ignore:
             data = {k: v for k, v in data.items() if k not in ignore}
         return build(cls, data, "")
-
-
-def parse_bytes(text: str, path: str) -> int:
-    """'6GB', '512MiB', '1.5G' → bytes."""
-    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
-             "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
-    s = str(text).strip().lower().replace(" ", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0:
-        fail(path, f"'{text}' is not a size like 6GB or 512MiB")
-    return int(value * units[unit])
-
-
-def build(cls: type, data: Any, path: str) -> Any:
-    """A dataclass from a mapping: unknown keys, missing keys and wrong types are one-line errors."""
-    where = path or "top level"
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        fail(where, f"must be a mapping of keys, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for key in data:
-        if key not in fields:
-            near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(fields)}"
-            fail(f"{path + '.' if path else ''}{key}", f"unknown key{hint}")
-    kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
-        key_path = f"{path}.{name}" if path else name
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                if dataclasses.is_dataclass(hints[name]):
-                    build(hints[name], {}, key_path)  # names the first required key inside
-                fail(key_path, "is required")
-            continue
-        kwargs[name] = _convert(hints[name], data[name], key_path)
-    return cls(**kwargs)
-
-
-def _convert(hint: Any, value: Any, path: str) -> Any:
-    args = typing.get_args(hint)
-    if type(None) in args:
-        if value is None:
-            return None
-        hint = next(a for a in args if a is not type(None))
-    if dataclasses.is_dataclass(hint):
-        return build(hint, value, path)
-    if hint is bool:
-        if not isinstance(value, bool):
-            fail(path, f"must be true or false, got {value!r}")
-    elif hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            fail(path, f"must be an integer, got {value!r}")
-    elif hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            fail(path, f"must be a number, got {value!r}")
-        value = float(value)
-    elif hint is str:
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            fail(path, f"must be a string, got {value!r}")
-        value = str(value)
-    return value

@@ -22,7 +22,7 @@ from engine.sources.model_config import ModelConfig
 from engine.sources import prism_rotation
 from engine.sources.prism_rotation import InputRotationSpec
 from engine.sources.tokenizer import Tokenizer
-from quant import gguf_codec, gguf_types
+from quant import gguf_codec, gguf_int4, gguf_types
 from quant.rotation import block_hadamard_factors, signed_block_hadamard
 
 _GGUF_MAGIC = b"GGUF"
@@ -187,6 +187,26 @@ class GGUFFile:
             tensor = _unrotate_rows(tensor, self.embedding_rotation)
         return tensor
 
+
+    def int4_tensors(self, config: ModelConfig) -> set[str]:
+        """Canonical names of the 2-D tensors stored in a 4-bit type `read_int4` decodes (Q4_0, Q4_1, Q4_K);
+        none for a hybrid (qwen35) file or a rotated (Prism) one, whose tensors are transformed as read."""
+        if self._qwen35 or self.prism is not None:
+            return set()
+        names = {self.canonical(t.name): t for t in self._tensors.values() if t.type_id in gguf_int4.INT4_TYPES
+                 and len(t.shape) == 2 and t.shape[-1] % gguf_int4.GROUP == 0}
+        return {name for name in names if name is not None}
+
+    def read_int4(self, name: str, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One int4_tensors tensor as stored: (codes uint8 [N, K] 0..15, s, z float32 [N, K/32]), w = (q − 8)·s + z
+        (quant.gguf_int4), llama q/k rows un-permuted as read_tensor does."""
+        t = self._tensors[self.stored_name(name)]
+        codes, s, z = gguf_int4.decode_int4(tensor_bytes(self._data, t), t.type_id, t.shape[-1])
+        release_pages(self._data, t)
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+        if config.architecture == "llama" and heads is not None:
+            codes, s, z = (_unpermute_rotary(x, heads) for x in (codes, s, z))
+        return codes, s, z
 
     def iter_quantized_tensors(self, config: ModelConfig
                                ) -> Iterator[tuple[str, str, int, torch.Tensor, torch.Tensor]]:

@@ -184,7 +184,8 @@ def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts
                                                 resolve_draft_model)
     loaded = loaded_drafts.get(path)
     if loaded is None:
-        loaded = load_model(resolve_draft_model(path), device=target.device, dtype=target.dtype)
+        loaded = load_model(resolve_draft_model(path), device=target.device, dtype=target.dtype,
+                            cpu_int4=target.cpu_int4)
         check_same_tokenizer(loaded.tokenizer, target.tokenizer, path)
         narrow_output_layer(loaded)
         loaded_drafts[path] = loaded

@@ -13,6 +13,7 @@ from engine.errors import BonsaiError, ModelFileError
 from engine.memory.host_embedding import HostEmbedding, check_embedding_on_host
 from engine.pipeline.naming import global_name, layer_index, local_name, stage_holds
 from engine.runtime.input_rotation import set_input_rotations
+from engine.runtime.narrow_head import narrow_output_layer
 from engine.runtime.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.sources.checkpoint_file import BonsaiCheckpoint
 from engine.sources.gguf_file import GGUFFile
@@ -21,6 +22,7 @@ from engine.sources.model_check import expected_shapes
 from engine.sources.model_config import ModelConfig
 from engine.sources.prism_rotation import InputRotationSpec
 from engine.sources.tokenizer import Tokenizer
+from engine.weights.cpu_int4_load import cpu_int4_layers, pack_cpu_int4
 from engine.weights.formats import WeightFormat, linear_formats, linear_modules, stored_formats
 from engine.weights.packed_linear import PackedLinear, empty_packed, pack_linears, quantize_rows, tensor_generator
 from engine.weights.packed_load import pack_stored_codes
@@ -54,6 +56,8 @@ class LoadedModel:
     weight_dtype: torch.dtype
     load_seconds: float = 0.0
     weight_format: WeightFormat = field(default_factory=WeightFormat)
+    cpu_int4: bool = False  # loaded with cpu_int4 (a draft model follows it)
+    int4_layers: int = 0  # block matrices run as their stored 4-bit codes (engine.weights.cpu_int4_load)
 
     def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -269,7 +273,8 @@ def _finish_embedding(model: Transformer, dev: torch.device, on_host: bool) -> N
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None,
                keep_codes: bool | None = None, embedding_on_host: bool = False, stage=None,
-               host_layers: frozenset[int] = frozenset()) -> LoadedModel:
+               host_layers: frozenset[int] = frozenset(), cpu_int4: bool = False,
+               narrow_head: bool = False) -> LoadedModel:
     """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
 
     dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the
@@ -280,7 +285,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     embedding_on_host: the embedding table stays in host memory (engine.memory.host_embedding);
     stage: a pipeline stage (engine.pipeline.split.Stage): only its layers (and the embedding / output
     layer it holds) are read and allocated; host_layers: these blocks are read and packed in host memory,
-    never allocated on the device (the blocks a WeightStreamer streams).
+    never allocated on the device (the blocks a WeightStreamer streams). cpu_int4: on the CPU, the
+    block matrices a GGUF stores in 4-bit types run as stored (engine.weights.cpu_int4_load); narrow_head:
+    on the CPU, a float32 output layer runs in float16 with its top logits exact (engine.runtime.narrow_head).
     """
     start = time.perf_counter()
     dev = resolve_device(device)
@@ -298,12 +305,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     # would not fit the GPU its packed form is meant for)
     stored = stored_packed_layers(source, config) if keep else {}
     stored = {name: parts for name, parts in stored.items() if stage_holds(stage, config, name)}
-    skip = frozenset(n for names in stored.values() for n in names)
+    int4 = (cpu_int4_layers(source, config, stage) if cpu_int4 and dev.type == "cpu" and not weight_format.packed
+            and not keep else {})
+    skip = frozenset(n for names in [*stored.values(), *int4.values()] for n in names)
     if stage is not None and not isinstance(source, HFModelDir):  # other stages' tensors are not even read
         skip |= frozenset(n for n in expected_tensor_names(config) if not stage_holds(stage, config, n))
     tensors = source.iter_canonical_tensors(config, skip=skip) if skip else source.iter_canonical_tensors(config)
     model = model_from_tensors(config, tensors, dev, dtype, weight_dtype, path,
-                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)), meta_weights=stored,
+                               down_hadamard=int(rotation.get("down_proj_hadamard", 0)),
+                               meta_weights={**stored, **int4},
                                weight_format=weight_format, embedding_on_host=embedding_on_host, stage=stage,
                                host_layers=host_layers, input_rotations=getattr(source, "input_rotations", None))
     if keep:
@@ -311,14 +321,18 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                                    ternary=weight_format.ternary_kind)
         packed = {global_name(name, model.first_layer) for name in packed}
         assert set(stored) <= packed, f"planned packed layers were not packed: {sorted(set(stored) - packed)[:3]}"
+    pack_cpu_int4(model, source, config, int4)
     if weight_format.packed:
         pack_linears(model, weight_format, device=dev, host_layers=host_layers)  # what is left: a tied output layer's own packed copy
     _drop_unused_embedding(model)
     _finish_embedding(model, dev, embedding_on_host)
+    if narrow_head and dev.type == "cpu" and model.gives_logits:
+        narrow_output_layer(model)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
                        summary=summarize(source), device=dev, dtype=dtype, weight_dtype=weight_dtype,
-                       load_seconds=time.perf_counter() - start, weight_format=weight_format)
+                       load_seconds=time.perf_counter() - start, weight_format=weight_format,
+                       cpu_int4=cpu_int4 and dev.type == "cpu", int4_layers=len(int4))
 
 
 def stored_packed_layers(source, config: ModelConfig) -> dict[str, list[str]]:

@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
+    ap.add_argument("--cpu-int4", choices=["auto", "on", "off"], default="auto",
+                    help="runtime.cpu_int4 (auto: as `bonsai bench` runs the model)")
+    ap.add_argument("--output-dtype", choices=["auto", "float32", "float16"], default="auto", help="runtime.output_dtype")
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--no-repack", action="store_true", help="llama-bench --repack 0 (its weight repacking off: "
@@ -70,6 +73,7 @@ def main() -> None:
     binary = build(args.llama_dir) / "llama-bench"
     wdtype = None if args.weight_dtype == "auto" else getattr(torch, args.weight_dtype)
     report = {"threads": args.threads, "rounds": args.rounds, "weight_dtype": args.weight_dtype,
+              "cpu_int4": args.cpu_int4, "output_dtype": args.output_dtype,
               "torch": torch.__version__, "models": {}}
     print(f"threads {args.threads}, {args.rounds} rounds interleaved, weights {args.weight_dtype}, "
           f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
@@ -78,7 +82,14 @@ def main() -> None:
         if not path.is_file():
             print(f"{name}: not pulled (bonsai pull {name}), skipped", flush=True)
             continue
-        loaded = load_model(path, "cpu", weight_dtype=wdtype)
+        from engine.run.config import RunConfig  # the settings `bonsai bench MODEL` runs with
+        runtime = {"weight_dtype": args.weight_dtype, "output_dtype": args.output_dtype}
+        if args.cpu_int4 != "auto":
+            runtime["cpu_int4"] = args.cpu_int4 == "on"
+        cfg = RunConfig.from_dict({"model": {"path": str(path)}, "runtime": runtime})
+        loaded = load_model(path, "cpu", weight_dtype=wdtype, cpu_int4=cfg.cpu_int4, narrow_head=cfg.narrow_head)
+        print(f"{name}: {loaded.int4_layers} int4 matrices, output layer "
+              f"{getattr(loaded.model.lm_head, 'weight', loaded.model.embed.weight).dtype}", flush=True)
         from engine.decoding.engine import Engine
         runner = Engine(ModelRunner(loaded, max_seq_len=N_PROMPT + N_GEN + 8), None)  # run_test drives an engine
         special = frozenset(loaded.tokenizer.special_ids)

@@ -1,0 +1,101 @@
+"""A GGUF 4-bit matrix (Q4_0 / Q4_1 / Q4_K) run on the CPU as stored: torch's int4 kernel reads 4.5
+bits a weight instead of float16's 16 (`_weight_int4pack_mm_for_cpu`: unsigned codes, one affine pair
+(s, z) per 32 weights, w = (q − 8)·s + z; quant.gguf_int4 decodes the blocks into that form).
+
+The kernel is fast only in bfloat16: activations, the (s, z) pairs and its output are bfloat16 (8
+mantissa bits; llama.cpp quantizes its activations to int8 blocks for the same dot products). A row's
+result does not depend on how many rows share the call (checked once per process by
+`rows_independent`; where it does, rows run one call each), so a speculative verify pass gives the
+one-row decode step's values bit for bit. Quality against float16 matrices: docs/quality.md.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from quant.gguf_int4 import GROUP, affine_weights
+
+# Up to this many rows (decode, verify widths) a call's rows must equal one-row calls bit for bit.
+VERIFY_ROWS = 16
+
+
+@functools.cache
+def int4_kernel_available() -> bool:
+    """Whether this torch has the CPU int4 kernel (torch ≥ 2.5)."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
+        hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K] in 0..15 → the kernel's packed layout (uint8 [N, K/2])."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+
+
+def scales_and_zeros(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """s, z float32 [N, K/32] → the kernel's bfloat16 [K/32, N, 2]."""
+    return torch.stack([s, z], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/32, N, 2]
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (any float dtype) → bfloat16 [M, N]."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), packed, GROUP, sz)
+
+
+@functools.cache
+def rows_independent() -> bool:
+    """Whether a row of a 2..VERIFY_ROWS-row call equals the same row alone, bit for bit, on this CPU
+    (a fixed random matrix wide enough for the kernel's column blocks and threads)."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 512, 1024
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    s = torch.rand(n, k // GROUP, generator=gen) * 0.01 + 1e-3  # [N, K/32]
+    z = torch.randn(n, k // GROUP, generator=gen) * 0.01  # [N, K/32]
+    packed, sz = pack_codes(codes), scales_and_zeros(s, z)
+    x = torch.randn(VERIFY_ROWS, k, generator=gen)  # [16, K]
+    alone = torch.cat([int4_matmul(x[i:i + 1], packed, sz) for i in range(VERIFY_ROWS)])  # [16, N]
+    return all(torch.equal(int4_matmul(x[:m], packed, sz), alone[:m]) for m in range(2, VERIFY_ROWS + 1))
+
+
+class Int4CpuLinear(nn.Module):
+    """y = x Wᵀ (+ b) with W held as the int4 kernel's packed codes and bfloat16 (s, z) pairs."""
+
+    def __init__(self, codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("packed", pack_codes(codes))  # [N, K/2] uint8
+        self.register_buffer("sz", scales_and_zeros(s, z))  # [K/32, N, 2] bfloat16
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.split_rows = not rows_independent()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.sz.numel() * self.sz.element_size()
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [N, K] matrix this layer multiplies by (from its bfloat16 pairs), for references."""
+        s, z = self.sz.float().transpose(0, 1).unbind(-1)  # [N, K/32] each
+        codes = unpack_codes(self.packed, self.out_features, self.in_features)
+        return affine_weights(codes, s.contiguous(), z.contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)  # [M, K]
+        if self.split_rows and 1 < rows <= VERIFY_ROWS:
+            y = torch.cat([int4_matmul(flat[i:i + 1], self.packed, self.sz) for i in range(rows)])  # [M, N]
+        else:
+            y = int4_matmul(flat, self.packed, self.sz)  # [M, N]
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def unpack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The kernel's packed layout → codes uint8 [N, K], by multiplying with unit rows (the layout is the
+    kernel's own and may change between torch versions; this asks the kernel itself)."""
+    eye = torch.eye(k, dtype=torch.bfloat16)  # [K, K]
+    sz = torch.zeros(k // GROUP, n, 2, dtype=torch.bfloat16)
+    sz[..., 0] = 1.0  # s = 1, z = 0: w = q − 8, exact in bfloat16
+    out = torch.cat([torch.ops.aten._weight_int4pack_mm_for_cpu(eye[i:i + 256], packed, GROUP, sz)
+                     for i in range(0, k, 256)])  # [K, N]
+    return (out.float().t() + 8.0).round().to(torch.uint8).contiguous()
