@@ -110,3 +110,24 @@ def test_batch_sizes_of_one_class_share_their_measurements():
     assert chosen[:4] == [True, True, False, False]  # each way measured once for the class, then plain
     assert not any(chosen[4:])
     assert set(gate.rates) == {(True, 8), (False, 8)}
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_a_run_gates_adaptive_speculation_on_the_cpu_too(one_thread, smollm2_gguf, tmp_path, adaptive):
+    """With adaptive speculation a run's engine has the gate on any device (on a CPU whose plain steps run the
+    int4 kernels, the 0.5B drafter costs more than it saves: docs/perf.md session 17); fixed-length does not."""
+    from gguf import GGMLQuantizationType as T
+
+    from engine.run.builder import open_run
+    from engine.run.config import RunConfig
+    from tests.gguf_tiny import write_tiny_gguf
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_gguf, T.Q4_0)
+    config = RunConfig.from_dict({"model": {"path": str(path)}, "runtime": {"decode_algorithm": "speculative"},
+                                  "speculative": {"method": "ngram", "adaptive": adaptive}})
+    run = open_run(config)
+    try:
+        engine = run.engine()
+        assert (engine.gate is not None) == adaptive and engine.spec is not None
+        assert run.loaded.int4_layers > 0  # the CPU default: the Q4_0 matrices as stored
+    finally:
+        run.close()

@@ -79,9 +79,8 @@ def test_ngram_output_equals_plain_decoding(target, prompts, plain):
     outputs, stats = _spec_outputs(target, prompts, MixDrafter([NgramDrafter(1, 4)]), k=4)
     for i, (got, want) in enumerate(zip(outputs, plain)):
         assert got == want, f"prompt {i}: differs from token {_first_difference(got, want)}"
-    # how much the adaptive planner drafts depends on measured pass times (machine load): the
-    # acceptance is asserted on the fixed-k run below
-    assert stats.steps > 0
+    # how much the adaptive planner drafts depends on measured pass times (machine load: under load it may
+    # draft nothing), so only its output is asserted; drafting and acceptance are asserted on the fixed-k run
     outputs, stats = _spec_outputs(target, prompts[:2], NgramDrafter(1, 4), k=4)
     assert outputs == plain[:2]
     print(f"fixed k = 4: {stats.accepted} of {stats.drafted} drafts accepted")
@@ -140,7 +139,8 @@ def test_cli_generate_and_bench_report_draft_statistics(smollm2_gguf, tmp_path, 
     out = json.loads(proc.stdout)
     spec = out["timings"]["speculative"]
     assert spec["method"] == "ngram" and spec["steps"] >= 1 and spec["accepted"] <= spec["drafted"]
-    assert spec["steps"] + spec["accepted"] >= len(out["token_ids"]) - 1  # each pass gives accepted + 1
+    # each pass gives accepted + 1 tokens; the rest came from steps the gate kept plain
+    assert spec["steps"] + spec["accepted"] <= len(out["token_ids"])
     out = tmp_path / "b.json"
     proc = bonsai_in_process(capsys, "bench", str(smollm2_gguf), "--suite", "short", "--categories", "code-edit", "-r",
                              "1", "--spec", "mix:ngram", "--draft-tokens", "3", "--vs-plain", "--json", str(out))
@@ -151,6 +151,7 @@ def test_cli_generate_and_bench_report_draft_statistics(smollm2_gguf, tmp_path, 
     assert suite["outputs_compared"] == 1 and suite["output_mismatches"] == []
     assert set(suite["speedup"]) == {"code-edit", "overall"}
     overall = suite["by_category"]["overall"]["speculative"]
-    # whether the adaptive planner drafts at all on one short prompt depends on measured pass times
-    assert overall["steps"] > 0 and report["speculative"]["drafters"] == ["ngram"]
+    # whether it drafts at all on one short prompt depends on measured times (the adaptive planner, and the gate
+    # that keeps plain decoding where speculating measured slower): the counts are reported either way
+    assert {"steps", "drafted", "accepted"} <= set(overall) and report["speculative"]["drafters"] == ["ngram"]
     assert "identical to plain decoding" in proc.stdout

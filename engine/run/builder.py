@@ -65,8 +65,10 @@ class Run:
     def engine(self, metrics: Metrics | None = None, max_queue: int = 16, prefill_budget: int | None = None,
                speculative: bool = True, mixed_prefill: bool = True) -> Engine:
         """The decoding engine over this run's slots: the config's thinking rules and, with speculation
-        (unless `speculative` is off), one drafter per slot; the fused step is captured now for every
-        row count the engine will ask for."""
+        (unless `speculative` is off), one drafter per slot, and with adaptive speculation on any device the
+        gate that keeps decoding plain where speculating is measured slower (engine.decoding.spec_gate: on a CPU
+        whose plain steps are fast, a draft model can cost more than it saves); the fused step is captured now
+        for every row count the engine will ask for."""
         spec = self.config.spec_config if speculative else None
         th = self.config.thinking
         with within_limit(self.plan.limit, "building the drafters"):
@@ -75,7 +77,8 @@ class Run:
             engine = Engine(self.runner, self.tokenizer, self.slot_context, max_queue,
                             ThinkingRules(th.start_tag, th.end_tag, th.end_message), metrics, drafters,
                             spec.num_draft_tokens if spec is not None else 4, prefill_budget,
-                            spec.method if spec is not None else None, mixed_prefill=mixed_prefill)
+                            spec.method if spec is not None else None, mixed_prefill=mixed_prefill,
+                            spec_gate=spec.adaptive if spec is not None else None)
             self.runner.prepare_rows(engine.spec.max_rows() if engine.spec is not None
                                      else self.config.runtime.max_batch_size)
             self.runner.warm_up()

@@ -1,6 +1,7 @@
 """A GGUF 4-bit matrix (Q4_0 / Q4_1 / Q4_K) run on the CPU as stored: torch's int4 kernel reads 4.5
 bits a weight instead of float16's 16 (`_weight_int4pack_mm_for_cpu`: unsigned codes, one affine pair
-(s, z) per 32 weights, w = (q − 8)·s + z; quant.gguf_int4 decodes the blocks into that form).
+(s, z) per 32 weights, w = (q − 8)·s + z; quant.gguf_int4 decodes the blocks into that form). Q5_0 / Q5_1 /
+Q8_0 codes run as two 4-bit halves side by side along K, fed [x, x]: one call, 9 bits a weight.
 
 The kernel is fast only in bfloat16: activations, the (s, z) pairs and its output are bfloat16 (8
 mantissa bits; llama.cpp quantizes its activations to int8 blocks for the same dot products). A row's
@@ -15,7 +16,7 @@ import functools
 import torch
 from torch import nn
 
-from quant.gguf_int4 import GROUP, affine_weights
+from quant.gguf_int4 import GROUP, dense_weights
 
 # Up to this many rows (decode, verify widths) a call's rows must equal one-row calls bit for bit.
 VERIFY_ROWS = 16
@@ -61,9 +62,13 @@ def rows_independent() -> bool:
 class Int4CpuLinear(nn.Module):
     """y = x Wᵀ (+ b) with W held as the int4 kernel's packed codes and bfloat16 (s, z) pairs."""
 
-    def __init__(self, codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bias: torch.Tensor | None = None,
+                 in_features: int | None = None):
+        """codes [N, K] (or [N, 2K]: two halves of wider codes, quant.gguf_int4 — give in_features K)."""
         super().__init__()
-        self.out_features, self.in_features = codes.shape
+        self.out_features, self.in_features = codes.shape[0], in_features or codes.shape[1]
+        self.halves = codes.shape[1] // self.in_features  # 2: the input is fed twice, [x, x]
+        assert self.halves * self.in_features == codes.shape[1] and self.halves in (1, 2), codes.shape
         self.register_buffer("packed", pack_codes(codes))  # [N, K/2] uint8
         self.register_buffer("sz", scales_and_zeros(s, z))  # [K/32, N, 2] bfloat16
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
@@ -75,13 +80,15 @@ class Int4CpuLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 [N, K] matrix this layer multiplies by (from its bfloat16 pairs), for references."""
-        s, z = self.sz.float().transpose(0, 1).unbind(-1)  # [N, K/32] each
-        codes = unpack_codes(self.packed, self.out_features, self.in_features)
-        return affine_weights(codes, s.contiguous(), z.contiguous())
+        s, z = self.sz.float().transpose(0, 1).unbind(-1)  # [N, K'/32] each
+        codes = unpack_codes(self.packed, self.out_features, self.halves * self.in_features)
+        return dense_weights(codes, s.contiguous(), z.contiguous(), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)  # [M, K]
+        if self.halves == 2:
+            flat = torch.cat([flat, flat], dim=-1)  # [M, 2K]: each half of the codes sees the whole input
         if self.split_rows and 1 < rows <= VERIFY_ROWS:
             y = torch.cat([int4_matmul(flat[i:i + 1], self.packed, self.sz) for i in range(rows)])  # [M, N]
         else:

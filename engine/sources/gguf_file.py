@@ -189,16 +189,16 @@ class GGUFFile:
 
 
     def int4_tensors(self, config: ModelConfig) -> set[str]:
-        """Canonical names of the 2-D tensors stored in a 4-bit type `read_int4` decodes (Q4_0, Q4_1, Q4_K);
+        """Canonical names of the 2-D tensors stored in a type `read_int4` decodes (Q4_0/1, Q4_K, Q5_0/1, Q8_0);
         none for a hybrid (qwen35) file or a rotated (Prism) one, whose tensors are transformed as read."""
         if self._qwen35 or self.prism is not None:
             return set()
-        names = {self.canonical(t.name): t for t in self._tensors.values() if t.type_id in gguf_int4.INT4_TYPES
+        names = {self.canonical(t.name): t for t in self._tensors.values() if t.type_id in gguf_int4.BLOCKS
                  and len(t.shape) == 2 and t.shape[-1] % gguf_int4.GROUP == 0}
         return {name for name in names if name is not None}
 
     def read_int4(self, name: str, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One int4_tensors tensor as stored: (codes uint8 [N, K] 0..15, s, z float32 [N, K/32]), w = (q − 8)·s + z
+        """One int4_tensors tensor as stored: (codes uint8 [N, K'] 0..15, s, z float32 [N, K'/32]), w = (q − 8)·s + z
         (quant.gguf_int4), llama q/k rows un-permuted as read_tensor does."""
         t = self._tensors[self.stored_name(name)]
         codes, s, z = gguf_int4.decode_int4(tensor_bytes(self._data, t), t.type_id, t.shape[-1])

@@ -52,7 +52,7 @@ class SpeculativeConfig:
     tokens drafted per step; ngram_min / ngram_max: the n-gram sizes looked up; ngram_pool_size:
     entries of the n-gram pool shared across requests (0: none); adaptive: choose the drafter and
     the draft length per step from running acceptance and measured costs (off: always k tokens
-    from the first drafter that has some)."""
+    from the first drafter that has some, and no gate: every decode step speculates)."""
     drafters: tuple[DrafterSpec, ...]
     num_draft_tokens: int = 4
     ngram_min: int = 1

@@ -1,6 +1,8 @@
 """Unit-test pass rate of a coder model on 30 small code-completion problems (tests/perf/code_tasks.json).
 
-Usage: python tests/perf/code_tasks.py MODEL [MODEL ...] [--max-tokens 160] [--threads 2] [--json OUT]
+Usage: python tests/perf/code_tasks.py MODEL [MODEL ...] [--max-tokens 160] [--threads 2] [--json OUT] [--cpu-fast]
+(--cpu-fast: as generate/chat/serve run a model on the CPU by default: a GGUF's 4-bit matrices as stored and the
+float16 output layer, engine.runtime.cpu_int4 / narrow_head; without it, float16 matrices and a float32 head)
 
 Each problem is a Python function signature with its docstring (written for this project; none is from a
 public benchmark). The model continues it greedily (bonsai's generation core, plain completion, no chat
@@ -47,14 +49,14 @@ def passes(program: str) -> bool:
         Path(f.name).unlink()
 
 
-def run_model(model: str, tasks: list[dict], max_tokens: int) -> dict:
+def run_model(model: str, tasks: list[dict], max_tokens: int, fast: bool = False) -> dict:
     from engine.sources import store
     from engine.decoding.engine import Engine
     from engine.decoding.generate import generate_text
     from engine.decoding.sequence import Request
     from engine.weights.loader import load_model
     from engine.runtime.runner import ModelRunner
-    loaded = load_model(store.resolve_model(model))
+    loaded = load_model(store.resolve_model(model), cpu_int4=fast, narrow_head=fast)
     runner = ModelRunner(loaded, max_seq_len=512)
     tok = loaded.require_tokenizer()
     passed, start = [], time.perf_counter()
@@ -65,7 +67,7 @@ def run_model(model: str, tasks: list[dict], max_tokens: int) -> dict:
         program = task["prompt"] + body_of(text) + "\n\n" + task["test"] + "\n"
         if passes(program):
             passed.append(task["name"])
-    return {"model": model, "passed": len(passed), "total": len(tasks), "pass_rate": len(passed) / len(tasks),
+    return {"model": model, "cpu_fast": fast, "int4_layers": loaded.int4_layers, "passed": len(passed), "total": len(tasks), "pass_rate": len(passed) / len(tasks),
             "passed_names": passed, "seconds": time.perf_counter() - start}
 
 
@@ -75,12 +77,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--cpu-fast", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tasks = json.loads(TASKS.read_text())
     rows = []
     for model in args.models:
-        row = run_model(model, tasks, args.max_tokens)
+        row = run_model(model, tasks, args.max_tokens, args.cpu_fast)
         rows.append(row)
         print(f"{model}: {row['passed']}/{row['total']} passed ({row['seconds']:.0f} s)", flush=True)
         if args.json:

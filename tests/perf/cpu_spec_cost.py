@@ -20,11 +20,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def timed(runner, tok, ids, max_tokens, drafter=None, num_draft_tokens=4):
+def timed(runner, tok, ids, max_tokens, drafter=None, num_draft_tokens=4, gate=False):
     from engine.decoding.engine import Engine
     from engine.decoding.generate import generate_text
     from engine.decoding.sequence import Request
-    engine = Engine(runner, tok, drafters=None if drafter is None else [drafter], num_draft_tokens=num_draft_tokens)
+    engine = Engine(runner, tok, drafters=None if drafter is None else [drafter], num_draft_tokens=num_draft_tokens,
+                    spec_gate=gate)
     start = time.process_time()
     _, out, _, stats = generate_text(engine, Request(list(ids), max_tokens=max_tokens))
     return out, time.process_time() - start, stats
@@ -40,15 +41,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--spec", default="draft:qwen2.5-coder-0.5b")
-    ap.add_argument("--weight-dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--weight-dtype", default="bfloat16", choices=["float16", "bfloat16", "float32", "cpu-fast"],
+                    help="cpu-fast: the CPU default of generate/chat/serve (a GGUF's 4-bit matrices as stored, the "
+                    "float16 output layer: engine.runtime.cpu_int4 / narrow_head)")
     ap.add_argument("--float16-plain", action="store_true", help="also time plain decoding with float16 matrices")
     ap.add_argument("--suite", default="coder")
     ap.add_argument("--categories", default="code-edit,summarization")
     ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--gate", action="store_true", help="with the spec gate, as a run's engine has it (adaptive)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = store.resolve_model(args.target)
-    target = load_model(path, "cpu", weight_dtype=getattr(torch, args.weight_dtype))
+    fast = args.weight_dtype == "cpu-fast"
+    target = load_model(path, "cpu", weight_dtype=None if fast else getattr(torch, args.weight_dtype),
+                        cpu_int4=fast, narrow_head=fast)
     plain16 = load_model(path, "cpu", weight_dtype=torch.float16) if args.float16_plain else None
     seq = 1024
     drafter = build_drafter(SpeculativeConfig.from_spec(args.spec, num_draft_tokens=args.draft_tokens), target, seq)
@@ -60,7 +66,7 @@ def main() -> None:
         request = p.max_tokens
         plain, t_plain, _ = timed(ModelRunner(target, seq), tok, ids, request)
         got, t_spec, stats = timed(ModelRunner(target, seq), tok, ids, request, drafter=drafter,
-                                   num_draft_tokens=args.draft_tokens)
+                                   num_draft_tokens=args.draft_tokens, gate=args.gate)
         s = stats.speculative
         line = (f"{p.category:14} {len(plain):3} tokens  plain {t_plain:6.1f} s  spec {t_spec:6.1f} s  "
                 f"speedup {t_plain / t_spec:.2f}x  tokens/pass {s.mean_accepted_length:.2f}  "
