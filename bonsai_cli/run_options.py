@@ -43,7 +43,8 @@ WEIGHT_DTYPE_HELP = ("matrix storage: auto (on CPU float16 matrices: half float3
                      "count, so a speculative verify pass costs about one decode step and prompts run 2-7x "
                      "faster; plain decode 0.8-1.15x float16's, docs/perf.md)")
 CPU_INT4_HELP = ("on the CPU, run a GGUF's Q4_0/Q4_1/Q4_K block matrices as stored with torch's int4 kernel (4.5 "
-                 "bits a weight read per token instead of float16's 16; bfloat16 activations, quality in "
+                 "bits a weight read per token instead of float16's 16; Q5_0/Q5_1/Q8_0 as two 4-bit halves, 9 "
+                 "bits; Q6_K stays float16; bfloat16 activations, quality in "
                  "docs/quality.md). Default: on when --weight-dtype is auto and the weights are as loaded")
 OUTPUT_DTYPE_HELP = ("the CPU output layer: float32 (exact), float16 (one float16 GEMM, the logits near each row's "
                      "largest recomputed in float32: the same greedy choice, 2-5x fewer bytes a token) or auto "

@@ -30,7 +30,11 @@ _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
 
 
 def _blocks(raw: np.ndarray, type_id: int, k: int) -> np.ndarray:
-    block, size = BLOCKS[type_id]
+    return row_blocks(raw, type_id, k, *BLOCKS[type_id])
+
+
+def row_blocks(raw: np.ndarray, type_id: int, k: int, block: int, size: int) -> np.ndarray:
+    """Raw rows [N, bytes] of `k` weights in blocks of `block` weights and `size` bytes → [N, K/B, bytes]."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     if k % block or raw.shape[-1] != k // block * size:
         raise ValueError(f"{raw.shape[-1]} bytes per row do not hold {k} weights of GGUF type {type_id}")

@@ -12,7 +12,7 @@ product then takes [x, x] as its input: one kernel call, 9 bits a weight instead
   Q5_1  w = d·q + m,    q = 16h + l            → [l: s = d, z = 8d + m] [8 + h: s = 16d, z = 0]
   Q8_0  w = d·q,        q = 16·hi + lo (hi ∈ −8..7) → [lo: s = d, z = 8d] [hi + 8: s = 16d, z = 0]
 Byte layouts are llama.cpp's (ggml-quants.c `dequantize_row_q*`; the gguf package's reference
-dequantizers agree). Raw bytes are numpy uint8 [rows, bytes per row]. Imports nothing else of bonsai.
+dequantizers agree). Raw bytes are numpy uint8 [rows, bytes per row]. Imports nothing of bonsai outside quant.
 """
 from __future__ import annotations
 
@@ -20,19 +20,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from quant.gguf_codec import row_blocks
+
 GROUP = 32  # weights per (s, z) pair, for every type here
 # type id → (weights per block, bytes per block)
 INT4_TYPES = {int(T.Q4_0): (32, 18), int(T.Q4_1): (32, 20), int(T.Q4_K): (256, 144)}
 WIDE_TYPES = {int(T.Q5_0): (32, 22), int(T.Q5_1): (32, 24), int(T.Q8_0): (32, 34)}  # two 4-bit halves
 BLOCKS = {**INT4_TYPES, **WIDE_TYPES}
-
-
-def _blocks(raw: np.ndarray, type_id: int, k: int) -> np.ndarray:
-    block, size = BLOCKS[type_id]
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if k % block or raw.shape[-1] != k // block * size:
-        raise ValueError(f"{raw.shape[-1]} bytes per row do not hold {k} weights of GGUF type {type_id}")
-    return raw.reshape(raw.shape[0], k // block, size)  # [N, K/B, bytes]
 
 
 def _fp16(b: np.ndarray) -> np.ndarray:
@@ -80,7 +74,7 @@ def decode_int4(raw: np.ndarray, type_id: int, k: int) -> tuple[torch.Tensor, to
     """One tensor's rows → (codes uint8 [N, K'] in 0..15, s float32 [N, K'/32], z float32 [N, K'/32]) with
     w = (q − 8)·s + z; s is exact and z within one float32 rounding of the stored values. K' = K for the
     INT4_TYPES, 2K for the WIDE_TYPES (two halves side by side: w = half 1 + half 2, `dense_weights`)."""
-    blocks = _blocks(raw, type_id, k)  # [N, B, bytes]
+    blocks = row_blocks(raw, type_id, k, *BLOCKS[type_id])  # [N, B, bytes]
     n = blocks.shape[0]
     if type_id in WIDE_TYPES:
         codes, s, z = _wide(blocks, type_id)  # [N, 2, B, 32], [N, 2, B] x2

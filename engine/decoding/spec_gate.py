@@ -43,8 +43,12 @@ class SpecGate:
         if spec is None or plain is None:
             return spec is None, False
         better = spec >= plain
-        due = self.retry_at.get(c, step - step % self.every + self.every)
+        due = self.retry_at.get(c, self._first_retry(step))
         return (not better, True) if step >= due else (better, False)
+
+    def _first_retry(self, step: int) -> int:
+        """The first try of the slower way once both are measured: the next multiple of `every`."""
+        return step - step % self.every + self.every
 
     def speculate(self, batch: int) -> bool:
         """Whether the step of `batch` slots speculates: each way measured once first (speculating
@@ -55,7 +59,7 @@ class SpecGate:
         if trial:
             self.retry_at[c] = self.steps + self.period.get(c, self.every)
         elif (True, c) in self.rates and (False, c) in self.rates:
-            self.retry_at.setdefault(c, self.steps - self.steps % self.every + self.every)
+            self.retry_at.setdefault(c, self._first_retry(self.steps))
         self._trial = trial
         return choice
 
@@ -82,7 +86,6 @@ class SpecGate:
     def _after_try(self, tried: bool, c: int) -> None:
         """A try of the slower way was scored: still slower, wait twice as long before the next; faster now,
         the other way is the slower one and is tried after `every` steps."""
-        still_slower = (self.rates[(tried, c)] < self.rates[(not tried, c)]) if tried else \
-            (self.rates[(False, c)] <= self.rates[(True, c)])
+        still_slower = tried != (self.rates[(True, c)] >= self.rates[(False, c)])  # the tie rule of _choice
         self.period[c] = min(2 * self.period.get(c, self.every), self.max_every) if still_slower else self.every
         self.retry_at[c] = self.steps + self.period[c]

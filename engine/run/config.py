@@ -118,7 +118,7 @@ class RuntimeSection:
     decode_algorithm: str = "standard"
     draft_model: str | None = None  # "none": draftless (n-gram) speculation; a path: a draft model
     weight_dtype: str = "auto"  # auto: on the CPU float16 for one slot (gemv), float32 for several (GEMM)
-    # on the CPU, a GGUF's Q4_0/Q4_1/Q4_K block matrices run as stored (torch's int4 kernel, bfloat16
+    # on the CPU, a GGUF's Q4_0/Q4_1/Q4_K (Q5_0/Q5_1/Q8_0: two halves) matrices run as stored (int4 kernel, bfloat16
     # activations); default (None): when weight_dtype is auto and model.quant_type bf16 (as loaded)
     cpu_int4: bool | None = None
     # the CPU output layer: float32 (exact), float16 (one float16 GEMM, the top logits recomputed exactly:

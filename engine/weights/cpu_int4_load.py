@@ -46,7 +46,3 @@ def pack_cpu_int4(model, source, config: ModelConfig, layers: dict[str, list[str
         setattr(model.get_submodule(parent) if parent else model, attr, Int4CpuLinear(codes, s, z, bias, k))
     if layers:
         log.info("%d matrices run as their stored 4-bit codes (CPU int4 kernel)", len(layers))
-
-
-def int4_layer_count(model) -> int:
-    return sum(1 for m in model.modules() if isinstance(m, Int4CpuLinear))
