@@ -47,6 +47,9 @@ def info(model: Optional[str] = typer.Argument(None, help="a .gguf file, a model
     arch = {k: v for k, v in vars(config).items() if k != "extra"}
     arch["rope_scaling"] = vars(config.rope_scaling) if config.rope_scaling else None
     arch["hybrid"] = _hybrid_summary(config)
+    if arch["hybrid"] is not None:  # its own MTP head, the --spec mtp drafter (engine.sources.mtp_source)
+        from engine.sources.mtp_source import mtp_layer_count
+        arch["hybrid"]["mtp_layers"] = mtp_layer_count(source, config.num_layers)
     rotation = getattr(source, "rotation", None)  # a checkpoint made with --rotate
     prism = getattr(source, "prism", None)  # a GGUF with PrismML's folded Hadamard rotation
     if prism is not None:
@@ -91,6 +94,9 @@ def _hybrid_rows(table, mix: dict | None) -> None:
         table.add_row("layer mix", f"{mix['deltanet_layers']} Gated DeltaNet + {mix['attention_layers']} gated attention")
         table.add_row("state per sequence", f"{mix['state_bytes_per_sequence'] / 2**20:,.2f} MiB (DeltaNet, fp32; "
                       "plus the attention layers' KV)")
+        if "mtp_layers" in mix:
+            table.add_row("MTP head", f"{mix['mtp_layers']} layer (--spec mtp drafts with it)" if mix["mtp_layers"]
+                          else "none in these files")
 
 
 def _hybrid_summary(config) -> dict | None:

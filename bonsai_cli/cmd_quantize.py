@@ -183,6 +183,10 @@ def print_report(report) -> None:  # noqa: ANN001
     for group, kinds in report.group_fallbacks.items():
         console.print(f"the group size does not divide the input dimension of {', '.join(kinds)}: "
                       f"those tensors use group {group}")
+    if report.mtp_head:
+        mtp_bytes = sum(t.nbytes for t in report.mtp_head)
+        console.print(f"the model's MTP head (the --spec mtp drafter): {len(report.mtp_head)} tensors copied as bf16, "
+                      f"{mtp_bytes / 2**20:,.2f} MiB (not in the totals above)")
     console.print(f"peak RSS {report.peak_rss_bytes / 2**30:.2f} GiB (predicted {report.predicted_peak_bytes / 2**30:.2f} GiB)")
     if report.quality:
         q = report.quality

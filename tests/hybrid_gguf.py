@@ -65,6 +65,23 @@ def gguf_tensor_name(name: str, num_layers: int) -> str:
     return new
 
 
+# _Qwen35MtpMixin.modify_tensors: mtp.* tops → model.layers.{bid}.* for every MTP block bid (gguf 0.19's
+# QWEN35 tensor list lacks the NEXTN kinds its map would need, so their GGUF names are spelled here)
+_MTP_TOP = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+            "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def mtp_tensors(name: str, t: torch.Tensor, hp: dict) -> list[tuple[str, torch.Tensor]]:
+    """An HF mtp.* tensor as the converter writes it: (GGUF name, values) for each MTP block."""
+    layers, blocks = hp["num_hidden_layers"], hp["num_hidden_layers"] + hp.get("mtp_num_hidden_layers", 0)
+    if name in _MTP_TOP:  # the norms, renamed *norm.weight (enorm, hnorm, shared_head.norm): Qwen3NextModel adds 1
+        t = t if name == "mtp.fc.weight" else t + 1
+        return [(f"blk.{b}.{_MTP_TOP[name]}", t) for b in range(layers, blocks)]
+    bid = int(name.split(".")[2])
+    hf = name.replace(f"mtp.layers.{bid}", f"model.layers.{bid + layers}")
+    return [(gguf_tensor_name(hf, blocks), convert_tensor(hf, t, hp))]
+
+
 def write_qwen35_gguf(hf_dir: Path, out: Path, tokenizer_source: Path, weight_type: T = T.F32,
                       meta: dict | None = None, skip: frozenset = frozenset()) -> Path:
     """meta: metadata keys to replace, {key: (value, GGUFValueType)} or {key: None} to leave out;
@@ -73,7 +90,10 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tokenizer_source: Path, weight_ty
     layers, rope = hp["num_hidden_layers"], hp.get("rope_parameters") or {}
     w = GGUFWriter(str(out), "qwen35")
     # TextModel.set_gguf_parameters (the parts a dense Qwen3.5 config has)
-    w.add_block_count(layers)  # _Qwen35MtpMixin adds mtp_num_hidden_layers (0 here)
+    mtp = hp.get("mtp_num_hidden_layers", 0)
+    w.add_block_count(layers + mtp)  # _Qwen35MtpMixin adds mtp_num_hidden_layers
+    if mtp:
+        w.add_uint32("qwen35.nextn_predict_layers", mtp)
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
     w.add_feed_forward_length(hp["intermediate_size"])
@@ -105,11 +125,16 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tokenizer_source: Path, weight_ty
     tensors = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
         tensors |= load_file(file)
+    converted = []
     for name, t in tensors.items():
-        new = gguf_tensor_name(name, layers)
+        if name.startswith("mtp."):
+            converted += mtp_tensors(name, t.float(), hp)
+        else:
+            converted.append((gguf_tensor_name(name, layers), convert_tensor(name, t.float(), hp)))
+    for new, t in converted:
         if new in skip:
             continue
-        data = convert_tensor(name, t.float(), hp).numpy()
+        data = t.numpy()
         if data.ndim <= 1 or "ssm_conv1d" in new or weight_type == T.F32:  # 1-D tensors stay F32
             w.add_tensor(new, data.astype(np.float32))
         elif weight_type == T.F16:

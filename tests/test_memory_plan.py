@@ -53,7 +53,7 @@ def test_qwen3_8b_by_hand():
     assert plan.category("weights") == weights == 4_334_905_600
     assert plan.category("kv") == 36 * 8 * 2 * 128 * 2 * 4096 == 603_979_776
     static, live = decode_step_bytes(QWEN3_8B, plan_formats := linear_formats(QWEN3_8B, WeightFormat("tri", 128)), 1, s)
-    assert static == 8 + 12 + 6144 * 4 + 24576 * 4
+    assert static == 8 + 12 + 6144 * 4 + 24576 * 4 + 4096 * 4  # inputs, qkv, gate_up, the last hidden state
     assert plan.category("decode") == static + pool_segment_bytes(live)
     assert 151936 * 4 in live  # the graph's float32 logits
     # prefill: the 512-row chunk unpacks w13 for cuBLAS in bf16 slices of 64 MiB (8192 of its 24576 columns)

@@ -222,9 +222,11 @@ def test_factory_refuses_missing_drafter_files_and_k_above_a_block_size(tmp_path
     module = types.ModuleType("engine.speculative.dflash")
     seen = {}
 
-    def load_dflash_drafter(path, target, *, k, max_seq_len):
-        seen.update(path=path, k=k, max_seq_len=max_seq_len)
-        return BlockDrafter("dflash", [1] * 8, False)
+    def load_dflash_drafter(path, target, *, k, max_seq_len, module=None):
+        seen.update(path=path, k=k, max_seq_len=max_seq_len, module=module)
+        drafter = BlockDrafter("dflash", [1] * 8, False)
+        drafter.module = object()
+        return drafter
 
     module.load_dflash_drafter = load_dflash_drafter
     monkeypatch.setitem(sys.modules, "engine.speculative.dflash", module)
@@ -232,7 +234,7 @@ def test_factory_refuses_missing_drafter_files_and_k_above_a_block_size(tmp_path
     drafter_file.write_bytes(b"")
     cfg = SpeculativeConfig.from_spec(f"dflash:{drafter_file}", num_draft_tokens=8, adaptive=False)
     assert build_drafter(cfg, None, 64).max_draft_tokens == 8
-    assert seen == {"path": str(drafter_file), "k": 8, "max_seq_len": 64 + 9}
+    assert seen == {"path": str(drafter_file), "k": 8, "max_seq_len": 64 + 9, "module": None}
     with pytest.raises(BonsaiError, match="block size"):
         build_drafter(SpeculativeConfig.from_spec(f"dflash:{drafter_file}", num_draft_tokens=12), None, 64)
 

@@ -269,8 +269,9 @@ def draft_model_plan(path: str | Path, target_settings: RunSettings, num_draft_t
 
 
 def hidden_drafter_plan(method: str, path: str, settings: RunSettings, num_draft_tokens: int) -> MemoryPlan:
-    """An MTP / DFlash drafter file: its tensors moved to the target's device and dtype, and its own
-    KV cache [L, 1, KV, S, D] of the target's context + k + 1 (engine.speculative.hidden_drafter)."""
+    """An MTP / DFlash drafter file: its tensors moved to the target's device and dtype (loaded once),
+    and per slot its own KV cache [L, 1, KV, S, D] of the target's context + k + 1
+    (engine.speculative.hidden_drafter)."""
     import json
 
     from safetensors import safe_open
@@ -285,19 +286,32 @@ def hidden_drafter_plan(method: str, path: str, settings: RunSettings, num_draft
                 n *= dim
             numel += n
     capacity = settings.max_seq_len + num_draft_tokens + 1
-    kv = 2 * config.num_layers * config.num_kv_heads * capacity * config.head_dim * settings.dtype_bytes
+    kv = 2 * config.num_layers * config.num_kv_heads * capacity * config.head_dim * settings.dtype_bytes * settings.slots
     return MemoryPlan([PlanLine("weights", f"{method} drafter layers", numel * settings.dtype_bytes),
-                       PlanLine("kv", f"{method} drafter KV cache ({capacity} positions)", kv)])
+                       PlanLine("kv", f"{method} drafter KV cache ({settings.slots} x {capacity} positions)", kv)])
 
 
-def drafter_plan(spec_config, settings: RunSettings) -> MemoryPlan | None:
-    """What the drafters of a SpeculativeConfig add to the device (n-gram tables live on the host)."""
+def native_mtp_plan(config: ModelConfig, settings: RunSettings, num_draft_tokens: int) -> MemoryPlan:
+    """A checkpoint's own MTP head (--spec mtp): one decoder layer + fc in the run's dtype, shared by the
+    slots, and per slot its KV cache of the target's context + k + 1 (engine.speculative.native_mtp)."""
+    from engine.speculative.native_mtp import native_mtp_numel
+    capacity = settings.max_seq_len + num_draft_tokens + 1
+    kv = 2 * config.num_kv_heads * capacity * config.head_dim * settings.dtype_bytes * settings.slots
+    return MemoryPlan([PlanLine("weights", "mtp head (the model's own)", native_mtp_numel(config) * settings.dtype_bytes),
+                       PlanLine("kv", f"mtp head KV cache ({settings.slots} x {capacity} positions)", kv)])
+
+
+def drafter_plan(spec_config, settings: RunSettings, config: ModelConfig | None = None) -> MemoryPlan | None:
+    """What the drafters of a SpeculativeConfig add to the device (n-gram tables live on the host);
+    config: the target's (a native MTP head is sized from it)."""
     plans = []
     for spec in spec_config.drafters:
         if spec.method == "draft":
             plans.append(draft_model_plan(spec.path, settings, spec_config.num_draft_tokens))
         elif spec.method in ("mtp", "dflash") and spec.path:
             plans.append(hidden_drafter_plan(spec.method, spec.path, settings, spec_config.num_draft_tokens))
+        elif spec.method == "mtp" and config is not None and config.hybrid is not None:
+            plans.append(native_mtp_plan(config, settings, spec_config.num_draft_tokens))
     if not plans:
         return None
     return MemoryPlan([line for p in plans for line in p.lines], [line for p in plans for line in p.host_lines])

@@ -226,11 +226,11 @@ def decode_step_bytes(config: ModelConfig, formats: dict[str, LinearFormat], row
                       ) -> tuple[int, list[int]]:
     """(static buffers, live intermediates at the step's peak) of a DecodeStepRunner of `rows` rows:
     static are StepInputs (int64 tokens, three int32 vectors; with the embedding on the host the
-    rows' embeddings) and Workspace (float32 qkv, gate_up);
+    rows' embeddings) and Workspace (float32 qkv, gate_up, the last hidden state);
     the intermediates (in the graph's pool) include the float32 logits it returns."""
     m, h, f, v = rows, config.hidden_size, config.intermediate_size, config.vocab_size
     hq, dim, d = config.num_heads, config.head_dim, s.dtype_bytes
-    static = m * 8 + 3 * m * 4 + m * (config.q_size + 2 * config.kv_size) * 4 + m * 2 * f * 4
+    static = m * 8 + 3 * m * 4 + m * (config.q_size + 2 * config.kv_size) * 4 + m * 2 * f * 4 + m * h * 4
     if s.embedding_on_host:
         static += m * h * d  # the rows' embeddings, copied in before each replay
     layer0 = {path.split(".")[-1]: fmt for path, fmt in formats.items() if path.startswith(_attention_layer(config))}

@@ -215,6 +215,8 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     try:
         _write_files(writer, source, config, out_config, tokenizer_files)
         record = _recorder(report, shapes)
+        if config.hybrid is not None and rotation is None:
+            _write_mtp_head(source, config, writer, report)
         kept = _write_kept(source, config, specs, adapter, rotation, opts, writer, record)
         job = LayerwiseInputs(floats, out_config, specs, opts.method, _calibration_options(opts), calib_ids,
                               eval_ids, kept, rotation.down_block if rotation else
@@ -302,6 +304,17 @@ def _write_files(writer: CheckpointWriter, source: Any, config, out_config, toke
         writer.add_file("config.json", json.dumps(hf_config(out_config), indent=2).encode())
     for name, content in tokenizer_files.items():
         writer.copy_file(name, content) if isinstance(content, Path) else writer.add_file(name, content)
+
+
+def _write_mtp_head(source: Any, config, writer: CheckpointWriter, report: QuantizeReport) -> None:
+    """A Qwen3.5 / 3.6 source's own MTP head (the `--spec mtp` drafter) copied as bfloat16 `mtp.*` entries
+    (not quantized: it only drafts, verification keeps the output exact). Not for a rotated model, whose
+    hidden states the head was not trained on."""
+    from engine.sources.mtp_source import iter_mtp_tensors
+    for short, tensor in iter_mtp_tensors(source, config):
+        name = "mtp." + (short if not short.startswith("layers.") else hf_name(short)[len("model."):])
+        nbytes = writer.write_float(name, tensor, "bf16")
+        report.mtp_head.append(TensorRecord(name, "bf16", tensor.numel(), nbytes))
 
 
 def _recorder(report: QuantizeReport, shapes: dict[str, tuple[int, ...]]):

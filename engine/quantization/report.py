@@ -63,6 +63,7 @@ class QuantizeReport:
     gguf_quality: dict | None = None  # the same for a lossy GGUF export (--allow-lossy-gguf)
     group_fallbacks: dict[int, list[str]] = field(default_factory=dict)  # group used → tensor classes
     settings: dict[str, Any] = field(default_factory=dict)  # the options that made it
+    mtp_head: list[TensorRecord] = field(default_factory=list)  # the source's MTP head, copied (not in the totals)
 
     @property
     def params(self) -> int:
@@ -104,7 +105,9 @@ class QuantizeReport:
                 "relative_error": self.error_by_class(), "kept_from_source": sum(t.kept for t in self.tensors),
                 "group_fallbacks": {str(g): v for g, v in self.group_fallbacks.items()},
                 "scale_tuning": self.scale_tuning, "quality": self.quality, "gguf_quality": self.gguf_quality,
-                "gguf": self.gguf.as_dict() if self.gguf else None}
+                "gguf": self.gguf.as_dict() if self.gguf else None,
+                "mtp_head": {"tensors": len(self.mtp_head), "params": sum(t.params for t in self.mtp_head),
+                             "bytes": sum(t.nbytes for t in self.mtp_head)} if self.mtp_head else None}
 
 
 def return_freed_memory() -> None:

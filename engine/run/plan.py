@@ -104,7 +104,7 @@ def _plan(config: RunConfig, architecture: ModelConfig | None, source, fmt: Weig
                             embedding_on_host=bool(mem.embedding_on_host)
                             or (mem.weight_offload is True and host_embedding_possible(weights)),
                             verify_positions=spec.num_draft_tokens + 2 if spec is not None else 0)
-    drafter = drafter_plan(spec, settings) if spec is not None else None
+    drafter = drafter_plan(spec, settings, weights.config) if spec is not None else None
     limit = mem.max_gpu_memory_bytes
     settings, choices = fit_to_budget(weights, settings, limit, embedding_auto=mem.embedding_on_host is None,
                                       chunk_auto=rt.prefill_chunk_size is None, drafter=drafter,

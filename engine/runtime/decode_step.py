@@ -46,12 +46,16 @@ class Workspace:
     atomics, and the consumer kernel zeroes them again as it reads: no memset between kernels."""
     qkv: torch.Tensor  # [M, Q + 2KV]
     gate_up: torch.Tensor  # [M, 2F]
+    # the residual stream after the last block, before the final norm: what drafters that read the target's
+    # hidden state take (engine.speculative.hidden_drafter); copied there by each step (valid until the next)
+    hidden: torch.Tensor  # [M, H]
 
     @staticmethod
     def make(model: Transformer, rows: int, device: torch.device) -> "Workspace":
         cfg = model.config
         return Workspace(torch.zeros(rows, cfg.q_size + 2 * cfg.kv_size, device=device),
-                         torch.zeros(rows, 2 * cfg.intermediate_size, device=device))
+                         torch.zeros(rows, 2 * cfg.intermediate_size, device=device),
+                         torch.zeros(rows, cfg.hidden_size, device=device))
 
 
 class _Ops:
@@ -168,6 +172,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
         _feed_forward(ops, block, x, ws, eps)
     if not model.gives_logits:
         return x  # [M, H] float32: the next stage's input
+    ws.hidden.copy_(x)  # [M, H] (one small copy a step)
     head = model.lm_head
     return _project(ops, x, head, model.norm.weight, eps, tied_weight=model.embed.weight if head is None else None,
                     rotation=model.lm_head_rotation)  # [M, V]

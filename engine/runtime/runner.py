@@ -6,7 +6,7 @@ engine.pipeline.runner.PipelineRunner (rank 0 of a pipeline over several) both a
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 import torch
 
@@ -202,11 +202,14 @@ class ModelRunner:
         row count), so each row's logits are those plain decoding would compute."""
         slot.check_room(len(tokens))
         start, t = slot.length, len(tokens)
-        if not hidden_layers and 1 < t <= MAX_STEP_ROWS and self.decoder is not None:
+        last_only = set(hidden_layers) <= {-1, self.loaded.config.num_layers - 1}  # what the fused step gives
+        fused = t <= MAX_STEP_ROWS and self.decoder is not None and (t > 1 or hidden_layers) and last_only
+        if fused and not (self.hybrid and t > 1 and hidden_layers):  # (a hybrid's rows of one slot: a recorded pass)
             # each verified token is one row of the fused step: row i attends to keys 0..start+i
-            logits = self.step_rows(tokens, list(range(start, start + t)), [slot.index] * t)  # [T, V]
+            logits, step = self._step_rows(tokens, list(range(start, start + t)), [slot.index] * t)  # [T, V]
             slot.tokens.extend(tokens)
-            return logits, {}
+            last = step.workspace.hidden[:t].to(self.loaded.dtype, copy=True) if hidden_layers else None  # [T, H]
+            return logits, {i: last for i in hidden_layers}
         logits, hidden = self._recorded_pass(slot.index, start, tokens, hidden_layers)
         slot.tokens.extend(tokens)
         return logits, hidden
@@ -285,9 +288,14 @@ class ModelRunner:
         (batched decode) or consecutive positions of one slot (speculative verification). Writes
         each row's K/V at its position; logits [M, V] (a copy). Slot bookkeeping is the caller's.
         Needs the fused step (`fast_decode`); one graph is captured per row count on first use."""
+        return self._step_rows(tokens, positions, slots)[0]
+
+    def _step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> tuple[torch.Tensor, Any]:
+        """`step_rows`, and the step that ran (its workspace holds the rows' last hidden states), or None
+        where a hybrid's rows of one slot ran as a recorded pass."""
         assert self.decoder is not None and 0 < len(tokens) <= MAX_STEP_ROWS
         if self.hybrid and len(set(slots)) < len(slots):
-            return self._hybrid_rows(tokens, positions, slots)
+            return self._hybrid_rows(tokens, positions, slots), None
         rows = len(tokens)
         step = self.decoder if rows == 1 else self._row_steps.get(rows)
         if step is None:
@@ -295,7 +303,7 @@ class ModelRunner:
             step = DecodeStepRunner(self.model, self.cache, rows=rows, num_splits=self.decoder.num_splits,
                                     use_graph=self.decoder.graph is not None)
             self._row_steps[rows] = step
-        return step.run(tokens, positions, slots).clone()
+        return step.run(tokens, positions, slots).clone(), step
 
     def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
         """Feed tokens in chunks; logits [V] after the last one."""

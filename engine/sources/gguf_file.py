@@ -187,6 +187,15 @@ class GGUFFile:
             tensor = _unrotate_rows(tensor, self.embedding_rotation)
         return tensor
 
+    def read_stored(self, stored: str) -> torch.Tensor:
+        """One tensor by its name in the file, decoded to float32 as stored (no transform of any kind)."""
+        t = self._tensors[stored]
+        try:
+            tensor = gguf_types.dequantize(tensor_bytes(self._data, t), t.type_id, t.shape)
+        except gguf_types.UnsupportedTensorType as e:
+            raise UnsupportedModelError(f"{self.path.name}: tensor {t.name}: {e}") from None
+        release_pages(self._data, t)
+        return tensor
 
     def int4_tensors(self, config: ModelConfig) -> set[str]:
         """Canonical names of the 2-D tensors stored in a type `read_int4` decodes (Q4_0/1, Q4_K, Q5_0/1, Q8_0);

@@ -1,11 +1,11 @@
 """What speculation to run: the config dataclass, the CLI spec strings, and the drafter factory.
 
 Spec strings (`--spec`): `ngram`, `draft:PATH` (or a pulled model's name, e.g. draft:qwen2.5-coder-0.5b),
-`mtp`, `mtp:PATH`, `dflash`, `dflash:PATH`, and
+`mtp` (a Qwen3.5 / Qwen3.6 checkpoint's own MTP head), `mtp:PATH` (a trained one), `dflash`, `dflash:PATH`, and
 `mix:A,B,...` of those (in order of precedence), e.g. `mix:ngram,draft:./smollm2-int4`.
 
-MTP and DFlash drafters live in `engine.speculative.mtp` / `engine.speculative.dflash`, imported
-only when asked for; each provides `load_mtp_drafter(path, target, *, max_seq_len)` /
+MTP and DFlash drafters live in `engine.speculative.mtp` / `engine.speculative.dflash` (the native
+head in `engine.speculative.native_mtp`), imported only when asked for; each provides `load_mtp_drafter(path, target, *, max_seq_len)` /
 `load_dflash_drafter(path, target, *, k, max_seq_len)` for a drafter file written by
 `bonsai train-drafter`.
 """
@@ -122,12 +122,13 @@ def _one(text: str) -> DrafterSpec:
 
 
 def build_drafter(config: SpeculativeConfig, target: LoadedModel, max_seq_len: int,
-                  ngram_pool: Any | None = None, loaded_drafts: dict[str, LoadedModel] | None = None) -> Drafter:
+                  ngram_pool: Any | None = None, loaded_drafts: dict[str, Any] | None = None) -> Drafter:
     """The drafter the config describes, for `target` (whose tokenizer a draft model must share).
     max_seq_len: the target's context (a draft model's cache is sized for it plus k). ngram_pool:
     a pool shared with other requests (a server passes its own); by default one of
     config.ngram_pool_size entries, or none. loaded_drafts: draft models already loaded, by path
-    (filled here): a server's slots share one draft model's weights, each with its own KV cache."""
+    (filled here; also MTP / DFlash modules, by their spec label): a server's slots share one draft
+    model's or drafter's weights, each with its own KV cache."""
     from engine.speculative.mix import MixDrafter
     from engine.speculative.ngram import NgramPool
     if ngram_pool is None and config.ngram_pool_size:
@@ -148,18 +149,25 @@ def build_drafters(config: SpeculativeConfig, target: LoadedModel, max_seq_len: 
     loaded once (each drafter has its own KV cache)."""
     from engine.speculative.ngram import NgramPool
     pool = NgramPool(config.ngram_pool_size) if config.ngram_pool_size else None
-    drafts: dict[str, LoadedModel] = {}
+    drafts: dict[str, Any] = {}
     return [build_drafter(config, target, max_seq_len, ngram_pool=pool, loaded_drafts=drafts) for _ in range(count)]
 
 
 def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel, max_seq_len: int,
-               ngram_pool: Any | None, loaded_drafts: dict[str, LoadedModel] | None) -> Drafter:
+               ngram_pool: Any | None, loaded_drafts: dict[str, Any] | None) -> Drafter:
     if spec.method == "ngram":
         from engine.speculative.ngram import NgramDrafter
         return NgramDrafter(config.ngram_min, config.ngram_max, ngram_pool)
     if spec.method == "draft":
         return _draft_model(spec.path, target, max_seq_len + config.num_draft_tokens + 1,
                             {} if loaded_drafts is None else loaded_drafts)
+    if spec.method == "mtp" and not spec.path:  # the checkpoint's own head: weights loaded once, shared by slots
+        from engine.speculative.native_mtp import load_native_mtp_drafter
+        shared = {} if loaded_drafts is None else loaded_drafts
+        drafter = load_native_mtp_drafter(target, max_seq_len=max_seq_len + config.num_draft_tokens + 1,
+                                          module=shared.get(spec.label))
+        shared[spec.label] = drafter.module
+        return drafter
     if not spec.path:
         raise BonsaiError(f"the {spec.method} drafter needs its file: {spec.method}:PATH (train one with "
                           f"`bonsai train-drafter MODEL --kind {spec.method} --out DIR`)")
@@ -172,10 +180,13 @@ def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel
             raise
         raise BonsaiError(f"the {spec.method} drafter is not part of this bonsai build "
                           f"(engine/speculative/{spec.method}.py is missing): use ngram or draft:PATH") from None
-    options = {"max_seq_len": max_seq_len + config.num_draft_tokens + 1}
+    shared = {} if loaded_drafts is None else loaded_drafts  # the slots share one module's weights
+    options = {"max_seq_len": max_seq_len + config.num_draft_tokens + 1, "module": shared.get(spec.label)}
     if spec.method == "dflash":
         options["k"] = config.num_draft_tokens  # refused in one line above its block size
-    return getattr(module, f"load_{spec.method}_drafter")(spec.path, target, **options)
+    drafter = getattr(module, f"load_{spec.method}_drafter")(spec.path, target, **options)
+    shared[spec.label] = drafter.module
+    return drafter
 
 
 def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts: dict[str, LoadedModel]) -> Drafter:

@@ -25,7 +25,7 @@ from engine.errors import BonsaiError
 from engine.runtime.model import Linear, RMSNorm, Transformer
 from engine.speculative.draft_layers import (DraftBlock, DrafterConfig, drafter_inverse_frequencies,
                                              init_drafter_weights, rotary, shared_logits, to_target)
-from engine.speculative.drafter import Draft, Feedback
+from engine.speculative.drafter import Draft
 from engine.speculative.drafter_file import TargetIdentity, read_drafter
 from engine.speculative.hidden_drafter import HiddenStateDrafterBase
 
@@ -162,9 +162,11 @@ def load_dflash_module(path, target_loaded) -> tuple[DFlashModule, int]:
 
 
 def load_dflash_drafter(path, target_loaded, *, k: int | None = None, max_seq_len: int | None = None,
-                        sampling=None) -> DFlashDrafter:
-    module, _ = load_dflash_module(path, target_loaded)
-    drafter = DFlashDrafter(to_target(module, target_loaded), target_loaded, max_seq_len, sampling)
+                        sampling=None, module=None) -> DFlashDrafter:
+    """module: one this file already gave (on the target's device), whose weights the drafter shares."""
+    if module is None:
+        module = to_target(load_dflash_module(path, target_loaded)[0], target_loaded)
+    drafter = DFlashDrafter(module, target_loaded, max_seq_len, sampling)
     if k is not None:
         drafter.check_draft_length(k)
     return drafter

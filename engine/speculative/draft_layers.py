@@ -91,7 +91,9 @@ def default_config(kind: str, target: ModelConfig, block_size: int = 4, num_laye
 
 
 class DraftBlock(nn.Module):
-    """Pre-norm transformer block; queries of x attend to [keys/values given ; x's own] under `mask`."""
+    """Pre-norm transformer block; queries of x attend to [keys/values given ; x's own] under `mask`.
+    With a hybrid target's config it is that target's gated full-attention block (partial rotary,
+    q/k norms, the output gate): the layer of a Qwen3.5 checkpoint's own MTP head."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -114,12 +116,15 @@ class DraftBlock(nn.Module):
         attend) or None (attend to everything). Returns (out [B, T, hidden], k, v [B, KV, T, D])."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q, k, v = self.attention.project(self.attention_norm(x), cos, sin)  # [B, H, T, D], [B, KV, T, D]
+        q, k, v, gate = self.attention.project(self.attention_norm(x), cos, sin, with_gate=True)  # [B, H, T, D], [B, KV, T, D]
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)  # [B, KV, S + T, D]
         values = v if past_v is None else torch.cat([past_v, v], dim=2)  # [B, KV, S + T, D]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
-        x = x + self.attention.wo(out.transpose(1, 2).reshape(b, t, cfg.q_size))
+        out = out.transpose(1, 2).reshape(b, t, cfg.q_size)  # [B, T, H*D]
+        if gate is not None:  # a gated attention (Qwen3.5's, in its native MTP layer): sigmoid of the gate
+            out = out * torch.sigmoid(gate.float()).to(out.dtype)
+        x = x + self.attention.wo(out)
         return x + self.feed_forward(self.ffn_norm(x)), k, v
 
 

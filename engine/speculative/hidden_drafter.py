@@ -65,8 +65,10 @@ class TokenPicker:
     """Greedy drafting (no probabilities: verification counts q = 1 for the token, which keeps any
     temperature lossless), or sampling from the request's distribution with its probabilities."""
 
-    def __init__(self, sampling: SamplingParams | None = None, device: torch.device | str = "cpu"):
+    def __init__(self, sampling: SamplingParams | None = None, device: torch.device | str = "cpu",
+                 vocab: int | None = None):
         self.device = torch.device(device)
+        self.vocab = vocab  # only ids below it are drafted (the engine cuts a draft at the first id above)
         self.set_sampling(sampling)
 
     def set_sampling(self, sampling: SamplingParams | None) -> None:
@@ -79,7 +81,8 @@ class TokenPicker:
                 self.generator.manual_seed((self.sampling.seed * 1_000_003 + 11) % 2**63)
 
     def pick(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-        """logits [n, V] → n tokens and their distributions [n, V] (None when greedy)."""
+        """logits [n, V] → n tokens and their distributions [n, V'] (None when greedy; V' = vocab if set)."""
+        logits = logits[:, :self.vocab]  # [n, V']
         if self.sampling is None:
             return logits.argmax(-1).tolist(), None
         probs = probabilities(logits, self.sampling)  # [n, V]
@@ -105,7 +108,9 @@ class HiddenStateDrafterBase:
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, KV, S, D]
         self.length = 0  # committed rows
         self.rows = HiddenStateRows(hidden_layers)
-        self.picker = TokenPicker(sampling, device)
+        # the ids the target's tokenizer can print, as the engine counts them (a padded or borrowed vocabulary)
+        tok = target_loaded.tokenizer
+        self.picker = TokenPicker(sampling, device, min(tcfg.vocab_size, tok.vocab_size) if tok is not None else None)
 
     def begin(self, prompt: list[int]) -> None:
         self.length = 0

@@ -25,7 +25,7 @@ from torch import nn
 from engine.runtime.model import Linear, RMSNorm, Transformer
 from engine.speculative.draft_layers import (DraftBlock, DrafterConfig, drafter_inverse_frequencies,
                                              init_drafter_weights, rotary, shared_logits, to_target)
-from engine.speculative.drafter import Draft, Feedback
+from engine.speculative.drafter import Draft
 from engine.speculative.drafter_file import TargetIdentity, read_drafter
 from engine.speculative.hidden_drafter import HiddenStateDrafterBase
 
@@ -46,6 +46,14 @@ class MTPModule(nn.Module):
     def inputs(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """[.., H] hidden state and [.., H] embedding of the next token → block input [.., H]."""
         return self.proj(torch.cat([self.embed_norm(embedded), self.hidden_norm(hidden)], dim=-1))
+
+    def target_hidden(self, target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's last-block output [.., H] as this module reads it (as it is)."""
+        return hidden
+
+    def logits(self, target: Transformer, out: torch.Tensor) -> torch.Tensor:
+        """Logits [.., V] (float32) of outputs [.., H]: the target's final norm and LM head."""
+        return shared_logits(target, out)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None,
             mask: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -94,7 +102,9 @@ def train_forward(module: MTPModule, target: Transformer, tokens: torch.Tensor, 
 
 
 class MTPDrafter(HiddenStateDrafterBase):
-    """The Drafter protocol over an MTPModule (see the module docstring)."""
+    """The Drafter protocol over an MTPModule (see the module docstring), or over any module with the
+    same methods (inputs, run, target_hidden, logits; cfg.num_layers / num_kv_heads / head_dim): a
+    checkpoint's own MTP head is one (engine.speculative.native_mtp)."""
 
     max_draft_tokens = None  # chained: any k (trained for module.cfg.block_size; deeper drafts are weaker)
 
@@ -115,7 +125,7 @@ class MTPDrafter(HiddenStateDrafterBase):
         if self.length + n > self.capacity:  # full: start over from these rows
             self.length = 0
         device = self.k.device
-        hidden = new.hidden[-1].to(self.k.dtype)[None]  # [1, n, H]
+        hidden = self.module.target_hidden(self.target, new.hidden[-1]).to(self.k.dtype)[None]  # [1, n, H]
         embedded = self.target.embed(torch.tensor([new.next_tokens], device=device)).to(self.k.dtype)  # [1, n, H]
         positions = torch.tensor([new.positions], device=device)  # [1, n]
         keys = torch.arange(self.length + n, device=device)
@@ -137,7 +147,7 @@ class MTPDrafter(HiddenStateDrafterBase):
         past = self._past()
         device = self.k.device
         for step in range(k):
-            token, prob = self.picker.pick(shared_logits(self.target, out[None]))  # [1, V]
+            token, prob = self.picker.pick(self.module.logits(self.target, out[None]))  # [1, V]
             tokens += token
             if prob is not None:
                 probs.append(prob)
@@ -166,6 +176,9 @@ def load_mtp_module(path, target_loaded) -> tuple[MTPModule, int]:
     return module, file.step
 
 
-def load_mtp_drafter(path, target_loaded, *, max_seq_len: int | None = None, sampling=None) -> MTPDrafter:
-    module, _ = load_mtp_module(path, target_loaded)
-    return MTPDrafter(to_target(module, target_loaded), target_loaded, max_seq_len=max_seq_len, sampling=sampling)
+def load_mtp_drafter(path, target_loaded, *, max_seq_len: int | None = None, sampling=None,
+                     module=None) -> MTPDrafter:
+    """module: one this file already gave (on the target's device), whose weights the drafter shares."""
+    if module is None:
+        module = to_target(load_mtp_module(path, target_loaded)[0], target_loaded)
+    return MTPDrafter(module, target_loaded, max_seq_len=max_seq_len, sampling=sampling)
