@@ -6,8 +6,10 @@ g256 → TQ2_0 (TQ1_0 for tri-dense), 1-bit g128 → Q1_0, int4 → Q4_0, int8 �
 group that is a multiple of 32 → Q4_0 / Q8_0; bf16 matrices → BF16, f32 → F32, vectors F32. Where none
 does (a group size that is not a multiple of 32, or of a type's block), the tensor is lossy (scales
 merged into larger blocks, or F16 of the weights): `export_gguf` refuses unless allow_lossy, naming the
-tensors and their relative weight error. Llama q/k rows get llama.cpp's rotary permutation. Tensors
-are written one at a time.
+tensors and their relative weight error. Llama q/k rows get llama.cpp's rotary permutation. Qwen3.5 /
+3.6 hybrids are written as llama.cpp's `qwen35` (engine.quantization.gguf_export_qwen35: metadata, names
+and the converter's value transforms and V-head reorder; a packed matrix whose scale groups the reorder
+would split is written as F16, lossy). Tensors are written one at a time.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
+from engine.quantization import gguf_export_qwen35 as q35
+from engine.sources import gguf_qwen35
 from engine.sources.checkpoint_file import canonical_name
 from engine.errors import BonsaiError
 from engine.sources.gguf_file import GGUFFile, gguf_name, permute_rotary
@@ -89,24 +93,44 @@ def _row_permutation(name: str, config: ModelConfig) -> int | None:
     return {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(layer_kind(name).rsplit(".", 1)[-1])
 
 
-def lossy_tensors(checkpoint: Checkpoint) -> list[tuple[str, str]]:
-    """(name, 'tri g48 → Q4_0') of every quantized tensor no llama.cpp type holds exactly."""
+def _stored_name(name: str, config: ModelConfig) -> str:
+    """The GGUF name of a checkpoint tensor (qwen35's names for a hybrid)."""
+    canon = canonical_name(name)
+    return gguf_qwen35.gguf_name(canon) if config.hybrid is not None else gguf_name(canon)
+
+
+def packed_export_type(name: str, quant_type: str, k: int, group: int, config: ModelConfig | None
+                       ) -> tuple[int, str | None]:
+    """(GGUF type of a packed matrix, why it is lossy or None): F16 where a hybrid's V-head reorder would
+    split its scale groups (with `config`), else quant.gguf_codec.export_type's."""
+    split = q35.reorder_lossy(canonical_name(name), quant_type, group, config) if config is not None else None
+    if split:
+        return int(T.F16), split
+    type_id, exact = gguf_codec.export_type(quant_type, k, group)
+    return type_id, None if exact else f"{quant_type} g{group} → {gguf_types.type_name(type_id)}"
+
+
+def lossy_tensors(checkpoint: Checkpoint, config: ModelConfig | None = None) -> list[tuple[str, str]]:
+    """(name, 'tri g48 → Q4_0') of every quantized tensor no llama.cpp type holds exactly (with `config`,
+    also a hybrid's whose scale groups the V-head reorder splits)."""
     out = []
     for name, entry in checkpoint.entries.items():
         if canonical_name(name) is None or entry.is_float:
             continue
-        type_id, exact = gguf_codec.export_type(entry.quant_type, entry.shape[1], entry.group_size)
-        if not exact:
-            out.append((name, f"{entry.quant_type} g{entry.group_size} → {gguf_types.type_name(type_id)}"))
+        _, how = packed_export_type(name, entry.quant_type, entry.shape[1], entry.group_size, config)
+        if how is not None:
+            out.append((name, how))
     return out
 
 
 def lossy_message(lossy: list[tuple[str, str]], error: float | None = None) -> str:
     name, how = lossy[0]
     cost = f", relative weight error {error:.4f}" if error is not None else ""
+    heads = ", for a DeltaNet out_proj also one dividing linear_value_head_dim" if any(
+        q35.REORDER in h for _, h in lossy) else ""
     return (f"--gguf: {len(lossy)} tensors have no llama.cpp type that holds their codes exactly, e.g. {name} "
             f"({how}{cost}): quantize with a group size that is a multiple of 64 (ternary), 128 (1-bit) or 32 "
-            "(int4/int8), or pass --allow-lossy-gguf")
+            f"(int4/int8){heads}, or pass --allow-lossy-gguf")
 
 
 def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, source_gguf: GGUFFile | None,
@@ -116,7 +140,7 @@ def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, sourc
     if checkpoint.rotation and checkpoint.rotation.get("down_proj_hadamard"):
         raise BonsaiError("--gguf: llama.cpp cannot apply the online Hadamard on down_proj of this rotated "
                           "checkpoint: quantize with --rotate --no-online-hadamard to export it")
-    lossy = lossy_tensors(checkpoint)
+    lossy = lossy_tensors(checkpoint, config)
     if lossy and not allow_lossy:
         raise BonsaiError(lossy_message(lossy, _export_tensor(checkpoint, lossy[0][0], config)[1].relative_error))
     out = Path(out)
@@ -126,27 +150,33 @@ def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, sourc
     tmp = Path(tmp_name)
     try:
         writer = GGUFWriter(str(tmp), config.architecture)
+        hybrid = config.hybrid is not None
         if source_gguf is not None:
-            copy_metadata(writer, source_gguf)
+            copy_metadata(writer, source_gguf, q35.NOT_COPIED if hybrid else frozenset())
+            if hybrid:
+                q35.after_copied_metadata(writer, config)
         else:
-            add_architecture(writer, config)
+            if hybrid:
+                q35.add_architecture(writer, config, checkpoint.config)
+            else:
+                add_architecture(writer, config)
             add_tokenizer_from_hf(writer, tokenizer_dir, config.vocab_size)
         writer.add_quantization_version(2)
         names = [n for n in checkpoint.entries if canonical_name(n) is not None]
         for name in names:  # the header first, from the metadata alone: then tensors stream one at a time
             entry = checkpoint.entries[name]
-            type_id, shape, dtype, nbytes = _export_layout(entry)
+            type_id, shape, dtype, nbytes = _export_layout(name, entry, config)
             if type_id == gguf_codec.Q2_0_ID:  # not in the gguf package's enum (0.19): id and element shape as they are
-                writer.add_tensor_info(gguf_name(canonical_name(name)), entry.shape, np.float32, nbytes, raw_dtype=type_id)
+                writer.add_tensor_info(_stored_name(name, config), entry.shape, np.float32, nbytes, raw_dtype=type_id)
                 continue
-            writer.add_tensor_info(gguf_name(canonical_name(name)), shape, dtype, nbytes,
+            writer.add_tensor_info(_stored_name(name, config), shape, dtype, nbytes,
                                    raw_dtype=T(type_id) if dtype == np.uint8 else None)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for name in names:
             data, record = _export_tensor(checkpoint, name, config)
-            record.name = gguf_name(canonical_name(name))
+            record.name = _stored_name(name, config)
             writer.write_tensor_data(data)
             report.tensors.append(record)
         writer.close()
@@ -157,17 +187,18 @@ def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, sourc
     return report
 
 
-def _export_layout(entry: TensorEntry) -> tuple[int, tuple[int, ...], type, int]:
+def _export_layout(name: str, entry: TensorEntry, config: ModelConfig) -> tuple[int, tuple[int, ...], type, int]:
     """(GGUF type, shape as written, numpy dtype, bytes) of a checkpoint tensor's export."""
     numel = int(np.prod(entry.shape))
     if entry.is_float:
-        if len(entry.shape) < 2 or entry.quant_type == "f32":
-            return int(T.F32), entry.shape, np.float32, 4 * numel
+        shape = q35.stored_shape(canonical_name(name), entry.shape, config)
+        if len(shape) < 2 or entry.quant_type == "f32" or q35.forces_f32(canonical_name(name), config):
+            return int(T.F32), shape, np.float32, 4 * numel
         if entry.quant_type == "bf16":  # raw bfloat16 bytes: numpy has no bfloat16
-            return int(T.BF16), (entry.shape[0], 2 * int(np.prod(entry.shape[1:]))), np.uint8, 2 * numel
-        return int(T.F16), entry.shape, np.float16, 2 * numel
+            return int(T.BF16), (shape[0], 2 * int(np.prod(shape[1:]))), np.uint8, 2 * numel
+        return int(T.F16), shape, np.float16, 2 * numel
     rows, k = entry.shape
-    type_id, _ = gguf_codec.export_type(entry.quant_type, k, entry.group_size)
+    type_id, _ = packed_export_type(name, entry.quant_type, k, entry.group_size, config)
     if type_id == T.F16:
         return type_id, entry.shape, np.float16, 2 * numel
     block, size = gguf_codec.BLOCKS[type_id]
@@ -175,11 +206,14 @@ def _export_layout(entry: TensorEntry) -> tuple[int, tuple[int, ...], type, int]
 
 
 def _export_tensor(checkpoint: Checkpoint, name: str, config: ModelConfig) -> tuple[np.ndarray, GGUFTensorExport]:
-    entry = checkpoint.entries[name]
+    entry, canon = checkpoint.entries[name], canonical_name(name)
     heads = _row_permutation(name, config) if len(entry.shape) == 2 else None
+    hybrid = config.hybrid is not None
     if entry.is_float:
         w = checkpoint.read_float(name)
-        if w.dim() < 2 or entry.quant_type == "f32":
+        if hybrid:  # the converter's transforms (exact but for the float32 rounding of norm + 1 and -exp)
+            w = gguf_qwen35.to_stored(canon, w.float() if q35.forces_f32(canon, config) else w, config)
+        if w.dim() < 2 or entry.quant_type == "f32" or q35.forces_f32(canon, config):
             w = w.float() if heads is None else permute_rotary(w.float(), heads)
             return w.numpy(), GGUFTensorExport(name, entry.quant_type, "F32")
         if entry.quant_type == "bf16":
@@ -196,9 +230,13 @@ def _export_tensor(checkpoint: Checkpoint, name: str, config: ModelConfig) -> tu
     spec, codes, scales = checkpoint.read_quantized(name)
     if heads is not None:
         codes, scales = permute_rotary(codes, heads), permute_rotary(scales, heads)
-    type_id, _ = gguf_codec.export_type(spec.quant_type, codes.shape[1], spec.group_size)
+    type_id, _ = packed_export_type(name, spec.quant_type, codes.shape[1], spec.group_size, config)
+    if hybrid and type_id != T.F16:  # rows (and out_proj's whole scale groups) moved as they are
+        codes, scales = gguf_qwen35.codes_to_stored(canon, codes, scales, config)
     if type_id == T.F16:
         w = dequantize(codes, scales, spec.group_size)  # [N, K]
+        if hybrid:
+            w = gguf_qwen35.to_stored(canon, w, config)
         err, ref = rounding_error(w, torch.float16)
         return w.to(torch.float16).numpy(), GGUFTensorExport(name, spec.quant_type, "F16", err, ref)
     raw, err, ref = gguf_codec.encode(codes, scales, spec.group_size, type_id)

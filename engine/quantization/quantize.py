@@ -33,7 +33,6 @@ from engine.quantization.float_source import FloatSource
 from engine.quantization.report import QuantizeReport, TensorRecord, peak_rss_bytes, predict_peak, return_freed_memory
 from engine.quantization.rotation import Rotation, plan_rotation, rotated_config
 from engine.sources.tokenizer import Tokenizer
-from quant import gguf_codec, gguf_types
 from quant import recipe as recipes
 from quant.checkpoint import Checkpoint, CheckpointWriter
 from quant.formats import CODE_RANGE, QuantSpec
@@ -196,7 +195,7 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     if adapter is not None:
         adapter.check_fits(shapes)
     if opts.gguf is not None and not opts.allow_lossy_gguf:
-        _check_exportable(specs, shapes)
+        _check_exportable(specs, shapes, out_config)
     tokenizer_files = _tokenizer_files(source)
     tokenizer = _tokenizer(source)
     calibrated = opts.method != "rtn"
@@ -259,15 +258,16 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     return report
 
 
-def _check_exportable(specs: dict[str, QuantSpec], shapes: dict[str, tuple[int, ...]]) -> None:
-    """Refuse --gguf before any work when some tensor would have no llama.cpp type holding it exactly."""
-    from engine.quantization.gguf_export import lossy_message
+def _check_exportable(specs: dict[str, QuantSpec], shapes: dict[str, tuple[int, ...]], config) -> None:
+    """Refuse --gguf before any work when some tensor would have no llama.cpp type holding it exactly
+    (a hybrid's too, where the V-head reorder would split its scale groups)."""
+    from engine.quantization.gguf_export import lossy_message, packed_export_type
     lossy = []
     for name, spec in specs.items():
         if not spec.is_float:
-            type_id, exact = gguf_codec.export_type(spec.quant_type, shapes[name][1], spec.group_size)
-            if not exact:
-                lossy.append((name, f"{spec.quant_type} g{spec.group_size} → {gguf_types.type_name(type_id)}"))
+            _, how = packed_export_type(name, spec.quant_type, shapes[name][1], spec.group_size, config)
+            if how is not None:
+                lossy.append((name, how))
     if lossy:
         raise BonsaiError(lossy_message(lossy))
 

@@ -19,7 +19,7 @@ from engine.sources.tokenizer import Tokenizer
 from quant.checkpoint import Checkpoint, CheckpointError
 
 _HF_ARCHITECTURE = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                    "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+                    "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text")}
 
 
 def canonical_name(name: str) -> str | None:
@@ -40,6 +40,12 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     }
     if cfg.architecture != "qwen2":
         out["attention_bias"] = cfg.attention_bias
+    if cfg.hybrid is not None:  # Qwen3.5's layer mix, read back by HybridConfig.from_hf
+        hc = cfg.hybrid
+        out |= {"layer_types": list(hc.layer_types), "linear_num_key_heads": hc.linear_num_key_heads,
+                "linear_num_value_heads": hc.linear_num_value_heads, "linear_key_head_dim": hc.linear_key_head_dim,
+                "linear_value_head_dim": hc.linear_value_head_dim, "linear_conv_kernel_dim": hc.conv_kernel,
+                "partial_rotary_factor": hc.partial_rotary_factor}
     rs = cfg.rope_scaling
     if rs is not None and rs.kind == "linear":
         out["rope_scaling"] = {"rope_type": "linear", "factor": rs.factor}

@@ -22,11 +22,12 @@ from engine.sources.tokenizer import (GPT2_SPLIT, PRE_TOKENIZER_SPLITS, TOKEN_CO
 _NOT_COPIED = {"general.architecture", "general.file_type", "general.quantization_version", "general.alignment"}
 
 
-def copy_metadata(writer: GGUFWriter, source: GGUFFile) -> None:
-    """Every key of the source GGUF (architecture, tokenizer, chat template...) with its exact type."""
+def copy_metadata(writer: GGUFWriter, source: GGUFFile, skip: frozenset[str] = frozenset()) -> None:
+    """Every key of the source GGUF (architecture, tokenizer, chat template...) with its exact type, but
+    those in `skip` (the caller writes them anew)."""
     for name, value in source.metadata.items():
         vtype, item = source.metadata_types[name]
-        if name.startswith("GGUF.") or name in _NOT_COPIED or item == GGUFValueType.ARRAY:
+        if name.startswith("GGUF.") or name in _NOT_COPIED or name in skip or item == GGUFValueType.ARRAY:
             continue
         writer.add_key_value(name, value, GGUFValueType(vtype), sub_type=GGUFValueType(item) if item is not None else None)
 

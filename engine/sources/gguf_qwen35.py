@@ -1,5 +1,6 @@
-"""llama.cpp's `qwen35` GGUFs (Qwen3.5 / Qwen3.6 hybrids): tensor names and the inverse of every value
-transform llama.cpp's converter applies between the HF tensors and the file (docs/qwen35_gguf.md has
+"""llama.cpp's `qwen35` GGUFs (Qwen3.5 / Qwen3.6 hybrids): tensor names and every value transform
+llama.cpp's converter applies between the HF tensors and the file, both ways: from_stored /
+codes_from_stored for reading, to_stored / codes_to_stored for the export (docs/qwen35_gguf.md has
 the facts and where they come from).
 
 Canonical names are hf_files' (`layers.{i}.in_proj_qkv.weight`, `layers.{i}.A_log.param`, ...). The
@@ -86,6 +87,16 @@ def _grouped(t: torch.Tensor, dim: int, config: ModelConfig, head_dim: int) -> t
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
+def _tiled(t: torch.Tensor, dim: int, config: ModelConfig, head_dim: int) -> torch.Tensor:
+    """Value heads from HF's grouped order [K0: r0 r1 .., K1: ..] to llama.cpp's tiled order
+    [r0: K0 K1 .., r1: ..] along `dim` (the converter's _reorder_v_heads; the inverse of _grouped)."""
+    hc = config.hybrid
+    per_k = hc.linear_num_value_heads // hc.linear_num_key_heads
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], hc.linear_num_key_heads, per_k, head_dim, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
 def _reordered(config: ModelConfig) -> bool:
     hc = config.hybrid
     return hc.linear_num_key_heads != hc.linear_num_value_heads
@@ -114,6 +125,58 @@ def from_stored(name: str, t: torch.Tensor, config: ModelConfig) -> torch.Tensor
     if part == "out_proj":
         return _grouped(t, 1, config, vd)  # [hidden, Hv * Dv]
     return t
+
+
+def to_stored(name: str, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """An HF-order tensor as llama.cpp's converter writes it (torch order; the inverse of from_stored):
+    the value transforms in float32, the reorders and the conv1d squeeze in the tensor's own dtype."""
+    if name.endswith(_PLUS_ONE) or name == "norm.weight":
+        return t.float() + 1
+    part = name.split(".")[-2] if name.startswith("layers.") else ""
+    hc, reorder = config.hybrid, _reordered(config)
+    if part == "A_log":
+        t = -torch.exp(t.float())  # [Hv]
+    if part == "conv1d":
+        t = t.reshape(t.shape[0], t.shape[-1])  # [C, K]
+    if not reorder:
+        return t
+    vd = hc.linear_value_head_dim
+    if part in ("A_log", "dt_bias", "in_proj_b", "in_proj_a"):
+        return _tiled(t, 0, config, 1)
+    if part == "in_proj_z":
+        return _tiled(t, 0, config, vd)
+    if part in ("in_proj_qkv", "conv1d"):
+        qk = 2 * hc.key_dim
+        return torch.cat([t[:qk], _tiled(t[qk:], 0, config, vd)])
+    if part == "out_proj":
+        return _tiled(t, 1, config, vd)
+    return t
+
+
+def codes_to_stored(name: str, codes: torch.Tensor, scales: torch.Tensor, config: ModelConfig
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Quantized codes [N, K] and group scales [N, K/G] of an HF-order matrix in the file's order (the
+    inverse of codes_from_stored), or None where the reorder splits a scale group (out_proj with
+    linear_value_head_dim % G != 0: the export writes it as floats)."""
+    part = name.split(".")[-2]
+    if not _reordered(config) or part not in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        return codes, scales
+    if part != "out_proj":
+        rows = to_stored(name, torch.arange(codes.shape[0])[:, None], config)[:, 0]
+        return codes[rows], scales[rows]
+    group = codes.shape[1] // scales.shape[1]
+    vd = config.hybrid.linear_value_head_dim
+    if _splits_groups(name, group, True, vd):
+        return None
+    cols = _tiled(torch.arange(codes.shape[1])[None, :], 1, config, vd)[0]  # [K]
+    return codes[:, cols], scales[:, cols[::group] // group]
+
+
+def splits_groups(name: str, group: int, config: ModelConfig) -> bool:
+    """Whether the V-head reorder of this canonical matrix splits scale groups of `group` columns (so its
+    codes cannot move as they are); never for a dense model."""
+    return config.hybrid is not None and _splits_groups(name, group, _reordered(config),
+                                                        config.hybrid.linear_value_head_dim)
 
 
 def codes_from_stored(name: str, codes: torch.Tensor, scales: torch.Tensor, config: ModelConfig
