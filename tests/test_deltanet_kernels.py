@@ -97,6 +97,59 @@ def test_recurrent_reference_continues_the_models_layer_maths():
     torch.testing.assert_close(state, s)
 
 
+# rows of one step in runs (a verify): slot 2 at positions 5-7, slot 0 at 0 (a fresh start), slot 1 at 3-4;
+# the state after each row but a run's last kept at these buffer entries (-1: not kept)
+RUN_SLOTS, RUN_POSITIONS = [2, 2, 2, 0, 1, 1], [5, 6, 7, 0, 3, 4]
+RUN_LEN, SNAP_IDX = [3, 0, 0, 1, 2, 0], [1, 2, -1, -1, 4, -1]
+
+
+def _runs():
+    return (torch.tensor(RUN_SLOTS, dtype=torch.int32, device=DEVICE),
+            torch.tensor(RUN_POSITIONS, dtype=torch.int32, device=DEVICE),
+            torch.tensor(RUN_LEN, dtype=torch.int32, device=DEVICE), torch.tensor(SNAP_IDX, dtype=torch.int32,
+                                                                                    device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_runs_step_a_slots_rows_in_order_and_keep_each_window(dtype):
+    x, window, weight, _, _ = _conv_inputs(6, 300, 4, 3, dtype)
+    slot_ids, positions, run_len, snap_idx = _runs()
+    w_one, w_ref = window.clone(), window.clone()
+    one = torch.cat([conv_update_reference(x[r:r + 1], w_one, weight, slot_ids[r:r + 1], positions[r:r + 1])
+                     for r in range(6)])  # six one-row steps
+    snap_ref = torch.zeros(5, 300, 3, dtype=dtype, device=DEVICE)
+    ref = conv_update_reference(x, w_ref, weight, slot_ids, positions, run_len=run_len, snap_idx=snap_idx, snap=snap_ref)
+    torch.testing.assert_close(ref, one)
+    torch.testing.assert_close(w_ref, w_one)
+    snap = torch.zeros_like(snap_ref)
+    got = conv_update(x, window, weight, slot_ids, positions, run_len=run_len, snap_idx=snap_idx, snap=snap)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(window, w_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(snap, snap_ref, atol=tol, rtol=tol)
+    assert snap[[0, 3]].abs().max() == 0  # entries no row named stay as they were
+
+
+def test_recurrent_runs_step_a_slots_rows_in_order_and_keep_each_state():
+    args = _recurrent_inputs(6, 2, 4, 32, 16, slots=3)
+    slot_ids, positions, run_len, snap_idx = _runs()
+    args[11], args[12] = slot_ids, positions
+    s_one, s_ref = args[10].clone(), args[10].clone()
+    one = torch.cat([recurrent_update_reference(*[t[r:r + 1] for t in args[:5]], *args[5:7], args[7][r:r + 1],
+                                                *args[8:10], s_one, slot_ids[r:r + 1], positions[r:r + 1])
+                     for r in range(6)])  # six one-row steps
+    snap_ref = torch.zeros(5, 4, 32, 16, device=DEVICE)
+    ref = recurrent_update_reference(*_with_state(args, s_ref), run_len=run_len, snap_idx=snap_idx, snap=snap_ref)
+    torch.testing.assert_close(ref, one)
+    torch.testing.assert_close(s_ref, s_one)
+    snap = torch.zeros_like(snap_ref)
+    got = recurrent_update(*args, run_len=run_len, snap_idx=snap_idx, snap=snap)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(args[10], s_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(snap, snap_ref, atol=1e-5, rtol=1e-4)
+    assert snap[[0, 3]].abs().max() == 0
+
+
 def test_bad_shapes_are_refused():
     args = _recurrent_inputs(1, 2, 4, 16, 16, slots=2)
     with pytest.raises(UnsupportedKernelShape, match="state"):

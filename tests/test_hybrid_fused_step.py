@@ -67,9 +67,17 @@ def test_fused_decode_matches_transformers(hybrid, kernels, monkeypatch):
         assert (logits[-1] - reference_logits(model, OTHER[:i + 1])[-1]).abs().max() <= TOL
 
 
-def test_verify_rows_of_one_slot_roll_back_through_the_fused_runner(hybrid):
+@pytest.mark.parametrize("kernels", [False, True], ids=["references", "kernels"])
+def test_verify_rows_of_one_slot_roll_back_through_the_fused_runner(hybrid, kernels, monkeypatch):
+    """Rows of one slot step its DeltaNet state in order inside the fused step, each row's state kept
+    (HybridStates.begin_row_runs): logits are the reference's, a rewind restores the accepted row's."""
+    if kernels and torch.cuda.is_available():
+        pytest.skip("with a GPU the kernels run compiled: test_graphed_hybrid_step_on_cuda_matches_the_cpu")
+    if kernels:
+        monkeypatch.setenv("BONSAI_KERNELS_ON_CPU", "1")
     model, loaded = hybrid
     runner = ModelRunner(loaded, max_seq_len=64, num_slots=2, prefill_chunk_size=8, fast_decode=True)
+    assert runner.decoder.ops.fast == kernels
     slot, other = runner.slot(0), runner.slot(1)
     runner.prefill(slot, PROMPT[:16])
     runner.prefill(other, OTHER[:5])
@@ -84,6 +92,11 @@ def test_verify_rows_of_one_slot_roll_back_through_the_fused_runner(hybrid):
     assert (out[-1] - reference_logits(model, PROMPT[:20])[-1]).abs().max() <= TOL
     with pytest.raises(Exception, match="cannot go back"):  # the fused step dropped the rollback points
         slot.rewind(2)
+    logits, hidden = runner.verify(slot, PROMPT[20:23], (-1,))  # one slot's verify, the last hidden state too
+    assert (logits - reference_logits(model, PROMPT[:23])[20:]).abs().max() <= TOL and hidden[-1].shape[0] == 3
+    slot.rewind(3)  # back to before the pass (its first rollback point: the state copied before it)
+    out = runner.forward(slot, [PROMPT[20]])
+    assert (out[-1] - reference_logits(model, PROMPT[:21])[-1]).abs().max() <= TOL
 
 
 def _allocations_and_syncs(loaded, num_slots: int) -> tuple[list, set]:

@@ -3,6 +3,7 @@ against the bytes a real tiny runner allocates (dummy, float and packed-checkpoi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -165,18 +166,27 @@ def test_stored_codes_are_never_read_as_floats(tiny_checkpoint, monkeypatch, one
                                                                "up_proj", "down_proj"}
 
 
-def test_decode_static_buffers_match_the_step_runner(one_thread):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
+def test_decode_static_buffers_match_the_step_runner(hybrid, one_thread):
     from engine.runtime.cuda_graphs import DecodeStepRunner
+    from engine.runtime.hybrid_state import attach_states
     from engine.runtime.kv_cache import KVCache
+    from engine.sources.hybrid_config import HybridConfig
     from engine.weights.loader import load_dummy
-    loaded = load_dummy(TINY, "tiny", weight_format=WeightFormat("tri", 32))
-    cache = KVCache(TINY, 32, 1)
+    cfg = TINY if not hybrid else replace(TINY, architecture="qwen35", qk_norm=True, hybrid=HybridConfig(
+        ("linear_attention", "full_attention"), 2, 4, 16, 16))
+    loaded = load_dummy(cfg, "tiny", weight_format=WeightFormat("tri", 32))
+    cache = KVCache(cfg, 32, 1)
+    if hybrid:
+        attach_states(cache, cfg)
     step = DecodeStepRunner(loaded.model, cache, rows=3, num_splits=1, use_graph=False, kernels=False)
     tensors = [t for t in (*vars(step.inputs).values(), *vars(step.workspace).values()) if t is not None]
     s = RunSettings(max_seq_len=32, **CPU)
-    static, live = decode_step_bytes(TINY, linear_formats(TINY, WeightFormat("tri", 32)), 3, s)
+    static, live = decode_step_bytes(cfg, linear_formats(cfg, WeightFormat("tri", 32)), 3, s)
     assert static == sum(t.numel() * t.element_size() for t in tensors)
-    logits = step.run([1, 2, 3], [0, 0, 0], [0, 0, 0])
+    if hybrid:  # three rows of one slot (a verify): their rollback points (the plan's DeltaNet verify states)
+        cache.states.allocate_rows(3)
+    logits = step.run([1, 2, 3], [0, 1, 2] if hybrid else [0, 0, 0], [0, 0, 0])
     assert logits.numel() * logits.element_size() in live
 
 

@@ -233,6 +233,8 @@ def decode_step_bytes(config: ModelConfig, formats: dict[str, LinearFormat], row
     static = m * 8 + 3 * m * 4 + m * (config.q_size + 2 * config.kv_size) * 4 + m * 2 * f * 4 + m * h * 4
     if s.embedding_on_host:
         static += m * h * d  # the rows' embeddings, copied in before each replay
+    if config.hybrid is not None and m > 1:
+        static += 2 * m * 4  # int32 run lengths and rollback entries of a verify's rows (engine.runtime.hybrid_step)
     layer0 = {path.split(".")[-1]: fmt for path, fmt in formats.items() if path.startswith(_attention_layer(config))}
     wo = layer0["wo"]
 

@@ -49,6 +49,9 @@ class DecodeStepRunner:
                                  seq_lens=torch.ones(rows, dtype=torch.int32, device=device),
                                  hidden=None if model.takes_tokens else  # a later pipeline stage's input
                                  torch.zeros(rows, model.config.hidden_size, device=device))
+        if cache.states is not None and rows > 1:  # a hybrid's wider steps also take rows of one slot (a verify)
+            self.inputs.run_len = torch.ones(rows, dtype=torch.int32, device=device)
+            self.inputs.snap_idx = torch.full((rows,), -1, dtype=torch.int32, device=device)
         self.host_embedding = model.embed if isinstance(model.embed, HostEmbedding) else None
         if self.host_embedding is not None and model.takes_tokens:  # the graph reads the rows from here
             table = self.host_embedding.weight
@@ -114,9 +117,7 @@ class DecodeStepRunner:
             if self.inputs.embedded is not None:
                 self.host_embedding.rows_into(ids, self.inputs.embedded)
         if self.cache.states is not None:  # a hybrid: each row steps its own slot's DeltaNet state in place
-            assert len(set(slots)) == len(slots), "rows of one fused hybrid step name distinct slots"
-            for slot in slots:
-                self.cache.states.snapshots.pop(slot, None)  # its verify rollback points are past
+            self._hybrid_runs(slots, positions)
         pos = torch.tensor(positions, dtype=torch.int32)
         self.inputs.positions.copy_(pos, non_blocking=True)
         self.inputs.seq_lens.copy_(pos + 1, non_blocking=True)
@@ -131,6 +132,24 @@ class DecodeStepRunner:
         if self.weight_stream is not None:
             self.weight_stream.after_replay()
         return self.logits
+
+
+    def _hybrid_runs(self, slots: list[int], positions: list[int]) -> None:
+        """The rows as runs of one slot each (a verify: consecutive rows at consecutive positions), their
+        rollback points set up (HybridStates.begin_row_runs) and the run inputs filled."""
+        runs: list[tuple[int, int, int]] = []
+        for slot, pos in zip(slots, positions):
+            if runs and runs[-1][0] == slot and runs[-1][1] + runs[-1][2] == pos:
+                runs[-1] = (slot, runs[-1][1], runs[-1][2] + 1)
+            else:
+                assert all(r[0] != slot for r in runs), f"rows of slot {slot} are not consecutive at consecutive positions"
+                runs.append((slot, pos, 1))
+        assert len(runs) == len(slots) or self.inputs.run_len is not None, "a one-row step has one slot"
+        snap_idx = self.cache.states.begin_row_runs(runs)
+        if self.inputs.run_len is not None:
+            lens = [n if j == 0 else 0 for _, _, n in runs for j in range(n)]
+            self.inputs.run_len.copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+            self.inputs.snap_idx.copy_(torch.tensor(snap_idx, dtype=torch.int32), non_blocking=True)
 
 
 class PrefillGraphs:

@@ -37,6 +37,9 @@ class StepInputs:
     seq_lens: torch.Tensor  # [M] int32 = positions + 1 (keys each row attends to)
     embedded: torch.Tensor | None = None  # [M, H] the rows' embeddings, when the table is in host memory
     hidden: torch.Tensor | None = None  # [M, H] float32: a pipeline stage's input (model.takes_tokens false)
+    # a hybrid's step of several rows: rows of one slot in runs (a verify; engine.kernels.deltanet_decode)
+    run_len: torch.Tensor | None = None  # [M] int32: at a slot's first row its count of rows, 0 at the others
+    snap_idx: torch.Tensor | None = None  # [M] int32: where the DeltaNet state after the row is kept (-1: not)
 
 
 @dataclass
@@ -146,7 +149,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
         att = block.attention
         if cfg.hybrid is not None:  # engine.runtime.hybrid_step: DeltaNet or gated attention, then the FFN below
             if cfg.is_linear(i + model.first_layer):
-                deltanet_step(ops, _project, block, x, cache.states, inputs.slot_ids, inputs.positions, eps)
+                deltanet_step(ops, _project, block, x, cache.states, inputs, eps)
             else:
                 gated_attention_step(ops, _project, model, block, cache, x, inputs, num_splits, eps)
             _feed_forward(ops, block, x, ws, eps)

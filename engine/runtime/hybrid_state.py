@@ -20,6 +20,15 @@ from engine.sources.model_config import ModelConfig
 
 
 @dataclass
+class _RowSnapshot:
+    """A fused step's rollback points for one slot: `entries[j]` of the row buffers holds the state after j
+    of its rows (j = 0: the state before them); valid while those entries are still its own (`token`)."""
+    start: int
+    entries: list[int]
+    token: int
+
+
+@dataclass
 class _Snapshot:
     start: int  # the slot's length before the recorded pass
     recurrent: list[torch.Tensor]  # per layer [T+1, Hv, Dk, Dv]: after 0..T tokens of the pass
@@ -36,8 +45,54 @@ class HybridStates:
         self.conv = torch.zeros(layers, num_slots, hc.conv_dim, hc.conv_kernel - 1, dtype=dtype, device=device)
         self.recurrent = torch.zeros(layers, num_slots, hc.linear_num_value_heads, hc.linear_key_head_dim,
                                      hc.linear_value_head_dim, dtype=torch.float32, device=device)
-        self.snapshots: dict[int, _Snapshot] = {}
+        self.snapshots: dict[int, _Snapshot | _RowSnapshot] = {}
         self._pending: dict[int, _Snapshot] = {}
+        # a fused step's rows of one slot (a verify): the state after each row, [L, R, ...] (allocate_rows)
+        self.row_recurrent: torch.Tensor | None = None  # [L, R, Hv, Dk, Dv] float32
+        self.row_conv: torch.Tensor | None = None  # [L, R, C, K-1]
+        self._owners: list[int] = []  # per row-buffer entry: the token of the snapshot that holds it
+        self._cursor = 0  # the next free entry (the buffers are used round-robin)
+        self._tokens = 0
+
+    @property
+    def row_capacity(self) -> int:
+        return 0 if self.row_recurrent is None else self.row_recurrent.shape[1]
+
+    def allocate_rows(self, rows: int) -> None:
+        """Room for the rollback points of a fused step of `rows` rows (the memory plan's verify states)."""
+        layers = self.recurrent.shape[0]
+        self.row_recurrent = torch.zeros(layers, rows, *self.recurrent.shape[2:], dtype=torch.float32,
+                                         device=self.recurrent.device)
+        self.row_conv = torch.zeros(layers, rows, *self.conv.shape[2:], dtype=self.conv.dtype, device=self.conv.device)
+        self._owners, self._cursor = [0] * rows, 0
+
+    def row_snapshots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row buffers of one DeltaNet layer ([R, Hv, Dk, Dv], [R, C, K-1]); before allocate_rows, a
+        slot's own state stands in (written only at snap_idx >= 0, which then names no row)."""
+        if self.row_recurrent is None:
+            return self.recurrent[layer], self.conv[layer]
+        return self.row_recurrent[layer], self.row_conv[layer]
+
+    def begin_row_runs(self, runs: list[tuple[int, int, int]]) -> list[int]:
+        """Before a fused step whose rows are `runs` (slot, start, n) in row order: the slots' old rollback
+        points are dropped, a run of n > 1 rows keeps its state before them (copied now) and after each of its
+        rows but the last (the kernels, at the returned snap_idx per row; -1: not kept). Entries are taken
+        round-robin, so the passes of one engine step (a verify per slot) keep each other's."""
+        snap_idx = []
+        for slot, start, n in runs:
+            self.snapshots.pop(slot, None)
+            if n == 1:
+                snap_idx.append(-1)
+                continue
+            assert n <= self.row_capacity, f"{n} rows of slot {slot}: the row buffers hold {self.row_capacity}"
+            entry = self._cursor if self._cursor + n <= self.row_capacity else 0
+            self._cursor, self._tokens = entry + n, self._tokens + 1
+            self._owners[entry:entry + n] = [self._tokens] * n
+            self.row_recurrent[:, entry] = self.recurrent[:, slot]
+            self.row_conv[:, entry] = self.conv[:, slot]
+            self.snapshots[slot] = _RowSnapshot(start, list(range(entry, entry + n)), self._tokens)
+            snap_idx += list(range(entry + 1, entry + n)) + [-1]
+        return snap_idx
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +131,14 @@ class HybridStates:
     def restore(self, slot: int, length: int) -> bool:
         """Put back the state of `slot` after its first `length` tokens, if a snapshot holds it."""
         snap = self.snapshots.get(slot)
+        if isinstance(snap, _RowSnapshot):
+            j = length - snap.start
+            if any(self._owners[e] != snap.token for e in snap.entries) or not 0 <= j <= len(snap.entries):
+                return False
+            if j < len(snap.entries):  # (j = all its rows: the slot's state is that already)
+                self.recurrent[:, slot] = self.row_recurrent[:, snap.entries[j]]
+                self.conv[:, slot] = self.row_conv[:, snap.entries[j]]
+            return True
         if snap is None or not snap.start <= length <= snap.start + snap.recurrent[0].shape[0] - 1:
             return False
         j = length - snap.start

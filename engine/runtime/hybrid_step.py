@@ -1,5 +1,6 @@
 """The mixer half of a hybrid block (Qwen3.5 / Qwen3.6) inside the fused decode step (engine.runtime.decode_step):
-one token per row, each row a distinct slot, the residual stream x [M, H] float32 added to in place.
+one token per row, each row a distinct slot or (a verify) rows of one slot in runs at consecutive positions, the
+residual stream x [M, H] float32 added to in place.
 
 - Gated DeltaNet: the projections through the step's GEMV (q/k/v and the output gate z share one int8
   activation quantization when both are packed; in_proj_a / in_proj_b are float), the conv window and the
@@ -20,9 +21,11 @@ from engine.runtime.deltanet import GatedDeltaNet
 from engine.weights.packed_linear import PackedLinear
 
 
-def deltanet_step(ops, project, block, x: torch.Tensor, states, slot_ids: torch.Tensor,
-                  positions: torch.Tensor, eps: float) -> None:
-    """x [M, H] float32 += the DeltaNet layer of `block` for one token per row (its slot's state updated)."""
+def deltanet_step(ops, project, block, x: torch.Tensor, states, inputs, eps: float) -> None:
+    """x [M, H] float32 += the DeltaNet layer of `block` for one token per row (its slot's state updated; rows of
+    one slot in runs, inputs.run_len, step it in order, the state after each kept where inputs.snap_idx says)."""
+    slot_ids, positions = inputs.slot_ids, inputs.positions
+    runs = {} if inputs.run_len is None else dict(run_len=inputs.run_len, snap_idx=inputs.snap_idx)
     att = block.attention
     hc = att.hc
     m = x.shape[0]
@@ -42,13 +45,17 @@ def deltanet_step(ops, project, block, x: torch.Tensor, states, slot_ids: torch.
     else:
         normed = F.rms_norm(x, norm.shape, norm.float(), eps)  # [M, H] float32, for the two float gate projections
         b, a = project(ops, normed, att.in_proj_b), project(ops, normed, att.in_proj_a)  # [M, Hv] each
-    mixed = ops.conv_update(conv_in, states.conv[att.index], att.conv_weight, slot_ids, positions)  # [M, C]
+    if runs:
+        rec_snap, conv_snap = states.row_snapshots(att.index)  # [R, Hv, Dk, Dv], [R, C, K-1]
+    mixed = ops.conv_update(conv_in, states.conv[att.index], att.conv_weight, slot_ids, positions,
+                            **(runs and {**runs, "snap": conv_snap}))  # [M, C]
     q, k, v = mixed.split([hc.key_dim, hc.key_dim, hc.value_dim], dim=-1)
     heads = (m, hc.linear_num_value_heads, hc.linear_value_head_dim)
     out = ops.recurrent_update(q.view(m, hc.linear_num_key_heads, hc.linear_key_head_dim),
                                k.view(m, hc.linear_num_key_heads, hc.linear_key_head_dim), v.view(heads), a, b,
                                att.A_log, att.dt_bias, z.view(heads), att.norm_weight, eps,
-                               states.recurrent[att.index], slot_ids, positions)  # [M, Hv, Dv] float32, gated-normed
+                               states.recurrent[att.index], slot_ids, positions,
+                               **(runs and {**runs, "snap": rec_snap}))  # [M, Hv, Dv] float32, gated-normed
     project(ops, out.reshape(m, hc.value_dim), att.out_proj, residual=x)
 
 

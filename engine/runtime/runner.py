@@ -87,9 +87,9 @@ class ModelRunner:
             from engine.runtime.hybrid_state import check_hybrid_run
             check_hybrid_run(kv_type, kv_offload, offload_layers)
             # The fused (graphed) decode step runs DeltaNet layers (engine.runtime.hybrid_step) for rows of
-            # distinct slots; rows at consecutive positions of one slot (verify, short prefill) run the model's
-            # recorded pass instead (`step_rows`). Prefill chunks stay eager: the chunked DeltaNet maths read and
-            # write the slots' states by host lists (not capturable).
+            # distinct slots and for a verify's rows of one slot (stepped in order, each row's state kept for the
+            # rollback: HybridStates.begin_row_runs). Prefill chunks stay eager: the chunked DeltaNet maths read
+            # and write the slots' states by host lists (not capturable).
             prefill_graphs = False
             # a slot's state cannot forget a token for free: the Engine's lookahead stays off
             self.rewinds_for_free = False
@@ -204,8 +204,7 @@ class ModelRunner:
         start, t = slot.length, len(tokens)
         last_only = set(hidden_layers) <= {-1, self.loaded.config.num_layers - 1}  # what the fused step gives
         fused = t <= MAX_STEP_ROWS and self.decoder is not None and (t > 1 or hidden_layers) and last_only
-        if fused and not (self.hybrid and t > 1 and hidden_layers):  # (a hybrid's rows of one slot: a recorded pass)
-            # each verified token is one row of the fused step: row i attends to keys 0..start+i
+        if fused:  # each verified token is one row of the fused step: row i attends to keys 0..start+i
             logits, step = self._step_rows(tokens, list(range(start, start + t)), [slot.index] * t)  # [T, V]
             slot.tokens.extend(tokens)
             last = step.workspace.hidden[:t].to(self.loaded.dtype, copy=True) if hidden_layers else None  # [T, H]
@@ -231,19 +230,6 @@ class ModelRunner:
                 states.recording = False
                 states.end_recording()
         return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}
-
-    def _hybrid_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """`step_rows` where a slot has several rows (consecutive positions: a verify): the fused step updates
-        each row's DeltaNet state from its slot's, so each such slot runs a recorded model pass (its
-        rollback points kept, as `verify` does); logits [M, V] in the rows' order."""
-        logits, i = [], 0
-        while i < len(slots):
-            j = i
-            while j < len(slots) and slots[j] == slots[i]:
-                j += 1
-            logits.append(self._recorded_pass(slots[i], positions[i], tokens[i:j])[0])  # [j - i, V]
-            i = j
-        return torch.cat(logits)
 
     def _short_prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
         """A short prompt through the fused (graphed) decode step, P = short_prefill_rows consecutive
@@ -277,6 +263,10 @@ class ModelRunner:
         if self.decoder is None:
             return
         from engine.runtime.cuda_graphs import DecodeStepRunner
+        wide = min(max_rows, MAX_STEP_ROWS)
+        if self.hybrid and wide > len(self.cache.slots) and self.cache.states.row_capacity < wide:
+            self.cache.states.allocate_rows(wide)  # verify rows of one slot (speculation): their rollback points
+            self._row_steps.clear()
         for rows in range(2, min(max(max_rows, self.short_prefill_rows), MAX_STEP_ROWS) + 1):
             if rows not in self._row_steps:
                 self._row_steps[rows] = DecodeStepRunner(self.model, self.cache, rows=rows,
@@ -291,12 +281,13 @@ class ModelRunner:
         return self._step_rows(tokens, positions, slots)[0]
 
     def _step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> tuple[torch.Tensor, Any]:
-        """`step_rows`, and the step that ran (its workspace holds the rows' last hidden states), or None
-        where a hybrid's rows of one slot ran as a recorded pass."""
+        """`step_rows`, and the step that ran (its workspace holds the rows' last hidden states)."""
         assert self.decoder is not None and 0 < len(tokens) <= MAX_STEP_ROWS
-        if self.hybrid and len(set(slots)) < len(slots):
-            return self._hybrid_rows(tokens, positions, slots), None
         rows = len(tokens)
+        if self.hybrid and len(set(slots)) < rows:  # rows of one slot: its DeltaNet state stepped row by row
+            if self.cache.states.row_capacity < rows:  # room for the rollback points (steps recaptured with it)
+                self.cache.states.allocate_rows(rows)
+                self._row_steps.clear()
         step = self.decoder if rows == 1 else self._row_steps.get(rows)
         if step is None:
             from engine.runtime.cuda_graphs import DecodeStepRunner

@@ -1,4 +1,4 @@
-"""A Qwen3.5 / 3.6 checkpoint's own MTP head as the drafter (`--spec mtp`, issue 18 item 5), on one GPU with
+"""A Qwen3.5 / 3.6 checkpoint's own MTP head as the drafter (`--spec mtp`, issue 18 item 5; or --spec ngram), on one GPU with
 generated weights of a real shape (the head's weights are generated too, so acceptance means nothing here):
 
 1. greedy output with `--spec mtp` (k drafts, fixed) against plain greedy, per suite prompt (must be identical);
@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--head-weights", default="int4")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--draft-tokens", type=int, default=3)
+    ap.add_argument("--spec", default="mtp", help="the speculation compared with plain decoding (e.g. ngram)")
+    ap.add_argument("--adaptive", action="store_true", help="the planner sizes drafts (default: k fixed)")
     ap.add_argument("--suite", default="short")
     ap.add_argument("--limit", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -64,9 +66,10 @@ def main() -> None:
     args = ap.parse_args()
     flags = {"--load-format": "dummy", "--device": args.device, "--weights": args.weights,
              "--head-weights": args.head_weights, "model.tokenizer": args.tokenizer, "--max-seq-len": 4096,
-             "--spec": "mtp", "--draft-tokens": args.draft_tokens, "speculative.adaptive": False}
+             "--spec": args.spec, "--draft-tokens": args.draft_tokens, "speculative.adaptive": args.adaptive}
     run = open_cli_run(run_config(args.model, flags), quiet=True)
-    report: dict = {"model": args.model, "weights": args.weights, "head": args.head_weights, "prompts": []}
+    report: dict = {"model": args.model, "weights": args.weights, "head": args.head_weights, "spec": args.spec,
+                    "prompts": []}
     greedy = SamplingParams()
     plain, spec = run.engine(speculative=False), run.engine()
     for p in load_suite(args.suite, None, args.limit):
@@ -75,9 +78,13 @@ def main() -> None:
         s = run_prompt(spec, p, greedy)
         row = {"id": p.id, "tokens": len(a.output_token_ids), "identical": a.output_token_ids == s.output_token_ids,
                "drafted": s.drafted, "accepted": s.accepted, "plain_tok_s": round(a.decode_tokens_per_second, 1),
-               "mtp_tok_s": round(s.decode_tokens_per_second, 1)}
+               "spec_tok_s": round(s.decode_tokens_per_second, 1)}
         report["prompts"].append(row)
         print(json.dumps(row), flush=True)
+    if args.spec != "mtp":
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+        return
     # the cost of drafting against one target step
     runner, loaded, device = run.runner, run.loaded, run.loaded.device
     drafter = build_drafter(SpeculativeConfig.from_spec("mtp", num_draft_tokens=4, adaptive=False), loaded, 4096)
