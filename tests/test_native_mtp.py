@@ -237,3 +237,42 @@ def test_greedy_output_with_the_fused_decoder_equals_plain_decoding(spec, loaded
     _, ids, _, stats = run_engine(ModelRunner(loaded, 96, fast_decode=True), None, PROMPT, drafter=drafter, k=3,
                                   max_tokens=24, ignore_eos=True, text=False)
     assert ids == plain(loaded, 24) and stats.speculative.drafted > 0
+
+
+class Twin:
+    """Two drafters fed the same verifications; proposes the first's drafts after checking the second's agree."""
+
+    def __init__(self, a, b):
+        self.a, self.b, self.name, self.hidden_layers, self.compared = a, b, "twin", a.hidden_layers, 0
+
+    def begin(self, prompt):
+        self.a.begin(prompt)
+        self.b.begin(prompt)
+
+    def propose(self, context, k):
+        da, db = self.a.propose(context, k), self.b.propose(context, k)
+        assert da.tokens == db.tokens, (len(context), da.tokens, db.tokens)
+        self.compared += len(da.tokens)
+        return da
+
+    def observe(self, feedback):
+        self.a.observe(feedback)
+        self.b.observe(feedback)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "trained"])
+def test_static_proposals_equal_the_dynamic_path(native, loaded, one_thread):
+    """engine.speculative.mtp_graph (fixed shapes, what a GPU replays as CUDA graphs) drafts what MTPDrafter's own
+    path drafts, for the native head and for a trained MTP drafter on a dense model."""
+    from engine.speculative.mtp import MTPDrafter
+    from engine.speculative.native_mtp import load_native_mtp_module
+    from tests.test_drafters import random_module, tiny_loaded
+    target = loaded if native else tiny_loaded()
+    module = load_native_mtp_module(loaded) if native else random_module("mtp", num_layers=2)
+    twin = Twin(MTPDrafter(module, target, 96, static=True), MTPDrafter(module, target, 96, static=False))
+    assert twin.a.static is not None and twin.b.static is None
+    prompt = PROMPT if native else [5, 17, 3, 42, 8, 11, 60, 2]
+    ids = run_engine(ModelRunner(target, 96), None, prompt, drafter=twin, k=3, max_tokens=24, ignore_eos=True,
+                     text=False)[1]
+    want = run_engine(ModelRunner(target, 96), None, prompt, max_tokens=24, ignore_eos=True, text=False)[1]
+    assert ids == want and twin.compared > 20

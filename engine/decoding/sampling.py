@@ -152,6 +152,12 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
+def greedy_on_device(logits: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """The argmax [n] of each row of logits [n, V] among its first `vocab` ids, left on the device (no read-back:
+    a CUDA graph can chain it, as engine.speculative.mtp_graph does)."""
+    return logits[:, :vocab].argmax(dim=-1)
+
+
 def greedy_tokens(*logits: torch.Tensor) -> list[int]:
     """The argmax of every row of each logits [n, V], read back in one transfer (one device sync)."""
     return torch.cat([x.argmax(dim=-1) for x in logits]).tolist()

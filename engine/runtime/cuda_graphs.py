@@ -210,3 +210,39 @@ class PrefillGraphs:
             self.graphs.popitem(last=False)
         self.graphs[key] = (graph, ids, logits, batch)
         return out
+
+
+class KeyedGraphs:
+    """Functions over static buffers replayed from CUDA graphs, one per key, captured on first use (a warm-up run
+    on a side stream computes that call, then the capture records the same launches); all in one memory pool.
+    Off CUDA (`graphed` False) each call runs eagerly. What a drafter's fixed-shape steps use
+    (engine.speculative.mtp_graph)."""
+
+    def __init__(self, graphed: bool):
+        self.graphed = graphed
+        self.pool = torch.cuda.graph_pool_handle() if graphed else None
+        self.graphs: dict = {}
+        self.failed = False  # a capture failed: eager from then on
+
+    @torch.inference_mode()
+    def run(self, key, fn) -> None:
+        if not self.graphed or self.failed:
+            fn()
+            return
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # this call's result (and Triton's / cuBLAS's warm-up)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            capture(graph, fn, self.pool)
+        except RuntimeError as e:  # stay correct: eager
+            self.failed = True
+            log.warning("a drafter step runs eagerly: capturing it failed (%s)", str(e).splitlines()[0])
+            return
+        self.graphs[key] = graph

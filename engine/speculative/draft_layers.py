@@ -114,18 +114,31 @@ class DraftBlock(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, hidden]; past_k/v [B, KV, S, D] or None; mask [B or 1, 1, T, S + T] (True = may
         attend) or None (attend to everything). Returns (out [B, T, hidden], k, v [B, KV, T, D])."""
-        cfg = self.cfg
-        b, t, _ = x.shape
         q, k, v, gate = self.attention.project(self.attention_norm(x), cos, sin, with_gate=True)  # [B, H, T, D], [B, KV, T, D]
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)  # [B, KV, S + T, D]
         values = v if past_v is None else torch.cat([past_v, v], dim=2)  # [B, KV, S + T, D]
+        return self._after_attention(x, q, keys, values, gate, mask), k, v
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
+                       cache_v: torch.Tensor, write: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`forward` over a static cache (capturable: no host values): x [1, T, hidden]; its keys/values written
+        into cache_k/v [1, KV, S, D] at positions `write` [T] (a device tensor); the queries attend to the whole
+        cache under mask [1, 1, T, S]. Returns out [1, T, hidden]."""
+        q, k, v, gate = self.attention.project(self.attention_norm(x), cos, sin, with_gate=True)  # [1, H, T, D], [1, KV, T, D]
+        cache_k.index_copy_(2, write, k)
+        cache_v.index_copy_(2, write, v)
+        return self._after_attention(x, q, cache_k, cache_v, gate, mask)
+
+    def _after_attention(self, x, q, keys, values, gate, mask) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(b, t, cfg.q_size)  # [B, T, H*D]
         if gate is not None:  # a gated attention (Qwen3.5's, in its native MTP layer): sigmoid of the gate
             out = out * torch.sigmoid(gate.float()).to(out.dtype)
         x = x + self.attention.wo(out)
-        return x + self.feed_forward(self.ffn_norm(x)), k, v
+        return x + self.feed_forward(self.ffn_norm(x))
 
 
 def rotary(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ from engine.speculative.draft_layers import (DraftBlock, DrafterConfig, drafter_
 from engine.speculative.drafter import Draft
 from engine.speculative.drafter_file import TargetIdentity, read_drafter
 from engine.speculative.hidden_drafter import HiddenStateDrafterBase
+from engine.speculative.mtp_graph import MAX_ROWS, StaticChain
 
 
 class MTPModule(nn.Module):
@@ -54,6 +55,10 @@ class MTPModule(nn.Module):
     def logits(self, target: Transformer, out: torch.Tensor) -> torch.Tensor:
         """Logits [.., V] (float32) of outputs [.., H]: the target's final norm and LM head."""
         return shared_logits(target, out)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks' output as `run` returns it (as it is)."""
+        return x
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None,
             mask: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -109,13 +114,21 @@ class MTPDrafter(HiddenStateDrafterBase):
     max_draft_tokens = None  # chained: any k (trained for module.cfg.block_size; deeper drafts are weaker)
 
     def __init__(self, module: MTPModule, target_loaded, max_seq_len: int | None = None, sampling=None,
-                 name: str = "mtp"):
+                 name: str = "mtp", static: bool | None = None):
+        """static: greedy proposals through engine.speculative.mtp_graph (fixed shapes, CUDA-graphed); default:
+        on a GPU unless the embedding table is in host memory."""
         super().__init__(module, target_loaded, (-1,), max_seq_len, sampling, name)
         self.target: Transformer = target_loaded.model
         self.last = None  # (output hidden [H], position) of the newest committed row
+        cuda = self.k.device.type == "cuda"
+        if static is None:
+            from engine.memory.host_embedding import HostEmbedding
+            static = cuda and not isinstance(self.target.embed, HostEmbedding)
+        self.static = StaticChain(self, self.picker.vocab, graphed=cuda) if static else None
+        self._static_fresh = False  # the newest commit went through self.static (its buffers hold it)
 
     def _forget_last(self) -> None:
-        self.last = None
+        self.last, self._static_fresh = None, False
 
     def _commit(self, context: list[int]) -> None:
         new = self.rows.take(context)
@@ -124,6 +137,12 @@ class MTPDrafter(HiddenStateDrafterBase):
         n = len(new.positions)
         if self.length + n > self.capacity:  # full: start over from these rows
             self.length = 0
+        self._static_fresh = self.static is not None and n <= MAX_ROWS
+        if self._static_fresh:
+            out = self.static.commit(new.hidden[-1], new.next_tokens, new.positions, self.length)
+            self.length += n
+            self.last = (out, new.positions[-1])
+            return
         device = self.k.device
         hidden = self.module.target_hidden(self.target, new.hidden[-1]).to(self.k.dtype)[None]  # [1, n, H]
         embedded = self.target.embed(torch.tensor([new.next_tokens], device=device)).to(self.k.dtype)  # [1, n, H]
@@ -142,6 +161,8 @@ class MTPDrafter(HiddenStateDrafterBase):
         self._commit(context)
         if k <= 0 or self.last is None or self.last[1] != len(context) - 2:
             return Draft([], None, self.name)
+        if self._static_fresh and self.picker.sampling is None and k <= MAX_ROWS and self.length + k <= self.capacity:
+            return Draft(self.static.chain(k), None, self.name)
         out, position = self.last
         tokens, probs = [], []
         past = self._past()

@@ -68,7 +68,11 @@ class NativeMTPModule(nn.Module):
             pk, pv = past[i] if past is not None else (None, None)
             x, k, v = block(x, cos, sin, pk, pv, mask)
             new.append((k, v))
-        return self.norm(x), new
+        return self.finish(x), new
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks' output [.., H] → the head's normed output (its logits' input and the next step's hidden)."""
+        return self.norm(x)
 
     def logits(self, target: Transformer, out: torch.Tensor) -> torch.Tensor:
         """Logits [.., V] (float32) of normed outputs [.., H]: the target's LM head alone."""

@@ -2,8 +2,9 @@
 generated weights of a real shape (the head's weights are generated too, so acceptance means nothing here):
 
 1. greedy output with `--spec mtp` (k drafts, fixed) against plain greedy, per suite prompt (must be identical);
-2. what drafting costs: one 1-row target decode step, and the head's propose() of k = 1..4 tokens after a verify
-   pass has given it rows (median of --reps, CUDA-synchronized), as a share of the target step.
+2. what drafting costs: one 1-row target decode step, a verify pass of 2 and 4 rows (rolled back), and the head's
+   propose() of k = 1..4 tokens after a verify pass has given it rows (median of --reps, CUDA-synchronized), as
+   a share of the target step (--limit 0: this part alone).
 
     python tests/perf/gpu_mtp.py --model configs/models/qwen3.6-27b.yaml --tokenizer .tok/smollm2.gguf \
         [--weights tri] [--head-weights int4] [--device cuda] [--limit 1] [--json OUT]
@@ -72,7 +73,7 @@ def main() -> None:
                     "prompts": []}
     greedy = SamplingParams()
     plain, spec = run.engine(speculative=False), run.engine()
-    for p in load_suite(args.suite, None, args.limit):
+    for p in load_suite(args.suite, None, args.limit) if args.limit else []:
         p = type(p)(**{**vars(p), "max_tokens": min(p.max_tokens, args.max_tokens)})
         a = run_prompt(plain, p, greedy)
         s = run_prompt(spec, p, greedy)
@@ -100,6 +101,11 @@ def main() -> None:
     drafter.propose(context, 1)  # commits the rows
     step = timed(lambda: runner.forward(slot, [16]), args.reps, device)  # the slot grows by reps + 1 tokens
     cost = {"target_step_ms": round(1e3 * step, 3)}
+    for width in (2, 4):  # a verify pass of `width` rows of the slot (then rolled back: every row rejected)
+        t = timed(lambda: (runner.verify(slot, [17] * width, drafter.hidden_layers), slot.rewind(width)),
+                  args.reps, device)
+        cost[f"verify_{width}_ms"] = round(1e3 * t, 3)
+        cost[f"verify_{width}_share_of_step"] = round(t / step, 3)
     for k in (1, 2, 3, 4):
         t = timed(lambda: drafter.propose(context, k), args.reps, device)
         cost[f"propose_{k}_ms"] = round(1e3 * t, 3)
