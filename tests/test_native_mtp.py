@@ -276,3 +276,20 @@ def test_static_proposals_equal_the_dynamic_path(native, loaded, one_thread):
                      text=False)[1]
     want = run_engine(ModelRunner(target, 96), None, prompt, max_tokens=24, ignore_eos=True, text=False)[1]
     assert ids == want and twin.compared > 20
+
+
+def test_the_head_takes_in_the_prompt_before_its_first_draft(with_head, loaded, one_thread):
+    """spec_step asks the runner to keep the prompt chunks' hidden states (engine.runtime.runner.record_prompt_rows):
+    the head's cache holds every position from 0, as vLLM runs it, and its drafts follow the reference over all."""
+    _, model, head = with_head
+    drafter = build_drafter(SpeculativeConfig.from_spec("mtp", num_draft_tokens=3, adaptive=False), loaded, 96)
+    assert drafter.prompt_rows == 512
+    runner = ModelRunner(loaded, 96, prefill_chunk_size=5)  # a prompt of 13 in three chunks
+    out = run_engine(runner, None, PROMPT, drafter=drafter, k=3, max_tokens=10, ignore_eos=True, text=False)[1]
+    assert out == plain(loaded, 10) and runner.take_prompt_rows(0) is None  # taken at the first proposal
+    context = PROMPT + out
+    drafter.set_sampling(SamplingParams(temperature=1.0, seed=5))
+    draft = drafter.propose(context, 2)
+    assert drafter.length == len(context) - 1  # rows 0 .. len(context) - 2
+    reference = torch.softmax(reference_mtp_logits(model, head, context, 0, draft.tokens[:1]), dim=-1)  # [2, V]
+    torch.testing.assert_close(draft.probs, reference, atol=2e-5, rtol=1e-4)

@@ -128,6 +128,9 @@ class SpeculativeStep:
         if configure is not None:
             configure(seq.request.sampling)
         drafter.begin(list(seq.request.prompt_ids))
+        rows = getattr(drafter, "prompt_rows", 0)
+        if rows:  # it takes in the prompt's hidden states: the runner keeps them while it prefills this slot
+            self.runner.record_prompt_rows(index, rows)
 
     def info(self, index: int) -> dict[str, Any]:
         return self.slots[index].info(self.num_draft_tokens)
@@ -188,9 +191,14 @@ class SpeculativeStep:
     def _propose(self, index: int, seq: Sequence, k: int) -> _Row:
         slot = self.runner.slot(index)
         context = slot.tokens + seq.pending  # prompt + output: what the slot holds and the pending token
+        drafter = self.slots[index].drafter
+        if getattr(drafter, "prompt_rows", 0):
+            prompt = self.runner.take_prompt_rows(index)  # the prefill's rows, before the first proposal
+            if prompt is not None:
+                drafter.observe_prompt({-1: prompt})
         # asked even for k = 0: a drafter pairs each observe with a propose (a mix judges its members
         # by the spans of its last proposal; hidden-state drafters take in their new rows)
-        draft = self.slots[index].drafter.propose(context, k)
+        draft = drafter.propose(context, k)
         n = next((j for j, t in enumerate(draft.tokens[:k]) if t >= self.vocab), min(len(draft.tokens), k))
         if seq.grammar is not None:  # cut at the first draft the grammar refuses (it could never be accepted)
             n = seq.grammar.accept_prefix(draft.tokens[:n])

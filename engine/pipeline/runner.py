@@ -98,6 +98,12 @@ class PipelineRunner:
             slot.tokens.append(token)
         return logits
 
+    def record_prompt_rows(self, index: int, rows: int) -> None:
+        """Hidden-state drafters are refused with pipeline stages (verify): nothing to record."""
+
+    def take_prompt_rows(self, index: int) -> torch.Tensor | None:
+        return None
+
     @torch.inference_mode()
     def verify(self, slot: KVSlot, tokens: list[int], hidden_layers: tuple[int, ...] = ()
                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

@@ -49,6 +49,10 @@ class Runner(Protocol):
 
     def step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor: ...
 
+    def record_prompt_rows(self, index: int, rows: int) -> None: ...
+
+    def take_prompt_rows(self, index: int) -> torch.Tensor | None: ...
+
     def prepare_rows(self, max_rows: int) -> None: ...
 
     def warm_up(self) -> None: ...
@@ -114,6 +118,7 @@ class ModelRunner:
         self.use_graph = not kv_offload
         self.decoder = None
         self._row_steps: dict = {}  # row count → DecodeStepRunner (verify widths, batched decode)
+        self._prompt_rows: dict[int, tuple[int, torch.Tensor | None]] = {}  # slot → (rows kept, hidden [n, H])
         if fast_decode if fast_decode is not None else self.device.type == "cuda":
             if self.hybrid:  # the DeltaNet gate projections as one matmul in the step (before any capture)
                 from engine.runtime.hybrid_step import join_gates
@@ -150,11 +155,27 @@ class ModelRunner:
     def slot(self, index: int = 0) -> KVSlot:
         return self.cache.slots[index]
 
+    def record_prompt_rows(self, index: int, rows: int) -> None:
+        """From now until `take_prompt_rows`, the prompt chunks fed to slot `index` also keep their last-block
+        hidden states (the newest `rows`): what a drafter reading the target's hidden states takes in."""
+        self._prompt_rows[index] = (rows, None)
+
+    def take_prompt_rows(self, index: int) -> torch.Tensor | None:
+        """The kept prompt rows [n, H] of slot `index` (None: none recorded), and the recording stopped."""
+        return self._prompt_rows.pop(index, (0, None))[1]
+
     @torch.inference_mode()
     def forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None = 1) -> torch.Tensor:
         """Run `tokens` after the slot's content, append them to it; logits [n, V] of the last n."""
         slot.check_room(len(tokens))
         start, t = slot.length, len(tokens)
+        if t > 1 and slot.index in self._prompt_rows:  # a chunk whose hidden states a drafter takes in (eager)
+            logits, hidden = self._recorded_pass(slot.index, start, tokens, (-1,), num_logits)
+            keep, rows = self._prompt_rows[slot.index]
+            rows = hidden[-1] if rows is None else torch.cat([rows, hidden[-1]])  # [n, H]
+            self._prompt_rows[slot.index] = (keep, rows[-keep:])
+            slot.tokens.extend(tokens)
+            return logits
         if t == 1 and self.decoder is not None:
             logits = self.decoder.run(tokens, [start], [slot.index])  # [1, V]
             slot.tokens.extend(tokens)
@@ -213,20 +234,22 @@ class ModelRunner:
         slot.tokens.extend(tokens)
         return logits, hidden
 
-    def _recorded_pass(self, index: int, start: int, tokens: list[int], hidden_layers: tuple[int, ...] = ()
-                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """tokens after position `start` of slot `index` in one model pass: logits [T, V] of every row and
-        {layer: [T, H]}; a hybrid keeps every position's DeltaNet state (the caller's rewind restores one)."""
+    def _recorded_pass(self, index: int, start: int, tokens: list[int], hidden_layers: tuple[int, ...] = (),
+                       num_logits: int | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """tokens after position `start` of slot `index` in one model pass: logits [n, V] of the last n rows (all by
+        default) and {layer: [T, H]}; a hybrid keeps every position's DeltaNet state (the caller's rewind restores
+        one) when all rows' logits are asked for (a verify)."""
         t = len(tokens)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         batch = CacheBatch.make([index], [start], t, self.device)
         states = self.cache.states
-        if states is not None:
+        recording = states is not None and num_logits is None
+        if recording:
             states.recording = True
         try:
-            logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, None, hidden_layers)
+            logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, num_logits, hidden_layers)
         finally:
-            if states is not None:
+            if recording:
                 states.recording = False
                 states.end_recording()
         return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}

@@ -18,6 +18,9 @@ from engine.decoding.sampling import SamplingParams, make_generator, probabiliti
 from engine.speculative.drafter import Feedback
 
 
+PROMPT_ROWS = 512  # the prompt's newest positions a native MTP head's cache gets (their hidden states kept by prefill)
+
+
 @dataclass
 class NewRows:
     positions: list[int]  # absolute positions of the rows, ascending and consecutive
@@ -34,6 +37,10 @@ class HiddenStateRows:
 
     def clear(self) -> None:
         self._chunks.clear()
+
+    def add_rows(self, hidden: dict[int, torch.Tensor]) -> None:
+        """Rows that are no verification's: the prompt's newest positions ({layer: [n, H]}), after `clear`."""
+        self._chunks.append({i: hidden[i] for i in self.layers})
 
     def add(self, feedback: Feedback) -> None:
         if feedback.hidden is None:
@@ -108,6 +115,10 @@ class HiddenStateDrafterBase:
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, KV, S, D]
         self.length = 0  # committed rows
         self.rows = HiddenStateRows(hidden_layers)
+        # the prompt's newest positions whose hidden states it takes in (engine.decoding.spec_step asks the runner
+        # to keep them while it prefills): 0 for drafters bonsai trains (trained from the prompt's end on,
+        # engine.speculative.mtp.train_masks); a checkpoint's own MTP head takes PROMPT_ROWS (native_mtp)
+        self.prompt_rows = 0
         # the ids the target's tokenizer can print, as the engine counts them (a padded or borrowed vocabulary)
         tok = target_loaded.tokenizer
         self.picker = TokenPicker(sampling, device, min(tcfg.vocab_size, tok.vocab_size) if tok is not None else None)
@@ -122,6 +133,11 @@ class HiddenStateDrafterBase:
 
     def observe(self, feedback) -> None:
         self.rows.add(feedback)
+
+    def observe_prompt(self, hidden: dict[int, torch.Tensor]) -> None:
+        """The target's hidden states [n, H] of the prompt's newest n positions (asked for by `prompt_rows`),
+        before the first proposal: the drafter's own cache then holds the prompt's end too."""
+        self.rows.add_rows(hidden)
 
     def set_sampling(self, params) -> None:
         """The request's SamplingParams: sampled drafts with their probabilities when not greedy."""

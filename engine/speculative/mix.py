@@ -42,6 +42,7 @@ class MixDrafter:
         self.adaptive = adaptive
         self.target = TargetCost()
         self.hidden_layers = tuple(sorted({i for d in drafters for i in d.hidden_layers}))
+        self.prompt_rows = max((getattr(d, "prompt_rows", 0) for d in drafters), default=0)
         limits = [getattr(d, "max_draft_tokens", None) for d in drafters]
         limits = [x for x in limits if x is not None]
         self.max_draft_tokens = min(limits) if limits else None
@@ -57,6 +58,12 @@ class MixDrafter:
     def begin(self, prompt: list[int]) -> None:
         for m in self.members:
             m.drafter.begin(prompt)
+
+    def observe_prompt(self, hidden) -> None:
+        """The prompt's hidden states, for the members that take them in."""
+        for m in self.members:
+            if getattr(m.drafter, "prompt_rows", 0):
+                m.drafter.observe_prompt(hidden)
 
     def _plan(self, m: Member, k: int) -> int:
         if not self.adaptive:

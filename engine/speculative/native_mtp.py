@@ -24,6 +24,7 @@ from engine.errors import BonsaiError
 from engine.runtime.model import Linear, RMSNorm, Transformer, rotary_inverse_frequencies
 from engine.sources.model_config import ModelConfig
 from engine.speculative.draft_layers import DraftBlock, rotary
+from engine.speculative.hidden_drafter import PROMPT_ROWS
 from engine.speculative.mtp import MTPDrafter
 
 
@@ -158,7 +159,9 @@ def load_native_mtp_drafter(target_loaded, *, max_seq_len: int | None = None, sa
     refused in one line when the target's files hold none."""
     if module is None:
         module = load_native_mtp_module(target_loaded)
-    return MTPDrafter(module, target_loaded, max_seq_len=max_seq_len, sampling=sampling, name="mtp")
+    drafter = MTPDrafter(module, target_loaded, max_seq_len=max_seq_len, sampling=sampling, name="mtp")
+    drafter.prompt_rows = PROMPT_ROWS  # trained over whole sequences (vLLM runs it over the prompt too)
+    return drafter
 
 
 def load_native_mtp_module(target_loaded) -> NativeMTPModule:
