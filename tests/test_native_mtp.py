@@ -271,6 +271,8 @@ def test_static_proposals_equal_the_dynamic_path(native, loaded, one_thread):
     module = load_native_mtp_module(loaded) if native else random_module("mtp", num_layers=2)
     twin = Twin(MTPDrafter(module, target, 96, static=True), MTPDrafter(module, target, 96, static=False))
     assert twin.a.static is not None and twin.b.static is None
+    twin.a.prepare(3)  # what a GPU captures before any request (here: runs once, eagerly)
+    assert twin.a.static_rows == 4 and twin.a.length == 0 and twin.a.last is None
     prompt = PROMPT if native else [5, 17, 3, 42, 8, 11, 60, 2]
     ids = run_engine(ModelRunner(target, 96), None, prompt, drafter=twin, k=3, max_tokens=24, ignore_eos=True,
                      text=False)[1]

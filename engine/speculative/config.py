@@ -135,6 +135,9 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, max_seq_len: i
         ngram_pool = NgramPool(config.ngram_pool_size)
     members = [_build_one(spec, config, target, max_seq_len, ngram_pool, loaded_drafts) for spec in config.drafters]
     for spec, member in zip(config.drafters, members):
+        prepare = getattr(member, "prepare", None)  # graphs a drafter replays, captured before any request
+        if prepare is not None:
+            prepare(config.num_draft_tokens)
         limit = getattr(member, "max_draft_tokens", None)
         if limit is not None and config.num_draft_tokens > limit:
             raise BonsaiError(f"{config.num_draft_tokens} draft tokens asked for, but the {spec.method} drafter "

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import BonsaiError
 from engine.runtime.input_rotation import rotated
-from engine.runtime.model import Attention, FeedForward, RMSNorm, Transformer, linear, rotary_inverse_frequencies
+from engine.runtime.model import (Attention, FeedForward, RMSNorm, Transformer, attention, linear,
+                                  rotary_inverse_frequencies)
 from engine.sources.model_config import ModelConfig
 
 KINDS = ("mtp", "dflash")
@@ -132,8 +132,8 @@ class DraftBlock(nn.Module):
     def _after_attention(self, x, q, keys, values, gate, mask) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
+        # the engine's attention: on a GPU not cuDNN's, which plans each new length (~1 s: seen as 75 ms a call)
+        out = attention(q, keys, values, mask, False, cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(b, t, cfg.q_size)  # [B, T, H*D]
         if gate is not None:  # a gated attention (Qwen3.5's, in its native MTP layer): sigmoid of the gate
             out = out * torch.sigmoid(gate.float()).to(out.dtype)

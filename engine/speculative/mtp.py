@@ -125,7 +125,21 @@ class MTPDrafter(HiddenStateDrafterBase):
             from engine.memory.host_embedding import HostEmbedding
             static = cuda and not isinstance(self.target.embed, HostEmbedding)
         self.static = StaticChain(self, self.picker.vocab, graphed=cuda) if static else None
+        self.static_rows = MAX_ROWS  # commits of at most this many rows go through self.static (prepare)
         self._static_fresh = False  # the newest commit went through self.static (its buffers hold it)
+
+    def prepare(self, k: int) -> None:
+        """Capture now the graphs a run of at most k drafts replays (commits of 1..k+1 verified rows, chains of
+        1..k drafts), not on a request's first steps; a commit of more rows (the prompt's) runs eagerly."""
+        if self.static is None:
+            return
+        self.static_rows = min(k + 1, MAX_ROWS)
+        hidden = torch.zeros(self.static_rows, self.static.out.shape[0], dtype=self.k.dtype, device=self.k.device)
+        for n in range(1, self.static_rows + 1):  # into the cache's first rows: overwritten by the first commit
+            self.static.commit(hidden[:n], [0] * n, list(range(n)), 0)
+        for j in range(1, min(k, MAX_ROWS) + 1):
+            self.static.chain(j)
+        self._forget_last()
 
     def _forget_last(self) -> None:
         self.last, self._static_fresh = None, False
@@ -137,7 +151,7 @@ class MTPDrafter(HiddenStateDrafterBase):
         n = len(new.positions)
         if self.length + n > self.capacity:  # full: start over from these rows
             self.length = 0
-        self._static_fresh = self.static is not None and n <= MAX_ROWS
+        self._static_fresh = self.static is not None and n <= self.static_rows
         if self._static_fresh:
             out = self.static.commit(new.hidden[-1], new.next_tokens, new.positions, self.length)
             self.length += n
