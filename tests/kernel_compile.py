@@ -42,6 +42,7 @@ class Launch:
     site: tuple[str, int]  # (path relative to the repo, line) of the launching call
     cubin_bytes: int  # -1: not compiled to a cubin (CompilePolicy)
     depth: str  # cubin | ttir | same front end (first launch of the signature) | cached (seen before)
+    shared_bytes: int = -1  # shared memory a program needs (a cubin's metadata; -1: not compiled that far)
 
 
 def _signature(fn, args: tuple, kwargs: dict) -> tuple:
@@ -171,8 +172,9 @@ def install_compile_only_driver(arch: int) -> list[Launch]:
         depth_now[0] = seen[signature] = seen.get(signature) or policy.depth(signature)
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
         cubin = len(kernel.asm.get("cubin", b"")) if depth_now[0] == "cubin" else -1
+        shared = int(getattr(getattr(kernel, "metadata", None), "shared", -1)) if cubin > 0 else -1
         launches.append(Launch(self.fn.__name__, signature, _launch_site(), cubin,
-                               depth_now[0] if first else "cached"))
+                               depth_now[0] if first else "cached", shared))
         return kernel
 
     JITFunction._do_compile = compile_to_depth
@@ -311,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["BONSAI_KERNELS_ON_CPU"] = "1"  # the engine takes its kernel paths on CPU tensors
     import triton
     import quant.kernels
+    from engine.kernels import SHARED_MEMORY_BYTES
     quant.kernels.pdl_enabled = lambda device: args.arch >= 90  # compile the PDL variants where they exist
     launches = install_compile_only_driver(args.arch)
     failures = 0
@@ -330,9 +333,14 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
             continue
         empty = sorted({x.name for x in launches[before:] if x.cubin_bytes == 0})
+        limit = SHARED_MEMORY_BYTES.get(args.arch, min(SHARED_MEMORY_BYTES.values()))  # (the H200 found one)
+        too_big = sorted({f"{x.name} ({x.shared_bytes} bytes)" for x in launches[before:] if x.shared_bytes > limit})
         if empty:
             failures += 1
             print(f"FAILED {label}: no cubin for {', '.join(empty)}")
+        elif too_big:
+            failures += 1
+            print(f"FAILED {label}: shared memory above sm_{args.arch}'s {limit} bytes: {', '.join(too_big)}")
         elif not args.quiet:
             print(f"ok {label}: {len(launches) - before} launches")
     reached = {x.site for x in launches}

@@ -22,17 +22,17 @@ def library_cases():
 
 
 def _deltanet_prefill_cases():
-    """The chunked gated delta rule for hybrid prefill (engine.kernels.deltanet_prefill; not yet wired: on the
-    H200 its fp32 forward substitution made pp512 slower than the eager torch path, docs/perf.md)."""
+    """The chunked gated delta rule for hybrid prefill (engine.kernels.deltanet_prefill) at the real models' head
+    dims, with each activation dtype and the dot precision it takes (on the CPU the engine's cases run it with
+    the same dtype rule, so these add the dtypes the tiny cases do not)."""
     from engine.kernels.deltanet_prefill import chunk_gated_delta_rule_triton
-    for dtype in (torch.bfloat16, torch.float16):
-        for precision in ("ieee", "tf32"):
-            q, k = torch.zeros(1, 70, 2, 128, dtype=dtype), torch.zeros(1, 70, 2, 128, dtype=dtype)
-            v = torch.zeros(1, 70, 4, 128, dtype=dtype)
-            g, beta = torch.zeros(1, 70, 4), torch.zeros(1, 70, 4)
-            state = torch.zeros(1, 4, 128, 128)
-            yield f"library: deltanet prefill {str(dtype)[6:]} {precision}", (
-                lambda a=(q, k, v, g, beta, state), p=precision: chunk_gated_delta_rule_triton(*a, dot_precision=p))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        q, k = torch.zeros(1, 70, 2, 128, dtype=dtype), torch.zeros(1, 70, 2, 128, dtype=dtype)
+        v = torch.zeros(1, 70, 4, 128, dtype=dtype)
+        g, beta = torch.zeros(1, 70, 4), torch.zeros(1, 70, 4)
+        state = torch.zeros(1, 4, 128, 128)
+        yield f"library: deltanet prefill {str(dtype)[6:]}", (
+            lambda a=(q, k, v, g, beta, state): chunk_gated_delta_rule_triton(*a))
 
 
 def _activations(rows: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

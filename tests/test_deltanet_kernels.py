@@ -238,3 +238,24 @@ def test_graphed_hybrid_step_matches_the_cpu_eager_path_on_generated_weights():
         want = cpu.decode_batch([cpu.slot(0), cpu.slot(1)], [20 + i, 60 + i])
         got = gpu.decode_batch([gpu.slot(0), gpu.slot(1)], [20 + i, 60 + i]).cpu()
         assert (got - want).abs().max() <= 1e-3 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("m, h, n, dtype", [(1, 300, 8, torch.float32), (3, 9000, 13, torch.bfloat16),
+                                            (4, 5120, 96, torch.bfloat16)])
+def test_gate_project_matches_its_reference_and_the_layer(m, h, n, dtype):
+    """The decode step's gate projections (norm + both gate rows in one kernel): a row count past one program's
+    block, input widths past and short of one loop step, the 27B shape; against the reference, which is the
+    layer's own norm and product in float32."""
+    from engine.kernels.deltanet_gates import gate_project, gate_project_reference
+    gen = torch.Generator().manual_seed(m + h)
+    x = (torch.randn(m, h, generator=gen) * 3).to(DEVICE)
+    norm = (1 + 0.1 * torch.randn(h, generator=gen)).to(DEVICE)
+    weight = torch.randn(n, h, generator=gen).to(DEVICE, dtype)
+    ref = gate_project_reference(x, norm, weight, 1e-6)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm  # [M, H]
+    assert (ref - normed @ weight.float().T).abs().max() <= 1e-4 * (1 + ref.abs().max())
+    got = gate_project(x, norm, weight, 1e-6)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert (got - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())
+    with pytest.raises(UnsupportedKernelShape):
+        gate_project(x, norm[:-1], weight, 1e-6)

@@ -155,6 +155,26 @@ def test_graphed_hybrid_step_on_cuda_matches_the_cpu(model_dir):
         assert (got - want).abs().max() <= 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_hybrid_prefill_on_cuda_matches_the_cpu(model_dir):
+    """Full prefill chunks replayed from CUDA graphs (the Triton chunked rule inside, the slot's state read and
+    written by index): the logits of each chunk and of the decode after them are the CPU's."""
+    path, _ = model_dir
+    cpu = ModelRunner(load_model(path, dtype=torch.float32, weight_dtype=torch.float32), 64, 1, 8)
+    gpu = ModelRunner(load_model(path, device="cuda", dtype=torch.float32, weight_dtype=torch.float32), 64, 1, 8)
+    assert gpu.prefill_graphs is not None
+    want = cpu.prefill(cpu.slot(0), PROMPT[:24])
+    tol = 1e-3 * (1 + want.abs().max().item())  # tf32 dots in the rule
+    for _ in range(3):  # captures, then replays (from position 0: the state starts from zeros)
+        gpu.slot(0).reset()
+        got = gpu.prefill(gpu.slot(0), PROMPT[:24]).cpu()
+        assert (got - want).abs().max() <= tol
+    assert not gpu.prefill_graphs.failed and len(gpu.prefill_graphs.graphs) == 3
+    want, got = cpu.forward(cpu.slot(0), [PROMPT[24]]), gpu.forward(gpu.slot(0), [PROMPT[24]]).cpu()
+    assert (got - want).abs().max() <= tol
+
+
 def test_packed_hybrid_fused_step_tracks_the_eager_path():
     """Generated ternary blocks (int4 head): the fused step's int8-activation GEMVs, q/k/v and z sharing one
     quantization, against the model's eager path on the same packed weights (whose one-row products quantize
@@ -182,3 +202,21 @@ def test_packed_hybrid_fused_step_tracks_the_eager_path():
         got = fused.decode_batch([fused.slot(0), fused.slot(1)], tokens)  # [2, V]
         want = eager.decode_batch([eager.slot(0), eager.slot(1)], tokens)
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # at float32 the same int8 GEMVs as eager
+
+
+def test_long_prefill_chunks_through_the_kernels_match_transformers(hybrid, monkeypatch):
+    """Prompt chunks of several delta-rule chunks (64 positions each, a partial last one, a second prompt chunk
+    starting from the first one's state) through the Triton chunked rule in the interpreter."""
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the kernels run compiled: test_graphed_hybrid_step_on_cuda_matches_the_cpu")
+    import engine.kernels.deltanet_prefill as prefill
+    monkeypatch.setenv("BONSAI_KERNELS_ON_CPU", "1")
+    calls = []
+    real = prefill.chunk_gated_delta_rule_triton
+    monkeypatch.setattr(prefill, "chunk_gated_delta_rule_triton", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    model, loaded = hybrid
+    runner = ModelRunner(loaded, max_seq_len=256, num_slots=1, prefill_chunk_size=100, fast_decode=True)
+    ids = [(i * 37 + 11) % 49152 for i in range(150)]
+    logits = runner.prefill(runner.slot(0), ids)  # [V]: chunks of 100 and 50 positions
+    assert (logits - reference_logits(model, ids)[-1]).abs().max() <= TOL
+    assert [s[1] for s in calls] == [100] * 3 + [50] * 3  # every DeltaNet layer (3 of 4) of both chunks took the kernels

@@ -59,3 +59,17 @@ def _gpu_kernels_usable(device) -> bool:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+# Shared memory one block may use (the opt-in maximum, bytes) per compute capability x10: a kernel that needs more
+# compiles but fails at its first launch (OutOfResources). tests/kernel_compile.py checks every cubin against it.
+SHARED_MEMORY_BYTES = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
+def target_shared_memory() -> int:
+    """SHARED_MEMORY_BYTES of the GPU Triton compiles for now (its current target; under the interpreter the
+    largest, unknown architectures the smallest)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return max(SHARED_MEMORY_BYTES.values())
+    from triton.runtime import driver
+    return SHARED_MEMORY_BYTES.get(driver.active.get_current_target().arch, min(SHARED_MEMORY_BYTES.values()))

@@ -18,10 +18,9 @@ mirrors an allocation of the code:
   ran them in its float32 math backend);
 - logits: the logits copies, the sampling temporaries of one step and each sequence's penalty counts;
 - runtime: the cuBLAS / cuBLASLt workspaces (CUDA only; an estimate, not a shape).
-Offloaded weights or KV (memory.weight_offload / kv_offload) leave the device except a staging
-ring of two layers; their host bytes are listed apart (`host_lines`), and so is the embedding table
-kept in host memory (memory.embedding_on_host: the decode step then takes the rows' embeddings as a
-static [M, H] input).
+Offloaded weights or KV (memory.weight_offload / kv_offload) leave the device except a staging ring of two
+layers; their host bytes are listed apart (`host_lines`), and so is the embedding table kept in host memory
+(memory.embedding_on_host: the decode step then takes the rows' embeddings as a static [M, H] input).
 - load: loading makes each packed matrix in its final buffer, a slice at a time; the temporaries of
   one slice (engine.weights.packed_linear.quantize_transient, quant.packed_layout.random_packed_transient)
   come on top of the weights while nothing else is allocated: the line holds what of them the
@@ -35,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import BonsaiError
+from engine.kernels.deltanet_scratch import prefill_scratch_bytes
 from engine.memory.host_embedding import check_embedding_on_host
 from engine.memory.allocator_segments import MIB, pool_segment_bytes, round_up, rounding_slack
 from engine.memory.streaming import ring_bytes, streamed_blocks
@@ -305,12 +305,12 @@ def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
         "swiglu": t * 2 * f * d + 2 * t * f * d,
         "down": t * f * d + unpacked("w2") + t * h * d,
     }
-    if config.hybrid is not None:  # a DeltaNet layer (engine.runtime.deltanet, float32 maths): projections,
-        hc, c = config.hybrid, 64  # the conv's inputs, q/k/v per value head, the chunk's [C, C] matrices
-        hv = hc.linear_num_value_heads
-        per_head = t * (2 * hc.linear_key_head_dim + 2 * hc.linear_value_head_dim) * 4
-        phases["deltanet"] = (t * (hc.conv_dim + hc.value_dim) * d * 2 + hc.conv_dim * (t + hc.conv_kernel) * d
-                              + hv * (3 * per_head + 4 * round_up(t, c) * c * 4))
+    if config.hybrid is not None:  # a DeltaNet layer (engine.runtime.deltanet): projections, conv in and out, and
+        hc = config.hybrid  # the rule: on a GPU the Triton kernels (q/k/v copied, their scratch, the float32 norm)
+        hv, dk, dv = hc.linear_num_value_heads, hc.linear_key_head_dim, hc.linear_value_head_dim
+        rule = (t * hc.conv_dim * d + prefill_scratch_bytes(1, t, hv, dk, dv) + 2 * t * hc.value_dim * 4 if s.cuda
+                else hv * (3 * t * (2 * dk + 2 * dv) * 4 + 4 * round_up(t, 64) * 64 * 4))  # torch: [C, C] matrices
+        phases["deltanet"] = t * (hc.conv_dim + hc.value_dim) * d * 2 + hc.conv_dim * (t + hc.conv_kernel) * d + rule
     return {"base": base, **phases}
 
 

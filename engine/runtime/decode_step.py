@@ -83,12 +83,15 @@ class _Ops:
         self.quantize, self.gemv = quantize_activations, packed_gemv
         if fast:  # a hybrid's DeltaNet and gated attention layers (engine.runtime.hybrid_step)
             from engine.kernels.deltanet_decode import conv_update, recurrent_update
+            from engine.kernels.deltanet_gates import gate_project
             from engine.kernels.gated_rope import gated_rope_write as gated_rope
         else:
             from engine.kernels.deltanet_decode import conv_update_reference as conv_update
             from engine.kernels.deltanet_decode import recurrent_update_reference as recurrent_update
+            from engine.kernels.deltanet_gates import gate_project_reference as gate_project
             from engine.kernels.gated_rope import gated_rope_write_reference as gated_rope
         self.conv_update, self.recurrent_update, self.gated_rope = conv_update, recurrent_update, gated_rope
+        self.gate_project = gate_project
 
 
 def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,

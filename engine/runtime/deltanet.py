@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import kernels_usable
 from engine.runtime.linear import Linear
 from engine.sources.model_config import ModelConfig
 
@@ -135,7 +136,7 @@ class GatedDeltaNet(nn.Module):
         elif t == 1:
             out, rec, _ = recurrent_gated_delta_rule(q, k, v, g, beta, rec)
         else:
-            out, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec, self.chunk)
+            out, rec = self._chunked(q, k, v, g, beta, rec)
         states.write(self.index, batch, seen, rec, kept)
         return self._output(out, z, x.dtype)
 
@@ -148,8 +149,21 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._split(mixed, b, t)
         state = x.new_zeros(b, hc.linear_num_value_heads, hc.linear_key_head_dim, hc.linear_value_head_dim,
                             dtype=torch.float32)
-        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, state, self.chunk)
+        out, _ = self._chunked(q, k, v, g, beta, state)
         return self._output(out, z, x.dtype)
+
+    def _chunked(self, q, k, v, g, beta, state):
+        """The chunked rule: the Triton kernels where they run (engine.kernels.deltanet_prefill; q/k/v made
+        contiguous per position first: they are views of the conv's [B, C, T] output), else the torch maths."""
+        if kernels_usable(q.device):
+            from engine.kernels import UnsupportedKernelShape
+            from engine.kernels.deltanet_prefill import chunk_gated_delta_rule_triton
+            try:
+                return chunk_gated_delta_rule_triton(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                     g.contiguous(), beta.contiguous(), state.contiguous())
+            except UnsupportedKernelShape:
+                pass
+        return chunk_gated_delta_rule(q, k, v, g, beta, state, self.chunk)
 
     def _inputs(self, x: torch.Tensor):
         """The conv input [B, C, T], output gate z [B, T, Hv, Dv], beta and log decay g [B, T, Hv] of x."""

@@ -99,8 +99,15 @@ class HybridStates:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
 
     def read(self, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window [B, C, K-1] and recurrent state [B, Hv, Dk, Dv] of each row's slot, zeros where it starts at 0."""
+        """The window [B, C, K-1] and recurrent state [B, Hv, Dk, Dv] of each row's slot, zeros where it starts at 0
+        (copies; one slot by its index, no index tensor: a prefill chunk stays capturable in a CUDA graph)."""
         rows = list(batch.slots)
+        if len(rows) == 1:
+            window, rec = self.conv[layer, rows[0]][None].clone(), self.recurrent[layer, rows[0]][None].clone()
+            if batch.starts[0] == 0:
+                window.zero_()
+                rec.zero_()
+            return window, rec
         window, rec = self.conv[layer, rows], self.recurrent[layer, rows]  # copies (advanced indexing)
         fresh = [i for i, start in enumerate(batch.starts) if start == 0]
         if fresh:
@@ -112,16 +119,26 @@ class HybridStates:
         """After a pass: each row's new window (the last K-1 of seen [B, C, K-1+T]) and state [B, Hv, Dk, Dv];
         kept [B, T+1, Hv, Dk, Dv] (recording: one row) is kept for a rollback."""
         rows = list(batch.slots)
-        self.conv[layer, rows] = seen[:, :, seen.shape[-1] - (self.kernel - 1):].to(self.conv.dtype)
-        self.recurrent[layer, rows] = rec
+        window = seen[:, :, seen.shape[-1] - (self.kernel - 1):]  # [B, C, K-1]
+        if len(rows) == 1:
+            self.conv[layer, rows[0]].copy_(window[0])
+            self.recurrent[layer, rows[0]].copy_(rec[0])
+        else:
+            self.conv[layer, rows] = window.to(self.conv.dtype)
+            self.recurrent[layer, rows] = rec
         if layer == 0:
             for slot in rows:
-                self.snapshots.pop(slot, None)
+                self.forget(slot)
         if kept is not None:
             assert len(rows) == 1, "a recorded (verify) pass runs one slot"
             snap = self._pending.setdefault(rows[0], _Snapshot(batch.starts[0], [], []))
             snap.recurrent.append(kept[0])
             snap.seen.append(seen[0])
+
+    def forget(self, slot: int) -> None:
+        """The slot's rollback points are gone (its state moved on). A replayed prefill graph does not run the
+        host side of `write`: the runner calls this before the replay."""
+        self.snapshots.pop(slot, None)
 
     def end_recording(self) -> None:
         """The recorded pass is over: its per-position states become the slots' rollback points."""

@@ -39,9 +39,8 @@ def deltanet_step(ops, project, block, x: torch.Tensor, states, inputs, eps: flo
     else:
         conv_in, z = project(ops, x, qkv_layer, norm, eps), project(ops, x, z_layer, norm, eps)
     gates = getattr(att, "gates", None)  # in_proj_b and in_proj_a joined (join_gates): one matmul
-    if gates is not None:
-        normed = F.rms_norm(x, norm.shape, att.gates_norm, eps)  # [M, H] float32 (the norm's float copy: no cast)
-        b, a = F.linear(normed.to(gates.dtype), gates).float().split(hc.linear_num_value_heads, dim=-1)  # [M, Hv] each
+    if gates is not None:  # the input norm and both gate projections in one launch (the norm's float copy)
+        b, a = ops.gate_project(x, att.gates_norm, gates, eps).split(hc.linear_num_value_heads, dim=-1)  # [M, Hv] each
     else:
         normed = F.rms_norm(x, norm.shape, norm.float(), eps)  # [M, H] float32, for the two float gate projections
         b, a = project(ops, normed, att.in_proj_b), project(ops, normed, att.in_proj_a)  # [M, Hv] each

@@ -92,9 +92,9 @@ class ModelRunner:
             check_hybrid_run(kv_type, kv_offload, offload_layers)
             # The fused (graphed) decode step runs DeltaNet layers (engine.runtime.hybrid_step) for rows of
             # distinct slots and for a verify's rows of one slot (stepped in order, each row's state kept for the
-            # rollback: HybridStates.begin_row_runs). Prefill chunks stay eager: the chunked DeltaNet maths read
-            # and write the slots' states by host lists (not capturable).
-            prefill_graphs = False
+            # rollback: HybridStates.begin_row_runs). Full prefill chunks are graphed as the dense models' are (a
+            # chunk reads and writes its one slot's state by index); short prompts are not stepped through the
+            # fused step (each row would keep a rollback state).
             # a slot's state cannot forget a token for free: the Engine's lookahead stays off
             self.rewinds_for_free = False
         if kv_offload:
@@ -135,7 +135,7 @@ class ModelRunner:
         # a pass (0: never), where it is graphed and prefill graphs are allowed (the memory plan then counts
         # the steps of 1..MAX_STEP_ROWS rows); `prepare_rows` captures them
         self.short_prefill_tokens = SHORT_PREFILL_TOKENS
-        self.short_prefill_rows = MAX_STEP_ROWS if graphed and prefill_graphs is not False else 0  # hybrids: off
+        self.short_prefill_rows = MAX_STEP_ROWS if graphed and prefill_graphs is not False and not self.hybrid else 0
         from engine.memory.host_embedding import HostEmbedding
         if graphed and prefill_graphs is not False and not isinstance(self.model.embed, HostEmbedding):
             from engine.runtime.cuda_graphs import PrefillGraphs
@@ -183,6 +183,8 @@ class ModelRunner:
         if num_logits == 1 and 1 < t <= self.short_prefill_tokens and self.short_prefill_rows > 1:
             return self._short_prefill(slot, tokens)  # [1, V]
         if self.prefill_graphs is not None and self.prefill_graphs.handles(start, t, num_logits):
+            if self.hybrid:  # what the replay's HybridStates.write does not do on the host
+                self.cache.states.forget(slot.index)
             logits = self.prefill_graphs.run(slot.index, start, tokens)  # [1, V]
             slot.tokens.extend(tokens)
             return logits
