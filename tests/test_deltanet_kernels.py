@@ -259,3 +259,27 @@ def test_gate_project_matches_its_reference_and_the_layer(m, h, n, dtype):
     assert (got - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())
     with pytest.raises(UnsupportedKernelShape):
         gate_project(x, norm[:-1], weight, 1e-6)
+
+
+@pytest.mark.parametrize("t, c, dtype", [(1, 40, torch.float32), (2, 130, torch.float32), (70, 300, torch.bfloat16)])
+def test_prefill_conv_and_gated_norm_match_their_references(t, c, dtype):
+    """The prefill chunk's conv (fewer positions than the window, a chunk past one program's block) and the
+    gated output norm (engine.kernels.deltanet_layer) against the layer's torch maths."""
+    from engine.kernels.deltanet_layer import causal_conv as conv_kernel
+    from engine.kernels.deltanet_layer import causal_conv_reference, gated_rms_norm, gated_rms_norm_reference
+    gen = torch.Generator().manual_seed(t + c)
+    x = torch.randn(2, t, c + 5, generator=gen).to(DEVICE, dtype)[:, :, :c]  # a strided view, as the projection's
+    window = torch.randn(2, c, 3, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(c, 4, generator=gen).to(DEVICE, dtype)
+    got, got_window = conv_kernel(x, window, weight)
+    want, want_window = causal_conv_reference(x, window, weight)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.shape == want.shape == (2, t, c) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(got_window, want_window)  # the inputs themselves, not a sum
+    o = torch.randn(2, t, 3, 32, generator=gen).to(DEVICE)
+    z = torch.randn(2, t, 3, 32, generator=gen).to(DEVICE, dtype)
+    norm = (1 + 0.1 * torch.randn(32, generator=gen)).to(DEVICE)
+    got, want = gated_rms_norm(o, z, norm, 1e-6), gated_rms_norm_reference(o, z, norm, 1e-6)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

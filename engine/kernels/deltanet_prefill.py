@@ -26,12 +26,13 @@ import triton
 import triton.language as tl
 
 from engine.kernels import UnsupportedKernelShape, next_power_of_2, target_shared_memory
-from engine.kernels.deltanet_scratch import CHUNK, prefill_scratch_bytes
+from engine.kernels.deltanet_ref import CHUNK, prefill_scratch_bytes
 
 __all__ = ["chunk_gated_delta_rule_triton", "prefill_scratch_bytes", "CHUNK"]
 SUB = 16  # rows of the blocks the chunk's inverse is built from (CHUNK = 4 · SUB)
 VALUE_BLOCK = 32  # value columns of the state per program of the state pass
 OUT_BLOCK = 64  # value columns per program of the output pass
+PREPARE_WARPS = 8
 
 
 @triton.jit
@@ -244,7 +245,7 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     _chunk_prepare_kernel[(chunks, hv, bsz)](
         k, v, g, beta, w, u, kd, cum, t, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), nt, GROUPS=groups, C=CHUNK, B=SUB,
-        DK=dk, DV=dv, BK=bk, BV=bvs, PRECISION=dot_precision, num_warps=8)
+        DK=dk, DV=dv, BK=bk, BV=bvs, PRECISION=dot_precision, num_warps=PREPARE_WARPS)
     bv = min(VALUE_BLOCK, bvs)
     _chunk_state_kernel[(triton.cdiv(dv, bv), hv, bsz)](
         w, u, kd, cum, state, states, v_new, state.stride(0), state.stride(1), state.stride(2), nt, C=CHUNK, DK=dk,

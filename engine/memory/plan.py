@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import BonsaiError
-from engine.kernels.deltanet_scratch import prefill_scratch_bytes
+from engine.kernels.deltanet_ref import prefill_scratch_bytes
 from engine.memory.host_embedding import check_embedding_on_host
 from engine.memory.allocator_segments import MIB, pool_segment_bytes, round_up, rounding_slack
 from engine.memory.streaming import ring_bytes, streamed_blocks

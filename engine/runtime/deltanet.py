@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import kernels_usable
+from engine.kernels.deltanet_ref import _gated_norm, causal_conv  # noqa: F401 (the layer's torch maths)
 from engine.runtime.linear import Linear
 from engine.sources.model_config import ModelConfig
 
@@ -79,14 +80,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = 6
     return out.transpose(1, 2), s
 
 
-def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU: x [B, C, T] after window [B, C, K-1] (the previous inputs), weight [C, K]
-    → out [B, C, T] and every input seen [B, C, K-1+T] (its last K-1 columns are the next window)."""
-    seen = torch.cat([window.to(x.dtype), x], dim=-1)  # [B, C, K-1+T]
-    out = F.conv1d(seen.to(weight.dtype), weight[:, None, :], groups=weight.shape[0])  # [B, C, T]
-    return F.silu(out).to(x.dtype), seen
-
-
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer; `index` is its place among the model's DeltaNet layers (its state)."""
 
@@ -128,10 +121,11 @@ class GatedDeltaNet(nn.Module):
         states = cache.states
         conv_in, z, beta, g = self._inputs(x)
         window, rec = states.read(self.index, batch)  # [B, C, K-1], [B, Hv, Dk, Dv] (zeros where a row starts at 0)
-        mixed, seen = causal_conv(conv_in, window, self.conv_weight)
+        # a verify pass keeps every position's state and window (all of `seen`), for a rollback by copy
+        mixed, seen = self._conv(conv_in, window, keep_all=states.recording)  # [B, T, C], [B, C, ≥ K-1]
         q, k, v = self._split(mixed, b, t)  # [B, T, Hk, Dk] x2, [B, T, Hv, Dv]
         kept = None
-        if states.recording:  # a verify pass: every position's state, for a rollback by copy
+        if states.recording:
             out, rec, kept = recurrent_gated_delta_rule(q, k, v, g, beta, rec, keep_states=True)
         elif t == 1:
             out, rec, _ = recurrent_gated_delta_rule(q, k, v, g, beta, rec)
@@ -145,22 +139,36 @@ class GatedDeltaNet(nn.Module):
         hc = self.hc
         b, t, _ = x.shape
         conv_in, z, beta, g = self._inputs(x)
-        mixed, _ = causal_conv(conv_in, conv_in.new_zeros(b, hc.conv_dim, hc.conv_kernel - 1), self.conv_weight)
+        mixed, _ = self._conv(conv_in, conv_in.new_zeros(b, hc.conv_dim, hc.conv_kernel - 1))
         q, k, v = self._split(mixed, b, t)
         state = x.new_zeros(b, hc.linear_num_value_heads, hc.linear_key_head_dim, hc.linear_value_head_dim,
                             dtype=torch.float32)
         out, _ = self._chunked(q, k, v, g, beta, state)
         return self._output(out, z, x.dtype)
 
+    def _conv(self, conv_in: torch.Tensor, window: torch.Tensor, keep_all: bool = False):
+        """The causal conv + SiLU of conv_in [B, C, T] after window → [B, T, C] and what the window becomes (its
+        last K-1 columns; keep_all: every input seen [B, C, K-1+T]). One kernel where the kernels run
+        (engine.kernels.deltanet_layer: its output's heads are contiguous for the chunked rule), else torch."""
+        if kernels_usable(conv_in.device) and not keep_all:
+            from engine.kernels import UnsupportedKernelShape
+            from engine.kernels.deltanet_layer import causal_conv as conv_kernel
+            try:
+                return conv_kernel(conv_in.transpose(1, 2), window, self.conv_weight)
+            except UnsupportedKernelShape:
+                pass
+        mixed, seen = causal_conv(conv_in, window, self.conv_weight)
+        return mixed.transpose(1, 2), seen
+
     def _chunked(self, q, k, v, g, beta, state):
-        """The chunked rule: the Triton kernels where they run (engine.kernels.deltanet_prefill; q/k/v made
-        contiguous per position first: they are views of the conv's [B, C, T] output), else the torch maths."""
+        """The chunked rule: the Triton kernels where they run (engine.kernels.deltanet_prefill: any strides but a
+        contiguous last dim), else the torch maths."""
         if kernels_usable(q.device):
             from engine.kernels import UnsupportedKernelShape
             from engine.kernels.deltanet_prefill import chunk_gated_delta_rule_triton
+            q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
             try:
-                return chunk_gated_delta_rule_triton(q.contiguous(), k.contiguous(), v.contiguous(),
-                                                     g.contiguous(), beta.contiguous(), state.contiguous())
+                return chunk_gated_delta_rule_triton(q, k, v, g.contiguous(), beta.contiguous(), state.contiguous())
             except UnsupportedKernelShape:
                 pass
         return chunk_gated_delta_rule(q, k, v, g, beta, state, self.chunk)
@@ -176,21 +184,23 @@ class GatedDeltaNet(nn.Module):
         return conv_in, z, beta, g
 
     def _split(self, mixed: torch.Tensor, b: int, t: int):
-        """q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv] of the conv output [B, C, T]."""
+        """q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv] of the conv output [B, T, C] (views)."""
         hc = self.hc
-        q, k, v = mixed.transpose(1, 2).split([hc.key_dim, hc.key_dim, hc.value_dim], dim=-1)
+        q, k, v = mixed.split([hc.key_dim, hc.key_dim, hc.value_dim], dim=-1)
         return (q.reshape(b, t, hc.linear_num_key_heads, hc.linear_key_head_dim),
                 k.reshape(b, t, hc.linear_num_key_heads, hc.linear_key_head_dim),
                 v.reshape(b, t, hc.linear_num_value_heads, hc.linear_value_head_dim))
 
     def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b, t = out.shape[:2]
-        out = _gated_norm(out, z, self.norm_weight, self.eps)  # [B, T, Hv, Dv]
-        return self.out_proj(out.reshape(b, t, self.hc.value_dim).to(dtype))
-
-
-def _gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the head dim, times SiLU(gate) (float32 maths): x, gate [.., D] → x's dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return ((weight.float() * h) * F.silu(gate.float())).to(gate.dtype)
+        normed = None
+        if kernels_usable(out.device):  # the gated norm in one kernel (engine.kernels.deltanet_layer)
+            from engine.kernels import UnsupportedKernelShape
+            from engine.kernels.deltanet_layer import gated_rms_norm
+            try:
+                normed = gated_rms_norm(out, z, self.norm_weight, self.eps)  # [B, T, Hv, Dv] in z's dtype
+            except UnsupportedKernelShape:
+                pass
+        if normed is None:
+            normed = _gated_norm(out, z, self.norm_weight, self.eps)
+        return self.out_proj(normed.reshape(b, t, self.hc.value_dim).to(dtype))

@@ -83,6 +83,30 @@ def rule_alone(cfg: ModelConfig, t: int, reps: int) -> None:
                 print(f"    {e.device_time_total / 5 / 1e3:8.3f} ms  {e.key[:80]}")
 
 
+def sweep(cfg: ModelConfig, t: int, reps: int) -> None:
+    """The rule's launch constants (module constants of engine.kernels.deltanet_prefill, set here for the sweep)."""
+    hc = cfg.hybrid
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(1, t, hc.linear_num_key_heads, hc.linear_key_head_dim, device="cuda", generator=gen).bfloat16()
+    k = torch.randn_like(q)
+    v = torch.randn(1, t, hc.linear_num_value_heads, hc.linear_value_head_dim, device="cuda").bfloat16()
+    g = -torch.rand(1, t, hc.linear_num_value_heads, device="cuda") * 0.5
+    beta = torch.rand_like(g)
+    s0 = torch.zeros(1, hc.linear_num_value_heads, hc.linear_key_head_dim, hc.linear_value_head_dim, device="cuda")
+    ref, _ = dp.chunk_gated_delta_rule_triton(q, k, v, g, beta, s0.clone())
+    base = (dp.PREPARE_WARPS, dp.VALUE_BLOCK, dp.OUT_BLOCK)
+    for warps, vb, ob in ((8, 32, 64), (4, 32, 64), (8, 16, 64), (8, 64, 64), (8, 32, 32), (8, 16, 32)):
+        dp.PREPARE_WARPS, dp.VALUE_BLOCK, dp.OUT_BLOCK = warps, vb, ob
+        try:
+            ms = timed(lambda: dp.chunk_gated_delta_rule_triton(q, k, v, g, beta, s0.clone()), reps) * 1e3
+            out, _ = dp.chunk_gated_delta_rule_triton(q, k, v, g, beta, s0.clone())
+            print(f"  sweep prepare warps {warps}, state block {vb}, output block {ob}: {ms:.3f} ms, "
+                  f"max |out - default| {(out - ref).abs().max().item():.1e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a variant over the shared memory is reported, not fatal
+            print(f"  sweep {warps}/{vb}/{ob}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+    dp.PREPARE_WARPS, dp.VALUE_BLOCK, dp.OUT_BLOCK = base
+
+
 def model_prefill(cfg: ModelConfig, name: str, fmt: WeightFormat, t: int, reps: int) -> None:
     """The runner's prefill of t tokens from position 0: eager with the torch maths, eager with the Triton
     kernels, then replayed from the prefill graph (the runner's default on a GPU)."""
@@ -134,6 +158,8 @@ def main() -> None:
     print(f"{a.model} {a.weights}/{a.head}, {a.tokens} tokens", flush=True)
     if "rule" in a.parts:
         rule_alone(cfg, a.tokens, a.reps)
+    if "sweep" in a.parts:
+        sweep(cfg, a.tokens, max(a.reps, 10))
     if "model" in a.parts:
         model_prefill(cfg, a.model, WeightFormat(a.weights, 128, a.head), a.tokens, a.reps)
 
