@@ -12,6 +12,7 @@ from engine.errors import BonsaiError
 from engine.memory.budget import SERVE_KEYS, check_budget, dummy_formats, fit_to_budget, run_settings
 from engine.memory.plan import make_plan
 from engine.weights.formats import WeightFormat
+from engine.weights.packed_linear import FIT_UNPACK_SLICE_BYTES
 
 SERVE_27B = """model:
   path: dense-27b
@@ -53,7 +54,7 @@ def test_27b_one_bit_at_4k_fits_6gb(tmp_path, capsys, kv):
 def test_a_smaller_prefill_chunk_is_chosen_only_when_left_open():
     config, _ = dummy_architecture("dense-27b")
     weights = dummy_formats(config, WeightFormat("bin", 128, "int4"))
-    s = run_settings(config, "cuda:0", 4096, dummy=True)
+    s = run_settings(config, "cuda:0", 4096, dummy=True, limited=True)
     limit = make_plan(config, weights.formats, dataclasses.replace(s, embedding_on_host=True,
                                                                    prefill_chunk_size=256)).total
     chosen, choices = fit_to_budget(weights, s, limit, embedding_auto=True, chunk_auto=True)
@@ -69,6 +70,22 @@ def test_a_smaller_prefill_chunk_is_chosen_only_when_left_open():
     assert same == s and none == []  # no limit: nothing changes
 
 
+def test_prefill_unpacks_whole_unless_a_memory_limit_is_set(tmp_path, capsys):
+    """Packed matrices are unpacked whole for prefill (fastest), but under max_gpu_memory in 64 MB slices (a whole
+    27B gate/up Wᵀ is 440 MB, and a segment that size cannot be had in a nearly full budget); the plan counts
+    whichever the run does."""
+    config, _ = dummy_architecture("dense-27b")
+    weights = dummy_formats(config, WeightFormat("bin", 128, "int4"))
+    whole = run_settings(config, "cuda:0", 4096, dummy=True)
+    sliced = run_settings(config, "cuda:0", 4096, dummy=True, limited=True)
+    assert (whole.unpack_slice_bytes, sliced.unpack_slice_bytes) == (0, FIT_UNPACK_SLICE_BYTES)
+    gate_up = 2 * config.intermediate_size * config.hidden_size * 2  # its whole bf16 Wᵀ
+    assert make_plan(config, weights.formats, whole).category("prefill") >= gate_up > \
+        make_plan(config, weights.formats, sliced).category("prefill")
+    out = plan_json(tmp_path, capsys, SERVE_27B.format(kv="int8"))
+    assert out["settings"]["unpack_slice_bytes"] == FIT_UNPACK_SLICE_BYTES
+
+
 def test_a_tied_float_head_keeps_its_table(tmp_path, capsys):
     from tests.test_memory_budget import TINY_ARCH
     arch = tmp_path / "tied.yaml"
@@ -82,3 +99,16 @@ def test_a_tied_float_head_keeps_its_table(tmp_path, capsys):
     with pytest.raises(BonsaiError) as e:
         check_budget(make_plan(config, weights.formats, chosen), tight, weights, chosen, SERVE_KEYS)
     assert "embedding_on_host" not in str(e.value)
+
+
+def test_the_hybrid_27b_in_6gb_config_plans_to_fit_streaming_some_blocks(capsys):
+    """configs/serve-qwen3.6-27b-6gb.yaml: the plan fits 6 GB with the base-3 layout, the embedding in host memory
+    and part of the 64 blocks streamed (H200: 5.48 GB allocated at peak, docs/perf.md session 20)."""
+    from bonsai_cli.main import main
+    main(["info", "configs/models/qwen3.6-27b.yaml", "--plan", "configs/serve-qwen3.6-27b-6gb.yaml", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["total_bytes"] <= 6_000_000_000
+    chosen = {c["key"]: c["value"] for c in out["chosen_to_fit"]}
+    assert chosen["ternary_layout"] == "base3" and chosen["embedding_on_host"] is True
+    assert 0 < len(chosen["weight_offload"]) < 64
+    assert out["settings"]["unpack_slice_bytes"] == FIT_UNPACK_SLICE_BYTES

@@ -64,8 +64,7 @@ def test_prefix_reuse_only_where_the_state_was_saved(loaded, one_thread):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(kv_type="int8"), "KV type int8"), (dict(kv_offload=True), "KV offload"),
-    (dict(offload_layers=[0]), "weight offload")])
+    (dict(kv_type="int8"), "KV type int8"), (dict(kv_offload=True), "KV offload")])
 def test_unsupported_run_options_are_refused(loaded, options, message):
     with pytest.raises(BonsaiError, match=message):
         ModelRunner(loaded, 96, **options)

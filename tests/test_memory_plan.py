@@ -196,11 +196,12 @@ def test_prefill_unpacks_in_column_slices(monkeypatch, one_thread):
     from quant.packed_layout import random_packed
     pw = random_packed("int4", 384, 256, 64, generator=torch.Generator().manual_seed(0))
     x = torch.randn(9, 256)
-    whole = packed_linear.packed_matmul(x, pw)  # [9, 384]
-    monkeypatch.setattr(packed_linear, "UNPACK_SLICE_BYTES", 256 * 4 * 128)  # 128 columns at a time
-    assert packed_linear.unpack_columns(384, 256, 4) == 128
     calls = []
     real = packed_linear.column_slice
     monkeypatch.setattr(packed_linear, "column_slice", lambda *a: calls.append(a[1:]) or real(*a))
-    torch.testing.assert_close(packed_linear.packed_matmul(x, pw), whole, rtol=1e-6, atol=1e-6)
+    whole = packed_linear.packed_matmul(x, pw)  # [9, 384]
+    assert calls == [] and packed_linear.unpack_columns(384, 256, 4) == 384  # slice_bytes 0: whole
+    slice_bytes = 256 * 4 * 128  # 128 columns at a time
+    assert packed_linear.unpack_columns(384, 256, 4, slice_bytes) == 128
+    torch.testing.assert_close(packed_linear.packed_matmul(x, pw, slice_bytes), whole, rtol=1e-6, atol=1e-6)
     assert calls == [(0, 128), (128, 256), (256, 384)]

@@ -11,6 +11,7 @@ engine.memory.limit enforces the limit on the device while running.
 them open and the plan needs them under the limit: the embedding table in host memory (the decode
 step stays CUDA-graphed: one row per token crosses PCIe) and a smaller prefill chunk (slower
 prefill, smaller activations). Each choice made is reported in one line (`FitChoice`).
+Under any limit, prefill unpacks packed matrices in slices (`run_settings`' unpack_slice_bytes).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from engine.speculative.draft_model import resolve_draft_model
 from engine.speculative.drafter_file import resolve_path
 from engine.weights.formats import LinearFormat, WeightFormat, linear_formats, stored_formats
 from engine.weights.loader import open_model_source
+from engine.weights.packed_linear import FIT_UNPACK_SLICE_BYTES
 
 SMALLER_KV = {"bf16": ("int8", "k8v4", "int4"), "int8": ("k8v4", "int4"), "k8v4": ("int4",), "int4": ()}
 
@@ -78,10 +80,13 @@ def decode_splits(config: ModelConfig, max_seq_len: int, cuda: bool) -> int:
 def run_settings(config: ModelConfig, device: str, max_seq_len: int, slots: int = 1, prefill_chunk_size: int = 512,
                  kv_type: str = "bf16", graph_rows: int | None = None, weight_dtype_bytes: int | None = None,
                  weight_offload: bool = False, kv_offload: bool = False, rotation_block: int = 0,
-                 dummy: bool = False, embedding_on_host: bool = False, verify_positions: int = 0) -> RunSettings:
+                 dummy: bool = False, embedding_on_host: bool = False, verify_positions: int = 0,
+                 limited: bool = False) -> RunSettings:
     """Settings as engine.weights.loader / engine.runtime.runner choose them on `device`: bfloat16 on CUDA with the
     fused decode step graphed for 1..graph_rows rows (default: one per slot, up to 16); float32 on
-    the CPU with float16 block matrices (float32 for dummy weights) and no fused step."""
+    the CPU with float16 block matrices (float32 for dummy weights) and no fused step. limited (a max_gpu_memory
+    is set): prefill unpacks packed matrices in FIT_UNPACK_SLICE_BYTES slices, else whole (faster, a transient
+    the size of the largest matrix's float Wᵀ: engine.weights.packed_linear)."""
     cuda = str(device).startswith("cuda")
     dtype_bytes = 2 if cuda else 4
     if weight_dtype_bytes is None:
@@ -93,7 +98,8 @@ def run_settings(config: ModelConfig, device: str, max_seq_len: int, slots: int 
                        graph_rows=graph_rows, num_splits=decode_splits(config, max_seq_len, cuda),
                        weight_offload=weight_offload, kv_offload=kv_offload, rotation_block=rotation_block,
                        embedding_on_host=embedding_on_host, dummy=dummy,
-                       verify_positions=verify_positions if config.hybrid is not None else 0)
+                       verify_positions=verify_positions if config.hybrid is not None else 0,
+                       unpack_slice_bytes=FIT_UNPACK_SLICE_BYTES if limited else 0)
 
 
 def plan_run(weights: ModelWeights, settings: RunSettings, drafter: MemoryPlan | None = None) -> MemoryPlan:

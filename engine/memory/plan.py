@@ -12,8 +12,8 @@ mirrors an allocation of the code:
   engine.runtime.cuda_graphs.DecodeStepRunner plus its CUDA graph's private pool (the live intermediates of
   engine.runtime.decode_step at their peak, in the caching allocator's segments);
 - prefill: the peak of live activations of one `Transformer.forward` chunk on a GPU (a packed layer
-  of more than engine.weights.packed_linear.packed_rows_limit rows is unpacked to a float Wᵀ for cuBLAS, in column slices of at most
-  engine.weights.packed_linear.UNPACK_SLICE_BYTES; chunks after the first attend through a mask, in query
+  of more than engine.weights.packed_linear.packed_rows_limit rows is unpacked to a float Wᵀ for cuBLAS, whole or in
+  column slices of RunSettings.unpack_slice_bytes; chunks after the first attend through a mask, in query
   blocks whose float32 scores stay under engine.runtime.model.ATTENTION_SCORE_BYTES, counted as if PyTorch
   ran them in its float32 math backend);
 - logits: the logits copies, the sampling temporaries of one step and each sequence's penalty counts;
@@ -78,6 +78,7 @@ class RunSettings:
     embedding_on_host: bool = False  # the embedding table in host memory (engine.memory.host_embedding)
     verify_positions: int = 0  # states a hybrid's verify pass keeps per slot for its rollback (k + 2; 0: no speculation)
     dummy: bool = False  # weights generated (load_format: dummy) rather than read: the load's temporaries
+    unpack_slice_bytes: int = 0  # prefill's unpacked Wᵀ: whole (0) or in slices of this many bytes (packed_linear)
 
     @property
     def kv_label(self) -> str:
@@ -280,7 +281,7 @@ def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
         fmt = layer0[name]
         if not fmt.packed or t <= packed_rows_limit(s.cuda):
             return 0
-        cols = unpack_columns(n, k, d)
+        cols = unpack_columns(n, k, d, s.unpack_slice_bytes)
         if cols >= n:
             return n * k * d
         return k * cols * d + packed_bytes(fmt, cols, k) + t * cols * d
@@ -296,9 +297,8 @@ def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
                      + 2 * hq * t * sl * 4 + hq * t * dim * 4)
     else:  # flash: output + log-sum-exp
         attention = hq * t * dim * d + hq * t * 4
-    n_qkv = config.q_size + 2 * config.kv_size
     phases = {
-        "qkv": t * n_qkv * d + unpacked("wqkv"),
+        "qkv": t * (config.q_size + 2 * config.kv_size) * d + unpacked("wqkv"),
         "attention": t * hq * dim * d + attention,
         "o_proj": t * config.q_size * d + unpacked("wo") + t * h * d,
         "gate_up": t * 2 * f * d + unpacked("w13"),

@@ -49,15 +49,20 @@ class ModelSource:
     seed: int = 0
     cpu_int4: bool = False  # a CPU stage runs a GGUF's 4-bit matrices as stored (load_model)
     narrow_head: bool = False  # a CPU stage's output layer in float16, top logits exact (load_model)
+    unpack_slice_bytes: int = 0  # prefill's unpacked Wᵀ whole or in slices, as the plan chose (packed_linear)
 
     def load(self, device: str, stage: Stage):
         from engine.weights.loader import load_dummy, load_model
+        from engine.weights.packed_linear import set_unpack_slice
         if self.architecture is not None:
-            return load_dummy(self.architecture, self.name, device=device, weight_format=self.weight_format,
-                              seed=self.seed, stage=stage)
-        return load_model(self.path, device=device, weight_dtype=self.weight_dtype,
-                          weight_format=self.weight_format, stage=stage, cpu_int4=self.cpu_int4,
-                          narrow_head=self.narrow_head)
+            loaded = load_dummy(self.architecture, self.name, device=device, weight_format=self.weight_format,
+                                seed=self.seed, stage=stage)
+        else:
+            loaded = load_model(self.path, device=device, weight_dtype=self.weight_dtype,
+                                weight_format=self.weight_format, stage=stage, cpu_int4=self.cpu_int4,
+                                narrow_head=self.narrow_head)
+        set_unpack_slice(loaded.model, self.unpack_slice_bytes)
+        return loaded
 
 
 @dataclass(frozen=True)

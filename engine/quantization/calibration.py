@@ -275,9 +275,15 @@ def quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str, 
             yield quantize_rows(target, inputs, method, options, say)
 
     yield from stage("qkv", cfg.hidden_size, lambda c: block.attention_norm(hidden[c]))
-    attn_out = [_attention_output(block, x, *rope(x.shape[1])) for x in hidden]  # inputs of o_proj
-    yield from stage("o", cfg.q_size, lambda c: attn_out[c])
-    hidden = [x + block.attention.wo(a) for x, a in zip(hidden, attn_out)]  # residual after attention
+    att = block.attention
+    if isinstance(att, GatedDeltaNet):  # out_proj's input: the gated-normed rule output, from the zero state
+        attn_out = [att.over_sequences(block.attention_norm(x), project=False) for x in hidden]
+        width, out_proj = cfg.hybrid.value_dim, att.out_proj
+    else:
+        attn_out = [_attention_output(block, x, *rope(x.shape[1])) for x in hidden]  # inputs of o_proj
+        width, out_proj = cfg.q_size, att.wo
+    yield from stage("o", width, attn_out.__getitem__)
+    hidden = [x + out_proj(a) for x, a in zip(hidden, attn_out)]  # residual after attention
     del attn_out
     yield from stage("gate_up", cfg.hidden_size, lambda c: block.ffn_norm(hidden[c]))
     swiglu = [_swiglu(block, h) for h in hidden]  # inputs of down_proj

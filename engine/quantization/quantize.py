@@ -177,8 +177,6 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     if getattr(source, "prism", None) is not None:  # its weights read rotated inputs: a checkpoint would lose that
         raise BonsaiError(f"{src} holds PrismML's folded Hadamard rotation, which bonsai checkpoints do not "
                           "record: run the GGUF as it is (bonsai generate / serve) instead of quantizing it")
-    if config.hybrid is not None and opts.method != "rtn":  # calibration captures attention-layer inputs only
-        raise BonsaiError(f"--method {opts.method} is not supported for hybrid (Qwen3.5/3.6) models yet: use --method rtn")
     rotation = _plan_rotation(source, config, opts)
     out_rotation = rotation.metadata() if rotation else getattr(source, "rotation", None)
     if opts.gguf is not None and out_rotation and out_rotation.get("down_proj_hadamard"):

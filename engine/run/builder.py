@@ -37,6 +37,7 @@ from engine.sources.tokenizer import Tokenizer
 from engine.speculative.config import build_drafters
 from engine.weights.formats import WeightFormat
 from engine.weights.loader import LoadedModel, load_dummy, load_model
+from engine.weights.packed_linear import set_unpack_slice
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, float], None]  # (stage, fraction done): the server's /health, the CLI's spinner
@@ -155,6 +156,7 @@ def open_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pu
         loaded, tokenizer = load_run_model(config, architecture, planned.settings.embedding_on_host, auto_pull,
                                            progress, streamed or frozenset(), planned.weight_format)
     check_usage(limit, loaded.device, "loading the model", planned.plan.category("weights"))
+    set_unpack_slice(loaded.model, planned.settings.unpack_slice_bytes)  # as the plan counted prefill
     stage = "allocating the KV cache" + (" and capturing CUDA graphs" if loaded.device.type == "cuda" else "")
     progress(stage, 0.85)
     mem = config.memory
@@ -177,11 +179,12 @@ def _open_pipeline(config: RunConfig, planned: RunPlan, architecture, progress: 
     pp = plan_pipeline(planned.weights.config, planned.weights.formats, planned.settings, rt.devices, backend)
     check_pipeline_budget(pp, planned.limit, option)
     if m.load_format == "dummy":
-        source = ModelSource(architecture=architecture, name=Path(m.path).stem, weight_format=planned.weight_format)
+        source = ModelSource(architecture=architecture, name=Path(m.path).stem, weight_format=planned.weight_format,
+                             unpack_slice_bytes=planned.settings.unpack_slice_bytes)
     else:
         source = ModelSource(path=str(model_path(config)), weight_dtype=config.weight_dtype,
                              weight_format=planned.weight_format, cpu_int4=config.cpu_int4,
-                             narrow_head=config.narrow_head)
+                             narrow_head=config.narrow_head, unpack_slice_bytes=planned.settings.unpack_slice_bytes)
     split = ", ".join(f"{s.device}: {s.label}" for s in pp.stages)
     progress(f"loading {Path(m.path).name} in {len(pp.stages)} pipeline stages ({split})", 0.05)
     runner = open_pipeline(source, pp, planned.settings.max_seq_len, rt.max_batch_size,

@@ -103,7 +103,8 @@ def _plan(config: RunConfig, architecture: ModelConfig | None, source, fmt: Weig
                             # streaming every block: the table is loaded in host memory (the streamer keeps it there)
                             embedding_on_host=bool(mem.embedding_on_host)
                             or (mem.weight_offload is True and host_embedding_possible(weights)),
-                            verify_positions=spec.num_draft_tokens + 2 if spec is not None else 0)
+                            verify_positions=spec.num_draft_tokens + 2 if spec is not None else 0,
+                            limited=mem.max_gpu_memory_bytes is not None)
     drafter = drafter_plan(spec, settings, weights.config) if spec is not None else None
     limit = mem.max_gpu_memory_bytes
     settings, choices = fit_to_budget(weights, settings, limit, embedding_auto=mem.embedding_on_host is None,

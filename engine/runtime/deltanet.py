@@ -134,8 +134,15 @@ class GatedDeltaNet(nn.Module):
         states.write(self.index, batch, seen, rec, kept)
         return self._output(out, z, x.dtype)
 
-    def over_sequences(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer over whole sequences x [B, T, hidden] from the zero state, no cache (calibration)."""
+    @staticmethod
+    def _kernels(t: torch.Tensor) -> bool:
+        """The Triton kernels where they run; they have no backward, so a pass recording gradients (scale tuning:
+        engine.quantization.scale_tuning) takes the torch maths."""
+        return kernels_usable(t.device) and not torch.is_grad_enabled()
+
+    def over_sequences(self, x: torch.Tensor, project: bool = True) -> torch.Tensor:
+        """The layer over whole sequences x [B, T, hidden] from the zero state, no cache (calibration); project
+        False: out_proj's input [B, T, value_dim], the gated-normed rule output."""
         hc = self.hc
         b, t, _ = x.shape
         conv_in, z, beta, g = self._inputs(x)
@@ -144,13 +151,13 @@ class GatedDeltaNet(nn.Module):
         state = x.new_zeros(b, hc.linear_num_value_heads, hc.linear_key_head_dim, hc.linear_value_head_dim,
                             dtype=torch.float32)
         out, _ = self._chunked(q, k, v, g, beta, state)
-        return self._output(out, z, x.dtype)
+        return self._output(out, z, x.dtype, project)
 
     def _conv(self, conv_in: torch.Tensor, window: torch.Tensor, keep_all: bool = False):
         """The causal conv + SiLU of conv_in [B, C, T] after window → [B, T, C] and what the window becomes (its
         last K-1 columns; keep_all: every input seen [B, C, K-1+T]). One kernel where the kernels run
         (engine.kernels.deltanet_layer: its output's heads are contiguous for the chunked rule), else torch."""
-        if kernels_usable(conv_in.device) and not keep_all:
+        if self._kernels(conv_in) and not keep_all:
             from engine.kernels import UnsupportedKernelShape
             from engine.kernels.deltanet_layer import causal_conv as conv_kernel
             try:
@@ -163,7 +170,7 @@ class GatedDeltaNet(nn.Module):
     def _chunked(self, q, k, v, g, beta, state):
         """The chunked rule: the Triton kernels where they run (engine.kernels.deltanet_prefill: any strides but a
         contiguous last dim), else the torch maths."""
-        if kernels_usable(q.device):
+        if self._kernels(q):
             from engine.kernels import UnsupportedKernelShape
             from engine.kernels.deltanet_prefill import chunk_gated_delta_rule_triton
             q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -191,10 +198,10 @@ class GatedDeltaNet(nn.Module):
                 k.reshape(b, t, hc.linear_num_key_heads, hc.linear_key_head_dim),
                 v.reshape(b, t, hc.linear_num_value_heads, hc.linear_value_head_dim))
 
-    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype, project: bool = True) -> torch.Tensor:
         b, t = out.shape[:2]
         normed = None
-        if kernels_usable(out.device):  # the gated norm in one kernel (engine.kernels.deltanet_layer)
+        if self._kernels(out):  # the gated norm in one kernel (engine.kernels.deltanet_layer)
             from engine.kernels import UnsupportedKernelShape
             from engine.kernels.deltanet_layer import gated_rms_norm
             try:
@@ -203,4 +210,5 @@ class GatedDeltaNet(nn.Module):
                 pass
         if normed is None:
             normed = _gated_norm(out, z, self.norm_weight, self.eps)
-        return self.out_proj(normed.reshape(b, t, self.hc.value_dim).to(dtype))
+        normed = normed.reshape(b, t, self.hc.value_dim).to(dtype)  # [B, T, Hv * Dv]
+        return self.out_proj(normed) if project else normed

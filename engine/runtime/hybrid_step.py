@@ -74,11 +74,13 @@ def gated_attention_step(ops, project, model, block, cache, x: torch.Tensor, inp
     project(ops, out.reshape(m, cfg.q_size).to(cache.dtype), att.wo, residual=x)
 
 
-def join_gates(model) -> None:
+def join_gates(model, streamed=frozenset()) -> None:
     """Every DeltaNet layer's in_proj_b / in_proj_a joined into one matrix, and its input norm's float copy made
-    (before the step is captured: no cast of it in every step)."""
-    for block in model.layers:
-        if isinstance(block.attention, GatedDeltaNet):
+    (before the step is captured: no cast of it in every step). Not the `streamed` blocks (weight offload: their
+    tensors are views of a staging buffer that holds another block's weights until theirs are copied in; a joined
+    copy made now would be of those, and stay): their step projects b and a apart."""
+    for i, block in enumerate(model.layers):
+        if isinstance(block.attention, GatedDeltaNet) and i not in streamed:
             block.attention.join_gates()
             block.attention.gates_norm = block.attention_norm.weight.detach().float()  # [H]
 

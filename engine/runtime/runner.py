@@ -89,7 +89,7 @@ class ModelRunner:
         self.hybrid = cfg.hybrid is not None
         if self.hybrid:  # DeltaNet states: what the hybrid path does not (yet) do is refused, never run wrong
             from engine.runtime.hybrid_state import check_hybrid_run
-            check_hybrid_run(kv_type, kv_offload, offload_layers)
+            check_hybrid_run(kv_type, kv_offload)
             # The fused (graphed) decode step runs DeltaNet layers (engine.runtime.hybrid_step) for rows of
             # distinct slots and for a verify's rows of one slot (stepped in order, each row's state kept for the
             # rollback: HybridStates.begin_row_runs). Full prefill chunks are graphed as the dense models' are (a
@@ -122,7 +122,7 @@ class ModelRunner:
         if fast_decode if fast_decode is not None else self.device.type == "cuda":
             if self.hybrid:  # the DeltaNet gate projections as one matmul in the step (before any capture)
                 from engine.runtime.hybrid_step import join_gates
-                join_gates(self.model)
+                join_gates(self.model, frozenset(offload_layers or ()))
             self.decoder = self._make_decoder()
         # the attention prologue kernel also serves prefill where the fused step runs (same shapes)
         # (not a hybrid's gated attention: the prologue kernel rotates whole heads and has no output gate)

@@ -41,6 +41,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("words", pw.words)  # [K/E, N] int32
         self.register_buffer("scales", pw.scales)  # [K/G, N] float16
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.unpack_slice_bytes = 0  # prefill's Wᵀ unpacked whole, or in slices of this many bytes (set_unpack_slice)
 
     @property
     def packed(self) -> PackedWeight:
@@ -54,20 +55,34 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features)  # [M, K]
-        y = packed_matmul(x2, self.packed)  # [M, N]
+        y = packed_matmul(x2, self.packed, self.unpack_slice_bytes)  # [M, N]
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
-# Prefill unpacks a packed matrix for cuBLAS in column slices of at most this many bytes: the whole
-# unpacked Wᵀ of a 27B model's gate/up layer (440 MB in bf16) would not fit a small GPU's budget.
-UNPACK_SLICE_BYTES = 64 << 20
+# Prefill unpacks a packed matrix to a float Wᵀ for cuBLAS: whole (slice_bytes 0: the default, the fastest) or, where
+# the memory plan needs it under max_gpu_memory (engine.memory.budget), in column slices of FIT_UNPACK_SLICE_BYTES
+# (the whole Wᵀ of a 27B model's gate/up is 356 MB in bf16). Measured on an H200 (tests/perf/prefill_slices.py,
+# 512-token graphed prefill, generated ternary weights): Qwen3.6-27B shape 85.9 ms in 64 MB slices, 76.2 ms in
+# 256 MB ones (a 27B gate/up in two), 99.4 in 32 MB; Qwen3-8B shape 20.9 → 17.3 ms (each slice pays its copies,
+# its launches and a narrower GEMM; the L2 does not keep a slice between its write and its read).
+FIT_UNPACK_SLICE_BYTES = 64 << 20
 
 
-def unpack_columns(n: int, k: int, element_bytes: int) -> int:
-    """Output columns unpacked at once for an [N, K] matrix (a multiple of 128, or all N)."""
-    cols = max(128, UNPACK_SLICE_BYTES // (k * element_bytes) // 128 * 128)
+def unpack_columns(n: int, k: int, element_bytes: int, slice_bytes: int = 0) -> int:
+    """Output columns unpacked at once for an [N, K] matrix: all N (slice_bytes 0), else a multiple of 128
+    within slice_bytes (at least 128)."""
+    if slice_bytes <= 0:
+        return n
+    cols = max(128, slice_bytes // (k * element_bytes) // 128 * 128)
     return min(cols, n)
+
+
+def set_unpack_slice(model: nn.Module, slice_bytes: int) -> None:
+    """Every packed layer of `model` unpacks its prefill Wᵀ in slices of `slice_bytes` (0: whole), as the plan chose."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.unpack_slice_bytes = slice_bytes
 
 
 def column_slice(pw: PackedWeight, n0: int, n1: int) -> PackedWeight:
@@ -76,9 +91,9 @@ def column_slice(pw: PackedWeight, n0: int, n1: int) -> PackedWeight:
                         pw.in_features, pw.group_size)
 
 
-def packed_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+def packed_matmul(x: torch.Tensor, pw: PackedWeight, slice_bytes: int = 0) -> torch.Tensor:
     """x [M, K] @ Wᵀ: the kernels on CUDA (packed_gemv up to KERNEL_MAX_ROWS rows; for more, the codes
-    unpacked to a bf16 Wᵀ — in column slices of UNPACK_SLICE_BYTES — and cuBLAS's tensor-core GEMM), the
+    unpacked to a bf16 Wᵀ — whole, or in column slices of slice_bytes — and cuBLAS's tensor-core GEMM), the
     references elsewhere (same maths)."""
     fast = kernels_usable(x.device)
     small = x.shape[0] <= packed_rows_limit(fast)
@@ -88,20 +103,20 @@ def packed_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
             from quant.kernels.packed_gemv import packed_gemv
             return packed_gemv(*quantize_activations(x.contiguous(), pw.group_size), pw)
         from quant.kernels.packed_dequant import dequantize_t
-        return _sliced_matmul(x, pw, lambda part: dequantize_t(part, x.dtype))
+        return _sliced_matmul(x, pw, lambda part: dequantize_t(part, x.dtype), slice_bytes)
     from quant.packed_layout import dequantize
     if small:
         from quant.kernels.act_quant import quantize_activations_reference
         from quant.kernels.packed_gemv import packed_gemv_reference
         return packed_gemv_reference(*quantize_activations_reference(x, pw.group_size), pw)
     x = x.float()
-    return _sliced_matmul(x, pw, lambda part: dequantize(part).t())
+    return _sliced_matmul(x, pw, lambda part: dequantize(part).t(), slice_bytes)
 
 
-def _sliced_matmul(x: torch.Tensor, pw: PackedWeight, unpack_t) -> torch.Tensor:
-    """x [M, K] @ unpack_t(W)ᵀ, unpacking at most UNPACK_SLICE_BYTES of W at a time."""
+def _sliced_matmul(x: torch.Tensor, pw: PackedWeight, unpack_t, slice_bytes: int) -> torch.Tensor:
+    """x [M, K] @ unpack_t(W)ᵀ, unpacking at most slice_bytes of W at a time (0: all of it)."""
     n = pw.out_features
-    cols = unpack_columns(n, pw.in_features, x.element_size())
+    cols = unpack_columns(n, pw.in_features, x.element_size(), slice_bytes)
     if cols >= n:
         return torch.matmul(x, unpack_t(pw))  # [M, N]
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)  # [M, N]
