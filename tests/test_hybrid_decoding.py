@@ -1,6 +1,7 @@
 """A hybrid (DeltaNet) model through the generation core: speculative greedy output equal to plain
 decoding (verify keeps every position's state, the rollback copies one back), prefix reuse only where
-a slot's state is the prompt's prefix (cache_n honest), no lookahead, run options it lacks refused."""
+a slot's state is the prompt's prefix or a saved prefix point lies inside it (cache_n honest), no lookahead,
+run options it lacks refused."""
 from __future__ import annotations
 
 import pytest
@@ -63,8 +64,7 @@ def test_prefix_reuse_only_where_the_state_was_saved(loaded, one_thread):
     assert third[3].cached_tokens == 0 and third[1] == fresh[1]
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(kv_type="int8"), "KV type int8"), (dict(kv_offload=True), "KV offload")])
+@pytest.mark.parametrize("options, message", [(dict(kv_type="int8"), "KV type int8")])
 def test_unsupported_run_options_are_refused(loaded, options, message):
     with pytest.raises(BonsaiError, match=message):
         ModelRunner(loaded, 96, **options)
@@ -80,5 +80,51 @@ def test_the_memory_plan_counts_the_states_a_verify_pass_keeps(loaded):
     spec = _kv_lines(cfg, run_settings(cfg, "cuda", 256, slots=3, verify_positions=6))[0]
     assert [(line.name.split(" (")[0], line.bytes) for line in spec[1:]] == [
         ("DeltaNet states", 3 * per_slot), ("DeltaNet verify states", 3 * 6 * per_slot)]
-    plain = _kv_lines(cfg, run_settings(cfg, "cuda", 256, slots=3))[0]
+    plain, host = _kv_lines(cfg, run_settings(cfg, "cuda", 256, slots=3))
     assert [line.name.split(" (")[0] for line in plain] == ["KV cache bf16", "DeltaNet states"]
+    from engine.runtime.hybrid_state import POINTS  # the prefix points: in host memory
+    assert [(line.name.split(" (")[0], line.bytes) for line in host] == [("DeltaNet prefix points", 3 * POINTS * per_slot)]
+
+
+def test_a_prefix_restarts_from_the_longest_point_saved_inside_it(loaded, one_thread):
+    """Prefix points (the DeltaNet state after each prompt pass of several tokens, the newest two per slot): the
+    same prompt again restarts from the last chunk boundary before its final token, a prompt that keeps the first
+    one and changes what followed (a re-rendered earlier answer) from the first prompt's end; a point whose tokens
+    the slot no longer begins with is never used; each answer equals a fresh engine's."""
+    tok, request = TinyTokenizer(), dict(max_tokens=6, ignore_eos=True)
+    engine = Engine(ModelRunner(loaded, 96, prefill_chunk_size=5), tok)
+
+    def fresh(prompt):
+        return generate_text(Engine(ModelRunner(loaded, 96, prefill_chunk_size=5), tok), Request(list(prompt), **request))
+    first = generate_text(engine, Request(list(PROMPT), **request))  # 13 tokens: passes of 5, 5, 3 (points 10, 13)
+    again = generate_text(engine, Request(list(PROMPT), **request))
+    assert again[3].cached_tokens == 10 and again[1] == first[1]
+    changed = PROMPT + [first[1][0] + 1, 7, 8]  # the first prompt, then not the slot's answer
+    out = generate_text(engine, Request(list(changed), **request))
+    assert out[3].cached_tokens == len(PROMPT) and out[1] == fresh(changed)[1]
+    other = [5] + PROMPT[1:]  # differs at the first token: every point's tokens mismatch
+    out = generate_text(engine, Request(list(other), **request))
+    assert out[3].cached_tokens == 0 and out[1] == fresh(other)[1]
+
+
+def test_prefix_points_keep_the_newest_and_check_their_tokens():
+    from engine.runtime.hybrid_state import POINTS, HybridStates
+    states = HybridStates(loaded_config(), 2, torch.float32, "cpu")
+    for n in range(1, POINTS + 2):  # one more than it keeps: the oldest goes
+        states.recurrent[:, 1].fill_(n)
+        states.conv[:, 1].fill_(-n)
+        states.save_point(1, list(range(10 * n)))
+    tokens = list(range(100))
+    assert states.best_point(1, 100, tokens) == 10 * (POINTS + 1) and states.best_point(1, 15, tokens) == 0  # 10 went
+    assert states.best_point(0, 100, tokens) == 0 and states.best_point(1, 100, [9] + tokens[1:]) == 0
+    assert states.restore_point(1, 20, tokens) and not states.restore_point(1, 10, tokens)
+    assert float(states.recurrent[:, 1].max()) == 2 and float(states.conv[:, 1].min()) == -2
+    assert float(states.recurrent[:, 0].abs().max()) == 0  # another slot's state untouched
+
+
+def loaded_config():
+    from engine.sources.hybrid_config import HybridConfig
+    from engine.sources.model_config import ModelConfig
+    hc = HybridConfig(("linear_attention", "full_attention"), 2, 4, 16, 16)
+    return ModelConfig(architecture="qwen35", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, max_position_embeddings=256, hybrid=hc)

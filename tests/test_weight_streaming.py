@@ -296,3 +296,33 @@ def test_a_hybrids_graphed_streamed_decode_on_cuda_tracks_resident():
     assert got_tokens == want_tokens
     for g, w in zip(got, want):
         assert (g.float() - w.float()).abs().max() <= 2e-2 * w.float().abs().max()
+
+
+@pytest.mark.parametrize("fast, kernels", [(False, False), (True, False), (True, True)],
+                         ids=["model", "fused-step", "fused-step-kernels"])
+def test_a_hybrids_kv_offload_matches_resident(one_thread, monkeypatch, fast, kernels):
+    """A hybrid's KV pool (its attention layers only: 1 of 4 blocks here) in host memory, streamed layer by layer:
+    the resident run's tokens and logits bit for bit (with the Triton kernels too, interpreted on a CPU: the gated
+    attention's K/V write and the decode attention read the position-major buffers through their strides); the
+    plan's staging ring is the runner's two layer buffers."""
+    if kernels:
+        monkeypatch.setenv("BONSAI_KERNELS_ON_CPU", "1")
+    from engine.memory.plan import make_plan
+    from engine.runtime.runner import ModelRunner
+    from engine.weights.loader import load_dummy
+    cfg, fmt = _hybrid(), WeightFormat("tri", 32, "int4")
+    runs = {}
+    for offload in (False, True):
+        runner = ModelRunner(load_dummy(cfg, "tiny", weight_format=fmt), max_seq_len=40, num_slots=2,
+                             prefill_chunk_size=4, fast_decode=fast, kv_offload=offload)
+        assert runner.decoder is None or runner.decoder.ops.fast == kernels
+        runs[offload] = scenario(runner, not kernels)  # interpreted kernels: one slot (time)
+    assert runs[True][0] == runs[False][0]
+    for g, w in zip(runs[True][1], runs[False][1]):
+        assert torch.equal(g, w)
+    assert runner.cache.num_layers == cfg.num_kv_layers == 1
+    plan = make_plan(cfg, dummy_formats(cfg, fmt).formats,
+                     dataclasses.replace(run_settings(cfg, "cpu", 40, slots=2), kv_offload=True))
+    [ring] = [line for line in plan.lines if line.name.startswith("KV staging ring")]
+    assert ring.bytes == runner.cache.working_nbytes
+    assert any(line.name.startswith("DeltaNet states") for line in plan.lines)

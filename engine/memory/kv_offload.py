@@ -64,7 +64,7 @@ class OffloadedKVCache(KVCache):
                               f"({max_seq_len} positions x {num_slots} slots) but memory.host_kv_mib grants "
                               f"{host_bytes // 2**20}: raise host_kv_mib or lower max_seq_len / max_batch_size")
         self.device = torch.device(device)
-        self.num_layers = config.num_layers
+        self.num_layers = config.num_kv_layers  # a hybrid: its attention layers only
         self.allocator = HostAllocator(pin=self.device.type == "cuda", what="offloaded KV cache")
         self._host_storage: dict[str, torch.Tensor] = {}  # [L, slots, S, KV, X]
         self.tensors: dict[str, torch.Tensor] = {}  # [L, slots, KV, S, X] views: the host pool

@@ -38,6 +38,7 @@ from engine.kernels.deltanet_ref import prefill_scratch_bytes
 from engine.memory.host_embedding import check_embedding_on_host
 from engine.memory.allocator_segments import MIB, pool_segment_bytes, round_up, rounding_slack
 from engine.memory.streaming import ring_bytes, streamed_blocks
+from engine.runtime.hybrid_state import POINTS
 from engine.runtime.model import attention_block_rows
 from engine.sources.model_config import ModelConfig
 from engine.weights.formats import LinearFormat, linear_modules
@@ -208,19 +209,20 @@ def _kv_lines(config: ModelConfig, s: RunSettings) -> tuple[list[PlanLine], list
     per_token = kv_bytes_per_token(kv, config.num_kv_layers, config.num_kv_heads, config.head_dim, s.dtype_bytes)
     total = per_token * s.max_seq_len * s.slots
     name = f"KV cache {s.kv_label} ({s.slots} × {s.max_seq_len} positions)"
+    states, host = [], []
     if config.hybrid is not None:  # engine.runtime.hybrid_state: fp32 recurrent state + conv window per slot
-        per_slot = config.hybrid.state_bytes_per_slot(s.dtype_bytes)
-        lines = [PlanLine("kv", name, total), PlanLine("kv", f"DeltaNet states ({s.slots} slots × "
-                                                        f"{config.hybrid.counts()['linear_attention']} layers)", per_slot * s.slots)]
+        per_slot, n = config.hybrid.state_bytes_per_slot(s.dtype_bytes), s.slots
+        states = [PlanLine("kv", f"DeltaNet states ({n} slots × {config.hybrid.counts()['linear_attention']} "
+                                 "layers)", per_slot * n)]
         if s.verify_positions:  # every slot keeps the state after each position of its last verify pass
-            lines.append(PlanLine("kv", f"DeltaNet verify states ({s.slots} slots × {s.verify_positions} positions)",
-                                  per_slot * s.slots * s.verify_positions))
-        return lines, []
+            states.append(PlanLine("kv", f"DeltaNet verify states ({n} slots × {s.verify_positions} positions)",
+                                   per_slot * n * s.verify_positions))
+        host = [PlanLine("kv", f"DeltaNet prefix points ({n} slots × {POINTS})", per_slot * n * POINTS, "host RAM")]
     if not s.kv_offload:
-        return [PlanLine("kv", name, total)], []
-    ring = STAGING_LAYERS * total // config.num_layers
-    return ([PlanLine("kv", f"KV staging ring ({STAGING_LAYERS} layers)", ring, "kv_offload")],
-            [PlanLine("kv", name, total, "host RAM (kv_offload)")])
+        return [PlanLine("kv", name, total)] + states, host
+    ring = STAGING_LAYERS * total // config.num_kv_layers  # engine.memory.kv_offload: two layers' buffers
+    return ([PlanLine("kv", f"KV staging ring ({STAGING_LAYERS} layers)", ring, "kv_offload")] + states,
+            [PlanLine("kv", name, total, "host RAM (kv_offload)")] + host)
 
 
 def decode_step_bytes(config: ModelConfig, formats: dict[str, LinearFormat], rows: int, s: RunSettings
@@ -301,10 +303,8 @@ def prefill_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunS
         "qkv": t * (config.q_size + 2 * config.kv_size) * d + unpacked("wqkv"),
         "attention": t * hq * dim * d + attention,
         "o_proj": t * config.q_size * d + unpacked("wo") + t * h * d,
-        "gate_up": t * 2 * f * d + unpacked("w13"),
-        "swiglu": t * 2 * f * d + 2 * t * f * d,
-        "down": t * f * d + unpacked("w2") + t * h * d,
-    }
+        "gate_up": t * 2 * f * d + unpacked("w13"), "swiglu": t * 2 * f * d + 2 * t * f * d,
+        "down": t * f * d + unpacked("w2") + t * h * d}
     if config.hybrid is not None:  # a DeltaNet layer (engine.runtime.deltanet): projections, conv in and out, and
         hc = config.hybrid  # the rule: on a GPU the Triton kernels (q/k/v copied, their scratch, the float32 norm)
         hv, dk, dv = hc.linear_num_value_heads, hc.linear_key_head_dim, hc.linear_value_head_dim

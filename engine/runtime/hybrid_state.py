@@ -5,7 +5,12 @@ A state holds a slot's whole past, so a slot cannot forget tokens the way KV row
 - start over: a pass that starts at position 0 ignores what the state holds (the zero state);
 - roll back after a verify pass: while `recording`, each DeltaNet layer keeps the state after every
   position of the pass (`write(..., kept)`), and `HybridSlot.rewind` copies the one of the accepted
-  length back; any later pass over the slot drops those copies.
+  length back; any later pass over the slot drops those copies;
+- go back to a prefix point: after every prompt pass of more than one token (a prefill chunk) the runner saves the
+  slot's state with the tokens it holds (`save_point`; the newest POINTS per slot, in host memory), so a later
+  request sharing a prefix restarts from the longest saved point inside it (the same prompt again, a conversation
+  whose earlier answer the template re-renders differently: a thinking model's stripped reasoning). A point is
+  used only while the slot's tokens up to it are still the ones it was saved with.
 Every other rewind is refused (one line): callers ask `keepable` first.
 """
 from __future__ import annotations
@@ -35,6 +40,9 @@ class _Snapshot:
     seen: list[torch.Tensor]  # per layer [C, K-1+T]: the conv inputs (window, then the pass's)
 
 
+POINTS = 2  # prefix points kept per slot (host memory: engine.memory.plan counts them)
+
+
 class HybridStates:
     recording = False  # set around a verify pass (ModelRunner.verify)
 
@@ -53,6 +61,9 @@ class HybridStates:
         self._owners: list[int] = []  # per row-buffer entry: the token of the snapshot that holds it
         self._cursor = 0  # the next free entry (the buffers are used round-robin)
         self._tokens = 0
+        # prefix points: per slot POINTS host copies of (conv, recurrent) and the tokens each was saved after
+        self._points: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[int, ...] | None], list[int]]] = {}
+        self._saves = 0
 
     @property
     def row_capacity(self) -> int:
@@ -135,6 +146,41 @@ class HybridStates:
             snap.recurrent.append(kept[0])
             snap.seen.append(seen[0])
 
+    def save_point(self, slot: int, tokens: list[int]) -> None:
+        """Keep the slot's state after `tokens` (what it holds now) as a prefix point, over its oldest one. The copies
+        are queued on the current stream (the slot's next pass, also queued there, cannot overtake them)."""
+        if slot not in self._points:
+            pin = self.recurrent.device.type == "cuda"
+            conv = torch.empty(POINTS, *self.conv[:, slot].shape, dtype=self.conv.dtype, pin_memory=pin)
+            rec = torch.empty(POINTS, *self.recurrent[:, slot].shape, dtype=torch.float32, pin_memory=pin)
+            self._points[slot] = (conv, rec, [None] * POINTS, [0] * POINTS)
+        conv, rec, saved, ages = self._points[slot]
+        if tuple(tokens) in saved:  # (a prompt prefilled again from a point: the same state)
+            return
+        free = [i for i, t in enumerate(saved) if t is None]
+        entry = free[0] if free else min(range(POINTS), key=ages.__getitem__)  # a free one, else the oldest
+        self._saves += 1
+        ages[entry] = self._saves
+        conv[entry].copy_(self.conv[:, slot], non_blocking=True)
+        rec[entry].copy_(self.recurrent[:, slot], non_blocking=True)
+        saved[entry] = tuple(tokens)
+
+    def best_point(self, slot: int, n: int, tokens: list[int]) -> int:
+        """The longest saved prefix point of at most n tokens that `tokens` (the slot's) still begin with; 0: none."""
+        saved = self._points[slot][2] if slot in self._points else []
+        return max((len(t) for t in saved if t is not None and len(t) <= n and tuple(tokens[:len(t)]) == t),
+                   default=0)
+
+    def restore_point(self, slot: int, length: int, tokens: list[int]) -> bool:
+        """Put back the state a prefix point of `length` tokens saved, if `tokens` still begin with its tokens."""
+        if length == 0 or self.best_point(slot, length, tokens) != length:
+            return False
+        conv, rec, saved, _ = self._points[slot]
+        entry = next(i for i, t in enumerate(saved) if t is not None and len(t) == length)
+        self.conv[:, slot].copy_(conv[entry], non_blocking=True)
+        self.recurrent[:, slot].copy_(rec[entry], non_blocking=True)
+        return True
+
     def forget(self, slot: int) -> None:
         """The slot's rollback points are gone (its state moved on). A replayed prefill graph does not run the
         host side of `write`: the runner calls this before the replay."""
@@ -171,14 +217,16 @@ class HybridSlot(KVSlot):
     states: HybridStates | None = field(default=None, repr=False)
 
     def keepable(self, n: int) -> int:
-        """The longest prefix of at most n tokens the slot can be cut back to: all of it, or nothing."""
-        return n if n >= self.length else 0
+        """The longest prefix of at most n tokens the slot can be cut back to: all of it, else its longest prefix
+        point within n (HybridStates.save_point), else nothing."""
+        return n if n >= self.length else self.states.best_point(self.index, n, self.tokens)
 
     def rewind(self, n: int) -> None:
         if n == 0:
             return
         target = self.length - n
-        if target > 0 and not self.states.restore(self.index, target):
+        if target > 0 and not (self.states.restore(self.index, target)
+                               or self.states.restore_point(self.index, target, self.tokens)):
             raise BonsaiError(f"slot {self.index} of a hybrid (DeltaNet) model cannot go back {n} tokens: its "
                               "state was not saved there; this decoding path is not supported for hybrid models")
         super().rewind(n)
@@ -190,12 +238,11 @@ def attach_states(cache, config: ModelConfig) -> None:
     cache.slots = [HybridSlot(s.index, s.capacity, states=cache.states) for s in cache.slots]
 
 
-def check_hybrid_run(kv_type, kv_offload: bool) -> None:
-    """One line for each run option the hybrid (DeltaNet) path does not support yet (weight offload it does:
+def check_hybrid_run(kv_type) -> None:
+    """One line for each run option the hybrid (DeltaNet) path does not support yet (weight and KV offload it does:
     tests/test_weight_streaming.py)."""
     name = getattr(kv_type, "name", kv_type)
     if name not in ("bf16", "float"):
         raise BonsaiError(f"KV type {name} is not supported for hybrid (Qwen3.5/3.6) models yet: use kv_type bf16")
-    if kv_offload:
-        raise BonsaiError("KV offload is not supported for hybrid (Qwen3.5/3.6) models yet: drop kv_offload")
+
 

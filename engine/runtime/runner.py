@@ -89,7 +89,7 @@ class ModelRunner:
         self.hybrid = cfg.hybrid is not None
         if self.hybrid:  # DeltaNet states: what the hybrid path does not (yet) do is refused, never run wrong
             from engine.runtime.hybrid_state import check_hybrid_run
-            check_hybrid_run(kv_type, kv_offload)
+            check_hybrid_run(kv_type)
             # The fused (graphed) decode step runs DeltaNet layers (engine.runtime.hybrid_step) for rows of
             # distinct slots and for a verify's rows of one slot (stepped in order, each row's state kept for the
             # rollback: HybridStates.begin_row_runs). Full prefill chunks are graphed as the dense models' are (a
@@ -166,7 +166,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None = 1) -> torch.Tensor:
-        """Run `tokens` after the slot's content, append them to it; logits [n, V] of the last n."""
+        """Run `tokens` after the slot's content, append them to it; logits [n, V] of the last n. A hybrid saves
+        the slot's DeltaNet state after a pass of several tokens as a prefix point (engine.runtime.hybrid_state)."""
+        logits = self._forward(slot, tokens, num_logits)
+        if self.hybrid and len(tokens) > 1:
+            self.cache.states.save_point(slot.index, slot.tokens)
+        return logits
+
+    def _forward(self, slot: KVSlot, tokens: list[int], num_logits: int | None) -> torch.Tensor:
         slot.check_room(len(tokens))
         start, t = slot.length, len(tokens)
         if t > 1 and slot.index in self._prompt_rows:  # a chunk whose hidden states a drafter takes in (eager)
