@@ -150,9 +150,13 @@ class HybridStates:
         """Keep the slot's state after `tokens` (what it holds now) as a prefix point, over its oldest one. The copies
         are queued on the current stream (the slot's next pass, also queued there, cannot overtake them)."""
         if slot not in self._points:
-            pin = self.recurrent.device.type == "cuda"
-            conv = torch.empty(POINTS, *self.conv[:, slot].shape, dtype=self.conv.dtype, pin_memory=pin)
-            rec = torch.empty(POINTS, *self.recurrent[:, slot].shape, dtype=torch.float32, pin_memory=pin)
+            shapes = (((POINTS, *self.conv[:, slot].shape), self.conv.dtype),
+                      ((POINTS, *self.recurrent[:, slot].shape), torch.float32))
+            pin = self.recurrent.is_cuda
+            try:  # pinned: the copies overlap the host; pageable where pinning is refused (they then wait)
+                conv, rec = (torch.empty(shape, dtype=dtype, pin_memory=pin) for shape, dtype in shapes)
+            except RuntimeError:
+                conv, rec = (torch.empty(shape, dtype=dtype) for shape, dtype in shapes)
             self._points[slot] = (conv, rec, [None] * POINTS, [0] * POINTS)
         conv, rec, saved, ages = self._points[slot]
         if tuple(tokens) in saved:  # (a prompt prefilled again from a point: the same state)

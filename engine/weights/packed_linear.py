@@ -60,12 +60,12 @@ class PackedLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
-# Prefill unpacks a packed matrix to a float Wᵀ for cuBLAS: whole (slice_bytes 0: the default, the fastest) or, where
-# the memory plan needs it under max_gpu_memory (engine.memory.budget), in column slices of FIT_UNPACK_SLICE_BYTES
-# (the whole Wᵀ of a 27B model's gate/up is 356 MB in bf16). Measured on an H200 (tests/perf/prefill_slices.py,
-# 512-token graphed prefill, generated ternary weights): Qwen3.6-27B shape 85.9 ms in 64 MB slices, 76.2 ms in
-# 256 MB ones (a 27B gate/up in two), 99.4 in 32 MB; Qwen3-8B shape 20.9 → 17.3 ms (each slice pays its copies,
-# its launches and a narrower GEMM; the L2 does not keep a slice between its write and its read).
+# Prefill unpacks a packed matrix to a float Wᵀ for cuBLAS: whole (slice_bytes 0: the default, the fastest) or, under
+# max_gpu_memory (engine.memory.budget.run_settings), in column slices of FIT_UNPACK_SLICE_BYTES (a 27B model's whole
+# gate/up Wᵀ is 356-440 MB in bf16: a segment that size may not be had in a nearly full budget). Measured on an H200
+# (tests/perf/prefill_slices.py, 512-token graphed prefill, generated ternary weights): Qwen3.6-27B shape 86.5 ms in
+# 64 MB slices, 69.7 whole; dense 27B 76.6 → 58.2; Qwen3-8B 21.1 → 17.2 (each slice pays its copies, its launches
+# and a narrower GEMM; the L2 does not keep a slice between its write and its read).
 FIT_UNPACK_SLICE_BYTES = 64 << 20
 
 
@@ -79,7 +79,7 @@ def unpack_columns(n: int, k: int, element_bytes: int, slice_bytes: int = 0) -> 
 
 
 def set_unpack_slice(model: nn.Module, slice_bytes: int) -> None:
-    """Every packed layer of `model` unpacks its prefill Wᵀ in slices of `slice_bytes` (0: whole), as the plan chose."""
+    """Every packed layer of `model` unpacks its prefill Wᵀ in slices of `slice_bytes` (0: whole), as planned."""
     for module in model.modules():
         if isinstance(module, PackedLinear):
             module.unpack_slice_bytes = slice_bytes
