@@ -107,6 +107,25 @@ def test_a_prefix_restarts_from_the_longest_point_saved_inside_it(loaded, one_th
     assert out[3].cached_tokens == 0 and out[1] == fresh(other)[1]
 
 
+def test_the_scheduler_rewinds_a_slot_to_its_point_with_the_state_it_saved(loaded, one_thread):
+    """A slot given a request from a prefix point holds that point's DeltaNet state (the scheduler rewinds it; a bare
+    cut of its tokens would leave the state of everything it had seen): the prompt's logits equal a fresh run's."""
+    from engine.decoding.scheduler import Scheduler
+    prompt = PROMPT + [7, 8, 9, 10]  # 17 tokens: passes of 5, 5, 5, 2 (points 15 and 17)
+    runner = ModelRunner(loaded, 96, prefill_chunk_size=5)
+    slot = runner.slot(0)
+    runner.prefill(slot, prompt)
+    for token in (4, 5, 6):  # an answer after it: the slot's state moves past the prompt
+        runner.forward(slot, [token])
+    scheduler = Scheduler([slot])
+    scheduler.submit("again", prompt)
+    [a] = scheduler.assign()
+    assert a.reused == 15 == slot.length
+    got = runner.prefill(slot, prompt[a.reused:])
+    fresh = ModelRunner(loaded, 96, prefill_chunk_size=5)
+    assert torch.equal(got, fresh.prefill(fresh.slot(0), prompt))
+
+
 def test_prefix_points_keep_the_newest_and_check_their_tokens():
     from engine.runtime.hybrid_state import POINTS, HybridStates
     states = HybridStates(loaded_config(), 2, torch.float32, "cpu")

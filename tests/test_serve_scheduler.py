@@ -18,6 +18,9 @@ class Slot:
     capacity: int = 100
     tokens: list[int] = field(default_factory=list)
 
+    def rewind(self, n: int) -> None:
+        del self.tokens[len(self.tokens) - n:]
+
 
 def make(n: int = 3, max_queue: int = 2) -> Scheduler:
     return Scheduler([Slot(i) for i in range(n)], max_queue=max_queue)

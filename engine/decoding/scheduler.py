@@ -23,6 +23,9 @@ class CachedSlot(Protocol):
     capacity: int
     tokens: list[int]
 
+    def rewind(self, n: int) -> None:
+        """Forget the last n tokens (a hybrid slot also puts back its DeltaNet state from a saved point)."""
+
 
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue is full."""
@@ -44,7 +47,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def _kept(slot: CachedSlot, prompt: list[int]) -> int:
     """Prompt tokens a slot can keep: the common prefix, one token short of the prompt at most, cut to a
-    length the slot can go back to (a hybrid model's DeltaNet state: all of it or nothing, KVSlot.keepable)."""
+    length the slot can go back to (a hybrid model's DeltaNet state: all of it, a saved prefix point, or nothing:
+    HybridSlot.keepable)."""
     n = max(min(common_prefix(slot.tokens, prompt), len(prompt) - 1), 0)
     keepable = getattr(slot, "keepable", None)
     return keepable(n) if keepable is not None else n
@@ -119,7 +123,7 @@ class Scheduler(Generic[R]):
             request, prompt = self._queue.popleft()
             best = max(free, key=lambda i: (_kept(i.slot, prompt), -i.last_used))
             reused = _kept(best.slot, prompt)
-            del best.slot.tokens[reused:]
+            best.slot.rewind(len(best.slot.tokens) - reused)  # not a bare cut: a hybrid restores its state there
             best.request = request
             best.requests_served += 1
             best.cache_hits += reused > 0
