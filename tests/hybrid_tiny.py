@@ -1,4 +1,5 @@
-"""Tiny random Qwen3.5 hybrid models (Gated DeltaNet + gated attention) saved by transformers, the reference."""
+"""Tiny random Qwen3.5 hybrid models (Gated DeltaNet + gated attention): saved by transformers (the reference), or as
+the engine's ModelConfig for generated weights."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,6 +14,17 @@ def hybrid_config(**overrides):
                 linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512,
                 tie_word_embeddings=False)
     return Qwen3_5TextConfig(**(args | overrides))
+
+
+def engine_hybrid_config(layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+                         vocab_size: int = 256):
+    """The engine's ModelConfig of a tiny hybrid (DeltaNet heads 2 key / 4 value of 16, hidden 64), for generated
+    weights (load_dummy) without transformers."""
+    from engine.sources.hybrid_config import HybridConfig
+    from engine.sources.model_config import ModelConfig
+    return ModelConfig(architecture="qwen35", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                       num_layers=len(layer_types), num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True,
+                       max_position_embeddings=256, hybrid=HybridConfig(tuple(layer_types), 2, 4, 16, 16))
 
 
 def make_hybrid_model(path: Path, tokenizer_dir: Path | None = None, seed: int = 0, **overrides):

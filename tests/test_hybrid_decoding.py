@@ -17,7 +17,7 @@ from engine.runtime.runner import ModelRunner  # noqa: E402
 from engine.speculative.ngram import NgramDrafter  # noqa: E402
 from engine.weights.loader import load_model  # noqa: E402
 from tests.engine_runs import run_engine  # noqa: E402
-from tests.hybrid_tiny import make_hybrid_model  # noqa: E402
+from tests.hybrid_tiny import engine_hybrid_config, make_hybrid_model  # noqa: E402
 from tests.test_spec_generate import TinyTokenizer  # noqa: E402
 
 PROMPT = [3, 17, 42, 9, 3, 17, 42, 9, 3, 17, 42, 9, 5]
@@ -128,7 +128,7 @@ def test_the_scheduler_rewinds_a_slot_to_its_point_with_the_state_it_saved(loade
 
 def test_prefix_points_keep_the_newest_and_check_their_tokens():
     from engine.runtime.hybrid_state import POINTS, HybridStates
-    states = HybridStates(loaded_config(), 2, torch.float32, "cpu")
+    states = HybridStates(engine_hybrid_config(("linear_attention", "full_attention"), 64), 2, torch.float32, "cpu")
     for n in range(1, POINTS + 2):  # one more than it keeps: the oldest goes
         states.recurrent[:, 1].fill_(n)
         states.conv[:, 1].fill_(-n)
@@ -140,10 +140,3 @@ def test_prefix_points_keep_the_newest_and_check_their_tokens():
     assert float(states.recurrent[:, 1].max()) == 2 and float(states.conv[:, 1].min()) == -2
     assert float(states.recurrent[:, 0].abs().max()) == 0  # another slot's state untouched
 
-
-def loaded_config():
-    from engine.sources.hybrid_config import HybridConfig
-    from engine.sources.model_config import ModelConfig
-    hc = HybridConfig(("linear_attention", "full_attention"), 2, 4, 16, 16)
-    return ModelConfig(architecture="qwen35", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, max_position_embeddings=256, hybrid=hc)

@@ -16,6 +16,7 @@ from engine.memory.streaming import StreamPlan, choose_streamed, layer_ranges, r
 from engine.weights.formats import WeightFormat
 from tests.test_kv_cache import TINY
 from tests.test_memory_plan import QWEN3_8B
+from tests.hybrid_tiny import engine_hybrid_config
 from tests.test_offload import scenario
 
 
@@ -230,14 +231,6 @@ def test_a_model_file_loaded_with_streamed_blocks_in_host_memory_matches_residen
 
 
 
-def _hybrid():
-    from engine.sources.hybrid_config import HybridConfig
-    from engine.sources.model_config import ModelConfig
-    hc = HybridConfig(("linear_attention", "linear_attention", "linear_attention", "full_attention"), 2, 4, 16, 16)
-    return ModelConfig(architecture="qwen35", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
-                       num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, max_position_embeddings=256, hybrid=hc)
-
-
 @pytest.mark.parametrize("layers", [{1}, {0, 3}])
 @pytest.mark.parametrize("fast", [False, True], ids=["model", "fused-step"])
 def test_a_hybrid_streams_its_blocks_and_matches_resident(one_thread, layers, fast):
@@ -246,7 +239,7 @@ def test_a_hybrid_streams_its_blocks_and_matches_resident(one_thread, layers, fa
     stay apart for a streamed block: a joined copy would be made of the staging buffer's other block)."""
     from engine.runtime.runner import ModelRunner
     from engine.weights.loader import load_dummy
-    cfg, fmt = _hybrid(), WeightFormat("tri", 32, "int4")
+    cfg, fmt = engine_hybrid_config(), WeightFormat("tri", 32, "int4")
 
     def run(offload):
         loaded = load_dummy(cfg, "tiny", weight_format=fmt, host_layers=frozenset(offload or ()))
@@ -265,7 +258,7 @@ def test_the_plan_weighs_a_hybrids_blocks_as_loaded():
     holds on a GPU (bf16 activations and float matrices)."""
     from engine.memory.weight_offload import bytes_per_layer
     from engine.weights.loader import load_dummy
-    cfg, fmt = _hybrid(), WeightFormat("tri", 32, "int4")
+    cfg, fmt = engine_hybrid_config(), WeightFormat("tri", 32, "int4")
     loaded = load_dummy(cfg, "tiny", weight_format=fmt, dtype=torch.bfloat16)
     planned = layer_weight_bytes(cfg, dummy_formats(cfg, fmt).formats, run_settings(cfg, "cuda:0", 40))
     assert planned == bytes_per_layer(loaded.model) and planned[0] != planned[3]
@@ -278,7 +271,7 @@ def test_a_hybrids_graphed_streamed_decode_on_cuda_tracks_resident():
     logits within rounding (a streamed DeltaNet block projects its gates apart, a resident one in one kernel)."""
     from engine.runtime.runner import ModelRunner
     from engine.weights.loader import load_dummy
-    cfg, fmt = _hybrid(), WeightFormat("tri", 32, "int4")
+    cfg, fmt = engine_hybrid_config(), WeightFormat("tri", 32, "int4")
 
     def run(streamed: bool):
         # the same generated weights both times: blocks 0 and 2 made in host memory (a generator of their own),
@@ -310,7 +303,7 @@ def test_a_hybrids_kv_offload_matches_resident(one_thread, monkeypatch, fast, ke
     from engine.memory.plan import make_plan
     from engine.runtime.runner import ModelRunner
     from engine.weights.loader import load_dummy
-    cfg, fmt = _hybrid(), WeightFormat("tri", 32, "int4")
+    cfg, fmt = engine_hybrid_config(), WeightFormat("tri", 32, "int4")
     runs = {}
     for offload in (False, True):
         runner = ModelRunner(load_dummy(cfg, "tiny", weight_format=fmt), max_seq_len=40, num_slots=2,

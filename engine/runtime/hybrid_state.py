@@ -61,9 +61,8 @@ class HybridStates:
         self._owners: list[int] = []  # per row-buffer entry: the token of the snapshot that holds it
         self._cursor = 0  # the next free entry (the buffers are used round-robin)
         self._tokens = 0
-        # prefix points: per slot POINTS host copies of (conv, recurrent) and the tokens each was saved after
-        self._points: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[int, ...] | None], list[int]]] = {}
-        self._saves = 0
+        # prefix points: per slot POINTS host copies of (conv, recurrent) and, oldest first, (tokens, copy index)
+        self._points: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[tuple[int, ...], int]]]] = {}
 
     @property
     def row_capacity(self) -> int:
@@ -157,30 +156,31 @@ class HybridStates:
                 conv, rec = (torch.empty(shape, dtype=dtype, pin_memory=pin) for shape, dtype in shapes)
             except RuntimeError:
                 conv, rec = (torch.empty(shape, dtype=dtype) for shape, dtype in shapes)
-            self._points[slot] = (conv, rec, [None] * POINTS, [0] * POINTS)
-        conv, rec, saved, ages = self._points[slot]
-        if tuple(tokens) in saved:  # (a prompt prefilled again from a point: the same state)
+            self._points[slot] = (conv, rec, [])
+        conv, rec, saved = self._points[slot]
+        key = tuple(tokens)
+        if any(t == key for t, _ in saved):  # (a prompt prefilled again from a point: the same state)
             return
-        free = [i for i, t in enumerate(saved) if t is None]
-        entry = free[0] if free else min(range(POINTS), key=ages.__getitem__)  # a free one, else the oldest
-        self._saves += 1
-        ages[entry] = self._saves
+        entry = saved.pop(0)[1] if len(saved) == POINTS else len(saved)  # a free entry, else the oldest one's
         conv[entry].copy_(self.conv[:, slot], non_blocking=True)
         rec[entry].copy_(self.recurrent[:, slot], non_blocking=True)
-        saved[entry] = tuple(tokens)
+        saved.append((key, entry))
+
+    def _matching(self, slot: int, tokens: list[int]):
+        """(length, entry) of every saved point whose tokens `tokens` still begin with."""
+        saved = self._points[slot][2] if slot in self._points else []
+        return [(len(t), entry) for t, entry in saved if tuple(tokens[:len(t)]) == t]
 
     def best_point(self, slot: int, n: int, tokens: list[int]) -> int:
         """The longest saved prefix point of at most n tokens that `tokens` (the slot's) still begin with; 0: none."""
-        saved = self._points[slot][2] if slot in self._points else []
-        return max((len(t) for t in saved if t is not None and len(t) <= n and tuple(tokens[:len(t)]) == t),
-                   default=0)
+        return max((length for length, _ in self._matching(slot, tokens) if length <= n), default=0)
 
     def restore_point(self, slot: int, length: int, tokens: list[int]) -> bool:
         """Put back the state a prefix point of `length` tokens saved, if `tokens` still begin with its tokens."""
-        if length == 0 or self.best_point(slot, length, tokens) != length:
+        entry = next((e for n, e in self._matching(slot, tokens) if n == length), None)
+        if length == 0 or entry is None:
             return False
-        conv, rec, saved, _ = self._points[slot]
-        entry = next(i for i, t in enumerate(saved) if t is not None and len(t) == length)
+        conv, rec, _ = self._points[slot]
         self.conv[:, slot].copy_(conv[entry], non_blocking=True)
         self.recurrent[:, slot].copy_(rec[entry], non_blocking=True)
         return True
@@ -248,5 +248,3 @@ def check_hybrid_run(kv_type) -> None:
     name = getattr(kv_type, "name", kv_type)
     if name not in ("bf16", "float"):
         raise BonsaiError(f"KV type {name} is not supported for hybrid (Qwen3.5/3.6) models yet: use kv_type bf16")
-
-
