@@ -253,9 +253,12 @@ def engine_cases() -> list[Case]:
     cases += [Case(weights="tri", head="tri", group_size=group, dtype=dtype, ternary_layout="base3")
               for group, dtype in ((128, torch.bfloat16), (64, torch.float16), (256, torch.bfloat16))]
     cases.append(replace(base, offload="weights", ternary_layout="base3"))
-    # a hybrid (Qwen3.5: DeltaNet + gated attention; bf16 KV only): the DeltaNet decode kernels, both dtypes
-    # (head_dim 128: DeltaNet heads of 128 as the real models have, the recurrent kernel's 8-warp variant)
-    cases += [Case("qwen35", "bf16", "tri", "int4"), Case("qwen35", "bf16", "bin", "bf16", torch.float16, 64, 128)]
+    # a hybrid (Qwen3.5: DeltaNet + gated attention): the DeltaNet decode kernels, both dtypes (head_dim 128:
+    # DeltaNet heads of 128 as the real models have, the recurrent kernel's 8-warp variant); the gated attention's
+    # prologue on each quantized KV type, and at the real models' head_dim 256 with split attention
+    cases += [Case("qwen35", "bf16", "tri", "int4"), Case("qwen35", "bf16", "bin", "bf16", torch.float16, 64, 128),
+              Case("qwen35", "int8", "tri", "int4"), Case("qwen35", "k8v4", "int4", "bf16", torch.float16, 64, 128),
+              Case("qwen35", "int4", "tri", "int4", head_dim=256, max_seq_len=2048)]
     return cases
 
 

@@ -151,3 +151,51 @@ def test_model_on_a_rotated_cache_kernels_equal_plain_torch(kv_type):
     torch.testing.assert_close(results["fused"], results["plain"], rtol=0, atol=(2e-4 if kv_type == "int8" else 2e-2) * top)
     error = (results["plain"] - results["float"]).abs().max().item() / top
     assert 0 < error < (0.02 if kv_type == "int8" else 0.2), error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_type", ["int8", "int4", "k8v4"])
+def test_gated_rope_write_quantizes_like_the_reference(kv_type, dtype):
+    """A hybrid's gated attention prologue (partial rotary over 16 of 64 values) on a quantized cache: the
+    key offset and the Hadamard rotations as KVCache.layer_write_args gives them."""
+    from engine.kernels.gated_rope import gated_rope_write, gated_rope_write_reference
+    h, kv, d, rh = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim, 8
+    g = torch.Generator().manual_seed(4)
+    qkv = (3 * torch.randn(3, 2 * (h + kv) * d, generator=g)).to(DEVICE)  # [M, 2H·D + 2KV·D] float32
+    weights = [(1 + 0.5 * torch.randn(d, generator=g)).to(DEVICE, dtype) for _ in range(2)]
+    inv_freq = (1.0 / 10000 ** (torch.arange(rh, dtype=torch.float64) / rh)).float().to(DEVICE)
+    positions, slots = torch.tensor([0, 5, 8], device=DEVICE), ints([1, 0, 1])  # 8: past the cache, dropped
+    got, want = (KVCache(CFG, 8, num_slots=2, dtype=dtype, device=DEVICE, kv_type=kv_type) for _ in range(2))
+    got.key_offset = want.key_offset = torch.randn(1, kv, d, generator=g).to(DEVICE)  # [L, KV, D]
+    args = (positions, slots, inv_freq, *weights)
+    q = gated_rope_write(qkv, *args, got.k[0], got.v[0], h, kv, d, 1e-6, out_dtype=dtype, **got.layer_write_args(0))
+    q_ref = gated_rope_write_reference(qkv, *args, want.k[0], want.v[0], h, kv, d, 1e-6, out_dtype=dtype,
+                                       **want.layer_write_args(0))
+    assert want.layer_write_args(0)["k_rotate"] and want.value_rotation == (kv_type != "int8")
+    torch.testing.assert_close(q, q_ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    for name, t in got.tensors.items():
+        ref = want.tensors[name]
+        if t.dtype == torch.float16:
+            torch.testing.assert_close(t, ref, rtol=2e-3, atol=0)
+        elif t.dtype == torch.uint8:
+            assert ((t & 15).int() - (ref & 15).int()).abs().max() <= 1
+            assert ((t >> 4).int() - (ref >> 4).int()).abs().max() <= 1
+        else:
+            assert (t.int() - ref.int()).abs().max() <= 1
+        differ = (t != ref).float().mean().item()
+        assert differ <= (0 if dtype == torch.float32 else 0.05), (name, differ)  # float32: bit-exact
+        written = t[0, :, :, 5].abs().sum() + t[0, 1, :, 0].abs().sum()
+        assert written > 0 and (t[0, 0, :, :5] == 0).all()
+    # what the reference writes is the eager path's KVCache.write of the projected keys, read back the same
+    eager = KVCache(CFG, 8, num_slots=2, dtype=dtype, device=DEVICE, kv_type=kv_type)
+    eager.key_offset = want.key_offset
+    float_cache = [torch.zeros(2, kv, 8, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+    q_float = gated_rope_write_reference(qkv, *args, *float_cache, h, kv, d, 1e-6)
+    from engine.runtime.kv_cache import CacheBatch
+    for r in (0, 1):
+        batch = CacheBatch.make([int(slots[r])], [int(positions[r])], 1, DEVICE)
+        eager.write(0, batch, float_cache[0][slots[r], :, positions[r]][None, :, None],
+                    float_cache[1][slots[r], :, positions[r]][None, :, None])
+    for name in eager.tensors:
+        assert torch.equal(eager.tensors[name], want.tensors[name]), name
+    torch.testing.assert_close(q_ref, eager.key_space(q_float))

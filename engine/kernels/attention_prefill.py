@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import UnsupportedKernelShape
+from engine.kernels import UnsupportedKernelShape, target_shared_memory
 from engine.kernels.attention_decode import LOG2E, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, load_tile, softmax_tile
 from engine.kernels.hadamard import fwht_rows
 from engine.kernels.kv_codes import FLOAT, cache_format, dequantize_layer, scale_strides
@@ -75,10 +75,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, k_scale_p
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def block_sizes(head_dim: int) -> tuple[int, int]:
+def block_sizes(head_dim: int, v_rotate: bool = False) -> tuple[int, int]:
     """(BLOCK_M query rows, BLOCK_S keys) per program and tile: 128 × 64 up to head_dim 128 (the shape
-    of Triton's flash-attention tutorial), halved rows and keys at 256."""
-    return (64, 32) if head_dim > 128 else (128, 64)
+    of Triton's flash-attention tutorial), halved rows and keys at 256; at 256 with rotated values (the output's
+    Hadamard transform over [BLOCK_M, 256] float32 goes through shared memory: 112 KB at 64 rows) 32 rows where
+    the target has under 160 KB a block (sm_86 / sm_89: 99 KB; tests/kernel_compile.py checks every cubin)."""
+    if head_dim <= 128:
+        return 128, 64
+    return (32, 32) if v_rotate and target_shared_memory() < 160 << 10 else (64, 32)
 
 
 def _check(q, k_cache, v_cache, slot_ids, starts, scales) -> tuple[int, int]:
@@ -126,7 +130,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty(b, h, t, d, dtype=q.dtype, device=q.device)  # [B, H, T, D]
     if t == 0 or b == 0:
         return out
-    block_m, block_s = block_sizes(d)
+    block_m, block_s = block_sizes(d, v_rotate)
     k_scale, k_min, v_scale, v_min = (scales.get(n) for n in ("k_scale", "k_min", "v_scale", "v_min"))
     cpu = q.device.type == "cpu"  # the interpreter multiplies bfloat16 tiles as integers: widen to float32
     _prefill_kernel[(triton.cdiv(t * group, block_m), kv, b)](

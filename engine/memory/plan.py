@@ -25,9 +25,8 @@ layers; their host bytes are listed apart (`host_lines`), and so is the embeddin
   one slice (engine.weights.packed_linear.quantize_transient, quant.packed_layout.random_packed_transient)
   come on top of the weights while nothing else is allocated: the line holds what of them the
   buffers allocated after loading do not cover (usually nothing);
-- a quantized KV cache is calibrated once when the runner is built (engine.runtime.kv_calibration): a float
-  cache of CALIBRATION_TOKENS positions and one pass over them, next to the KV cache; the prefill
-  line holds the larger of that and a prefill chunk.
+- a quantized KV cache is calibrated once when the runner is built (engine.runtime.kv_calibration): a float cache of
+  CALIBRATION_TOKENS positions and one pass next to the KV cache; the prefill line holds the larger of that and a chunk.
 """
 from __future__ import annotations
 
@@ -335,15 +334,16 @@ def _prefill_lines(config: ModelConfig, formats: dict[str, LinearFormat], s: Run
 
 
 def calibration_bytes(config: ModelConfig, formats: dict[str, LinearFormat], s: RunSettings) -> int:
-    """engine.runtime.kv_calibration.key_offsets: a float KV cache of CALIBRATION_TOKENS positions and one
-    fresh (unmasked) pass over them."""
+    """engine.runtime.kv_calibration.key_offsets: a float KV cache of CALIBRATION_TOKENS positions (and a
+    hybrid's one DeltaNet state) and one fresh (unmasked) pass over them."""
     n = CALIBRATION_TOKENS
     pass_settings = RunSettings(**{**vars(s), "max_seq_len": n, "prefill_chunk_size": n, "kv_type": "bf16",
                                    "kv_offload": False})
     phases = prefill_bytes(config, formats, pass_settings)
     base = phases.pop("base")
-    cache = kv_bytes_per_token(KV_TYPES["bf16"], config.num_layers, config.num_kv_heads, config.head_dim,
-                               s.dtype_bytes) * n
+    state = config.hybrid.state_bytes_per_slot(s.dtype_bytes) if config.hybrid else 0
+    cache = kv_bytes_per_token(KV_TYPES["bf16"], config.num_kv_layers, config.num_kv_heads, config.head_dim,
+                               s.dtype_bytes) * n + state
     return cache + base + max(phases.values())
 
 

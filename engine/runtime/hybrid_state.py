@@ -240,11 +240,3 @@ def attach_states(cache, config: ModelConfig) -> None:
     """Give a KV cache (engine.runtime.kv_cache.KVCache) of a hybrid model its DeltaNet states and slots."""
     cache.states = HybridStates(config, len(cache.slots), cache.dtype, cache.device)
     cache.slots = [HybridSlot(s.index, s.capacity, states=cache.states) for s in cache.slots]
-
-
-def check_hybrid_run(kv_type) -> None:
-    """One line for each run option the hybrid (DeltaNet) path does not support yet (weight and KV offload it does:
-    tests/test_weight_streaming.py)."""
-    name = getattr(kv_type, "name", kv_type)
-    if name not in ("bf16", "float"):
-        raise BonsaiError(f"KV type {name} is not supported for hybrid (Qwen3.5/3.6) models yet: use kv_type bf16")

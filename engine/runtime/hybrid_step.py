@@ -8,7 +8,8 @@ residual stream x [M, H] float32 added to in place.
   index: engine.kernels.deltanet_decode, whose recurrent kernel also makes the gates and the gated RMSNorm),
   out_proj into x.
 - Gated attention: q/k norms, the partial rotary and the K/V write in one kernel (engine.kernels.gated_rope: the
-  dense models' rope/KV-write kernel rotates whole heads), the decode attention kernel, the sigmoid output gate,
+  dense models' rope/KV-write kernel rotates whole heads; a quantized cache's rows quantized as they are
+  written, q rotated into the keys' space), the decode attention kernel (on the codes), the sigmoid output gate,
   o_proj into x.
 Nothing here reads a device value on the host or indexes with a host list: the step stays capturable.
 """
@@ -67,9 +68,11 @@ def gated_attention_step(ops, project, model, block, cache, x: torch.Tensor, inp
     qkv = project(ops, x, att.wqkv, block.attention_norm.weight, eps)  # [M, 2Q + 2KV] float32
     kv = cache.layer(att.layer)  # {name: [slots, KV, S, D]}
     q = ops.gated_rope(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, att.q_norm.weight,
-                       att.k_norm.weight, kv["k"], kv["v"], cfg.num_heads, cfg.num_kv_heads, d, eps)  # [M, H, D]
+                       att.k_norm.weight, kv["k"], kv["v"], cfg.num_heads, cfg.num_kv_heads, d, eps,
+                       out_dtype=cache.dtype, **cache.layer_write_args(att.layer))  # [M, H, D] in the keys' space
     gate = qkv[:, :cfg.q_rows].view(m, cfg.num_heads, 2 * d)[..., d:]  # [M, H, D]: per head, after its queries
-    a = ops.attention(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, d ** -0.5, num_splits)  # [M, H, D]
+    a = ops.attention(q, kv["k"], kv["v"], inputs.slot_ids, inputs.seq_lens, d ** -0.5, num_splits,
+                      **cache.layer_read_args(att.layer))  # [M, H, D]
     out = a.float() * torch.sigmoid(gate)  # [M, H, D]
     project(ops, out.reshape(m, cfg.q_size).to(cache.dtype), att.wo, residual=x)
 

@@ -37,11 +37,14 @@ def calibration_ids(tokenizer, vocab_size: int, n: int = CALIBRATION_TOKENS) -> 
 @torch.inference_mode()
 def key_offsets(model, config, token_ids: list[int], dtype: torch.dtype, device: torch.device | str
                 ) -> torch.Tensor:
-    """[L, KV, D] float32: the mean key (after norms and rotary, as cached) of each layer and kv head
+    """[L, KV, D] float32: the mean key (after norms and rotary, as cached) of each attention layer and kv head
     over positions 1.. of token_ids (position 0 is left out: the first token's key is an outlier)."""
     n = len(token_ids)
     assert n >= 2
     cache = KVCache(config, n, 1, dtype=dtype, device=device)  # a float cache: the keys as they are
+    if config.hybrid is not None:  # the DeltaNet layers' states, for the pass (their layers cache no keys)
+        from engine.runtime.hybrid_state import attach_states
+        attach_states(cache, config)
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # [1, n]
     model(ids, CacheBatch.make([0], [0], n, device), cache, n, 1)
     return cache.k[:, 0, :, 1:].float().mean(dim=2).contiguous()  # [L, KV, D]

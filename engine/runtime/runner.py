@@ -87,9 +87,7 @@ class ModelRunner:
             raise BonsaiError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.prefill_chunk_size = prefill_chunk_size
         self.hybrid = cfg.hybrid is not None
-        if self.hybrid:  # DeltaNet states: what the hybrid path does not (yet) do is refused, never run wrong
-            from engine.runtime.hybrid_state import check_hybrid_run
-            check_hybrid_run(kv_type)
+        if self.hybrid:
             # The fused (graphed) decode step runs DeltaNet layers (engine.runtime.hybrid_step) for rows of
             # distinct slots and for a verify's rows of one slot (stepped in order, each row's state kept for the
             # rollback: HybridStates.begin_row_runs). Full prefill chunks are graphed as the dense models' are (a
