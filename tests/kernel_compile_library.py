@@ -16,6 +16,7 @@ def library_cases():
             pw = random_packed(kind, 128, 256, 64, generator=torch.Generator().manual_seed(0))
             yield f"library: packed_gemm {kind} {str(dtype)[6:]}", (
                 lambda pw=pw, dtype=dtype: packed_gemm(torch.randn(32, 256, dtype=dtype), pw))
+    yield from _kwarps_cases()
     yield from _tri5_cases()
     yield from _mma_cases()
     yield from _deltanet_prefill_cases()
@@ -39,6 +40,21 @@ def _activations(rows: int, k: int, group: int) -> tuple[torch.Tensor, torch.Ten
     """int8 activations as quantize_activations returns them (values do not matter: nothing runs)."""
     return (torch.zeros(rows, k, dtype=torch.int8), torch.ones(rows, k // group),
             torch.zeros(rows, k // group, dtype=torch.int32))
+
+
+def _kwarps_cases():
+    """The one-row GEMV whose warps split K (the engine launches it for large ternary g128 matrices only, larger
+    than the tiny engine cases): the 2-bit layouts, split-K or one split, added into the output or not."""
+    from quant.kernels.packed_gemv import packed_gemv
+    from quant.packed_layout import random_packed
+    for i, kind in enumerate(("tri", "bin")):
+        pw = random_packed(kind, 256, 1024, 128, generator=torch.Generator().manual_seed(0))
+        for split in (1, 4):
+            accumulate = (i + split) % 2 == 0
+            yield f"library: kwarps {kind} split={split}{' accumulate' if accumulate else ''}", (
+                lambda pw=pw, split=split, accumulate=accumulate: packed_gemv(
+                    *_activations(1, 1024, 128), pw, out=torch.zeros(1, 256), accumulate=accumulate,
+                    config=(128, split, 2), variant="kwarps"))
 
 
 def _tri5_cases():

@@ -107,6 +107,40 @@ def test_gemv_accumulates_into_the_residual(kind):
         torch.testing.assert_close(out, residual + packed_gemv_reference(*xq, pw), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["tri", "bin"])
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_kwarps_gemv_matches_the_reference(kind, split):
+    """One row with K split across two warps of a program (quant.kernels.packed_gemv "kwarps"): 7 groups of 128,
+    so a program's last step holds one group and (split 3: groups 4 + 3) the last split ends mid-step; 200
+    columns (a partial block); added into a residual or stored."""
+    _, _, _, pw = _packed(kind, n=200, k=896, g=128, seed=split)
+    pw = pw.to(DEVICE)
+    xq = quantize_activations(torch.randn(1, 896, device=DEVICE), 128)
+    want = packed_gemv_reference(*xq, pw)
+    got = packed_gemv(*xq, pw, config=(128, split, 2), variant="kwarps")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    residual = torch.randn(1, 200, device=DEVICE)
+    out = residual.clone()
+    packed_gemv(*xq, pw, out=out, accumulate=True, config=(128, split, 2), variant="kwarps")
+    torch.testing.assert_close(out, residual + want, rtol=1e-5, atol=1e-4)
+
+
+def test_kwarps_is_the_default_for_one_row_of_large_ternary_matrices_only():
+    """The measured rule (H100, tests/perf/gemv_variants.py): the 27B-class gate/up and down and the 8B gate/up
+    take it at the split that leaves each warp three or more groups; smaller matrices, other layouts, group
+    sizes and row counts keep their kernels."""
+    from quant.kernels.packed_gemv import default_variant, kwarps_launch_config
+    assert [default_variant("tri", 128, 1, k, n) for n, k in ((34816, 5120), (5120, 17408), (24576, 4096))] \
+        == ["kwarps"] * 3
+    assert [kwarps_launch_config(n, k // 128)[1] for n, k in ((34816, 5120), (5120, 17408), (24576, 4096))] \
+        == [8, 32, 4]
+    assert default_variant("tri", 128, 1, 5120, 16384) == "kwarps"  # the Qwen3.6 DeltaNet q/k/v/z (84M)
+    assert default_variant("tri", 128, 1, 12288, 4096) == "2d"  # the 8B down projection (50M weights)
+    assert default_variant("tri", 64, 1, 5120, 34816) == "2d"
+    assert default_variant("int4", 128, 1, 5120, 34816) == "2d"
+    assert default_variant("tri", 128, 2, 5120, 34816) == "2d"
+
+
 def test_gemv_comparison_catches_a_layout_bug():
     """A planted bug (scales of the wrong group) must make the comparison fail."""
     _, _, _, pw = _packed("tri")

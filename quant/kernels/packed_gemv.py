@@ -34,12 +34,40 @@ ROW_LOOP_FROM = 5
 MMA_FROM_ROWS = {"tri": 3, "bin": 17, "int4": 5, "int8": 17}
 
 
-def default_variant(kind: str, group_size: int, rows: int, in_features: int) -> str:
+# One row of a large matrix: two warps a program, each its own groups of the program's K range (one atomic per
+# column a program, half the split-K atomics at the same warps in flight). Measured on an H100 (tests/perf/
+# gemv_variants.py, 2026-12-05, µs, the 2-bit g128 kernel at its split rule → two warps): 27B-class gate/up
+# 34816×5120 22.17 → 20.63, down 5120×17408 11.50 → 9.73, the Qwen3.6 DeltaNet q/k/v/z 16384×5120 12.18 → 9.36,
+# Qwen3-8B gate/up 24576×4096 13.70 → 11.47; under 80M weights it loses (8B down 6.96 → 7.25, q/k/v 4.61 → 6.96).
+# Each warp gets ≥ 3 groups (fewer lost). 1-bit: mixed (27B down 0.78x, 8B gate/up 1.39x): not taken. Two steps
+# in flight instead of one measured slower (27B down 12.67 µs, q/k/v/z 11.68).
+KWARPS = {"tri": (128, 80_000_000)}  # kind: (group size, least weights N·K)
+KWARPS_GROUPS = 3
+
+
+def default_variant(kind: str, group_size: int, rows: int, in_features: int, out_features: int = 0) -> str:
     """The kernel packed_gemv runs for `rows` rows of a layout when the caller names none."""
     from quant.kernels.packed_mma import mma_supported
     if rows >= MMA_FROM_ROWS.get(kind, 17) and mma_supported(kind, group_size, in_features):
         return "mma"
+    if rows == 1 and kind in KWARPS:
+        group, least = KWARPS[kind]
+        if group_size == group and out_features * in_features >= least:
+            return "kwarps"
     return "2d" if rows <= ROWS_2D_MAX else "rows" if rows >= ROW_LOOP_FROM else "3d"
+
+
+def kwarps_launch_config(n: int, num_groups: int, warps: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, split_k, warps) of the "kwarps" kernel: the most splits of K (a power of two, at most 32) that
+    leave each warp at least KWARPS_GROUPS groups (a split's groups rounded up to a multiple of the warps)."""
+    split = 1
+    while split < 32 and _kwarps_per_split(num_groups, 2 * split, warps) >= KWARPS_GROUPS * warps:
+        split *= 2
+    return 128, split, warps
+
+
+def _kwarps_per_split(num_groups: int, split: int, warps: int) -> int:
+    return triton.cdiv(triton.cdiv(num_groups, split), warps) * warps
 
 
 @triton.jit
@@ -130,6 +158,53 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
     _write_out(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)
 
 
+@triton.jit
+def _packed_gemv_kwarps_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, N, NG, groups_per_split,
+                               BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, BYTE_MASK: tl.constexpr,
+                               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WK: tl.constexpr, ATOMIC: tl.constexpr,
+                               ACCUMULATE: tl.constexpr, USE_ASM: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row, WK warps a program: each step loads WK consecutive groups as a [WK, GW, BLOCK_N] tile (a warp a
+    group; the next step's tile in flight while this one is summed), the groups are summed once at the end."""
+    STEPS: tl.constexpr = 8 // BITS  # shift steps per word
+    GW: tl.constexpr = GROUP * BITS // 32  # words per group (per column)
+    pid_k = tl.program_id(1)
+    offs_m, m_mask, offs_n, n_mask = _program_tile(1, N, 1, BLOCK_N)  # [1], [BN]
+    gi = tl.arange(0, WK)  # [WK] the groups of a step
+    rows = tl.arange(0, GW)  # [GW]
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, NG)
+    word_rows = (gi[:, None] * GW + rows[None, :])[:, :, None]  # [WK, GW, 1]
+    cols = offs_n[None, None, :]  # [1, 1, BN]
+    col_ok = n_mask[None, None, :] & (word_rows >= 0)  # [WK, GW, BN]
+    w_next = tl.load(w_ptr + (g_start * GW + word_rows) * N + cols,
+                     mask=col_ok & ((g_start + gi)[:, None, None] < g_end), other=0,
+                     eviction_policy="evict_first")  # [WK, GW, BN]
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    acc = tl.zeros([WK, BLOCK_N], dtype=tl.float32)
+    for g0 in range(g_start, g_end, WK):
+        w = w_next
+        w_next = tl.load(w_ptr + ((g0 + WK) * GW + word_rows) * N + cols,
+                         mask=col_ok & ((g0 + WK + gi)[:, None, None] < g_end), other=0,
+                         eviction_policy="evict_first")  # [WK, GW, BN]
+        g = g0 + gi  # [WK]
+        ok = g < g_end
+        isum = tl.zeros([WK, GW, BLOCK_N], dtype=tl.int32)
+        for j in tl.static_range(STEPS):
+            codes = (w >> (BITS * j)) & BYTE_MASK  # [WK, GW, BN]: four codes as bytes
+            xw = tl.load(xq_ptr + g[:, None] * (GROUP // 4) + STEPS * rows[None, :] + j, mask=ok[:, None],
+                         other=0)  # [WK, GW]: the activations they meet
+            isum = _dot4(codes, tl.broadcast_to(xw[:, :, None], [WK, GW, BLOCK_N]), isum, USE_ASM)
+        dot = tl.sum(isum, axis=1)  # [WK, BN]
+        sumx = tl.load(sumx_ptr + g, mask=ok, other=0)  # [WK]
+        sx = tl.load(sx_ptr + g, mask=ok, other=0.0)  # [WK]
+        sw = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok[:, None] & n_mask[None, :],
+                     other=0.0).to(tl.float32)  # [WK, BN]
+        acc += (dot * MULT - OFFSET * sumx[:, None]).to(tl.float32) * sx[:, None] * sw
+    _write_out(out_ptr, tl.sum(acc, axis=0)[None, :], offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)
+
+
 # The row loop (M = 5..16: batched decode, speculative verification): a thread owns a few output
 # columns and keeps every row's running sum for them in registers; the program walks the weight one
 # word row ([BLOCK_N] words) at a time, so each word is shifted and masked once and then meets the
@@ -195,14 +270,15 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
                 config: tuple[int, int, int] | None = None, num_sms: int = 132, variant: str | None = None
                 ) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y.
-    variant (for M > 1; default by row count): "2d" (the M = 1 tiles once per row), "3d" (broadcast
-    over rows), "rows" (the word-row loop, from ROW_LOOP_FROM rows), "mma" (tensor cores:
-    quant.kernels.packed_mma, its own config). A tri5 matrix runs quant.kernels.tri5_gemv (its config)."""
+    variant (default by row count and size: default_variant): "2d" (the M = 1 tiles once per row), "3d"
+    (broadcast over rows), "rows" (the word-row loop, from ROW_LOOP_FROM rows), "mma" (tensor cores:
+    quant.kernels.packed_mma, its own config), "kwarps" (one row of a ≤ 2-bit layout: warps split K in a
+    program; config (BLOCK_N, split_k, warps)). A tri5 matrix runs quant.kernels.tri5_gemv (its config)."""
     if pw.kind == "tri5":
         from quant.kernels.tri5_gemv import tri5_gemv
         return tri5_gemv(xq, sx, sumx, pw, out, accumulate, config)
     m, k = xq.shape
-    variant = variant or default_variant(pw.kind, pw.group_size, m, k)
+    variant = variant or default_variant(pw.kind, pw.group_size, m, k, pw.out_features)
     if variant == "mma":
         from quant.kernels.packed_mma import packed_mma
         return packed_mma(xq, sx, sumx, pw, out, accumulate, config)
@@ -210,6 +286,8 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
     row_loop = variant == "rows" and m > 1
     kind = layout_kind(pw.kind)
     ng = k // pw.group_size
+    if variant == "kwarps" and m == 1 and kind.bits <= 2:
+        return _kwarps(xq, sx, sumx, pw, out, accumulate, config or kwarps_launch_config(pw.out_features, ng))
     block_n, split, warps = config or gemv_launch_config(pw.out_features, ng, pw.kind, num_sms)
     out = result_buffer(out, m, pw.out_features, xq.device, accumulate, split)
     per_split = triton.cdiv(ng, split)
@@ -222,4 +300,19 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
         GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 2 if row_loop else 1), BLOCK_N=block_n,
         ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(), num_warps=warps,
         **extra, **pdl_options(xq.device))
+    return out
+
+
+def _kwarps(xq, sx, sumx, pw: PackedWeight, out, accumulate: bool, config: tuple[int, int, int]) -> torch.Tensor:
+    """One row through _packed_gemv_kwarps_kernel (config: BLOCK_N, split_k, warps)."""
+    kind, ng = layout_kind(pw.kind), pw.in_features // pw.group_size
+    block_n, split, warps = config
+    per_split = _kwarps_per_split(ng, split, warps)
+    grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(ng, per_split))
+    out = result_buffer(out, 1, pw.out_features, xq.device, accumulate, grid[1])
+    _packed_gemv_kwarps_kernel[grid](
+        xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, pw.out_features, ng, per_split, BITS=kind.bits,
+        MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits], GROUP=pw.group_size, BLOCK_N=block_n,
+        WK=warps, ATOMIC=grid[1] > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(), num_warps=warps,
+        **pdl_options(xq.device))
     return out

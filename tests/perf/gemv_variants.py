@@ -3,6 +3,7 @@ fewer split-K atomics, activation words laid out for vector loads, several warps
 
     python3 tests/perf/gemv_variants.py --json $OUT/variants.json [--reps 20]
     TRITON_INTERPRET=1 python3 tests/perf/gemv_variants.py --tiny      # the code paths, on a CPU
+    --sections variants,engine (engine: packed_gemv's "2d" against its "kwarps" path, tri and bin)
 
 tests/perf/gemv_probe.py (H100, 2026-12-05) put the 8B ternary layer's four GEMVs at 29.8 µs against 18.1 µs for the
 same tiles loaded without compute, and split-K atomics at 0.5-2.6 µs a matrix (product vs stores apart). Each
@@ -242,6 +243,34 @@ def section_variants(run: Run) -> None:
               + " ".join(f"{k}:{v:.2f}" for k, v in row.items() if isinstance(v, float)), flush=True)
 
 
+def section_engine(run: Run) -> None:
+    """packed_gemv's one-row paths as the engine launches them: "2d" (the one-warp kernel at its split rule) and
+    "kwarps" (its launch rule), tri and bin, at the layer shapes and the Qwen3.6 DeltaNet q/k/v/z (16384×5120)."""
+    from quant.kernels.packed_gemv import default_variant, kwarps_launch_config
+    shapes = dict(run.shapes, **({} if run.args.tiny else {"27b deltanet qkvz": (16384, 5120)}))
+    for kind in ("tri", "bin"):
+        for i, (shape, (n, k)) in enumerate(shapes.items()):
+            if run.out_of_time(f"engine {kind} {shape}"):
+                return
+            run.shapes[shape] = (n, k)
+            pw = run.weights(kind, shape, seed=i)
+            xq = run.activations(1, k, seed=i)
+            want = packed_gemv_reference(*xq, pw)
+            config = kwarps_launch_config(n, k // 128)
+            got = packed_gemv(*xq, pw, config=config, variant="kwarps")
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            run.results["checks"].append({"name": f"kwarps {kind} {shape}", "ok": err < 1e-5, "detail": f"{err:.1e}"})
+            mats, out = rotated(run, pw), torch.zeros(1, n, device=run.dev)
+            row = {"kind": kind, "shape": shape, "default": default_variant(kind, 128, 1, k, n), "split": config[1]}
+            for variant in ("2d", "kwarps"):
+                cfg = config if variant == "kwarps" else None
+                row[variant] = time_calls(run, [lambda w=w, v=variant, c=cfg: packed_gemv(
+                    *xq, w, out=out, accumulate=True, config=c, variant=v) for w in mats])["us"]
+            run.results["engine"].append(row)
+            print(f"engine {kind} {shape}: default {row['default']}; 2d {row['2d']:.2f} us, kwarps s{config[1]} "
+                  f"{row['kwarps']:.2f} us ({row['kwarps'] / row['2d']:.2f}x); err {err:.1e}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
@@ -249,15 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=200.0)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--sections", default="variants,engine")
     args = parser.parse_args(argv)
     if args.tiny:
         args.reps, args.warmup = 1, 0
     run = Run(args)
     run.shapes = ({"8b qkv": (96, 1024), "8b down": (64, 2048)} if args.tiny
                   else {k: v for k, v in SHAPES.items() if "21504" not in k})
-    run.results.update({"variants": []})
+    run.results.update({"variants": [], "engine": []})
     run.section("copy", section_copy)
-    run.section("variants", section_variants)
+    for name, fn in (("variants", section_variants), ("engine", section_engine)):
+        if name in args.sections.split(","):
+            run.section(name, fn)
     if args.json:
         args.json.write_text(json.dumps(run.results, indent=1))
     failed = [c for c in run.results["checks"] if not c["ok"]]
