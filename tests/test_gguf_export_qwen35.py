@@ -3,7 +3,7 @@
 shapes, metadata and stored values of llama.cpp's converter (tests/hybrid_gguf.py, run on the same
 weights) and the logits of the checkpoint (and, for bf16, of transformers); a reorder that would split
 scale groups is lossy and refused unless allowed; a layer mix no interval gives is written as flags;
-a source GGUF's MTP blocks are not claimed. (llama-cpp-python is not installed here, so llama.cpp itself
+a source GGUF's MTP blocks are not claimed; a checkpoint's MTP head is written as the converter writes it. (llama-cpp-python is not installed here, so llama.cpp itself
 does not load these files in the tests.)"""
 from __future__ import annotations
 
@@ -168,6 +168,49 @@ def test_a_source_ggufs_mtp_blocks_are_not_claimed(hf, tmp_path, smollm2_gguf):
         == {k: v for k, v in src_meta.items() if k not in q35.NOT_COPIED and not k.startswith("GGUF.")}
     assert set(stored) == set(src_stored)
     assert (_logits(tmp_path / "q") - _logits(tmp_path / "q.gguf")).abs().max() <= 1e-5
+
+
+def test_the_checkpoints_mtp_head_is_written_as_the_converter_writes_it(hf, tmp_path, smollm2_gguf, one_thread):
+    """A checkpoint's MTP head (copied by quantize as bfloat16) is exported as llama.cpp's converter writes the
+    source's: its names, shapes, metadata (block_count 5, nextn_predict_layers 1) and values (the head made
+    bf16-exact), read back as the checkpoint's head; --spec mtp drafts from the GGUF as from the checkpoint."""
+    import shutil
+
+    from engine.sources.mtp_source import read_mtp_tensors
+    from engine.speculative.config import SpeculativeConfig, build_drafter
+    from tests.engine_runs import run_engine
+    from tests.hybrid_tiny import add_mtp_head
+    src = tmp_path / "hf"
+    shutil.copytree(hf[0], src)
+    head = add_mtp_head(src, hf[1])
+    from safetensors.torch import save_file
+    save_file({f"mtp.{k}": v.bfloat16().float().contiguous() for k, v in head.state_dict().items()},
+              str(src / "model-mtp.safetensors"))
+    mirror = write_qwen35_gguf(src, tmp_path / "mirror.gguf", smollm2_gguf)
+    report = quantize(src, tmp_path / "q", QuantizeOptions(Recipe(QuantSpec("tri", 64)), evaluate=False,
+                                                           gguf=tmp_path / "q.gguf"))
+    assert report.gguf.lossless and len(report.mtp_head) == 15
+    (meta, ours), (ref_meta, ref) = _stored(tmp_path / "q.gguf"), _stored(mirror)
+    assert meta["qwen35.block_count"] == ref_meta["qwen35.block_count"] == 5
+    assert meta["qwen35.nextn_predict_layers"] == ref_meta["qwen35.nextn_predict_layers"] == 1
+    mtp_names = {n for n in ref if n.startswith("blk.4.")}
+    assert len(mtp_names) == 15 and mtp_names == {n for n in ours if n.startswith("blk.4.")}
+    for name in mtp_names:
+        assert ours[name][1].shape == ref[name][1].shape and torch.equal(ours[name][1], ref[name][1]), name
+    from engine.sources.checkpoint_file import BonsaiCheckpoint
+    gguf, ckpt = GGUFFile(tmp_path / "q.gguf"), BonsaiCheckpoint(tmp_path / "q")
+    got, want = read_mtp_tensors(gguf, gguf.model_config()), read_mtp_tensors(ckpt, ckpt.model_config())
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=0, msg=name)
+    outputs = []
+    for source in (tmp_path / "q", tmp_path / "q.gguf"):
+        target = load_model(source, dtype=torch.float32, weight_dtype=torch.float32)
+        drafter = build_drafter(SpeculativeConfig.from_spec("mtp", num_draft_tokens=3, adaptive=False), target, 64)
+        outputs.append(run_engine(ModelRunner(target, 64), None, PROMPT, drafter=drafter, k=3, max_tokens=8,
+                                  ignore_eos=True, text=False)[1])
+        outputs.append(drafter.propose(PROMPT + outputs[-1], 3).tokens)
+    assert outputs[0] == outputs[2] and outputs[1] == outputs[3]
 
 
 def test_to_stored_inverts_from_stored():

@@ -151,13 +151,14 @@ def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, sourc
     try:
         writer = GGUFWriter(str(tmp), config.architecture)
         hybrid = config.hybrid is not None
+        mtp_layers, mtp = q35.mtp_entries(checkpoint.entries, config) if hybrid else (0, [])
         if source_gguf is not None:
             copy_metadata(writer, source_gguf, q35.NOT_COPIED if hybrid else frozenset())
             if hybrid:
-                q35.after_copied_metadata(writer, config)
+                q35.add_block_count(writer, config, mtp_layers)
         else:
             if hybrid:
-                q35.add_architecture(writer, config, checkpoint.config)
+                q35.add_architecture(writer, config, checkpoint.config, mtp_layers)
             else:
                 add_architecture(writer, config)
             add_tokenizer_from_hf(writer, tokenizer_dir, config.vocab_size)
@@ -171,6 +172,13 @@ def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, sourc
                 continue
             writer.add_tensor_info(_stored_name(name, config), shape, dtype, nbytes,
                                    raw_dtype=T(type_id) if dtype == np.uint8 else None)
+        for name, stored, canon in mtp:  # a hybrid's MTP head (bfloat16 entries: F32 norms, BF16 matrices)
+            shape = tuple(checkpoint.entries[name].shape)
+            if len(shape) < 2:
+                writer.add_tensor_info(stored, shape, np.float32, 4 * int(np.prod(shape)))
+            else:
+                writer.add_tensor_info(stored, (shape[0], 2 * int(np.prod(shape[1:]))), np.uint8,
+                                       2 * int(np.prod(shape)), raw_dtype=T.BF16)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -179,6 +187,15 @@ def export_gguf(checkpoint: Checkpoint, out: Path, config: ModelConfig, *, sourc
             record.name = _stored_name(name, config)
             writer.write_tensor_data(data)
             report.tensors.append(record)
+        for name, stored, canon in mtp:
+            w = q35.mtp_stored(canon, checkpoint.read_float(name), config)
+            if w.dim() < 2:
+                writer.write_tensor_data(w.float().numpy())
+                report.tensors.append(GGUFTensorExport(stored, "bf16", "F32"))
+            else:
+                raw = w.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)
+                writer.write_tensor_data(raw.reshape(w.shape[0], -1))
+                report.tensors.append(GGUFTensorExport(stored, "bf16", "BF16"))
         writer.close()
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp made it private
         os.replace(tmp, out)

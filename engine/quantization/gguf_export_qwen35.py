@@ -6,10 +6,12 @@ inverses of what the reader undoes), and which tensors the V-head reorder makes 
 - The layer mix: `full_attention_interval` when the layers follow llama.cpp's rule (DeltaNet unless
   (i + 1) % interval == 0), else `attention.recurrent_layers`, one flag per block (read by the llama.cpp
   loaders that have that key; older ones know only the interval).
-- MTP: bonsai checkpoints hold no multi-token-prediction blocks (HF `mtp.*` tensors have no canonical
-  name, GGUF blocks past block_count - nextn_predict_layers are skipped), so none are written: block_count
-  is the layer count and there is no nextn_predict_layers, also when the metadata is copied from a source
-  GGUF that had them. Writing them needs the checkpoint to keep them first.
+- MTP: a checkpoint's multi-token-prediction head (`mtp.*` bfloat16 entries, copied by `bonsai quantize`) is
+  written as llama.cpp's converter writes it (_Qwen35MtpMixin): its layers as blocks num_layers.. (full-attention
+  blocks, the model's tensor names), the four top tensors (fc, the two input norms, the final norm) as
+  `blk.{b}.nextn.*` in every MTP block, block_count = layers + MTP layers and nextn_predict_layers (mtp_entries /
+  mtp_tensors). Without a head: block_count is the layer count and there is no nextn_predict_layers, also when
+  the metadata is copied from a source GGUF that had them.
 - The float32 rounding of the converter's own value transforms (norm + 1, A_log → -exp(A_log)) belongs
   to the format, as in llama.cpp's files, and is not counted as export error.
 """
@@ -19,12 +21,14 @@ from typing import Any
 
 from gguf import GGUFWriter, RopeScalingType
 
+import torch
+
 from engine.sources import gguf_qwen35
 from engine.sources.hybrid_config import LINEAR
 from engine.sources.model_config import ModelConfig
 
 ARCH = "qwen35"
-# keys of a source qwen35 GGUF that describe its MTP blocks: written anew (no MTP blocks are exported)
+# keys of a source qwen35 GGUF that describe its MTP blocks: written anew (for the head the checkpoint holds)
 NOT_COPIED = frozenset({f"{ARCH}.block_count", f"{ARCH}.nextn_predict_layers"})
 SECTIONS = [11, 11, 10]  # _Qwen35MRopeMixin's mrope_section when the config has none
 REORDER = "the V-head reorder"  # in every reason reorder_lossy gives
@@ -66,11 +70,11 @@ def rotary_dims(cfg: ModelConfig) -> int:
     return round(dims) if abs(dims - round(dims)) < 1e-6 else int(dims)
 
 
-def add_architecture(writer: GGUFWriter, cfg: ModelConfig, hf_config: dict | None) -> None:
+def add_architecture(writer: GGUFWriter, cfg: ModelConfig, hf_config: dict | None, mtp_layers: int = 0) -> None:
     """The qwen35 keys of a model from a Hugging Face config (what HybridConfig.from_gguf and
     ModelConfig.from_gguf_metadata read back)."""
     hc = cfg.hybrid
-    writer.add_block_count(cfg.num_layers)  # + MTP blocks, which bonsai checkpoints do not hold
+    add_block_count(writer, cfg, mtp_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -103,10 +107,49 @@ def add_layer_mix(writer: GGUFWriter, cfg: ModelConfig, preferred: Any = None) -
         writer.add_array(f"{ARCH}.attention.recurrent_layers", [kind == LINEAR for kind in cfg.hybrid.layer_types])
 
 
-def after_copied_metadata(writer: GGUFWriter, cfg: ModelConfig) -> None:
-    """What replaces NOT_COPIED when the metadata comes from a source qwen35 GGUF: the block count
-    without MTP blocks."""
-    writer.add_block_count(cfg.num_layers)
+def add_block_count(writer: GGUFWriter, cfg: ModelConfig, mtp_layers: int = 0) -> None:
+    """block_count (the layers and the MTP blocks after them) and nextn_predict_layers where there are MTP
+    blocks; also what replaces NOT_COPIED when the metadata comes from a source qwen35 GGUF."""
+    writer.add_block_count(cfg.num_layers + mtp_layers)
+    if mtp_layers:
+        writer.add_uint32(f"{ARCH}.nextn_predict_layers", mtp_layers)
+
+
+# the MTP head's top tensors (checkpoint entries) and their llama.cpp names, repeated in every MTP block
+MTP_TOP = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+           "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def mtp_entries(entry_names, cfg: ModelConfig) -> tuple[int, list[tuple[str, str, str]]]:
+    """(MTP layers, [(checkpoint entry, GGUF name, canonical name of the values' transform)]) of a
+    checkpoint's `mtp.*` entries, in the order they are written: a layer tensor once, as block
+    num_layers + i; a top tensor in every MTP block."""
+    from engine.sources.mtp_source import short_name
+    layer_tensors, tops = [], []
+    for name in entry_names:
+        short = short_name(name)
+        if short is None:
+            continue
+        if name in MTP_TOP:
+            tops.append(name)
+        else:  # layers.{i}.{part}.{kind} → the block after the model's layers, as the model's tensor
+            i, rest = short.split(".", 2)[1:]
+            canon = f"layers.{cfg.num_layers + int(i)}.{rest}"
+            layer_tensors.append((name, gguf_qwen35.gguf_name(canon), canon))
+    layers = len({int(c.split(".")[1]) for _, _, c in layer_tensors})
+    if not layers:
+        return 0, []
+    out = list(layer_tensors)
+    for b in range(cfg.num_layers, cfg.num_layers + layers):
+        out += [(name, f"blk.{b}.{MTP_TOP[name]}", name) for name in tops]
+    return layers, out
+
+
+def mtp_stored(canon: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """An MTP tensor's values as the converter writes them: the norms + 1 (in float32), the rest as they are."""
+    if canon in MTP_TOP:
+        return w if canon == "mtp.fc.weight" else w.float() + 1
+    return gguf_qwen35.to_stored(canon, w, cfg)
 
 
 def reorder_lossy(canonical: str, quant_type: str, group: int, cfg: ModelConfig) -> str | None:
