@@ -72,7 +72,8 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
                           "fused_decode": runner.decoder is not None,
                           "cuda_graph": getattr(runner.decoder, "graph", None) is not None,
                           "kv_offload": runner.cache.streamed, "prefill_chunk_size": runner.prefill_chunk_size,
-                          "pipeline_stages": len(getattr(runner, "stages", ())) or 1}
+                          "pipeline_stages": len(getattr(runner, "stages", ())) or 1,
+                          "decode_gemv": _decode_gemv(loaded, runner)}
     save()
     try:
         with within_limit(budget.limit, "benchmarking"):
@@ -81,6 +82,14 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
     finally:  # the allocator's peak over the whole run, next to the plan
         report["memory"] = memory_report(budget, loaded.device)
         save()
+
+
+def _decode_gemv(loaded, runner) -> dict[str, str]:
+    """The one-row kernel of each packed matrix shape, where the CUDA decode step runs them ({} elsewhere)."""
+    if loaded.device.type != "cuda" or runner.decoder is None or not runner.decoder.ops.fast:
+        return {}
+    from engine.weights.packed_linear import decode_paths
+    return decode_paths(loaded.model)
 
 
 def memory_report(budget, device) -> dict[str, Any]:

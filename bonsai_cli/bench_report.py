@@ -138,6 +138,9 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                 console.print(f"[red]mismatch: {line}[/red]")
     if report.get("concurrency"):
         console.print(concurrency_table(report["concurrency"]))
+    gemv = (report.get("settings") or {}).get("decode_gemv")
+    if gemv:
+        console.print("decode GEMV: " + "; ".join(f"{shape} {path}" for shape, path in gemv.items()))
     memory = report.get("memory")
     if memory:
         peak = memory.get("peak_allocated_bytes")

@@ -128,7 +128,7 @@ def test_prefix_points_keep_the_newest_and_check_their_tokens():
     tokens = list(range(100))
     assert states.best_point(1, 100, tokens) == 10 * (POINTS + 1) and states.best_point(1, 15, tokens) == 0  # 10 went
     assert states.best_point(0, 100, tokens) == 0 and states.best_point(1, 100, [9] + tokens[1:]) == 0
-    assert states.restore_point(1, 20, tokens) and not states.restore_point(1, 10, tokens)
+    assert states.restore_point(1, 20, tokens) is not None and states.restore_point(1, 10, tokens) is None
     assert float(states.recurrent[:, 1].max()) == 2 and float(states.conv[:, 1].min()) == -2
     assert float(states.recurrent[:, 0].abs().max()) == 0  # another slot's state untouched
 

@@ -139,6 +139,19 @@ def test_kwarps_is_the_default_for_one_row_of_large_ternary_matrices_only():
     assert default_variant("tri", 64, 1, 5120, 34816) == "2d"
     assert default_variant("int4", 128, 1, 5120, 34816) == "2d"
     assert default_variant("tri", 128, 2, 5120, 34816) == "2d"
+    from quant.kernels.packed_gemv import one_row_path  # what bonsai bench reports per shape
+    assert one_row_path("tri", 128, 24576, 4096) == "kwarps split 4"
+    assert one_row_path("tri", 128, 6144, 4096) == "2d split 16" and one_row_path("tri5", 128, 6144, 4096) == "tri5 split 8"
+
+
+def test_decode_paths_name_each_packed_shape_of_a_model():
+    from engine.weights.formats import WeightFormat
+    from engine.weights.loader import load_dummy
+    from engine.weights.packed_linear import decode_paths
+    from tests.test_decode_step import CFG
+    paths = decode_paths(load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4")).model)
+    assert paths and all(k.startswith(("tri ", "int4 ")) for k in paths) and any(k.startswith("int4 ") for k in paths)
+    assert all(v.startswith("2d split ") for v in paths.values())  # tiny matrices: the one-warp kernel
 
 
 def test_gemv_comparison_catches_a_layout_bug():

@@ -3,7 +3,9 @@
 A command says what the pass is (plain rows of tokens through `Transformer.forward_hidden`, or one
 token per row through the fused decode step), where its rows go in the KV cache (slot and start
 position of each row), and what comes back. Positions and slots travel with every command, so a
-rewind (speculative decoding) needs no message: the next pass simply writes over the rejected rows.
+rewind (speculative decoding) needs no message: the next pass simply writes over the rejected rows —
+except for a hybrid, whose DeltaNet states cannot forget tokens: rank 0 tells each rewind (RESTORE) and
+each prefix point it keeps (SAVE_POINT), and every stage does the same with its own layers' states.
 The hidden states that follow a command, and the logits the last stage returns, have the shapes
 the command implies.
 """
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-STOP, PLAIN, ROWS, PREPARE, CALIBRATE = 0, 1, 2, 3, 4
+STOP, PLAIN, ROWS, PREPARE, CALIBRATE, SAVE_POINT, RESTORE = 0, 1, 2, 3, 4, 5, 6
+STATE_OPS = (SAVE_POINT, RESTORE)  # a hybrid's DeltaNet states (no hidden states follow, nothing comes back)
+RECORD = 1  # PLAIN arg: a verify pass (a hybrid keeps each position's DeltaNet state for the rewind)
 MAX_ROWS = 64  # rows one command describes (runtime.max_batch_size is at most 64)
 WORDS = 6 + 2 * MAX_ROWS
 
@@ -25,9 +29,11 @@ class Command:
     starts: tuple[int, ...] = ()  # PLAIN: each row's first position; ROWS: each row's position
     num_tokens: int = 1  # PLAIN: tokens per row (T)
     num_logits: int = 1  # PLAIN: logits of the last n positions; -1: all; 0: nothing comes back
-    arg: int = 0  # PREPARE: capture the fused step for 2..arg rows
+    arg: int = 0  # PREPARE: capture the fused step for 2..arg rows; PLAIN: RECORD or 0
     # CALIBRATE: num_tokens calibration tokens through a scratch float cache; each stage sets its
     # quantized cache's key offsets (engine.runtime.kv_calibration), then builds its fused step
+    # SAVE_POINT (a hybrid): slot slots[0]'s DeltaNet state after starts[0] tokens into prefix-point entry arg;
+    # RESTORE: back to its state after starts[0] tokens, from prefix-point entry arg (-1: its verify's snapshot)
 
     def __post_init__(self) -> None:
         assert len(self.slots) == len(self.starts) <= MAX_ROWS, (len(self.slots), len(self.starts))

@@ -23,7 +23,8 @@ from engine.errors import BonsaiError
 from engine.runtime.kv_cache import KVSlot
 from engine.weights.loader import LoadedModel
 from engine.pipeline.launch import Links, ModelSource, RunSpec, start_workers, wait_ready
-from engine.pipeline.protocol import CALIBRATE, MAX_ROWS, PLAIN, PREPARE, ROWS, Command, micro_batches
+from engine.pipeline.protocol import (CALIBRATE, MAX_ROWS, PLAIN, PREPARE, RECORD, RESTORE, ROWS, SAVE_POINT, Command,
+                                     micro_batches)
 from engine.pipeline.split import Stage
 from engine.pipeline.stage import StageExecutor
 from engine.runtime.decode_step import MAX_STEP_ROWS
@@ -47,6 +48,11 @@ class PipelineRunner:
         self.weight_stream = None
         # a fused step's cost is flat in its rows on a GPU (weight reads): steps of <= 16 rows stay whole there
         self.flat_step_cost = self.device.type == "cuda" if flat_step_cost is None else flat_step_cost
+        self.hybrid = loaded.config.hybrid is not None
+        if self.hybrid:  # DeltaNet states on every stage: each rewind and prefix point is told to all of them
+            self.rewinds_for_free = False  # (a slot's state cannot forget a token for free: no lookahead)
+            for slot in self.cache.slots:
+                slot.on_restore = self._restore_everywhere
 
     # -- ModelRunner's interface --
     @property
@@ -65,10 +71,30 @@ class PipelineRunner:
             [logits] = self._passes([(Command(ROWS, (slot.index,), (slot.length,)), tokens)])  # [1, V]
         else:
             cmd = Command(PLAIN, (slot.index,), (slot.length,), len(tokens), -1 if num_logits is None else num_logits)
-            [logits] = self._passes([(cmd, [tokens])])
+            [logits] = self._passes([(cmd, [tokens], self._point_after(slot.index, slot.tokens, tokens))])
             logits = logits[0]  # [n, V]
         slot.tokens.extend(tokens)
         return logits
+
+    def _point_after(self, index: int, before: list[int], tokens: list[int]):
+        """For a hybrid's pass of several tokens after `before` in slot `index`: saving the prefix point once stage
+        0 has run it (as ModelRunner.forward saves one), told to the other stages; else None."""
+        if not self.hybrid or len(tokens) < 2:
+            return None
+        seen = before + tokens
+
+        def save() -> None:
+            entry = self.cache.states.save_point(index, seen)
+            if entry is not None:
+                self.links.send_command(Command(SAVE_POINT, (index,), (len(seen),), arg=entry))
+        return save
+
+    def _restore_everywhere(self, index: int, length: int, entry: int) -> None:
+        """Stage 0's slot `index` went back to its state after `length` tokens (HybridSlot.rewind): the others too."""
+        if self.links.failure is not None:
+            raise BonsaiError(f"the pipeline stopped: {self.links.failure}")
+        self.links.send_command(Command(RESTORE, (index,), (length,), arg=entry))
+        self.links.flush_sends()
 
     @torch.inference_mode()
     def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
@@ -80,7 +106,8 @@ class PipelineRunner:
         for i in range(0, len(tokens), size):
             chunk = tokens[i:i + size]
             last = i + size >= len(tokens)
-            passes.append((Command(PLAIN, (slot.index,), (start + i,), len(chunk), 1 if last else 0), [chunk]))
+            passes.append((Command(PLAIN, (slot.index,), (start + i,), len(chunk), 1 if last else 0), [chunk],
+                           self._point_after(slot.index, slot.tokens + tokens[:i], chunk)))
         logits = self._passes(passes)[-1]  # [1, 1, V]
         slot.tokens.extend(tokens)
         return logits[0, -1]
@@ -115,8 +142,9 @@ class PipelineRunner:
         t = len(tokens)
         if 1 < t <= MAX_STEP_ROWS and self.decoder is not None:
             logits = self.step_rows(tokens, list(range(slot.length, slot.length + t)), [slot.index] * t)
-        else:
-            [logits] = self._passes([(Command(PLAIN, (slot.index,), (slot.length,), t, -1), [tokens])])
+        else:  # a hybrid keeps every position's DeltaNet state (RECORD) for the rewind
+            cmd = Command(PLAIN, (slot.index,), (slot.length,), t, -1, arg=RECORD if self.hybrid else 0)
+            [logits] = self._passes([(cmd, [tokens])])
             logits = logits[0]  # [T, V]
         slot.tokens.extend(tokens)
         return logits, {}
@@ -130,8 +158,9 @@ class PipelineRunner:
         assert 0 < len(tokens) == len(positions) == len(slots) <= MAX_ROWS
         passes = []
         fused = self.decoder is not None
-        for a, b in micro_batches(len(tokens), len(self.stages), MAX_STEP_ROWS if fused else 0,
-                                  fused and self.flat_step_cost):
+        # a hybrid's rows of one slot stay in one pass: a pass drops the slot's rollback points of the one before
+        whole = fused and (self.flat_step_cost or (self.hybrid and len(set(slots)) < len(slots)))
+        for a, b in micro_batches(len(tokens), len(self.stages), MAX_STEP_ROWS if fused else 0, whole):
             if fused:
                 passes.append((Command(ROWS, tuple(slots[a:b]), tuple(positions[a:b])), tokens[a:b]))
             else:
@@ -152,7 +181,7 @@ class PipelineRunner:
         self.links.flush_sends()
 
     # -- the passes --
-    def _passes(self, passes: list[tuple[Command, list]]) -> list[torch.Tensor]:
+    def _passes(self, passes: list[tuple]) -> list[torch.Tensor]:
         """Run passes through the pipeline one after another without waiting between them; the
         logits of those that want them, in order."""
         if self.links.failure is not None:
@@ -165,15 +194,18 @@ class PipelineRunner:
         except RuntimeError as e:  # a worker is gone (gloo tells; NCCL is watched in launch._watch)
             raise BonsaiError(f"the pipeline stopped: {self.links.failure or e}") from None
 
-    def _run_passes(self, passes: list[tuple[Command, list]]) -> list[torch.Tensor]:
+    def _run_passes(self, passes: list[tuple]) -> list[torch.Tensor]:
+        """passes: (command, token ids[, after]): `after` (or None) runs once stage 0 has run the pass."""
         links, vocab = self.links, self.loaded.config.vocab_size
         pending = []
-        for cmd, ids in passes:
+        for cmd, ids, *after in passes:
             links.send_command(cmd)
             if cmd.wants_output:  # posted first: the last stage can send whenever it is done
                 pending.append(links.post_recv(cmd.output_shape(vocab), torch.float32, links.last, back=True))
             x = self.executor.run(cmd, ids if cmd.op == ROWS else torch.tensor(ids, dtype=torch.long, device=self.device))
             links.send(x, 1)
+            if after and after[0] is not None:
+                after[0]()
         out = [links.finish(p) for p in pending]
         links.flush_sends()
         return out

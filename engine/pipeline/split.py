@@ -2,7 +2,8 @@
 
 Stage 0 also holds the embedding (it turns token ids into hidden states), the last stage the final
 norm and the output layer (a tied output layer is the embedding matrix: the last stage holds a copy).
-Each stage's KV cache holds its own layers, so a layer's bytes are its weights plus its KV rows.
+Each stage's KV cache holds its own layers, so a layer's bytes are its weights plus its KV rows (a hybrid's
+DeltaNet layer: its states instead).
 """
 from __future__ import annotations
 
@@ -78,13 +79,34 @@ def split_layers(layer_bytes: list[int], first_extra: int, last_extra: int, num_
     return ranges[::-1]
 
 
-def plan_stages(config, formats, settings, devices: list[str]) -> list[Stage]:
-    """The stages of a model on `devices` (one stage each, in order) from its memory plan's weights
-    (engine.memory.plan.weight_tensors) and KV bytes per layer."""
-    from engine.memory.plan import weight_tensors
+def stage_config(config, first: int, end: int):
+    """The ModelConfig of the layers first..end-1 alone (a stage's KV cache and DeltaNet states hold those)."""
+    import dataclasses
+    hybrid = config.hybrid
+    if hybrid is not None:
+        hybrid = dataclasses.replace(hybrid, layer_types=hybrid.layer_types[first:end])
+    return dataclasses.replace(config, num_layers=end - first, hybrid=hybrid)
+
+
+def layer_cache_bytes(config, settings) -> list[int]:
+    """Per layer, what its slots hold on the device: KV rows (an attention layer), or a hybrid's DeltaNet state
+    and the states its verify passes keep (a linear-attention layer), as engine.memory.plan counts them."""
     from quant.kv_format import KV_TYPES, kv_bytes_per_token
     kv_layer = kv_bytes_per_token(KV_TYPES[settings.kv_type], 1, config.num_kv_heads, config.head_dim,
                                   settings.dtype_bytes) * settings.max_seq_len * settings.slots
+    if config.hybrid is None:
+        return [kv_layer] * config.num_layers
+    hc = config.hybrid
+    state = hc.state_bytes_per_slot(settings.dtype_bytes) // hc.counts()["linear_attention"]  # one layer's
+    linear = state * settings.slots * (1 + settings.verify_positions)
+    return [linear if config.is_linear(i) else kv_layer for i in range(config.num_layers)]
+
+
+def plan_stages(config, formats, settings, devices: list[str]) -> list[Stage]:
+    """The stages of a model on `devices` (one stage each, in order) from its memory plan's weights
+    (engine.memory.plan.weight_tensors) and cache bytes per layer (layer_cache_bytes)."""
+    from engine.memory.plan import weight_tensors
+    cache = layer_cache_bytes(config, settings)
     layer_weights = [0] * config.num_layers
     extras: dict[str, int] = {}
     for what, layer, size in weight_tensors(config, formats, settings):
@@ -95,10 +117,10 @@ def plan_stages(config, formats, settings, devices: list[str]) -> list[Stage]:
     first_extra = extras["embed"] + extras["inv_freq"]
     # the output layer: its own matrix, or (tied, not packed) the embedding's copy on the last stage
     last_extra = extras["norm"] + extras["inv_freq"] + extras.get("lm_head", extras["embed"])
-    ranges = split_layers([w + kv_layer for w in layer_weights], first_extra, last_extra, len(devices))
+    ranges = split_layers([w + c for w, c in zip(layer_weights, cache)], first_extra, last_extra, len(devices))
     stages = []
     for s, ((first, end), device) in enumerate(zip(ranges, devices)):
         weights = sum(layer_weights[first:end]) + (first_extra if s == 0 else 0)
         weights += last_extra if s == len(devices) - 1 else 0
-        stages.append(Stage(s, len(devices), device, first, end, weights, kv_layer * (end - first)))
+        stages.append(Stage(s, len(devices), device, first, end, weights, sum(cache[first:end])))
     return stages

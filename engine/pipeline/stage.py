@@ -7,13 +7,12 @@ runs `Transformer.forward_hidden` over the stage's blocks, `rows` the fused deco
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 
-from engine.pipeline.protocol import CALIBRATE, PLAIN, ROWS, Command
-from engine.pipeline.split import Stage
+from engine.pipeline.protocol import CALIBRATE, PLAIN, RECORD, RESTORE, ROWS, SAVE_POINT, Command
+from engine.pipeline.split import Stage, stage_config
 from engine.runtime.decode_step import MAX_STEP_ROWS
 from engine.runtime.kv_cache import CacheBatch, KVCache
 from engine.weights.loader import LoadedModel
@@ -29,9 +28,13 @@ class StageExecutor:
         calls `start_steps` at once."""
         self.loaded, self.stage, self.model = loaded, stage, loaded.model
         self.device = loaded.device
-        self.stage_config = dataclasses.replace(loaded.config, num_layers=stage.num_layers)  # its own layers only
+        self.stage_config = stage_config(loaded.config, stage.first, stage.end)  # its own layers only
         self.cache = KVCache(self.stage_config, max_seq_len, num_slots, dtype=loaded.dtype, device=self.device,
                              kv_type=kv_type)
+        self.hybrid = loaded.config.hybrid is not None
+        if self.hybrid:  # its DeltaNet layers' states, and its slots that restore them
+            from engine.runtime.hybrid_state import attach_states
+            attach_states(self.cache, self.stage_config)
         self.steps: dict = {}  # row count → DecodeStepRunner over this stage's blocks
         self.num_splits = 1
         self.fast = fast_decode if fast_decode is not None else self.device.type == "cuda"
@@ -39,6 +42,9 @@ class StageExecutor:
             from engine.kernels.attention_decode import default_num_splits
             cfg = loaded.config
             self.num_splits = default_num_splits(max_seq_len, cfg.num_kv_heads, head_dim=cfg.head_dim)
+            if self.hybrid:  # the DeltaNet gate projections as one matmul in the step (before any capture)
+                from engine.runtime.hybrid_step import join_gates
+                join_gates(self.model)
 
     @property
     def needs_calibration(self) -> bool:
@@ -52,7 +58,8 @@ class StageExecutor:
                 self._step(1)
             except ValueError as e:  # a shape the kernels do not handle: the plain path still works
                 log.warning("fused decode step unavailable (%s); decoding through the plain model path", e)
-        self.model.use_fused_prologue(1 in self.steps and self.steps[1].ops.fast)
+        # (not a hybrid's gated attention: the prologue kernel rotates whole heads and has no output gate)
+        self.model.use_fused_prologue(1 in self.steps and self.steps[1].ops.fast and not self.hybrid)
 
     @torch.inference_mode()
     def calibrate(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +69,9 @@ class StageExecutor:
         Returns the hidden states for the next stage."""
         n = x.shape[1]
         scratch = KVCache(self.stage_config, n, 1, dtype=self.loaded.dtype, device=self.device)
+        if self.hybrid:  # the DeltaNet layers' states, for the pass
+            from engine.runtime.hybrid_state import attach_states
+            attach_states(scratch, self.stage_config)
         out, _ = self.model.forward_hidden(x, CacheBatch.make([0], [0], n, self.device), scratch, n, 1)
         self.cache.key_offset = scratch.k[:, 0, :, 1:].float().mean(dim=2).contiguous()  # [L_stage, KV, D]
         return out
@@ -82,8 +92,28 @@ class StageExecutor:
     def prepare_rows(self, max_rows: int) -> None:
         """Capture the fused step for every row count up to max_rows now, not in the middle of a request."""
         if self.fused:
+            if min(max_rows, MAX_STEP_ROWS) > len(self.cache.slots):  # verify rows of one slot (speculation)
+                self._room_for_rows(min(max_rows, MAX_STEP_ROWS))
             for rows in range(2, min(max_rows, MAX_STEP_ROWS) + 1):
                 self._step(rows)
+
+    def _room_for_rows(self, rows: int) -> None:
+        """A hybrid's rollback points for `rows` verify rows of one slot (the steps of several rows captured anew
+        with the bigger buffers), as ModelRunner.step_rows makes them."""
+        states = self.cache.states
+        if states is not None and states.row_capacity < rows:
+            states.allocate_rows(rows)
+            self.steps = {r: step for r, step in self.steps.items() if r == 1}
+
+    def run_state(self, cmd: Command) -> None:
+        """SAVE_POINT / RESTORE of a hybrid slot's DeltaNet state (rank 0 decided the entry: protocol.Command)."""
+        states, slot, length = self.cache.states, cmd.slots[0], cmd.starts[0]
+        if cmd.op == SAVE_POINT:
+            states.save_entry(slot, cmd.arg)
+        elif cmd.arg < 0:
+            assert states.restore(slot, length), f"stage {self.stage.index}: slot {slot} has no snapshot at {length}"
+        else:
+            states.restore_entry(slot, cmd.arg)
 
     @torch.inference_mode()
     def run(self, cmd: Command, x: torch.Tensor | list) -> torch.Tensor:
@@ -96,9 +126,20 @@ class StageExecutor:
             ids = x if torch.is_tensor(x) else torch.tensor(x, dtype=torch.long, device=self.device)
             batch = CacheBatch.make(list(cmd.slots), list(cmd.starts), cmd.num_tokens, self.device)
             n = None if cmd.num_logits < 0 else max(cmd.num_logits, 1)
-            out, _ = self.model.forward_hidden(ids, batch, self.cache, cmd.kv_len, n)  # [B, n, V] or [B, T, H]
+            states = self.cache.states
+            recording = states is not None and cmd.arg == RECORD  # a verify: every position's state kept
+            if recording:
+                states.recording = True
+            try:
+                out, _ = self.model.forward_hidden(ids, batch, self.cache, cmd.kv_len, n)  # [B, n, V] or [B, T, H]
+            finally:
+                if recording:
+                    states.recording = False
+                    states.end_recording()
             return out
         assert cmd.op == ROWS and self.fused
+        if len(set(cmd.slots)) < cmd.rows:  # rows of one slot (a verify): a hybrid keeps each row's state
+            self._room_for_rows(cmd.rows)
         step = self._step(cmd.rows)
         if self.stage.takes_tokens:
             return step.run(x, list(cmd.starts), list(cmd.slots)).clone()  # [M, V] or [M, H]

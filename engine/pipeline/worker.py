@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from engine.errors import BonsaiError
 from engine.pipeline.launch import STORE_TIMEOUT, Links, WorkerSpec, init_groups
-from engine.pipeline.protocol import CALIBRATE, PREPARE, STOP
+from engine.pipeline.protocol import CALIBRATE, PREPARE, STATE_OPS, STOP
 from engine.pipeline.stage import StageExecutor
 
 log = logging.getLogger("bonsai.pipeline.worker")
@@ -41,6 +41,9 @@ def serve(links: Links, executor: StageExecutor) -> None:
             return
         if cmd.op == PREPARE:
             executor.prepare_rows(cmd.arg)
+            continue
+        if cmd.op in STATE_OPS:
+            executor.run_state(cmd)
             continue
         x = links.recv(cmd.hidden_shape(hidden_size), executor.hidden_dtype(cmd), stage.rank - 1)
         out = executor.run(cmd, x)

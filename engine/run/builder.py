@@ -139,9 +139,6 @@ def open_run(config: RunConfig, architecture: ModelConfig | None = None, auto_pu
     progress("planning GPU memory", 0.01)
     planned = plan_run(config, architecture, auto_pull)
     check_context(config, planned.weights.config)
-    if config.memory.pipeline_parallel and planned.weights.config.hybrid is not None:
-        raise BonsaiError("pipeline stages are not supported for hybrid (Qwen3.5/3.6) models yet: "
-                          "run on one device (drop memory.pipeline_parallel)")
     if config.memory.pipeline_parallel:
         return _open_pipeline(config, planned, architecture, progress, option, backend)
     check_budget(planned.plan, planned.limit, planned.weights, planned.settings, keys, option, planned.drafter)

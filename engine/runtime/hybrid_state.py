@@ -16,6 +16,7 @@ Every other rewind is refused (one line): callers ask `keepable` first.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -145,9 +146,21 @@ class HybridStates:
             snap.recurrent.append(kept[0])
             snap.seen.append(seen[0])
 
-    def save_point(self, slot: int, tokens: list[int]) -> None:
-        """Keep the slot's state after `tokens` (what it holds now) as a prefix point, over its oldest one. The copies
-        are queued on the current stream (the slot's next pass, also queued there, cannot overtake them)."""
+    def save_point(self, slot: int, tokens: list[int]) -> int | None:
+        """Keep the slot's state after `tokens` (what it holds now) as a prefix point, over its oldest one; the entry
+        it went to (None: that point is kept already). The copies are queued on the current stream (the slot's next
+        pass, also queued there, cannot overtake them)."""
+        key = tuple(tokens)
+        saved = self._points[slot][2] if slot in self._points else []
+        if any(t == key for t, _ in saved):  # (a prompt prefilled again from a point: the same state)
+            return None
+        entry = saved[0][1] if len(saved) == POINTS else len(saved)  # a free entry, else the oldest one's
+        self.save_entry(slot, entry, key)
+        return entry
+
+    def save_entry(self, slot: int, entry: int, key: tuple = ()) -> None:
+        """The slot's state into prefix-point entry `entry`, as the point of `key` (its tokens; a later pipeline
+        stage, which restores by entry, keeps none)."""
         if slot not in self._points:
             shapes = (((POINTS, *self.conv[:, slot].shape), self.conv.dtype),
                       ((POINTS, *self.recurrent[:, slot].shape), torch.float32))
@@ -158,10 +171,7 @@ class HybridStates:
                 conv, rec = (torch.empty(shape, dtype=dtype) for shape, dtype in shapes)
             self._points[slot] = (conv, rec, [])
         conv, rec, saved = self._points[slot]
-        key = tuple(tokens)
-        if any(t == key for t, _ in saved):  # (a prompt prefilled again from a point: the same state)
-            return
-        entry = saved.pop(0)[1] if len(saved) == POINTS else len(saved)  # a free entry, else the oldest one's
+        saved[:] = [(t, e) for t, e in saved if e != entry]
         conv[entry].copy_(self.conv[:, slot], non_blocking=True)
         rec[entry].copy_(self.recurrent[:, slot], non_blocking=True)
         saved.append((key, entry))
@@ -175,15 +185,19 @@ class HybridStates:
         """The longest saved prefix point of at most n tokens that `tokens` (the slot's) still begin with; 0: none."""
         return max((length for length, _ in self._matching(slot, tokens) if length <= n), default=0)
 
-    def restore_point(self, slot: int, length: int, tokens: list[int]) -> bool:
-        """Put back the state a prefix point of `length` tokens saved, if `tokens` still begin with its tokens."""
+    def restore_point(self, slot: int, length: int, tokens: list[int]) -> int | None:
+        """Put back the state a prefix point of `length` tokens saved, if `tokens` still begin with its tokens: its
+        entry (None: no such point)."""
         entry = next((e for n, e in self._matching(slot, tokens) if n == length), None)
         if length == 0 or entry is None:
-            return False
+            return None
+        self.restore_entry(slot, entry)
+        return entry
+
+    def restore_entry(self, slot: int, entry: int) -> None:
         conv, rec, _ = self._points[slot]
         self.conv[:, slot].copy_(conv[entry], non_blocking=True)
         self.recurrent[:, slot].copy_(rec[entry], non_blocking=True)
-        return True
 
     def forget(self, slot: int) -> None:
         """The slot's rollback points are gone (its state moved on). A replayed prefill graph does not run the
@@ -217,8 +231,11 @@ class HybridStates:
 
 @dataclass
 class HybridSlot(KVSlot):
-    """A slot of a hybrid model: its rewinds restore the DeltaNet state (or are refused)."""
+    """A slot of a hybrid model: its rewinds restore the DeltaNet state (or are refused). on_restore(slot, length,
+    entry) is told each restore (entry: the prefix point's, -1 a verify's snapshot): a pipeline's rank 0 has the
+    other stages restore theirs."""
     states: HybridStates | None = field(default=None, repr=False)
+    on_restore: Callable[[int, int, int], None] | None = field(default=None, repr=False)
 
     def keepable(self, n: int) -> int:
         """The longest prefix of at most n tokens the slot can be cut back to: all of it, else its longest prefix
@@ -229,10 +246,14 @@ class HybridSlot(KVSlot):
         if n == 0:
             return
         target = self.length - n
-        if target > 0 and not (self.states.restore(self.index, target)
-                               or self.states.restore_point(self.index, target, self.tokens)):
-            raise BonsaiError(f"slot {self.index} of a hybrid (DeltaNet) model cannot go back {n} tokens: its "
-                              "state was not saved there; this decoding path is not supported for hybrid models")
+        if target > 0:
+            entry = -1 if self.states.restore(self.index, target) else \
+                self.states.restore_point(self.index, target, self.tokens)
+            if entry is None:
+                raise BonsaiError(f"slot {self.index} of a hybrid (DeltaNet) model cannot go back {n} tokens: its "
+                                  "state was not saved there; this decoding path is not supported for hybrid models")
+            if self.on_restore is not None:
+                self.on_restore(self.index, target, entry)
         super().rewind(n)
 
 

@@ -266,10 +266,17 @@ class Transformer(nn.Module):
 
     def keep_layers(self, first: int, end: int, takes_tokens: bool, gives_logits: bool) -> None:
         """Make this (still unmaterialized) model one pipeline stage: blocks first..end-1, whose
-        attention reads a KV cache of their own (layer i of the stage at index i - first)."""
+        attention reads a KV cache of their own (the stage's attention layers in order; a hybrid's DeltaNet
+        layers likewise their states)."""
         self.layers = nn.ModuleList(list(self.layers)[first:end])
-        for i, block in enumerate(self.layers):
-            block.attention.layer = i
+        hybrid = self.config.hybrid
+        kinds = hybrid.layer_types[first:end] if hybrid else ("full_attention",) * len(self.layers)
+        for i, block in enumerate(self.layers):  # its place among the stage's layers of its kind
+            index = sum(k == kinds[i] for k in kinds[:i])
+            if isinstance(block.attention, Attention):
+                block.attention.layer = index
+            else:  # a hybrid's DeltaNet layer: its state in the stage's HybridStates
+                block.attention.index = index
         self.first_layer, self.takes_tokens, self.gives_logits = first, takes_tokens, gives_logits
 
     def use_fused_prologue(self, on: bool) -> None:

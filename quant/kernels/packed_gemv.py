@@ -57,6 +57,19 @@ def default_variant(kind: str, group_size: int, rows: int, in_features: int, out
     return "2d" if rows <= ROWS_2D_MAX else "rows" if rows >= ROW_LOOP_FROM else "3d"
 
 
+def one_row_path(kind: str, group_size: int, out_features: int, in_features: int) -> str:
+    """The kernel and split-K a one-row (decode) product of this matrix runs by default, e.g. "kwarps split 8"
+    (what `bonsai bench` reports per shape)."""
+    if kind == "tri5":
+        from quant.kernels.tri5_gemv import tri5_launch_config
+        return f"tri5 split {tri5_launch_config(out_features, in_features // 256)[1]}"
+    variant = default_variant(kind, group_size, 1, in_features, out_features)
+    ng = in_features // group_size
+    split = (kwarps_launch_config(out_features, ng) if variant == "kwarps"
+             else gemv_launch_config(out_features, ng, kind))[1]
+    return f"{variant} split {split}"
+
+
 def kwarps_launch_config(n: int, num_groups: int, warps: int = 2) -> tuple[int, int, int]:
     """(BLOCK_N, split_k, warps) of the "kwarps" kernel: the most splits of K (a power of two, at most 32) that
     leave each warp at least KWARPS_GROUPS groups (a split's groups rounded up to a multiple of the warps)."""
