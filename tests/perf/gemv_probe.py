@@ -21,7 +21,6 @@ that leave a phase out) against what it must compute instead.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -270,11 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                      ("splits", section_splits)):
         if name in args.sections:
             run.section(name, fn)
-    if args.json:
-        args.json.write_text(json.dumps(run.results, indent=1))
-    failed = [c for c in run.results["checks"] if not c["ok"]]
-    print(f"{len(run.results['checks'])} checks, {len(failed)} failed; errors: {run.results['errors'] or 'none'}")
-    return 1 if failed or run.results["errors"] else 0
+    return run.finish(args.json)
 
 
 if __name__ == "__main__":

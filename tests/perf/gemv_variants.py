@@ -17,7 +17,6 @@ variant here is checked against the exact reference before it is timed (graph re
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -290,11 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in (("variants", section_variants), ("engine", section_engine)):
         if name in args.sections.split(","):
             run.section(name, fn)
-    if args.json:
-        args.json.write_text(json.dumps(run.results, indent=1))
-    failed = [c for c in run.results["checks"] if not c["ok"]]
-    print(f"{len(run.results['checks'])} checks, {len(failed)} failed; errors: {run.results['errors'] or 'none'}")
-    return 1 if failed or run.results["errors"] else 0
+    return run.finish(args.json)
 
 
 if __name__ == "__main__":

@@ -59,16 +59,4 @@ echo "== prefix points through the engine (the scheduler rewinds a slot to its p
 timeout 150 python3 -m tests.perf.gpu_prefix_points --model qwen3.5-0.8b --tokens 3000 2>&1 | tail -12 \
     | tee "$OUT/prefix-points.txt"
 fi
-python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
-import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
-    r = json.loads(path.read_text())
-    cells = []
-    for t in r.get("tests", []):
-        bw = t.get("decode_bandwidth") or {}
-        extra = (f" ({bw['bytes_per_token'] / 1e9:.2f} GB/token, {100 * bw['fraction_of_copy']:.0f}% of copy BW, "
-                 f"ceiling {bw['ceiling_tokens_per_second']:,.0f})" if bw else "")
-        cells.append(f"{t['name']} {t['tokens_per_second']:,.1f}{extra}")
-    s = r.get("settings", {})
-    print(path.stem, "|", " | ".join(cells), "| graph", s.get("cuda_graph"), "| complete", r.get("complete"))
-PY
+python3 tests/perf/bench_summary.py "$OUT" | tee "$OUT/summary.txt"

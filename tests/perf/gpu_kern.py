@@ -88,6 +88,14 @@ class Run:
                               "group_size": GROUP, "reps": args.reps, "copy_gb_per_s": None,
                               "checks": [], "gemv": [], "rows": [], "errors": {}, "skipped": []}
 
+    def finish(self, path: Path | None) -> int:
+        """Write the results (path), print the checks' count; the exit code (1: a check failed or a section broke)."""
+        if path:
+            path.write_text(json.dumps(self.results, indent=1))
+        failed = [c for c in self.results["checks"] if not c["ok"]]
+        print(f"{len(self.results['checks'])} checks, {len(failed)} failed; errors: {self.results['errors'] or 'none'}")
+        return 1 if failed or self.results["errors"] else 0
+
     def out_of_time(self, what: str) -> bool:
         if time.perf_counter() - self.start < self.args.budget_s:
             return False

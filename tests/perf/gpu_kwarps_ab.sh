@@ -24,14 +24,4 @@ for model in ${MODELS:-qwen3-8b qwen3.6-27b}; do
     done
 done
 cp "$NEW" quant/kernels/packed_gemv.py
-python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
-import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
-    r = json.loads(path.read_text())
-    cells = []
-    for t in r.get("tests", []):
-        bw = t.get("decode_bandwidth") or {}
-        extra = f" ({100 * bw['fraction_of_copy']:.0f}% of copy BW)" if bw else ""
-        cells.append(f"{t['name']} {t['tokens_per_second']:,.1f} ± {t.get('stddev', 0):.1f}{extra}")
-    print(path.stem, "|", " | ".join(cells), "| complete", r.get("complete"))
-PY
+python3 tests/perf/bench_summary.py "$OUT" | tee "$OUT/summary.txt"
