@@ -134,7 +134,7 @@ def test_kwarps_is_the_default_for_one_row_of_large_ternary_matrices_only():
         == ["kwarps"] * 3
     assert [kwarps_launch_config(n, k // 128)[1] for n, k in ((34816, 5120), (5120, 17408), (24576, 4096))] \
         == [8, 32, 4]
-    assert default_variant("tri", 128, 1, 5120, 16384) == "kwarps"  # the Qwen3.6 DeltaNet q/k/v/z (84M)
+    assert default_variant("tri", 128, 1, 5120, 16384) == "kwarps"  # 84M weights
     assert default_variant("tri", 128, 1, 12288, 4096) == "2d"  # the 8B down projection (50M weights)
     assert default_variant("tri", 64, 1, 5120, 34816) == "2d"
     assert default_variant("int4", 128, 1, 5120, 34816) == "2d"

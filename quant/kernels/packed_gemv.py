@@ -37,10 +37,11 @@ MMA_FROM_ROWS = {"tri": 3, "bin": 17, "int4": 5, "int8": 17}
 # One row of a large matrix: two warps a program, each its own groups of the program's K range (one atomic per
 # column a program, half the split-K atomics at the same warps in flight). Measured on an H100 (tests/perf/
 # gemv_variants.py, 2026-12-05, µs, the 2-bit g128 kernel at its split rule → two warps): 27B-class gate/up
-# 34816×5120 22.17 → 20.63, down 5120×17408 11.50 → 9.73, the Qwen3.6 DeltaNet q/k/v/z 16384×5120 12.18 → 9.36,
-# Qwen3-8B gate/up 24576×4096 13.70 → 11.47; under 80M weights it loses (8B down 6.96 → 7.25, q/k/v 4.61 → 6.96).
+# 34816×5120 22.17 → 20.63, down 5120×17408 11.50 → 9.73, a 16384×5120 matrix 12.18 → 9.36 (the hybrid's DeltaNet
+# q/k/v 10240 and z 6144 rows run apart: not taken), Qwen3-8B gate/up 24576×4096 13.70 → 11.47; under 80M weights it
+# loses (8B down 6.96 → 7.25, q/k/v 4.61 → 6.96).
 # Each warp gets ≥ 3 groups (fewer lost). 1-bit: mixed (27B down 0.78x, 8B gate/up 1.39x): not taken. Two steps
-# in flight instead of one measured slower (27B down 12.67 µs, q/k/v/z 11.68).
+# in flight instead of one measured slower (27B down 12.67 µs, 16384×5120 11.68).
 KWARPS = {"tri": (128, 80_000_000)}  # kind: (group size, least weights N·K)
 KWARPS_GROUPS = 3
 
