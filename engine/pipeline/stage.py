@@ -14,6 +14,7 @@ import torch
 from engine.pipeline.protocol import CALIBRATE, PLAIN, RECORD, RESTORE, ROWS, SAVE_POINT, Command
 from engine.pipeline.split import Stage, stage_config
 from engine.runtime.decode_step import MAX_STEP_ROWS
+from engine.runtime.hybrid_state import recording
 from engine.runtime.kv_cache import CacheBatch, KVCache
 from engine.weights.loader import LoadedModel
 
@@ -67,13 +68,11 @@ class StageExecutor:
         calibration tokens [1, n] (stage 0) or the previous stage's hidden states [1, n, H] go through
         a float cache of n positions; the mean key of each layer and kv head over positions 1..
         Returns the hidden states for the next stage."""
+        from engine.runtime.kv_calibration import calibration_cache, mean_keys
         n = x.shape[1]
-        scratch = KVCache(self.stage_config, n, 1, dtype=self.loaded.dtype, device=self.device)
-        if self.hybrid:  # the DeltaNet layers' states, for the pass
-            from engine.runtime.hybrid_state import attach_states
-            attach_states(scratch, self.stage_config)
+        scratch = calibration_cache(self.stage_config, n, self.loaded.dtype, self.device)
         out, _ = self.model.forward_hidden(x, CacheBatch.make([0], [0], n, self.device), scratch, n, 1)
-        self.cache.key_offset = scratch.k[:, 0, :, 1:].float().mean(dim=2).contiguous()  # [L_stage, KV, D]
+        self.cache.key_offset = mean_keys(scratch)  # [L_stage, KV, D]
         return out
 
     @property
@@ -100,9 +99,7 @@ class StageExecutor:
     def _room_for_rows(self, rows: int) -> None:
         """A hybrid's rollback points for `rows` verify rows of one slot (the steps of several rows captured anew
         with the bigger buffers), as ModelRunner.step_rows makes them."""
-        states = self.cache.states
-        if states is not None and states.row_capacity < rows:
-            states.allocate_rows(rows)
+        if self.cache.states is not None and self.cache.states.ensure_rows(rows):
             self.steps = {r: step for r, step in self.steps.items() if r == 1}
 
     def run_state(self, cmd: Command) -> None:
@@ -126,16 +123,8 @@ class StageExecutor:
             ids = x if torch.is_tensor(x) else torch.tensor(x, dtype=torch.long, device=self.device)
             batch = CacheBatch.make(list(cmd.slots), list(cmd.starts), cmd.num_tokens, self.device)
             n = None if cmd.num_logits < 0 else max(cmd.num_logits, 1)
-            states = self.cache.states
-            recording = states is not None and cmd.arg == RECORD  # a verify: every position's state kept
-            if recording:
-                states.recording = True
-            try:
+            with recording(self.cache.states, cmd.arg == RECORD):  # a verify: every position's state kept
                 out, _ = self.model.forward_hidden(ids, batch, self.cache, cmd.kv_len, n)  # [B, n, V] or [B, T, H]
-            finally:
-                if recording:
-                    states.recording = False
-                    states.end_recording()
             return out
         assert cmd.op == ROWS and self.fused
         if len(set(cmd.slots)) < cmd.rows:  # rows of one slot (a verify): a hybrid keeps each row's state

@@ -10,7 +10,7 @@ inverses of what the reader undoes), and which tensors the V-head reorder makes 
   written as llama.cpp's converter writes it (_Qwen35MtpMixin): its layers as blocks num_layers.. (full-attention
   blocks, the model's tensor names), the four top tensors (fc, the two input norms, the final norm) as
   `blk.{b}.nextn.*` in every MTP block, block_count = layers + MTP layers and nextn_predict_layers (mtp_entries /
-  mtp_tensors). Without a head: block_count is the layer count and there is no nextn_predict_layers, also when
+  mtp_stored). Without a head: block_count is the layer count and there is no nextn_predict_layers, also when
   the metadata is copied from a source GGUF that had them.
 - The float32 rounding of the converter's own value transforms (norm + 1, A_log → -exp(A_log)) belongs
   to the format, as in llama.cpp's files, and is not counted as export error.
@@ -26,6 +26,7 @@ import torch
 from engine.sources import gguf_qwen35
 from engine.sources.hybrid_config import LINEAR
 from engine.sources.model_config import ModelConfig
+from engine.sources.mtp_source import NEXTN, short_name
 
 ARCH = "qwen35"
 # keys of a source qwen35 GGUF that describe its MTP blocks: written anew (for the head the checkpoint holds)
@@ -116,15 +117,13 @@ def add_block_count(writer: GGUFWriter, cfg: ModelConfig, mtp_layers: int = 0) -
 
 
 # the MTP head's top tensors (checkpoint entries) and their llama.cpp names, repeated in every MTP block
-MTP_TOP = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
-           "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
+MTP_TOP = {f"mtp.{short}": nextn for nextn, short in NEXTN.items()}
 
 
 def mtp_entries(entry_names, cfg: ModelConfig) -> tuple[int, list[tuple[str, str, str]]]:
     """(MTP layers, [(checkpoint entry, GGUF name, canonical name of the values' transform)]) of a
     checkpoint's `mtp.*` entries, in the order they are written: a layer tensor once, as block
     num_layers + i; a top tensor in every MTP block."""
-    from engine.sources.mtp_source import short_name
     layer_tensors, tops = [], []
     for name in entry_names:
         short = short_name(name)

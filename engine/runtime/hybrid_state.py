@@ -15,8 +15,9 @@ Every other rewind is refused (one line): callers ask `keepable` first.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -68,6 +69,14 @@ class HybridStates:
     @property
     def row_capacity(self) -> int:
         return 0 if self.row_recurrent is None else self.row_recurrent.shape[1]
+
+    def ensure_rows(self, rows: int) -> bool:
+        """Room for the rollback points of `rows` rows of one slot; True where the buffers were made anew (fused
+        steps captured with the old ones must be captured again)."""
+        if self.row_capacity >= rows:
+            return False
+        self.allocate_rows(rows)
+        return True
 
     def allocate_rows(self, rows: int) -> None:
         """Room for the rollback points of a fused step of `rows` rows (the memory plan's verify states)."""
@@ -255,6 +264,21 @@ class HybridSlot(KVSlot):
             if self.on_restore is not None:
                 self.on_restore(self.index, target, entry)
         super().rewind(n)
+
+
+@contextmanager
+def recording(states: HybridStates | None, on: bool = True) -> Iterator[None]:
+    """Around a verify pass of the model's path: every position's state kept; after it, those states are the slots'
+    rollback points (HybridStates.end_recording). Nothing for a dense model (states None) or with on False."""
+    if states is None or not on:
+        yield
+        return
+    states.recording = True
+    try:
+        yield
+    finally:
+        states.recording = False
+        states.end_recording()
 
 
 def attach_states(cache, config: ModelConfig) -> None:

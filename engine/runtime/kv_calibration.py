@@ -41,10 +41,23 @@ def key_offsets(model, config, token_ids: list[int], dtype: torch.dtype, device:
     over positions 1.. of token_ids (position 0 is left out: the first token's key is an outlier)."""
     n = len(token_ids)
     assert n >= 2
-    cache = KVCache(config, n, 1, dtype=dtype, device=device)  # a float cache: the keys as they are
-    if config.hybrid is not None:  # the DeltaNet layers' states, for the pass (their layers cache no keys)
-        from engine.runtime.hybrid_state import attach_states
-        attach_states(cache, config)
+    cache = calibration_cache(config, n, dtype, device)
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # [1, n]
     model(ids, CacheBatch.make([0], [0], n, device), cache, n, 1)
-    return cache.k[:, 0, :, 1:].float().mean(dim=2).contiguous()  # [L, KV, D]
+    return mean_keys(cache)
+
+
+def calibration_cache(config, n: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+    """A float cache of n positions and one slot for the calibration pass (the keys as they are); a hybrid's with
+    its DeltaNet states, for the pass (their layers cache no keys)."""
+    cache = KVCache(config, n, 1, dtype=dtype, device=device)
+    if config.hybrid is not None:
+        from engine.runtime.hybrid_state import attach_states
+        attach_states(cache, config)
+    return cache
+
+
+def mean_keys(cache: KVCache) -> torch.Tensor:
+    """[L, KV, D] float32: the calibration pass's mean key of each attention layer and kv head over positions 1..
+    (position 0 is left out: the first token's key is an outlier)."""
+    return cache.k[:, 0, :, 1:].float().mean(dim=2).contiguous()

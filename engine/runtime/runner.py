@@ -12,6 +12,7 @@ import torch
 
 from engine.errors import BonsaiError
 from engine.runtime.decode_step import MAX_STEP_ROWS
+from engine.runtime.hybrid_state import recording
 from engine.runtime.kv_cache import CacheBatch, KVCache, KVSlot
 from engine.weights.loader import LoadedModel
 
@@ -249,16 +250,8 @@ class ModelRunner:
         t = len(tokens)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         batch = CacheBatch.make([index], [start], t, self.device)
-        states = self.cache.states
-        recording = states is not None and num_logits is None
-        if recording:
-            states.recording = True
-        try:
+        with recording(self.cache.states, num_logits is None):
             logits, hidden = self.model.forward_hidden(ids, batch, self.cache, start + t, num_logits, hidden_layers)
-        finally:
-            if recording:
-                states.recording = False
-                states.end_recording()
         return logits[0], {i: h[0] for i, h in hidden.items()}  # [T, V], {i: [T, H]}
 
     def _short_prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor:
@@ -294,9 +287,8 @@ class ModelRunner:
             return
         from engine.runtime.cuda_graphs import DecodeStepRunner
         wide = min(max_rows, MAX_STEP_ROWS)
-        if self.hybrid and wide > len(self.cache.slots) and self.cache.states.row_capacity < wide:
-            self.cache.states.allocate_rows(wide)  # verify rows of one slot (speculation): their rollback points
-            self._row_steps.clear()
+        if self.hybrid and wide > len(self.cache.slots) and self.cache.states.ensure_rows(wide):
+            self._row_steps.clear()  # verify rows of one slot (speculation): their rollback points
         for rows in range(2, min(max(max_rows, self.short_prefill_rows), MAX_STEP_ROWS) + 1):
             if rows not in self._row_steps:
                 self._row_steps[rows] = DecodeStepRunner(self.model, self.cache, rows=rows,
@@ -315,8 +307,7 @@ class ModelRunner:
         assert self.decoder is not None and 0 < len(tokens) <= MAX_STEP_ROWS
         rows = len(tokens)
         if self.hybrid and len(set(slots)) < rows:  # rows of one slot: its DeltaNet state stepped row by row
-            if self.cache.states.row_capacity < rows:  # room for the rollback points (steps recaptured with it)
-                self.cache.states.allocate_rows(rows)
+            if self.cache.states.ensure_rows(rows):  # room for the rollback points (steps recaptured with it)
                 self._row_steps.clear()
         step = self.decoder if rows == 1 else self._row_steps.get(rows)
         if step is None:

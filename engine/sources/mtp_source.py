@@ -25,7 +25,7 @@ from engine.sources import gguf_qwen35, hf_files
 
 TOP = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
 # llama.cpp's names of the top tensors, repeated in every MTP block (blk.{num_layers + i}.nextn.*)
-_NEXTN = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
+NEXTN = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
           "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight"}
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -55,9 +55,9 @@ def stored_names(source: Any, num_layers: int) -> dict[str, str]:
             if m is None or int(m.group(1)) < num_layers:
                 continue
             i = int(m.group(1)) - num_layers
-            if m.group(2) in _NEXTN:
+            if m.group(2) in NEXTN:
                 if i == 0:
-                    names[_NEXTN[m.group(2)]] = stored
+                    names[NEXTN[m.group(2)]] = stored
                 continue
             canon = gguf_qwen35.canonical_name(stored)
             if canon is not None:
