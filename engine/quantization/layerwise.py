@@ -17,11 +17,12 @@ with GPTQ's factorization of it, one slice of the embedding, the assembled codes
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from engine.quantization.block_tuning import BlockTuningOptions, Quantized, tune_block
 from engine.quantization.calibration import (CalibrationOptions, LayerInputs, Target, block_forward, block_targets, gsq_rows,
                                 quantize_block, rotary_tables)
 from engine.sources.checkpoint_file import hf_name
@@ -174,6 +175,8 @@ class LayerwiseInputs:
     evaluation: list[list[int]]
     kept: frozenset[str] = frozenset()  # HF names already written from the source's own codes
     down_block: int = 0  # online Hadamard block of a rotated model's down_proj
+    tuning: BlockTuningOptions = BlockTuningOptions()  # block-wise scale tuning (gptq / gsq; steps 0: off)
+    tuning_reports: list[dict] = field(default_factory=list)  # filled: block tuning's report of each layer
 
 
 def quantize_layers(job: LayerwiseInputs, writer: CheckpointWriter, record: Record,
@@ -197,6 +200,11 @@ def quantize_layers(job: LayerwiseInputs, writer: CheckpointWriter, record: Reco
     evals = batches_of(job.evaluation, EVAL_BATCH)
     quantized_inputs = None if src.tied else embed_spec
     calib_batches = Batches(calib, embed_batches(src, calib, quantized_inputs, dev))
+    tune = calibrated and job.tuning.steps > 0
+    float_states: list[torch.Tensor] = []  # block tuning: the float model's states of the calibration, [B, T, H] each
+    if tune:
+        rounded = quantized_inputs is not None and not quantized_inputs.is_float
+        float_states = embed_batches(src, calib, None, dev) if rounded else [x.clone() for x in calib_batches.hidden]
     ref_batches = Batches(evals, embed_batches(src, evals, None, dev))
     if not src.tied:
         say("model.embed_tokens.weight")
@@ -213,14 +221,31 @@ def quantize_layers(job: LayerwiseInputs, writer: CheckpointWriter, record: Reco
             targets = block_targets(block, i, cfg, plan)
             by_name = {t.name: t for group in targets.values() for t in group}
             if calibrated:
+                if tune:  # the float model's outputs of this block: the tuning's targets, the next float states
+                    float_states = [block_forward(block, x, *rotary_tables(model, x.shape[1], dev)) for x in float_states]
+                tuned = tune and bool(by_name)
+                inputs = calib_batches.hidden if tuned else None
                 stages = quantize_block(block, calib_batches.hidden, targets, keep, job.method, opts, model, say)
+                done_tensors = []
                 while True:
                     try:
                         name, codes, scales, spec = next(stages)
                     except StopIteration as end:
                         calib_batches.hidden = end.value
                         break
-                    _write_target(writer, record, by_name[name], codes, scales)
+                    if tuned:
+                        done_tensors.append(Quantized(by_name[name], codes, scales))
+                    else:
+                        _write_target(writer, record, by_name[name], codes, scales)
+                if tuned:
+                    say(f"layer {i + 1}/{cfg.num_layers}: block tuning")
+                    calib_batches.hidden, tuning = tune_block(block, model, inputs, float_states, calib_batches.hidden,
+                                                              done_tensors, job.tuning, say)
+                    job.tuning_reports.append({"layer": i, **tuning})
+                    del inputs
+                    for q in done_tensors:
+                        q.target.error = _weight_error(src, i, q)
+                        _write_target(writer, record, q.target, q.codes, q.scales)
             else:
                 for target in by_name.values():
                     w = target.param[target.start:target.start + target.rows].float()
@@ -238,7 +263,7 @@ def quantize_layers(job: LayerwiseInputs, writer: CheckpointWriter, record: Reco
             for x in calib_batches.hidden:
                 inputs.add(model.norm(x))
             hessian = inputs.hessian
-        del calib_batches
+        del calib_batches, float_states
         say("output layer")
         head_hf = "model.embed_tokens.weight" if head == EMBED else "lm_head.weight"
         if head_hf not in job.kept:
@@ -248,6 +273,12 @@ def quantize_layers(job: LayerwiseInputs, writer: CheckpointWriter, record: Reco
         if not evals:
             return None
         return torch.cat([model.norm(x)[:, :-1].reshape(-1, cfg.hidden_size) for x in ref_batches.hidden])
+
+
+def _weight_error(src: FloatSource, layer: int, q: Quantized) -> tuple[float, float]:
+    """(Σ (w − ŵ)², Σ w²) of a tuned tensor against its float weights, read again from the source."""
+    name = next(n for n in src.layer_names(layer) if hf_name(n) == q.target.name)
+    return relative_error(src.read(name).float(), q.codes, q.scales, q.target.spec.group_size)
 
 
 def _write_target(writer: CheckpointWriter, record: Record, target: Target, codes: torch.Tensor,

@@ -26,6 +26,7 @@ from engine.errors import BonsaiError
 from engine.quantization.evaluate import default_calibration_text, read_eval_text, windows_of
 from engine.quantization.gguf_export import export_gguf
 from engine.sources.gguf_file import GGUFFile
+from engine.quantization.block_tuning import BlockTuningOptions
 from engine.quantization.layerwise import LayerwiseInputs, quantize_layers
 from engine.weights.loader import open_model_source
 from engine.quantization.lora import load_adapter
@@ -58,6 +59,8 @@ class QuantizeOptions:
     scale_refits: int = 1  # gptq / gsq: rounds of least-squares group scales (quant.gptq.gptq_with_refits)
     tune_steps: int = 0  # gptq / gsq: end-to-end scale tuning steps afterwards (engine.quantization.scale_tuning)
     tune_lr: float = 5e-4
+    block_tune_steps: int = 0  # gptq / gsq: Adam steps of block-wise scale tuning per layer (engine.quantization.block_tuning)
+    block_tune_lr: float = 2e-3
     lora: Path | None = None
     gguf: Path | None = None
     allow_lossy_gguf: bool = False
@@ -80,6 +83,11 @@ class QuantizeOptions:
             raise BonsaiError(f"--scale-refits must be >= 0, got {self.scale_refits}")
         if self.tune_steps < 0 or not self.tune_lr > 0:
             raise BonsaiError(f"--tune-scales must be >= 0 and --tune-lr > 0, got {self.tune_steps} and {self.tune_lr}")
+        if self.block_tune_steps < 0 or not self.block_tune_lr > 0:
+            raise BonsaiError(f"--block-tune-steps must be >= 0 and --block-tune-lr > 0, got {self.block_tune_steps} "
+                              f"and {self.block_tune_lr}")
+        if self.block_tune_steps and self.method == "rtn":
+            raise BonsaiError("--block-tune-steps trains on calibration text: use it with --method gptq or gsq")
         if self.tune_steps and self.method == "rtn":
             raise BonsaiError("--tune-scales trains on calibration text: use it with --method gptq or gsq")
         if self.eval_tokens < MIN_EVAL_TOKENS:
@@ -203,8 +211,10 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
         eval_ids = windows_of(leading_tokens(read_eval_text(opts.eval_text), tokenizer, opts.eval_tokens),
                               EVAL_CONTEXT)
     head = specs.get("model.embed_tokens.weight" if floats.tied else "lm_head.weight")
+    tuning = BlockTuningOptions(steps=opts.block_tune_steps, lr=opts.block_tune_lr)
     predicted = predict_peak(out_config, sum(len(s) for s in calib_ids), opts.recipe.default.group_size,
-                             head is None or head.is_float)
+                             head is None or head.is_float,
+                             tuning.batch_sequences * opts.calib_seq_len if tuning.steps and calib_ids else 0)
     announce(predicted)
     report = QuantizeReport(out=out, method=opts.method, rotation=out_rotation, group_fallbacks=fallbacks,
                             settings=_settings(opts, calib_ids), predicted_peak_bytes=predicted["total"])
@@ -217,8 +227,10 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
         kept = _write_kept(source, config, specs, adapter, rotation, opts, writer, record)
         job = LayerwiseInputs(floats, out_config, specs, opts.method, _calibration_options(opts), calib_ids,
                               eval_ids, kept, rotation.down_block if rotation else
-                              int((out_rotation or {}).get("down_proj_hadamard", 0)))
+                              int((out_rotation or {}).get("down_proj_hadamard", 0)),
+                              tuning)
         ref_states = quantize_layers(job, writer, record, progress)
+        report.block_tuning = job.tuning_reports
         tmp = writer.finish()
         if opts.tune_steps:
             from engine.quantization.tuning import tune_checkpoint
@@ -274,6 +286,7 @@ def _settings(opts: QuantizeOptions, calib_ids: list[list[int]]) -> dict[str, An
     return {"method": opts.method, "rotate": opts.rotate, "online_hadamard": opts.rotate and opts.online_hadamard,
             "scale_refits": opts.scale_refits if opts.method != "rtn" else 0,
             "gsq_steps": opts.gsq_steps if opts.method == "gsq" else 0, "tune_steps": opts.tune_steps,
+            "block_tune_steps": opts.block_tune_steps, "block_tune_lr": opts.block_tune_lr,
             "calibration_tokens": sum(len(s) for s in calib_ids), "calibration_sequences": len(calib_ids),
             "calibration_text": str(opts.calib) if opts.calib else ("python stdlib docstrings" if calib_ids else None),
             "device": opts.device, "threads": torch.get_num_threads()}

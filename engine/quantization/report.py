@@ -12,6 +12,10 @@ F FFN width, K the widest linear input (max(H, q_size, F)), b(K) 8 up to 8192 in
                                                     working copy and codes)
     the output layer          V·H·(1 + 2/G) + 4·256 MiB  (its codes and scales assembled, slices
                                                     of rows in float32; bf16: 2·V·H)
+    block tuning (if on)      9·L + 4·S·(8·H + 4·F)·2  (the layer assembled from codes × scales, its
+                                                    gradient, the codes; one minibatch of S tokens with
+                                                    its gradients), and 8·T·H more activations (the float
+                                                    model's stream and its next states)
 A 27B-class model (H 5120, F 21504, 64 layers, T 8192): ~0.45 + 1.6 + 0.9 + max(11.1, 1.4) ≈ 14 GiB.
 """
 from __future__ import annotations
@@ -59,6 +63,7 @@ class QuantizeReport:
     gguf: GGUFExportReport | None = None
     rotation: dict | None = None  # the checkpoint's bonsai.rotation metadata
     scale_tuning: dict | None = None  # engine.quantization.scale_tuning's report (held-out KL before / after)
+    block_tuning: list[dict] = field(default_factory=list)  # engine.quantization.block_tuning's report of each layer
     quality: dict | None = None  # engine.quantization.quality's scores against the source (None: --no-eval)
     gguf_quality: dict | None = None  # the same for a lossy GGUF export (--allow-lossy-gguf)
     group_fallbacks: dict[int, list[str]] = field(default_factory=dict)  # group used → tensor classes
@@ -104,7 +109,7 @@ class QuantizeReport:
                 "formats": self.by_format(), "rotation": self.rotation, "settings": self.settings,
                 "relative_error": self.error_by_class(), "kept_from_source": sum(t.kept for t in self.tensors),
                 "group_fallbacks": {str(g): v for g, v in self.group_fallbacks.items()},
-                "scale_tuning": self.scale_tuning, "quality": self.quality, "gguf_quality": self.gguf_quality,
+                "scale_tuning": self.scale_tuning, "block_tuning": self.block_tuning, "quality": self.quality, "gguf_quality": self.gguf_quality,
                 "gguf": self.gguf.as_dict() if self.gguf else None,
                 "mtp_head": {"tensors": len(self.mtp_head), "params": sum(t.params for t in self.mtp_head),
                              "bytes": sum(t.nbytes for t in self.mtp_head)} if self.mtp_head else None}
@@ -136,9 +141,10 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def predict_peak(config: ModelConfig, calibration_tokens: int, group_size: int, head_float: bool
-                 ) -> dict[str, int]:
-    """The terms of the module doc's formula, in bytes, and their 'total'."""
+def predict_peak(config: ModelConfig, calibration_tokens: int, group_size: int, head_float: bool,
+                 tuning_tokens: int = 0) -> dict[str, int]:
+    """The terms of the module doc's formula, in bytes, and their 'total'. tuning_tokens: the tokens of one
+    block-tuning minibatch (0: no block tuning)."""
     h, f = config.hidden_size, config.intermediate_size
     shapes = config.linear_shapes()
     layer = sum(o * i for o, i in shapes.values())
@@ -150,7 +156,11 @@ def predict_peak(config: ModelConfig, calibration_tokens: int, group_size: int, 
     vh = config.vocab_size * h
     slice_bytes = min(GPTQ_SLICE_BYTES if calibration_tokens else SLICE_BYTES, 4 * vh)
     head = (2 * vh if head_float else int(vh * (1 + 2 / group_size))) + 4 * slice_bytes
-    parts = {"base": BASE_BYTES, "layer": 4 * layer, "activations": 4 * calibration_tokens * (3 * h + f),
-             "gptq": gptq, "output layer": head}
-    parts["total"] = parts["base"] + parts["layer"] + parts["activations"] + max(parts["gptq"], parts["output layer"])
+    tuned = bool(tuning_tokens and calibration_tokens)
+    parts = {"base": BASE_BYTES, "layer": 4 * layer,
+             "activations": 4 * calibration_tokens * (3 * h + f + (2 * h if tuned else 0)),
+             "gptq": gptq, "output layer": head,
+             "block tuning": 9 * layer + 8 * tuning_tokens * (8 * h + 4 * f) if tuned else 0}
+    parts["total"] = (parts["base"] + parts["layer"] + parts["activations"]
+                      + max(parts["gptq"], parts["output layer"], parts["block tuning"]))
     return parts

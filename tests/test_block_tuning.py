@@ -1,0 +1,140 @@
+"""Block-wise scale tuning (engine.quantization.block_tuning) on a tiny random model: on held-out sequences the
+tuned block's outputs are nearer the float model's than GPTQ's, only scales change, a step that cannot help
+leaves the start scales, and `bonsai quantize` runs it layer by layer and validates its options."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine.errors import BonsaiError
+from engine.quantization.block_tuning import BlockTuningOptions, Quantized, relative_error, tune_block
+from engine.quantization.calibration import (CalibrationOptions, block_forward, block_targets, calibration_sequences,
+                                             quantize_block, rotary_tables)
+from engine.quantization.quantize import QuantizeOptions, quantize
+from engine.weights.loader import load_model
+from quant.checkpoint import Checkpoint
+from quant.formats import QuantSpec
+from quant.grids import dequantize
+from quant.recipe import Recipe, Rule
+from tests.gguf_tiny import write_tiny_gguf
+from tests.test_calibration import TEXT
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SPEC = QuantSpec("tri", 32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_gguf):
+    return write_tiny_gguf(tmp_path_factory.mktemp("block_tune") / "tiny.gguf", smollm2_gguf, T.F32)
+
+
+def quantized_block(tiny):
+    """Layer 1 of the tiny model quantized by GPTQ (ternary g32) on the float layer-0 states of 64 sequences,
+    with the float block's outputs as the targets."""
+    loaded = load_model(tiny, weight_dtype=torch.float32)
+    model, cfg = loaded.model, loaded.config
+    ids = torch.tensor(calibration_sequences(loaded.tokenizer.encode(TEXT * 4), 64, 32))  # [64, 32]
+    with torch.no_grad():
+        x = block_forward(model.layers[0], model.embed(ids), *rotary_tables(model, 32, ids.device))  # [64, 32, H]
+        block = model.layers[1]
+        target = list(block_forward(block, x, *rotary_tables(model, 32, ids.device)).split(8))  # [8, 32, H] each
+        inputs = list(x.split(8))  # [8, 32, H] each
+        targets = block_targets(block, 1, cfg, lambda name: SPEC)
+        by_name = {t.name: t for group in targets.values() for t in group}
+        stages = quantize_block(block, inputs, targets, None, "gptq", CalibrationOptions(scale_refits=1), model,
+                                lambda m: None)
+        tensors = []
+        while True:
+            try:
+                name, codes, scales, _ = next(stages)
+            except StopIteration as end:
+                outputs = end.value
+                break
+            tensors.append(Quantized(by_name[name], codes, scales))
+    return model, block, inputs, target, outputs, tensors
+
+
+def held_out_error(report: dict) -> tuple[float, float]:
+    return report["held_out_before"], report["held_out_after"]
+
+
+def test_tuned_block_is_nearer_the_float_outputs_on_held_out_sequences(tiny):
+    model, block, inputs, targets, outputs, tensors = quantized_block(tiny)
+    start = {q.target.name: q.scales.clone() for q in tensors}
+    with torch.no_grad():
+        new, report = tune_block(block, model, inputs, targets, outputs, tensors,
+                                 BlockTuningOptions(steps=40, lr=1e-2, batch_sequences=2, bf16=False))
+    before, after = held_out_error(report)
+    assert report["kept"] and after < 0.95 * before, report
+    assert relative_error(torch.cat(new), torch.cat(targets)) < relative_error(torch.cat(outputs), torch.cat(targets))
+    assert all(not torch.equal(q.scales, start[q.target.name]) for q in tensors)  # every tensor's scales moved
+    for q in tensors:  # stored as fp16, and the block holds codes × the new scales
+        assert torch.equal(q.scales, q.scales.half().float())
+        t = q.target
+        want = dequantize(q.codes, q.scales, SPEC.group_size)  # [N, K]
+        assert torch.equal(t.param[t.start:t.start + t.rows], want), t.name
+    with torch.no_grad():  # the outputs returned are the block's own with those weights
+        torch.testing.assert_close(new[0], block_forward(block, inputs[0], *rotary_tables(model, 32, inputs[0].device)))
+
+
+def test_bf16_steps_help_too(tiny):
+    model, block, inputs, targets, outputs, tensors = quantized_block(tiny)
+    with torch.no_grad():
+        _, report = tune_block(block, model, inputs, targets, outputs, tensors,
+                               BlockTuningOptions(steps=40, lr=1e-2, batch_sequences=2, bf16=True))
+    before, after = held_out_error(report)
+    assert report["kept"] and after < 0.95 * before, report
+
+
+def test_start_scales_are_kept_when_tuning_does_not_help(tiny):
+    model, block, inputs, targets, outputs, tensors = quantized_block(tiny)
+    start = {q.target.name: q.scales.clone() for q in tensors}
+    weights = {n: p.detach().clone() for n, p in block.named_parameters()}
+    with torch.no_grad():
+        new, report = tune_block(block, model, inputs, targets, outputs, tensors,
+                                 BlockTuningOptions(steps=3, lr=5.0, bf16=False))  # steps of e^±5
+    assert not report["kept"] and report["held_out_after"] >= report["held_out_before"]
+    assert new is outputs
+    assert all(torch.equal(q.scales, start[q.target.name]) for q in tensors)
+    for name, p in block.named_parameters():
+        assert torch.equal(p, weights[name]), name
+
+
+def test_quantize_with_block_tuning_writes_tuned_scales(tiny, tmp_path):
+    """Layer by layer with --block-tune-steps: same codes as without, other scales, a nearer model."""
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT)
+    recipe = Recipe(QuantSpec("tri", 32), rules=(Rule("q_proj|o_proj", QuantSpec("int4", 32)),))
+    written = {}
+    for steps in (0, 30):
+        opts = QuantizeOptions(recipe, method="gptq", calib=calib, calib_samples=16, calib_seq_len=32,
+                               block_tune_steps=steps, block_tune_lr=1e-2, eval_text=calib, eval_tokens=256)
+        report = quantize(tiny, tmp_path / f"ckpt{steps}", opts)
+        assert report.settings["block_tune_steps"] == steps
+        written[steps] = (Checkpoint(tmp_path / f"ckpt{steps}"), report.quality["kl_mean"])
+    (plain, kl_plain), (tuned, kl_tuned) = written[0], written[30]
+    names = [n for n, e in plain.entries.items() if not e.is_float]
+    moved = 0
+    for name in names:
+        _, codes, scales = plain.read_quantized(name)
+        _, tuned_codes, tuned_scales = tuned.read_quantized(name)
+        if ".layers.0." in name:  # layer 0 sees the same inputs: tuning keeps GPTQ's codes
+            assert torch.equal(codes, tuned_codes), name
+        moved += not torch.equal(scales, tuned_scales)
+    assert moved == len(names)
+    assert kl_tuned < kl_plain
+
+
+def test_bad_block_tuning_options(tiny, tmp_path):
+    recipe = Recipe(QuantSpec("tri", 32))
+    with pytest.raises(BonsaiError, match="--block-tune-steps must be >= 0"):
+        QuantizeOptions(recipe, method="gptq", block_tune_steps=-1)
+    with pytest.raises(BonsaiError, match="--block-tune-lr > 0"):
+        QuantizeOptions(recipe, method="gptq", block_tune_steps=5, block_tune_lr=0.0)
+    with pytest.raises(BonsaiError, match="use it with --method gptq or gsq"):
+        QuantizeOptions(recipe, method="rtn", block_tune_steps=5)
+    with pytest.raises(BonsaiError, match="--block-tune-lr must be > 0"):
+        BlockTuningOptions(lr=float("nan"))
+    with pytest.raises(BonsaiError, match="held_out"):
+        BlockTuningOptions(held_out=0.0)
