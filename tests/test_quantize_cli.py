@@ -211,6 +211,9 @@ BAD = [
     (["--scale-refits", "-1"], "--scale-refits must be >= 0"),
     (["--tune-scales", "-1"], "--tune-scales must be >= 0"),
     (["--method", "rtn", "--tune-scales", "5"], "--tune-scales trains on calibration text: use it with --method gptq or gsq"),
+    (["--block-tune-steps", "-1"], "--block-tune-steps must be >= 0"),
+    (["--block-tune-lr", "0"], "--block-tune-lr > 0"),
+    (["--method", "rtn", "--block-tune-steps", "5"], "--block-tune-steps trains on calibration text: use it with --method"),
 ]
 
 
