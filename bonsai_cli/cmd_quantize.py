@@ -37,8 +37,9 @@ def quantize(
     tune_lr: float = typer.Option(5e-4, "--tune-lr", help="--tune-scales: Adam step of log(scale)"),
     block_tune_steps: Optional[int] = typer.Option(None, "--block-tune-steps", help="gptq / gsq: Adam steps per "
                                                    "layer that train the layer's group scales on its output against "
-                                                   "the float model's (codes fixed, layer by layer; 0: off; default 0)"),
-    block_tune_lr: float = typer.Option(2e-3, "--block-tune-lr", help="--block-tune-steps: Adam step of log(scale)"),
+                                                   "the float model's (codes fixed, layer by layer; 0: off; default "
+                                                   "50 for gptq / gsq)"),
+    block_tune_lr: float = typer.Option(5e-3, "--block-tune-lr", help="--block-tune-steps: Adam step of log(scale)"),
     rotate: Optional[bool] = typer.Option(None, "--rotate/--no-rotate", help="fold the norms and a randomized "
                                           "Hadamard rotation of the residual stream into the weights before "
                                           "quantizing (QuaRot-style; default: on for gptq / gsq where the hidden size "
@@ -64,8 +65,10 @@ def quantize(
 
     Layer by layer: one decoder layer of the source is in memory at a time. Peak memory ≈ 0.45 GiB
     + 4 B × (one layer's parameters) + 4 B × calibration tokens × (3·hidden + ffn) + the larger of
-    GPTQ's (5·b·K² + 12·N·K; K the widest input, b 8 bytes up to K = 8192 else 4) and the output
-    layer's (its codes, V·H bytes, + 1 GiB of row slices); predicted and printed before starting.
+    GPTQ's (5·b·K² + 12·N·K; K the widest input, b 8 bytes up to K = 8192 else 4), the output
+    layer's (its codes, V·H bytes, + 1 GiB of row slices) and block tuning's (9 B × one layer's parameters
+    + one minibatch's activations; its float stream adds 8 B × calibration tokens × hidden); predicted and
+    printed before starting. gptq / gsq then train each layer's group scales on its output (--block-tune-steps).
     """
     import os
 
@@ -77,7 +80,7 @@ def quantize(
     from engine.sources import store
     from engine.weights.loader import resolve_device
     from engine.quantization.paths import check_writable
-    from engine.quantization.quantize import QuantizeOptions
+    from engine.quantization.quantize import BLOCK_TUNE_STEPS, QuantizeOptions
     from engine.quantization.quantize import quantize as run_quantize
 
     file_data = read_recipe_file(recipe) if recipe else None
@@ -95,7 +98,8 @@ def quantize(
     opts = QuantizeOptions(recipe=built, method=method, calib=calib, calib_samples=calib_samples,
                            calib_seq_len=calib_seq_len, gsq_steps=gsq_steps, scale_refits=scale_refits,
                            tune_steps=tune_scales, tune_lr=tune_lr,
-                           block_tune_steps=block_tune_steps if block_tune_steps is not None else 0,
+                           block_tune_steps=(block_tune_steps if block_tune_steps is not None
+                                             else 0 if method == "rtn" else BLOCK_TUNE_STEPS),
                            block_tune_lr=block_tune_lr, lora=lora, gguf=gguf, device=device,
                            force=force, rotate=rotate, online_hadamard=online_hadamard, evaluate=evaluate,
                            eval_tokens=eval_tokens, eval_text=eval_text, allow_lossy_gguf=allow_lossy_gguf)

@@ -43,6 +43,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "added_tokens.json")
 QUALITY_FILE = "quality.json"
+# `bonsai quantize`'s block tuning for gptq / gsq (the library's QuantizeOptions keep 0: off): Adam steps per layer,
+# learning rate (Qwen2.5-Coder-0.5B / 1.5B: docs/quality.md, session 22)
+BLOCK_TUNE_STEPS, BLOCK_TUNE_LR = 50, 5e-3
 EVAL_CONTEXT = 512
 MIN_EVAL_TOKENS = 128
 Progress = Callable[[str, int, int], None]  # (message, done, total)
@@ -60,7 +63,7 @@ class QuantizeOptions:
     tune_steps: int = 0  # gptq / gsq: end-to-end scale tuning steps afterwards (engine.quantization.scale_tuning)
     tune_lr: float = 5e-4
     block_tune_steps: int = 0  # gptq / gsq: Adam steps of block-wise scale tuning per layer (engine.quantization.block_tuning)
-    block_tune_lr: float = 2e-3
+    block_tune_lr: float = BLOCK_TUNE_LR
     lora: Path | None = None
     gguf: Path | None = None
     allow_lossy_gguf: bool = False
