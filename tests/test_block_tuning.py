@@ -10,11 +10,12 @@ from gguf import GGMLQuantizationType as T
 from engine.errors import BonsaiError
 from engine.quantization.block_tuning import BlockTuningOptions, Quantized, relative_error, tune_block
 from engine.quantization.calibration import (CalibrationOptions, block_forward, block_targets, calibration_sequences,
-                                             quantize_block, rotary_tables)
+                                             group_sums, quantize_block, rotary_tables, weight_error)
 from engine.quantization.quantize import QuantizeOptions, quantize
 from engine.weights.loader import load_model
 from quant.checkpoint import Checkpoint
-from quant.formats import QuantSpec
+from quant.formats import QuantSpec, quantize_rtn
+from quant.formats import relative_error as weight_relative_error
 from quant.grids import dequantize
 from quant.recipe import Recipe, Rule
 from tests.gguf_tiny import write_tiny_gguf
@@ -124,6 +125,18 @@ def test_quantize_with_block_tuning_writes_tuned_scales(tiny, tmp_path):
         moved += not torch.equal(scales, tuned_scales)
     assert moved == len(names)
     assert kl_tuned < kl_plain
+
+
+def test_weight_error_of_new_scales_from_group_sums():
+    """The weight error a tuned tensor reports, from per-group sums kept at quantization, equals the direct one."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 128, generator=gen)  # [N, K]
+    codes, scales = quantize_rtn(SPEC, w)  # [N, K], [N, K/G]
+    other = scales * (1 + 0.2 * torch.rand(scales.shape, generator=gen))  # [N, K/G]
+    err, ref = weight_error(group_sums(w, codes, 32), other)
+    want_err, want_ref = weight_relative_error(w, codes, other, 32)
+    assert err == pytest.approx(want_err, rel=1e-5) and ref == pytest.approx(want_ref, rel=1e-6)
+    assert weight_error(group_sums(w, codes, 32), other * 2)[0] > err  # not a constant
 
 
 def test_bad_block_tuning_options(tiny, tmp_path):

@@ -88,6 +88,7 @@ class Target:
     rows: int
     spec: Any
     error: tuple[float, float] | None = None  # (Σ (w - ŵ)², Σ w²) once quantized
+    sums: tuple | None = None  # once quantized: Σ code·w [N, K/G], Σ code² [N, K/G] (float64), Σ w² (weight_error)
 
 
 def block_targets(block: Block, layer: int, cfg, plan) -> dict[str, list[Target]]:
@@ -303,5 +304,23 @@ def quantize_rows(target: Target, inputs: LayerInputs, method: str, options: Cal
         codes, scales = gsq_refine(w, inputs.rows(), codes, scales, spec.quant_type, g, options.gsq)
     scales = fp16_scales(scales)  # as stored: later layers calibrate on the weights a reader gets
     target.error = relative_error(w, codes, scales, g)
+    target.sums = group_sums(w, codes, g)
     param[target.start:target.start + target.rows] = dequantize(codes, scales, g).to(param.device, param.dtype)
     return target.name, codes.cpu(), scales.cpu(), spec
+
+
+def group_sums(w: torch.Tensor, codes: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Per group, Σ code·w and Σ code² [N, K/G] (float64, CPU), and Σ w²: enough to give the weight error of
+    any other scales for the same codes without the float weights (weight_error)."""
+    n = w.shape[0]
+    c = codes.to(w.device, torch.float32).view(n, -1, group_size)  # [N, K/G, G]
+    cw = (c * w.float().view(n, -1, group_size)).sum(-1, dtype=torch.float64)  # [N, K/G]
+    cc = c.pow(2).sum(-1, dtype=torch.float64)  # [N, K/G]
+    return cw.cpu(), cc.cpu(), float(w.float().pow(2).sum(dtype=torch.float64))
+
+
+def weight_error(sums: tuple[torch.Tensor, torch.Tensor, float], scales: torch.Tensor) -> tuple[float, float]:
+    """(Σ (w − ŵ)², Σ w²) for ŵ = codes × `scales` [N, K/G], from group_sums: Σw² − 2Σ s·cw + Σ s²·cc."""
+    cw, cc, ww = sums
+    s = scales.double().cpu()  # [N, K/G]
+    return max(0.0, ww - 2 * float((s * cw).sum()) + float((s * s * cc).sum())), ww

@@ -24,7 +24,7 @@ import torch
 
 from engine.quantization.block_tuning import BlockTuningOptions, Quantized, tune_block
 from engine.quantization.calibration import (CalibrationOptions, LayerInputs, Target, block_forward, block_targets, gsq_rows,
-                                quantize_block, rotary_tables)
+                                quantize_block, rotary_tables, weight_error)
 from engine.sources.checkpoint_file import hf_name
 from engine.runtime.model import Transformer, rotary_inverse_frequencies
 from engine.sources.model_config import ModelConfig
@@ -244,7 +244,7 @@ def quantize_layers(job: LayerwiseInputs, writer: CheckpointWriter, record: Reco
                     job.tuning_reports.append({"layer": i, **tuning})
                     del inputs
                     for q in done_tensors:
-                        q.target.error = _weight_error(src, i, q)
+                        q.target.error = weight_error(q.target.sums, q.scales)
                         _write_target(writer, record, q.target, q.codes, q.scales)
             else:
                 for target in by_name.values():
@@ -273,12 +273,6 @@ def quantize_layers(job: LayerwiseInputs, writer: CheckpointWriter, record: Reco
         if not evals:
             return None
         return torch.cat([model.norm(x)[:, :-1].reshape(-1, cfg.hidden_size) for x in ref_batches.hidden])
-
-
-def _weight_error(src: FloatSource, layer: int, q: Quantized) -> tuple[float, float]:
-    """(Σ (w − ŵ)², Σ w²) of a tuned tensor against its float weights, read again from the source."""
-    name = next(n for n in src.layer_names(layer) if hf_name(n) == q.target.name)
-    return relative_error(src.read(name).float(), q.codes, q.scales, q.target.spec.group_size)
 
 
 def _write_target(writer: CheckpointWriter, record: Record, target: Target, codes: torch.Tensor,
