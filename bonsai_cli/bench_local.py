@@ -60,6 +60,7 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
         "parameters": loaded.summary.num_parameters, "file_bytes": loaded.summary.file_bytes,
         "bits_per_weight": loaded.summary.bits_per_weight, "dtype": str(loaded.dtype).replace("torch.", ""),
         "weight_dtype": str(loaded.weight_dtype).replace("torch.", ""), "int4_layers": loaded.int4_layers,
+        "output_layer": _output_layer(loaded.model),
         "weights": loaded.weight_format.quant_type, "head_weights": loaded.weight_format.head_type,
         "group_size": loaded.weight_format.group_size, "load_format": loaded.summary.format,
         "ternary_layout": loaded.weight_format.ternary_layout,
@@ -82,6 +83,13 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
     finally:  # the allocator's peak over the whole run, next to the plan
         report["memory"] = memory_report(budget, loaded.device)
         save()
+
+
+def _output_layer(model) -> str:
+    """How the CPU output layer runs: "int8" / "float16" (one fast GEMM, top logits exact), or "" (as loaded)."""
+    from engine.runtime.narrow_head import Int8Head, NarrowHead
+    head = model.lm_head
+    return "int8" if isinstance(head, Int8Head) else "float16" if isinstance(head, NarrowHead) else ""
 
 
 def _decode_gemv(loaded, runner) -> dict[str, str]:

@@ -27,8 +27,9 @@ def write_json(report: dict[str, Any], path: Path) -> None:
 def _weights(m: dict[str, Any]) -> str:
     packed = m.get("weights", "bf16")
     if packed == "bf16" and m.get("head_weights", "bf16") == "bf16":
-        int4 = m.get("int4_layers", 0)
-        return m["weight_dtype"] + (f" + {int4} int4 as stored" if int4 else "")
+        int4, head = m.get("int4_layers", 0), m.get("output_layer")
+        return (m["weight_dtype"] + (f" + {int4} int4 as stored" if int4 else "")
+                + (f", output layer {head} (top logits exact)" if head else ""))
     return f"{packed} g{m.get('group_size')} (head {m.get('head_weights')})"
 
 

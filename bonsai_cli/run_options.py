@@ -47,8 +47,9 @@ CPU_INT4_HELP = ("on the CPU, run a GGUF's Q4_0/Q4_1/Q4_K block matrices as stor
                  "bits; Q6_K stays float16; bfloat16 activations, quality in "
                  "docs/quality.md). Default: on when --weight-dtype is auto and the weights are as loaded")
 OUTPUT_DTYPE_HELP = ("the CPU output layer: float32 (exact), float16 (one float16 GEMM, the logits near each row's "
-                     "largest recomputed in float32: the same greedy choice, 2-5x fewer bytes a token) or auto "
-                     "(float16 when --weight-dtype is auto)")
+                     "largest recomputed in float32: the same greedy choice, 2x fewer bytes a token), int8 (one "
+                     "int8-weight GEMM, the same recomputation, 4x fewer bytes; the other logits within ~0.02: "
+                     "docs/quality.md; float16 on CPUs without AVX512) or auto (int8 when --weight-dtype is auto)")
 WEIGHTS_HELP = ("run-time weight format of the block matrices: bf16 (as loaded) or tri | bin | int4 | int8 "
                 "(rounded to nearest at load, or generated with --load-format dummy), run by the packed kernels")
 KV_TYPE_HELP = ("KV-cache element type: bf16 (the model's dtype), int8 (per-row scale), int4 (groups of 32, "

@@ -34,7 +34,10 @@ def test_model_run_json_schema_and_plot(smollm2_gguf, tmp_path, capsys):
     for t in report["tests"]:
         assert len(t["samples_tps"]) == 2 and t["tokens_per_second"] > 0
     bw = report["tests"][1]["decode_bandwidth"]
-    assert bw["bytes_per_token"] > 100e6 and 0 < bw["fraction_of_copy"] < 5
+    # SmolLM2's Q4_1 matrices as stored (~66 MB) and its output layer's int8 codes (28 MB; float16: 57 MB)
+    head = report["model"]["output_layer"]
+    assert head in ("int8", "float16")
+    assert (90e6 if head == "int8" else 120e6) < bw["bytes_per_token"] < 130e6 and 0 < bw["fraction_of_copy"] < 5
     assert png.read_bytes()[:4] == b"\x89PNG"
     compare = bonsai_in_process(capsys, "bench", "--compare", str(out), "--compare", str(out))
     assert compare.returncode == 0 and "1.00x" in compare.stdout

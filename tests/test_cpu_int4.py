@@ -11,7 +11,8 @@ from gguf import quants as gguf_quants
 
 from engine.run.config import RunConfig
 from engine.runtime.cpu_int4 import VERIFY_ROWS, Int4CpuLinear, int4_matmul, unpack_codes
-from engine.runtime.narrow_head import NarrowHead, fp16_gemm_bound_holds, narrow_output_layer
+from engine.runtime.narrow_head import (Int8Head, NarrowHead, fp16_gemm_bound_holds, int8_head_usable,
+                                        narrow_output_layer)
 from engine.weights.loader import load_model
 from quant.gguf_int4 import INT4_TYPES, affine_weights, decode_int4
 from tests.gguf_tiny import random_k_quant_bytes, write_tiny_gguf
@@ -134,6 +135,72 @@ def test_an_activation_beyond_float16_range_falls_back_to_float32():
     assert torch.allclose(head(x), x @ w.t(), rtol=1e-5)
 
 
+needs_int8 = pytest.mark.skipif(not int8_head_usable(), reason="torch's int8-weight kernel is slow here (no AVX512)")
+
+
+@needs_int8
+def test_the_int8_head_keeps_the_float16_heads_greedy_choice_and_top_logits():
+    """Int8Head: one int8-weight GEMM, then every logit within its bound of the row's largest recomputed from the
+    float16 weights: the top logits exactly the float32 product's, the rest within the bound (and close)."""
+    gen = torch.Generator().manual_seed(2)
+    w = (torch.randn(3000, 192, generator=gen) * 0.05 * torch.rand(3000, 1, generator=gen)).half().float()
+    head = Int8Head(w)
+    assert head.codes.dtype == torch.int8 and head.scales.dtype == torch.bfloat16
+    x = torch.randn(64, 192, generator=gen) * 3  # [M, H]
+    exact = x @ w.t()  # [M, V]
+    got = head(x)
+    top = exact.argmax(-1)
+    assert torch.equal(got.argmax(-1), top)
+    rows = torch.arange(64)
+    assert torch.allclose(got[rows, top], exact[rows, top], rtol=0, atol=1e-5)
+    approx, err = head.approximate(x)
+    assert ((approx - exact).abs() <= err).all()  # the bound holds for every logit
+    assert (got - exact).abs().mean() < 0.1 * err.mean()  # and is not vacuous: typical errors far below it
+    recomputed = (approx + err >= (approx - err).amax(-1, keepdim=True)).sum(-1)  # [M]: a few a row
+    assert (recomputed >= 1).all() and recomputed.max() < 3000 // 10
+
+
+@needs_int8
+def test_the_int8_head_resolves_a_near_tie_below_its_resolution():
+    hidden = 64
+    w = torch.zeros(4, hidden)
+    w[:, 0] = 1.0
+    w[1, 1] = 2.0 ** -14  # token 1 beats token 0 by 2^-14: invisible at int8 / bfloat16
+    w[2, 0] = 0.5
+    head = Int8Head(w)
+    x = torch.zeros(1, hidden)
+    x[0, 0], x[0, 1] = 16.0, 1.0
+    got = head(x)
+    assert int(got.argmax()) == 1 and float(got[0, 1] - got[0, 0]) == pytest.approx(2.0 ** -14)
+
+
+@needs_int8
+def test_the_int8_head_gives_each_row_the_same_top_in_a_verify_pass():
+    gen = torch.Generator().manual_seed(3)
+    head = Int8Head((torch.randn(3000, 192, generator=gen) * 0.05).half().float())
+    x = torch.randn(9, 192, generator=gen) * 3
+    alone = torch.cat([head(x[i:i + 1]) for i in range(9)])  # [M, V]
+    together = head(x)
+    top = alone.argmax(-1)
+    assert torch.equal(together.argmax(-1), top)
+    assert torch.equal(together[torch.arange(9), top], alone[torch.arange(9), top])
+
+
+def test_the_output_dtype_setting_picks_the_head(tiny_q4):
+    int8 = load_model(tiny_q4, cpu_int4=True, narrow_head="int8")
+    half = load_model(tiny_q4, cpu_int4=True, narrow_head="float16")
+    exact = load_model(tiny_q4, cpu_int4=True)
+    assert type(int8.model.lm_head) is (Int8Head if int8_head_usable() else NarrowHead)
+    assert type(half.model.lm_head) is NarrowHead and type(exact.model.lm_head).__name__ == "Linear"
+    x = torch.randn(6, exact.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3  # [M, H]
+    want = exact.model.lm_head(x)  # [M, V]
+    for loaded in (int8, half):  # each row's greedy token and top logit: the float32 head's
+        got = loaded.model.lm_head(x)  # [M, V]
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        top = want.argmax(-1)
+        assert torch.allclose(got[torch.arange(6), top], want[torch.arange(6), top], rtol=2 ** -10, atol=0)  # float16 w
+
+
 def test_this_cpu_keeps_the_float16_bound():
     assert fp16_gemm_bound_holds()  # else narrow_output_layer leaves the head float32 (a slower, exact run)
 
@@ -144,7 +211,7 @@ def tiny_q4(smollm2_gguf, tmp_path_factory):
 
 
 def test_a_q4_gguf_loads_its_block_matrices_as_stored(tiny_q4):
-    fast = load_model(tiny_q4, cpu_int4=True, narrow_head=True)
+    fast = load_model(tiny_q4, cpu_int4=True, narrow_head="float16")
     exact = load_model(tiny_q4, weight_dtype=torch.float32)
     assert fast.int4_layers == 2 * 4 and fast.cpu_int4 and exact.int4_layers == 0
     block, ref = fast.model.layers[0], exact.model.layers[0]
@@ -163,9 +230,11 @@ def test_narrowing_needs_a_float32_head(tiny_q4):
 
 def test_the_run_config_turns_both_on_by_default_on_the_cpu_only():
     cpu = RunConfig.from_dict({"model": {"path": "x.gguf"}})
-    assert cpu.cpu_int4 and cpu.narrow_head
+    assert cpu.cpu_int4 and cpu.narrow_head == "int8"
+    half = RunConfig.from_dict({"model": {"path": "x.gguf"}, "runtime": {"output_dtype": "float16"}})
+    assert half.narrow_head == "float16"
     exact = RunConfig.from_dict({"model": {"path": "x.gguf"}, "runtime": {"weight_dtype": "float32"}})
-    assert not exact.cpu_int4 and not exact.narrow_head
+    assert not exact.cpu_int4 and exact.narrow_head is None
     packed = RunConfig.from_dict({"model": {"path": "x.gguf", "quant_type": "int4"}})
     assert not packed.cpu_int4
     off = RunConfig.from_dict({"model": {"path": "x.gguf"}, "runtime": {"cpu_int4": False, "output_dtype": "float32"}})
@@ -176,7 +245,8 @@ def test_the_run_config_turns_both_on_by_default_on_the_cpu_only():
 
 @pytest.mark.parametrize("runtime, match", [({"device": "cuda", "cpu_int4": True}, "runtime.cpu_int4: applies to"),
                                             ({"output_dtype": "half"}, "runtime.output_dtype: 'half' is not one of"),
-                                            ({"device": "cuda", "output_dtype": "float16"}, "float16 applies")])
+                                            ({"device": "cuda", "output_dtype": "float16"}, "float16 applies"),
+                                            ({"device": "cuda", "output_dtype": "int8"}, "int8 applies")])
 def test_bad_settings_are_refused_in_one_line(runtime, match):
     from engine.errors import BonsaiError
     with pytest.raises(BonsaiError, match=match):

@@ -20,6 +20,7 @@ from engine.decoding.generate import generate_text
 from engine.decoding.sequence import Request
 from engine.errors import BonsaiError
 from engine.runtime.linear import Linear
+from engine.runtime.narrow_head import Int8Head
 from engine.runtime.runner import Runner
 from engine.speculative.stats import SpecStats
 from engine.runtime.cpu_int4 import Int4CpuLinear
@@ -123,7 +124,7 @@ def decode_bytes_per_token(runner: Runner, context: int) -> int:
     and the KV cache of `context` positions; a hybrid's DeltaNet state of one slot (fp32 recurrent state
     and conv window, engine.runtime.hybrid_state) is read and written back: counted twice."""
     model = runner.model
-    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
+    weights = sum(_matrix_bytes(m) for m in model.modules() if isinstance(m, Linear))
     weights += sum(m.nbytes for m in model.modules() if isinstance(m, (PackedLinear, Int4CpuLinear)))
     emb = model.embed.weight
     if model.lm_head is None:
@@ -134,6 +135,14 @@ def decode_bytes_per_token(runner: Runner, context: int) -> int:
     states = getattr(cache, "states", None)
     state = 0 if states is None else sum(t[:, 0].numel() * t.element_size() for t in (states.recurrent, states.conv))
     return weights + context * per_position + 2 * state
+
+
+def _matrix_bytes(m: Linear) -> int:
+    """What a decode step reads of one float matrix: its weight, or an int8 output layer's codes and scales (the
+    float16 weight it keeps is read only for the few recomputed logits)."""
+    if isinstance(m, Int8Head):
+        return m.codes.nbytes + m.scales.nbytes
+    return m.weight.numel() * m.weight.element_size()
 
 
 def measure_copy_bandwidth(device: torch.device, megabytes: int = 0, repeats: int = 5) -> float:

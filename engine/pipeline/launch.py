@@ -48,7 +48,7 @@ class ModelSource:
     weight_format: object = None  # engine.weights.formats.WeightFormat
     seed: int = 0
     cpu_int4: bool = False  # a CPU stage runs a GGUF's 4-bit matrices as stored (load_model)
-    narrow_head: bool = False  # a CPU stage's output layer in float16, top logits exact (load_model)
+    narrow_head: str | None = None  # a CPU stage's output layer: float16 / int8, top logits exact (load_model)
     unpack_slice_bytes: int = 0  # prefill's unpacked Wᵀ whole or in slices, as the plan chose (packed_linear)
 
     def load(self, device: str, stage: Stage):

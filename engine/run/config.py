@@ -26,7 +26,7 @@ from quant.formats import BITS_TO_TYPE
 from quant.kv_format import KV_TYPES
 
 WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16")
-OUTPUT_DTYPES = ("auto", "float32", "float16")
+OUTPUT_DTYPES = ("auto", "float32", "float16", "int8")
 DECODE_ALGORITHMS = ("standard", "speculative")
 
 
@@ -122,7 +122,8 @@ class RuntimeSection:
     # activations); default (None): when weight_dtype is auto and model.quant_type bf16 (as loaded)
     cpu_int4: bool | None = None
     # the CPU output layer: float32 (exact), float16 (one float16 GEMM, the top logits recomputed exactly:
-    # engine.runtime.narrow_head); auto: float16 when weight_dtype is auto and the device the CPU
+    # engine.runtime.narrow_head), int8 (one int8-weight GEMM, the same recomputation; float16 on CPUs without
+    # AVX512); auto: int8 when weight_dtype is auto and the device the CPU
     output_dtype: str = "auto"
 
     @property
@@ -153,8 +154,9 @@ class RuntimeSection:
             fail("runtime.cpu_int4", f"applies to the CPU only, the device is {self.device}; remove it")
         if self.output_dtype not in OUTPUT_DTYPES:
             fail("runtime.output_dtype", f"'{self.output_dtype}' is not one of {', '.join(OUTPUT_DTYPES)}")
-        if self.output_dtype == "float16" and any(d != "cpu" for d in devices):
-            fail("runtime.output_dtype", f"float16 applies to the CPU only, the device is {self.device}; use auto")
+        if self.output_dtype in ("float16", "int8") and any(d != "cpu" for d in devices):
+            fail("runtime.output_dtype", f"{self.output_dtype} applies to the CPU only, the device is {self.device}; "
+                 "use auto")
         if self.draft_model is not None and self.decode_algorithm != "speculative":
             fail("runtime.draft_model", "only applies with runtime.decode_algorithm: speculative; remove it")
 
@@ -338,12 +340,13 @@ class RunConfig:
         return rt.first_device == "cpu" and rt.weight_dtype == "auto" and self.model.quant_type == "bf16"
 
     @property
-    def narrow_head(self) -> bool:
-        """Whether the CPU output layer runs in float16 with exact top logits (runtime.output_dtype)."""
+    def narrow_head(self) -> str | None:
+        """The CPU output layer's fast GEMM, "float16" or "int8" with exact top logits, or None for float32
+        (runtime.output_dtype)."""
         rt = self.runtime
         if rt.output_dtype != "auto":
-            return rt.output_dtype == "float16"
-        return rt.first_device == "cpu" and rt.weight_dtype == "auto"
+            return None if rt.output_dtype == "float32" else rt.output_dtype
+        return "int8" if rt.first_device == "cpu" and rt.weight_dtype == "auto" else None
 
     @classmethod
     def from_dict(cls, data: Any, ignore: tuple[str, ...] = ()) -> "RunConfig":

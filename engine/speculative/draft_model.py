@@ -32,12 +32,19 @@ def resolve_draft_model(spec: str) -> Path:
 
 
 def narrow_output_layer(loaded: LoadedModel) -> None:
-    """On the CPU, a draft model's output layer in its matrices' dtype (float16) instead of float32:
-    a drafter's logits need not be exact (verification keeps the output exact), and at 0.5B the
-    float32 output layer is as many bytes per token as all the other matrices."""
-    weight = getattr(loaded.model.lm_head, "weight", None)  # None: tied, or packed
-    if loaded.device.type == "cpu" and weight is not None and weight.dtype == torch.float32 \
-            and loaded.weight_dtype != torch.float32:
+    """On the CPU, a draft model's float32 output layer as int8 codes (engine.runtime.narrow_head.Int8Linear,
+    where torch's int8 kernel is fast) or in its matrices' dtype (float16): a drafter's logits need not be
+    exact (verification keeps the output exact), and at 0.5B the float32 output layer is as many bytes per
+    token as all the other matrices."""
+    from engine.runtime.narrow_head import Int8Linear, int8_head_usable
+    head = loaded.model.lm_head
+    weight = getattr(head, "weight", None)  # None: tied, or packed
+    if loaded.device.type != "cpu" or weight is None or weight.dtype != torch.float32 \
+            or loaded.weight_dtype == torch.float32:
+        return
+    if getattr(head, "bias", None) is None and int8_head_usable():
+        loaded.model.lm_head = Int8Linear(weight.data)
+    else:
         weight.data = weight.data.to(loaded.weight_dtype)
 
 

@@ -274,7 +274,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None,
                keep_codes: bool | None = None, embedding_on_host: bool = False, stage=None,
                host_layers: frozenset[int] = frozenset(), cpu_int4: bool = False,
-               narrow_head: bool = False) -> LoadedModel:
+               narrow_head: str | None = None) -> LoadedModel:
     """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
 
     dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the
@@ -287,7 +287,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     layer it holds) are read and allocated; host_layers: these blocks are read and packed in host memory,
     never allocated on the device (the blocks a WeightStreamer streams). cpu_int4: on the CPU, the
     block matrices a GGUF stores in 4-bit types run as stored (engine.weights.cpu_int4_load); narrow_head:
-    on the CPU, a float32 output layer runs in float16 with its top logits exact (engine.runtime.narrow_head).
+    on the CPU, a float32 output layer runs as one "float16" or "int8" GEMM with its top logits exact
+    (engine.runtime.narrow_head).
     """
     start = time.perf_counter()
     dev = resolve_device(device)
@@ -327,7 +328,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     _drop_unused_embedding(model)
     _finish_embedding(model, dev, embedding_on_host)
     if narrow_head and dev.type == "cpu" and model.gives_logits:
-        narrow_output_layer(model)
+        narrow_output_layer(model, narrow_head)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
                        summary=summarize(source), device=dev, dtype=dtype, weight_dtype=weight_dtype,

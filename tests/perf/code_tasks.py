@@ -56,7 +56,7 @@ def run_model(model: str, tasks: list[dict], max_tokens: int, fast: bool = False
     from engine.decoding.sequence import Request
     from engine.weights.loader import load_model
     from engine.runtime.runner import ModelRunner
-    loaded = load_model(store.resolve_model(model), cpu_int4=fast, narrow_head=fast)
+    loaded = load_model(store.resolve_model(model), cpu_int4=fast, narrow_head="int8" if fast else None)
     runner = ModelRunner(loaded, max_seq_len=512)
     tok = loaded.require_tokenizer()
     passed, start = [], time.perf_counter()

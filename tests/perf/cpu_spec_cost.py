@@ -54,7 +54,7 @@ def main() -> None:
     path = store.resolve_model(args.target)
     fast = args.weight_dtype == "cpu-fast"
     target = load_model(path, "cpu", weight_dtype=None if fast else getattr(torch, args.weight_dtype),
-                        cpu_int4=fast, narrow_head=fast)
+                        cpu_int4=fast, narrow_head="int8" if fast else None)
     plain16 = load_model(path, "cpu", weight_dtype=torch.float16) if args.float16_plain else None
     seq = 1024
     drafter = build_drafter(SpeculativeConfig.from_spec(args.spec, num_draft_tokens=args.draft_tokens), target, seq)
