@@ -99,14 +99,7 @@ class Int8Head(NarrowHead):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight, bias)
-        vocab = self.weight.shape[0]
-        codes, scales = int8_codes(self.weight, self.CHUNK)  # [V, H], [V]
-        coded_norms, delta_norms = torch.empty(vocab), torch.empty(vocab)  # [V] each
-        for start in range(0, vocab, self.CHUNK):
-            w = self.weight[start:start + self.CHUNK].float()  # [C, H]
-            coded = codes[start:start + self.CHUNK].float() * scales[start:start + self.CHUNK].float()[:, None]
-            coded_norms[start:start + self.CHUNK] = coded.norm(dim=1)
-            delta_norms[start:start + self.CHUNK] = (w - coded).norm(dim=1)
+        codes, scales, coded_norms, delta_norms = int8_codes(self.weight, self.CHUNK)  # [V, H], [V] x 3
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("coded_norms", coded_norms, persistent=False)
@@ -117,16 +110,21 @@ class Int8Head(NarrowHead):
         return logits, int8_error_bound(logits, flat, self.coded_norms, self.delta_norms)
 
 
-def int8_codes(weight: torch.Tensor, chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [V, H] → int8 codes [V, H] and bfloat16 scales [V] (a row's absmax / 127), chunk rows at a time."""
+def int8_codes(weight: torch.Tensor, chunk: int = 16384) -> tuple[torch.Tensor, ...]:
+    """weight [V, H] → int8 codes [V, H], bfloat16 scales [V] (a row's absmax / 127), and per row the norms of
+    the coded row ‖ŵ_v‖ and of its error ‖w_v − ŵ_v‖ (float32 [V] each), chunk rows at a time."""
+    vocab = weight.shape[0]
     codes = torch.empty(weight.shape, dtype=torch.int8)  # [V, H]
-    scales = torch.empty(weight.shape[0], dtype=torch.bfloat16)  # [V]
-    for start in range(0, weight.shape[0], chunk):
+    scales = torch.empty(vocab, dtype=torch.bfloat16)  # [V]
+    coded_norms, delta_norms = torch.empty(vocab), torch.empty(vocab)  # [V] each
+    for start in range(0, vocab, chunk):
         w = weight[start:start + chunk].float()  # [C, H]
         s = (w.abs().amax(1) / 127).clamp_min(1e-30).bfloat16()  # [C]
-        codes[start:start + chunk] = torch.round(w / s.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        scales[start:start + chunk] = s
-    return codes, scales
+        q = torch.round(w / s.float()[:, None]).clamp(-127, 127)  # [C, H]
+        coded = q * s.float()[:, None]  # [C, H]
+        codes[start:start + chunk], scales[start:start + chunk] = q.to(torch.int8), s
+        coded_norms[start:start + chunk], delta_norms[start:start + chunk] = coded.norm(dim=1), (w - coded).norm(dim=1)
+    return codes, scales, coded_norms, delta_norms
 
 
 class Int8Linear(Linear):
@@ -135,7 +133,7 @@ class Int8Linear(Linear):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight.shape[1], weight.shape[0], bias=False)
-        codes, scales = int8_codes(weight)
+        codes, scales, _, _ = int8_codes(weight)
         self.weight = torch.nn.Parameter(codes, requires_grad=False)  # [V, H] int8 (what a step reads)
         self.register_buffer("scales", scales, persistent=False)  # [V]
 

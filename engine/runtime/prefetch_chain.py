@@ -25,7 +25,8 @@ from engine.errors import BonsaiError
 from quant.packed_layout import PackedWeight
 
 # Share of the device's L2 one product's prefetch may take (the product after it streams through L2 with
-# evict_first loads; the prefetched lines must survive until read). Measured: docs/perf.md, session 22.
+# evict_first loads; the prefetched lines must survive until read). A guess until tests/perf/gpu_prefetch_ab.sh
+# compares L2/8, L2/4 and L2/2 (docs/perf.md, session 22).
 L2_SHARE = 0.25
 AT_END = 2  # quant.kernels.packed_gemv's prefetch_at: after the program's last group (1: at its start)
 DEFAULT_MODE = "0"  # BONSAI_L2_PREFETCH when unset: off until measured
