@@ -38,13 +38,14 @@ MAX_GPU_MEMORY_HELP = ("hard GPU memory limit, e.g. 6GB or 5.5GiB: the memory pl
 EMBEDDING_ON_HOST_HELP = ("keep the embedding table in host memory (each step copies its tokens' rows to the GPU; the "
                           "decode step stays CUDA-graphed). Default: only when --max-gpu-memory needs it")
 WEIGHT_DTYPE_HELP = ("matrix storage: auto (on CPU float16 matrices: half float32's bytes, mean KL 2e-6 vs "
-                     "float32, greedy output may differ at exact near-ties; on GPU the compute dtype), "
+                     "float32, greedy output may differ at exact near-ties; bfloat16 beside --cpu-int4's 4-bit "
+                     "matrices on CPUs with bf16 GEMM; on GPU the compute dtype), "
                      "float32 (exact), float16, bfloat16 (on a CPU with AVX512-BF16: one bf16 GEMM at every row "
                      "count, so a speculative verify pass costs about one decode step and prompts run 2-7x "
                      "faster; plain decode 0.8-1.15x float16's, docs/perf.md)")
 CPU_INT4_HELP = ("on the CPU, run a GGUF's Q4_0/Q4_1/Q4_K block matrices as stored with torch's int4 kernel (4.5 "
                  "bits a weight read per token instead of float16's 16; Q5_0/Q5_1/Q8_0 as two 4-bit halves, 9 "
-                 "bits; Q6_K stays float16; bfloat16 activations, quality in "
+                 "bits; Q6_K stays float: bfloat16 with AVX512-BF16, else float16; bfloat16 activations, quality in "
                  "docs/quality.md). Default: on when --weight-dtype is auto and the weights are as loaded")
 OUTPUT_DTYPE_HELP = ("the CPU output layer: float32 (exact), float16 (one float16 GEMM, the logits near each row's "
                      "largest recomputed in float32: the same greedy choice, 2x fewer bytes a token), int8 (one "

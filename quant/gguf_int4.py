@@ -114,3 +114,14 @@ def affine_weights(codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> tor
     n, k = codes.shape
     q = codes.float().view(n, k // GROUP, GROUP) - 8.0  # [N, K/32, 32]
     return (q * s[..., None] + z[..., None]).view(n, k)
+
+
+def affine_rtn(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [N, K] (K a multiple of 32) → (codes uint8 [N, K], s, z float32 [N, K/32]) of this module's form,
+    w ≈ (q − 8)·s + z: each 32-weight group's minimum and maximum are codes 0 and 15 (round to nearest)."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)  # [N, K/32, 32]
+    lo, hi = g.amin(-1), g.amax(-1)  # [N, K/32] each
+    s = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)  # [N, K/32]
+    q = ((g - lo[..., None]) / s[..., None]).round().clamp_(0, 15)  # [N, K/32, 32]
+    return q.to(torch.uint8).view(n, k), s, lo + 8.0 * s

@@ -131,3 +131,45 @@ def test_a_run_gates_adaptive_speculation_on_the_cpu_too(one_thread, smollm2_ggu
         assert run.loaded.int4_layers > 0  # the CPU default: the Q4_0 matrices as stored
     finally:
         run.close()
+
+
+def test_time_a_drafter_spent_catching_up_is_left_out_of_the_step():
+    gate = SpecGate()
+    gate.begin(True, 1, 0, 0, 0.0)
+    gate.exclude(3.0)  # the drafter fed the prompt: 3 of the step's 4 seconds
+    gate.begin(True, 1, 4, 0, 4.0)
+    assert gate.rates[(True, 1)] == pytest.approx(4.0)  # 4 tokens in the step's own second
+    gate.exclude(0.0)
+    gate.begin(False, 1, 5, 0, 5.0)
+    assert gate.rates[(True, 1)] == pytest.approx(0.7 * 4.0 + 0.3 * 1.0)
+
+
+def test_a_speculative_step_reports_its_drafters_catch_up(one_thread):
+    """The engine's speculative step returns the seconds its drafters spent feeding tokens they had not seen:
+    the whole prompt at the first step, nothing once they draft every step."""
+    from engine.decoding.engine import Engine
+    from engine.decoding.sequence import Request
+    from engine.speculative.draft_model import DraftModelDrafter
+    from engine.speculative.mix import MixDrafter
+    from tests.test_spec_generate import PROMPT, perturbed
+    loaded = tiny_loaded()
+    drafter = MixDrafter([DraftModelDrafter(perturbed(loaded, 0.02), loaded.config.vocab_size, 96)], adaptive=False)
+    engine = Engine(ModelRunner(loaded, 96), TinyTokenizer(), drafters=[drafter], num_draft_tokens=3)
+    excluded: list[float] = []
+
+    class Always(SpecGate):  # every step speculates; what it is told to leave out is recorded
+        def speculate(self, batch: int) -> bool:
+            return True
+
+        def peek(self, batch: int) -> bool:
+            return True
+
+        def exclude(self, seconds: float) -> None:
+            excluded.append(seconds)
+
+    engine.gate = Always()
+    engine.submit(Request(list(PROMPT), max_tokens=12, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+    assert excluded[0] > 0 and drafter.catch_up_seconds == 0.0
+    assert all(x == 0.0 for x in excluded[2:])  # after the first, at most the two tokens of a step to feed

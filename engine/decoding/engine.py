@@ -20,8 +20,7 @@ thread with many. `submit` and `cancel` may be called from other threads.
 With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step instead (unless the
 gate keeps it plain: spec_gate.py): each decoding slot's drafter proposes tokens, all slots' rows are scored together,
 each slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached tokens stay exactly
-what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the whole prompt of the request.
-"""
+what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the whole prompt of the request."""
 from __future__ import annotations
 
 import logging
@@ -271,7 +270,9 @@ class Engine:
         if speculate:
             if self.ahead is not None:  # a plain step launched ahead is not this one: its slots forget its token
                 self.ahead.drop_all()
-            self.spec.step(self.active, rows, lambda i, e: self._fail(i, error_message(e)))
+            caught_up = self.spec.step(self.active, rows, lambda i, e: self._fail(i, error_message(e)))
+            if self.gate is not None:  # drafters feeding tokens they did not see (a prompt): not this step's rate
+                self.gate.exclude(caught_up)
             return
         seqs = [self.active[i] for i in rows]
         if riders and len(rows) + sum(p.size for p in riders) > self.mix_rows:  # a prompt's prefill ended: more rows

@@ -83,6 +83,13 @@ class SpecGate:
         self._open = (speculated, size_class(batch), generated, prefills, now, self._trial)
         self._trial = False
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` of the step being timed out of its rate: one-time work, such as a drafter feeding the
+        prompt or the tokens of plain steps it did not see (a speculative step's rate is its steady state's)."""
+        if self._open is not None and seconds > 0:
+            was, b, g0, p0, t0, trial = self._open
+            self._open = (was, b, g0, p0, t0 + seconds, trial)
+
     def _after_try(self, tried: bool, c: int) -> None:
         """A try of the slower way was scored: still slower, wait twice as long before the next; faster now,
         the other way is the slower one and is tried after `every` steps."""

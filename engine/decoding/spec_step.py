@@ -136,9 +136,11 @@ class SpeculativeStep:
         return self.slots[index].info(self.num_draft_tokens)
 
     # -- one step ------------------------------------------------------------------------------
-    def step(self, active: dict[int, Sequence], indices: list[int], fail: Callable[[int, Exception], None]) -> None:
-        """Draft, verify and accept for the slots `indices` (each with one pending token)."""
+    def step(self, active: dict[int, Sequence], indices: list[int], fail: Callable[[int, Exception], None]) -> float:
+        """Draft, verify and accept for the slots `indices` (each with one pending token); the seconds the
+        drafters spent catching up on tokens they had not seen (a prompt, the tokens of plain steps)."""
         self._steps += 1
+        self._caught_up = 0.0
         rows: list[_Row] = []
         for i, k in zip(indices, self._budgets(active, indices)):
             try:
@@ -171,6 +173,7 @@ class SpeculativeStep:
                 fail(r.index, e)
         after = sum(r.seq.generated for r in fused + separate)
         self.metrics.count_step(sum(len(r.tokens) for r in fused + separate), after - before)
+        return self._caught_up
 
     def _wants(self, seq: Sequence, start: int) -> int:
         """Drafts that may join this slot's row: the pending token and the drafts must fit the
@@ -199,6 +202,7 @@ class SpeculativeStep:
         # asked even for k = 0: a drafter pairs each observe with a propose (a mix judges its members
         # by the spans of its last proposal; hidden-state drafters take in their new rows)
         draft = drafter.propose(context, k)
+        self._caught_up += getattr(drafter, "catch_up_seconds", 0.0)
         n = next((j for j, t in enumerate(draft.tokens[:k]) if t >= self.vocab), min(len(draft.tokens), k))
         if seq.grammar is not None:  # cut at the first draft the grammar refuses (it could never be accepted)
             n = seq.grammar.accept_prefix(draft.tokens[:n])

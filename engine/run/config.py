@@ -117,7 +117,8 @@ class RuntimeSection:
     prefill_chunk_size: int | None = None  # default 512, smaller when memory.max_gpu_memory needs it
     decode_algorithm: str = "standard"
     draft_model: str | None = None  # "none": draftless (n-gram) speculation; a path: a draft model
-    weight_dtype: str = "auto"  # auto: on the CPU float16 for one slot (gemv), float32 for several (GEMM)
+    weight_dtype: str = "auto"  # auto: on the CPU float16 for one slot (gemv; bfloat16 beside cpu_int4's 4-bit
+    # matrices where the CPU has bf16 GEMM: engine.weights.loader.default_weight_dtype), float32 for several (GEMM)
     # on the CPU, a GGUF's Q4_0/Q4_1/Q4_K (Q5_0/Q5_1/Q8_0: two halves) matrices run as stored (int4 kernel, bfloat16
     # activations); default (None): when weight_dtype is auto and model.quant_type bf16 (as loaded)
     cpu_int4: bool | None = None
@@ -221,6 +222,7 @@ class SpeculativeSection:
     ngram_max: int = 4
     ngram_pool_size: int = 0
     adaptive: bool = True
+    draft_weights: str = "auto"  # a draft model's matrices on the CPU: auto (4-bit codes) or stored
 
     def __post_init__(self) -> None:
         try:
@@ -231,7 +233,8 @@ class SpeculativeSection:
     def as_spec_config(self) -> SpeculativeConfig:
         return SpeculativeConfig.from_spec(self.method, num_draft_tokens=self.num_draft_tokens,
                                            ngram_min=self.ngram_min, ngram_max=self.ngram_max,
-                                           ngram_pool_size=self.ngram_pool_size, adaptive=self.adaptive)
+                                           ngram_pool_size=self.ngram_pool_size, adaptive=self.adaptive,
+                                           draft_weights=self.draft_weights)
 
 
 @dataclass(frozen=True)

@@ -52,13 +52,16 @@ class SpeculativeConfig:
     tokens drafted per step; ngram_min / ngram_max: the n-gram sizes looked up; ngram_pool_size:
     entries of the n-gram pool shared across requests (0: none); adaptive: choose the drafter and
     the draft length per step from running acceptance and measured costs (off: always k tokens
-    from the first drafter that has some, and no gate: every decode step speculates)."""
+    from the first drafter that has some, and no gate: every decode step speculates); draft_weights:
+    a draft model's matrices on the CPU, "auto" (every one as 4-bit codes: engine.speculative.cpu_draft)
+    or "stored" (as its file stores them, the output layer int8)."""
     drafters: tuple[DrafterSpec, ...]
     num_draft_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
     ngram_pool_size: int = 0
     adaptive: bool = True
+    draft_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.drafters:
@@ -70,6 +73,9 @@ class SpeculativeConfig:
             raise BonsaiError(f"the number of draft tokens must be in 1..64, got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 32:
             raise BonsaiError(f"n-gram sizes must satisfy 1 <= min <= max <= 32, got {self.ngram_min}..{self.ngram_max}")
+        if self.draft_weights not in ("auto", "stored"):
+            raise BonsaiError(f"draft_weights must be auto (a draft model's matrices as 4-bit codes on the CPU) "
+                              f"or stored (as its file stores them), got {self.draft_weights!r}")
         if self.ngram_pool_size < 0:
             raise BonsaiError(f"the n-gram pool size must be >= 0 (0: no pool), got {self.ngram_pool_size}")
 
@@ -163,7 +169,7 @@ def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel
         return NgramDrafter(config.ngram_min, config.ngram_max, ngram_pool)
     if spec.method == "draft":
         return _draft_model(spec.path, target, max_seq_len + config.num_draft_tokens + 1,
-                            {} if loaded_drafts is None else loaded_drafts)
+                            {} if loaded_drafts is None else loaded_drafts, config.draft_weights)
     if spec.method == "mtp" and not spec.path:  # the checkpoint's own head: weights loaded once, shared by slots
         from engine.speculative.native_mtp import load_native_mtp_drafter
         shared = {} if loaded_drafts is None else loaded_drafts
@@ -192,8 +198,10 @@ def _build_one(spec: DrafterSpec, config: SpeculativeConfig, target: LoadedModel
     return drafter
 
 
-def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts: dict[str, LoadedModel]) -> Drafter:
+def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts: dict[str, LoadedModel],
+                 weights: str = "auto") -> Drafter:
     from engine.weights.loader import load_model
+    from engine.speculative.cpu_draft import four_bit_drafter
     from engine.speculative.draft_model import (DraftModelDrafter, check_same_tokenizer, narrow_output_layer,
                                                 resolve_draft_model)
     loaded = loaded_drafts.get(path)
@@ -201,6 +209,7 @@ def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts
         loaded = load_model(resolve_draft_model(path), device=target.device, dtype=target.dtype,
                             cpu_int4=target.cpu_int4)
         check_same_tokenizer(loaded.tokenizer, target.tokenizer, path)
-        narrow_output_layer(loaded)
+        if weights == "stored" or not four_bit_drafter(loaded):
+            narrow_output_layer(loaded)
         loaded_drafts[path] = loaded
     return DraftModelDrafter(loaded, target.config.vocab_size, max_seq_len)

@@ -48,6 +48,7 @@ class MixDrafter:
         self.max_draft_tokens = min(limits) if limits else None
         self._steps = 0
         self._spans: list[tuple[Member, int, int]] = []  # (member, start, end) of the last draft
+        self.catch_up_seconds = 0.0
 
     def set_sampling(self, params) -> None:
         for m in self.members:
@@ -79,12 +80,15 @@ class MixDrafter:
         draft = m.drafter.propose_after(context, extra, k) if extra else m.drafter.propose(context, k)
         # a draft model catching up on plain steps would otherwise look as costly as those steps, and
         # never be asked again
-        m.cost.observe(len(draft.tokens), time.perf_counter() - start - getattr(m.drafter, "catch_up_seconds", 0.0))
+        caught_up = getattr(m.drafter, "catch_up_seconds", 0.0)
+        self.catch_up_seconds += caught_up
+        m.cost.observe(len(draft.tokens), time.perf_counter() - start - caught_up)
         return draft
 
     def propose(self, context: list[int], k: int) -> Draft:
         self._steps += 1
         self._spans = []
+        self.catch_up_seconds = 0.0  # of this proposal's members: time feeding tokens they had not seen
         candidates = []
         for order, m in enumerate(self.members):
             m.shadow = []

@@ -13,6 +13,7 @@ from engine.errors import BonsaiError, ModelFileError
 from engine.memory.host_embedding import HostEmbedding, check_embedding_on_host
 from engine.pipeline.naming import global_name, layer_index, local_name, stage_holds
 from engine.runtime.input_rotation import set_input_rotations
+from engine.runtime.linear import cpu_bf16_gemm
 from engine.runtime.narrow_head import narrow_output_layer
 from engine.runtime.model import Linear, Transformer, rotary_inverse_frequencies
 from engine.sources.checkpoint_file import BonsaiCheckpoint
@@ -123,12 +124,15 @@ def expected_tensor_names(cfg: ModelConfig) -> set[str]:
     return set(expected_shapes(cfg))
 
 
-def default_weight_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """float16 block matrices under float32 activations on the CPU (its fp16 gemv reads 2x fewer
-    bytes and runs ~3x faster than the float32 one; rounding ~5e-4 relative), else the compute
-    dtype. The embedding and the output layer keep the compute dtype: logits stay float32-exact
-    in their last step, where float16 rounding would turn near-ties into ties."""
-    return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
+def default_weight_dtype(device: torch.device, dtype: torch.dtype, int4: bool = False) -> torch.dtype:
+    """float16 block matrices under float32 activations on the CPU (its fp16 gemv reads 2x fewer bytes and runs
+    ~3x faster than the float32 one; rounding ~5e-4 relative), else the compute dtype. The embedding and the output
+    layer keep the compute dtype: logits stay float32-exact in their last step. int4 (4-bit matrices on the CPU's
+    int4 kernel): the others bfloat16 where the CPU multiplies it natively, one GEMM at any row count (a 4-row
+    verify ~1.3 decode steps, float16's ~2; KL 1.1e-4 vs 7e-5: docs/perf.md session 23)."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return torch.bfloat16 if int4 and cpu_bf16_gemm() else torch.float16
+    return dtype
 
 
 HOST = torch.device("cpu")
@@ -277,19 +281,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                narrow_head: str | None = None) -> LoadedModel:
     """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
 
-    dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the
-    matrices and the embedding (default_weight_dtype); weight_format: pack the matrices at load
-    (round-to-nearest onto the ternary / 1-bit / int grids) for the packed kernels; keep_codes:
-    tensors stored quantized (bonsai checkpoints, TQ1_0/TQ2_0/Q1_0/Q2_0 GGUFs) run packed as stored
-    (default on CUDA, where the packed kernels are fast; on the CPU floats decode faster);
-    embedding_on_host: the embedding table stays in host memory (engine.memory.host_embedding);
-    stage: a pipeline stage (engine.pipeline.split.Stage): only its layers (and the embedding / output
-    layer it holds) are read and allocated; host_layers: these blocks are read and packed in host memory,
-    never allocated on the device (the blocks a WeightStreamer streams). cpu_int4: on the CPU, the
-    block matrices a GGUF stores in 4-bit types run as stored (engine.weights.cpu_int4_load); narrow_head:
-    on the CPU, a float32 output layer runs as one "float16" or "int8" GEMM with its top logits exact
-    (engine.runtime.narrow_head).
-    """
+    dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the matrices
+    (default_weight_dtype); weight_format: pack the matrices at load (round-to-nearest onto the ternary / 1-bit /
+    int grids) for the packed kernels; keep_codes: tensors stored quantized (bonsai checkpoints,
+    TQ1_0/TQ2_0/Q1_0/Q2_0 GGUFs) run packed as stored (default on CUDA, where the packed kernels are fast; on the
+    CPU floats decode faster); embedding_on_host: the embedding table stays in host memory
+    (engine.memory.host_embedding); stage: a pipeline stage (engine.pipeline.split.Stage): only its layers (and the
+    embedding / output layer it holds) are read and allocated; host_layers: these blocks are read and packed in host
+    memory, never allocated on the device (the blocks a WeightStreamer streams). cpu_int4: on the CPU, the block
+    matrices a GGUF stores in 4-bit types run as stored (engine.weights.cpu_int4_load); narrow_head: on the CPU, a
+    float32 output layer runs as one "float16" or "int8" GEMM with its top logits exact (engine.runtime.narrow_head)."""
     start = time.perf_counter()
     dev = resolve_device(device)
     source = open_model_source(Path(path))
@@ -299,7 +300,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         check_embedding_on_host(config.tie_word_embeddings, weight_format.head_type)
     tokenizer = source.tokenizer()
     dtype = dtype or default_dtype(dev)
-    weight_dtype = weight_dtype or default_weight_dtype(dev, dtype)
     rotation = getattr(source, "rotation", None) or {}
     keep = keep_codes if keep_codes is not None else dev.type == "cuda"
     # layers packed from stored codes are never materialized as floats (a 27B model's float copy
@@ -308,6 +308,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     stored = {name: parts for name, parts in stored.items() if stage_holds(stage, config, name)}
     int4 = (cpu_int4_layers(source, config, stage) if cpu_int4 and dev.type == "cpu" and not weight_format.packed
             and not keep else {})
+    weight_dtype = weight_dtype or default_weight_dtype(dev, dtype, int4=bool(int4))
     skip = frozenset(n for names in [*stored.values(), *int4.values()] for n in names)
     if stage is not None and not isinstance(source, HFModelDir):  # other stages' tensors are not even read
         skip |= frozenset(n for n in expected_tensor_names(config) if not stage_holds(stage, config, n))

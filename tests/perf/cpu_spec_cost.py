@@ -41,23 +41,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--spec", default="draft:qwen2.5-coder-0.5b")
-    ap.add_argument("--weight-dtype", default="bfloat16", choices=["float16", "bfloat16", "float32", "cpu-fast"],
+    ap.add_argument("--weight-dtype", default="bfloat16",
+                    choices=["float16", "bfloat16", "float32", "cpu-fast", "cpu-fast-bf16"],
                     help="cpu-fast: the CPU default of generate/chat/serve (a GGUF's 4-bit matrices as stored, the "
-                    "float16 output layer: engine.runtime.cpu_int4 / narrow_head)")
+                    "int8 output layer: engine.runtime.cpu_int4 / narrow_head); cpu-fast-bf16: the other matrices (Q6_K) as bfloat16")
     ap.add_argument("--float16-plain", action="store_true", help="also time plain decoding with float16 matrices")
     ap.add_argument("--suite", default="coder")
     ap.add_argument("--categories", default="code-edit,summarization")
     ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--draft-weights", default="auto", choices=["auto", "stored"],
+                    help="a draft model's matrices: auto (all 4-bit codes), stored (as its file stores them)")
     ap.add_argument("--gate", action="store_true", help="with the spec gate, as a run's engine has it (adaptive)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = store.resolve_model(args.target)
-    fast = args.weight_dtype == "cpu-fast"
-    target = load_model(path, "cpu", weight_dtype=None if fast else getattr(torch, args.weight_dtype),
+    fast = args.weight_dtype.startswith("cpu-fast")
+    dtype = torch.bfloat16 if args.weight_dtype == "cpu-fast-bf16" else None if fast else getattr(torch, args.weight_dtype)
+    target = load_model(path, "cpu", weight_dtype=dtype,
                         cpu_int4=fast, narrow_head="int8" if fast else None)
     plain16 = load_model(path, "cpu", weight_dtype=torch.float16) if args.float16_plain else None
     seq = 1024
-    drafter = build_drafter(SpeculativeConfig.from_spec(args.spec, num_draft_tokens=args.draft_tokens), target, seq)
+    drafter = build_drafter(SpeculativeConfig.from_spec(args.spec, num_draft_tokens=args.draft_tokens,
+                                                      draft_weights=args.draft_weights), target, seq)
     tok = target.tokenizer
     print(f"{args.target} ({args.weight_dtype}) with {args.spec}, k={args.draft_tokens}, 1 thread, CPU seconds",
           flush=True)
