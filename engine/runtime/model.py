@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.kernels import kernels_usable
 from engine.runtime.deltanet import GatedDeltaNet
 from engine.runtime.input_rotation import InputRotation, rotated
+from engine.runtime.cpu_attention import EXACT_ROWS, rowwise_attention
 from engine.runtime.linear import Linear, linear
 from engine.runtime.kv_cache import CacheBatch, KVCache
 from engine.sources.model_config import ModelConfig
@@ -165,6 +166,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             if mask is not None:
                 return blocked_attention(q, k, v, mask)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    if mask is not None and q.shape[0] * q.shape[2] <= EXACT_ROWS:  # a verify pass: the decode step's values
+        exact = rowwise_attention(q, k, v, mask, gqa)
+        if exact is not None:
+            return exact
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
