@@ -17,7 +17,6 @@ def library_cases():
             yield f"library: packed_gemm {kind} {str(dtype)[6:]}", (
                 lambda pw=pw, dtype=dtype: packed_gemm(torch.randn(32, 256, dtype=dtype), pw))
     yield from _kwarps_cases()
-    yield from _prefetch_cases()
     yield from _tri5_cases()
     yield from _mma_cases()
     yield from _deltanet_prefill_cases()
@@ -56,21 +55,6 @@ def _kwarps_cases():
                 lambda pw=pw, split=split, accumulate=accumulate: packed_gemv(
                     *_activations(1, 1024, 128), pw, out=torch.zeros(1, 256), accumulate=accumulate,
                     config=(128, split, 2), variant="kwarps"))
-
-
-def _prefetch_cases():
-    """The dp4a GEMVs asking L2 for the next product's weights (engine.runtime.prefetch_chain, off by default, so
-    the engine's cases launch them without): one row, the kwarps split, the row loop; at the start and the end."""
-    from quant.kernels.packed_gemv import packed_gemv
-    from quant.packed_layout import random_packed
-    pw = random_packed("tri", 256, 1024, 128, generator=torch.Generator().manual_seed(0))
-    target = torch.zeros(4096, dtype=torch.int32)
-    for at in (1, 2):
-        for rows, variant, config in ((1, "2d", (128, 4, 1)), (1, "kwarps", (128, 2, 2)), (6, "rows", (128, 4, 1))):
-            yield f"library: prefetch {at} {variant}", (
-                lambda rows=rows, variant=variant, config=config, at=at: packed_gemv(
-                    *_activations(rows, 1024, 128), pw, out=torch.zeros(rows, 256), accumulate=True, config=config,
-                    variant=variant, prefetch=target, prefetch_at=at))
 
 
 def _tri5_cases():

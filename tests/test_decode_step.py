@@ -12,7 +12,6 @@ from engine.runtime.cuda_graphs import DecodeStepRunner
 from engine.weights.loader import load_dummy
 from engine.sources.model_config import ModelConfig
 from engine.weights.formats import WeightFormat
-from engine.runtime.prefetch_chain import PrefetchChain
 from engine.runtime.runner import ModelRunner
 
 CFG = ModelConfig("qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
@@ -91,50 +90,3 @@ def test_verify_rows_through_the_fused_step_equal_token_by_token():
     for got, ref in zip(logits, want[2:5]):
         torch.testing.assert_close(got, ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
     assert slot.tokens == TOKENS[:13]
-
-
-def test_each_packed_product_prefetches_the_next_ones_weights():
-    """engine.runtime.prefetch_chain: after an eager step, each packed product of the step is linked to the next
-    one's words (the output layer to the first block's q/k/v), capped; logits equal a step without the chain."""
-    loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"), dtype=torch.float32)
-    runner = ModelRunner(loaded, max_seq_len=64, fast_decode=False)
-    runner.prefill(runner.slot(0), TOKENS[:10])
-    step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=False)
-    chain = PrefetchChain(cap_bytes=4096)
-    step.ops.chain = chain  # the references ignore the hint: the links are what is checked here
-    step.run([TOKENS[10]], [10], [0])
-    layers = loaded.model.layers
-    order = [m.packed for b in layers for m in (b.attention.wqkv, b.attention.wo, b.feed_forward.w13,
-                                                 b.feed_forward.w2)] + [loaded.model.lm_head.packed]
-    assert len(chain._next) == len(order)
-    for pw, nxt in zip(order, order[1:] + order[:1]):
-        target = chain._next[pw.words.data_ptr()]
-        assert target.data_ptr() == nxt.words.data_ptr() and target.numel() == min(nxt.words.numel(), 1024)
-
-
-def test_the_prefetch_chain_leaves_the_kernels_results_alone():
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels (real prefetches) on a GPU
-    loaded = load_dummy(CFG, "tiny", device=device, weight_format=WeightFormat("tri", 64, "int4"), dtype=torch.float32)
-    got = []
-    for prefetch in (True, False):
-        runner = ModelRunner(loaded, max_seq_len=64, fast_decode=False)
-        runner.prefill(runner.slot(0), TOKENS[:10])
-        step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=True)
-        step.ops.chain = PrefetchChain(cap_bytes=4096) if prefetch else None  # graphed on a GPU: from the warm-ups
-        got.append([step.run([t], [10 + i], [0])[0].clone() for i, t in enumerate(TOKENS[10:12])])
-    for a, b in zip(*got):
-        assert torch.equal(a, b)
-
-
-def test_the_prefetch_chain_is_off_unless_asked(monkeypatch):
-    from engine.errors import BonsaiError
-    from engine.runtime.prefetch_chain import make_chain
-    monkeypatch.delenv("BONSAI_L2_PREFETCH", raising=False)
-    assert make_chain(torch.device("cpu")) is None
-    for mode, at in (("1", 1), ("2", 2)):
-        monkeypatch.setenv("BONSAI_L2_PREFETCH", mode)
-        chain = make_chain(torch.device("cpu"))
-        assert chain.at == at and chain.cap_bytes == 1 << 20
-    monkeypatch.setenv("BONSAI_L2_PREFETCH", "yes")
-    with pytest.raises(BonsaiError, match="BONSAI_L2_PREFETCH must be 0"):
-        make_chain(torch.device("cpu"))

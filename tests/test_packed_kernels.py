@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from quant import grids
 from quant.kernels.act_quant import quantize_activations, quantize_activations_reference
-from quant.kernels.gemv_parts import _share_bounds
 from quant.kernels.packed_gemm import packed_gemm, packed_gemm_reference
 from quant.kernels.packed_gemv import packed_gemv, packed_gemv_reference
 from quant.packed_layout import KINDS, dequantize, pack, random_packed, unpack_codes
@@ -209,40 +206,3 @@ def test_row_loop_gemv_matches_reference(kind, rows, split):
     out = residual.clone()
     packed_gemv(*xq, pw, out=out, accumulate=True, config=(32, split, 1), variant="rows")
     torch.testing.assert_close(out, residual + packed_gemv_reference(*xq, pw), rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("rows,variant", [(1, "2d"), (1, "kwarps"), (3, "3d"), (6, "rows")])
-@pytest.mark.parametrize("at", [1, 2])
-def test_a_prefetch_changes_nothing_but_the_cache(rows, variant, at):
-    """The L2 prefetch of the next product's weights (engine.runtime.prefetch_chain) is a hint: the product is
-    the same bit for bit, at the programs' start or end, with more lines than programs or fewer (under the
-    interpreter the lines are really loaded: an address past the target would read past its buffer)."""
-    _, _, _, pw = _packed("tri", n=200, k=896, g=128, seed=rows)
-    pw = pw.to(DEVICE)
-    xq = quantize_activations(torch.randn(rows, 896, device=DEVICE), 128)
-    config = (128, 2, 2 if variant == "kwarps" else 1)
-    want = packed_gemv(*xq, pw, config=config, variant=variant)
-    for words in (5000, 70):  # 156 lines over 4 programs; 2 lines (fewer than programs)
-        target = torch.randint(-9, 9, (words,), dtype=torch.int32, device=DEVICE)
-        got = packed_gemv(*xq, pw, config=config, variant=variant, prefetch=target, prefetch_at=at)
-        assert torch.equal(got, want)
-
-
-@triton.jit
-def _shares_kernel(out_ptr, lines):
-    first, end = _share_bounds(lines)
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    tl.store(out_ptr + 2 * pid, first)
-    tl.store(out_ptr + 2 * pid + 1, end)
-
-
-def test_the_prefetch_shares_cover_the_lines_once():
-    """_share_bounds splits the lines over the grid in launch order: every line in exactly one program's share."""
-    for grid, lines in (((3, 2), 100), ((4, 4), 5), ((1, 1), 7), ((5, 3), 0)):
-        out = torch.full((2 * grid[0] * grid[1],), -1, dtype=torch.int32, device=DEVICE)
-        _shares_kernel[grid](out, lines)
-        covered = torch.zeros(lines, dtype=torch.int32)
-        for first, end in out.view(-1, 2).tolist():
-            assert 0 <= first <= end <= lines
-            covered[first:end] += 1
-        assert torch.equal(covered, torch.ones(lines, dtype=torch.int32))

@@ -42,7 +42,7 @@ class DecodeStepRunner:
                  kernels: bool | None = None):
         device = cache.device
         self.model, self.cache, self.rows, self.num_splits = model, cache, rows, num_splits
-        self.ops = make_ops(device, kernels, prefetch=model.weight_stream is None)
+        self.ops = make_ops(device, kernels)
         self.inputs = StepInputs(tokens=torch.zeros(rows, dtype=torch.long, device=device),
                                  positions=torch.zeros(rows, dtype=torch.int32, device=device),
                                  slot_ids=torch.zeros(rows, dtype=torch.int32, device=device),

@@ -23,7 +23,6 @@ from engine.runtime.hybrid_step import deltanet_step, gated_attention_step
 from engine.runtime.input_rotation import InputRotation
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.model import Transformer
-from engine.runtime.prefetch_chain import make_chain
 from engine.weights.packed_linear import PackedLinear
 
 MAX_STEP_ROWS = 16  # rows one fused step takes: the packed GEMV's limit (quant/kernels/packed_gemv.py)
@@ -65,7 +64,7 @@ class Workspace:
 class _Ops:
     """The kernels or their references, chosen once per device."""
 
-    def __init__(self, device: torch.device, kernels: bool | None = None, prefetch: bool = True):
+    def __init__(self, device: torch.device, kernels: bool | None = None):
         fast = kernels_usable(device) if kernels is None else kernels
         if fast:
             from engine.kernels.attention_decode import decode_attention, decode_attention_int8
@@ -81,9 +80,7 @@ class _Ops:
         self.fast = fast
         self.attention, self.rope_write = decode_attention, qk_norm_rope_write
         self.attention_int8 = decode_attention_int8  # attention → int8 per head, for a packed o_proj
-        self.quantize, self._gemv = quantize_activations, packed_gemv
-        # each packed product prefetches the next one's weights into L2 (CUDA kernels, weights resident)
-        self.chain = make_chain(device) if fast and prefetch else None
+        self.quantize, self.gemv = quantize_activations, packed_gemv
         if fast:  # a hybrid's DeltaNet and gated attention layers (engine.runtime.hybrid_step)
             from engine.kernels.deltanet_decode import conv_update, recurrent_update
             from engine.kernels.deltanet_gates import gate_project
@@ -95,13 +92,6 @@ class _Ops:
             from engine.kernels.gated_rope import gated_rope_write_reference as gated_rope
         self.conv_update, self.recurrent_update, self.gated_rope = conv_update, recurrent_update, gated_rope
         self.gate_project = gate_project
-
-    def gemv(self, xq, sx, sumx, pw, out=None, accumulate=False) -> torch.Tensor:
-        """The packed product (kernel or reference); with the chain, it also asks L2 for the next one's weights."""
-        if self.chain is None:
-            return self._gemv(xq, sx, sumx, pw, out=out, accumulate=accumulate)
-        return self._gemv(xq, sx, sumx, pw, out=out, accumulate=accumulate, prefetch=self.chain.visit(pw),
-                          prefetch_at=self.chain.at)
 
 
 def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,
@@ -150,8 +140,6 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
     stream = model.weight_stream  # weight offload: blocks' weights streamed in (graphed: engine.memory.weight_offload)
     if stream is not None:
         stream.begin_pass()
-    if ops.chain is not None:
-        ops.chain.begin()
     if not model.takes_tokens:  # a later pipeline stage: the previous stage's residual stream
         x = inputs.hidden.clone()  # [M, H]
     else:
@@ -189,16 +177,11 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
             _project(ops, a.reshape(a.shape[0], cfg.q_size), att.wo, residual=x, rotation=att.wo_rotation)
         _feed_forward(ops, block, x, ws, eps)
     if not model.gives_logits:
-        if ops.chain is not None:
-            ops.chain.end()
         return x  # [M, H] float32: the next stage's input
     ws.hidden.copy_(x)  # [M, H] (one small copy a step)
     head = model.lm_head
-    logits = _project(ops, x, head, model.norm.weight, eps, tied_weight=model.embed.weight if head is None else None,
-                      rotation=model.lm_head_rotation)  # [M, V]
-    if ops.chain is not None:
-        ops.chain.end()
-    return logits
+    return _project(ops, x, head, model.norm.weight, eps, tied_weight=model.embed.weight if head is None else None,
+                    rotation=model.lm_head_rotation)  # [M, V]
 
 
 def _feed_forward(ops: _Ops, block, x: torch.Tensor, ws: Workspace, eps: float) -> None:
@@ -216,8 +199,7 @@ def _feed_forward(ops: _Ops, block, x: torch.Tensor, ws: Workspace, eps: float) 
         _project(ops, gu, ffn.w2, gated=True, residual=x)
 
 
-def make_ops(device: torch.device, kernels: bool | None = None, prefetch: bool = True) -> _Ops:
-    """The Triton kernels (default on CUDA; on the CPU only under TRITON_INTERPRET) or the references;
-    prefetch: the packed products' L2 prefetch chain (engine.runtime.prefetch_chain; off for streamed weights)."""
-    return _Ops(device, kernels, prefetch)
+def make_ops(device: torch.device, kernels: bool | None = None) -> _Ops:
+    """The Triton kernels (default on CUDA; on the CPU only under TRITON_INTERPRET) or the references."""
+    return _Ops(device, kernels)
 

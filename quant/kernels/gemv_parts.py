@@ -11,10 +11,9 @@ from quant.packed_layout import PackedWeight, layout_kind
 
 
 def packed_gemv_reference(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
-                          out: torch.Tensor | None = None, accumulate: bool = False,
-                          prefetch: torch.Tensor | None = None, prefetch_at: int = 0) -> torch.Tensor:
+                          out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """The same maths in plain torch (float64 integer sums, exact): y [M, N] float32 (into out, or
-    added to it with accumulate). prefetch / prefetch_at: the kernel's L2 hint, nothing to do here."""
+    added to it with accumulate)."""
     from quant.packed_layout import unpack_codes
     kind = layout_kind(pw.kind)
     m, k = xq.shape
@@ -24,7 +23,7 @@ def packed_gemv_reference(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor
     wg = values.reshape(pw.out_features, k // g, g)  # [N, K/G, G]
     isum = torch.einsum("mgk,ngk->mgn", xg, wg)  # [M, K/G, N]: Σ value·x per group
     y = (isum * sx.double()[..., None] * pw.scales.double()[None]).sum(1).float()  # [M, N]
-    del kind, sumx, prefetch, prefetch_at  # the reference uses the grid values directly (no offset correction needed)
+    del kind, sumx  # the reference uses the grid values directly (no offset correction needed)
     if out is None:
         return y
     if accumulate:
@@ -59,40 +58,6 @@ def _dot4_bytes(a, b, acc, A_UNSIGNED: tl.constexpr, USE_ASM: tl.constexpr):
                 a_byte = (a << (24 - 8 * byte)) >> 24
             r += a_byte * ((b << (24 - 8 * byte)) >> 24)
         return r
-
-
-@triton.jit
-def _prefetch_share(pf_ptr, pf_lines, USE_ASM: tl.constexpr, LANES: tl.constexpr):
-    """Ask L2 for this program's share of the next product's weights (pf_lines 128-byte lines from pf_ptr, an
-    int32 pointer): the programs of the grid split the lines in launch order, a line a lane per instruction.
-    HBM then streams those bytes while this kernel's tail and the small kernels before the next product run
-    (issue 19). Under the interpreter the same lines are loaded and dropped (the addresses are exercised)."""
-    first, end = _share_bounds(pf_lines)
-    for i in range(first, end, LANES):
-        line = i + tl.arange(0, LANES)  # [LANES]
-        ok = line < end
-        ptrs = pf_ptr + line.to(tl.int64) * 32  # [LANES]: 32 int32 = 128 bytes a line
-        if USE_ASM:
-            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                                      "mov.u32 $0, 0; }", "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            tl.load(ptrs, mask=ok, other=0)
-
-
-@triton.jit
-def _share_bounds(lines):
-    """[first, end) of this program's share of `lines` items split over the grid in launch order."""
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    per = tl.cdiv(lines, programs)
-    first = tl.minimum(pid * per, lines)
-    return first, tl.minimum(first + per, lines)
-
-
-def prefetch_lines(prefetch: torch.Tensor | None) -> int:
-    """The 128-byte lines of a prefetch target (a contiguous tensor; 0 for none)."""
-    return 0 if prefetch is None else prefetch.numel() * prefetch.element_size() // 128
 
 
 @triton.jit

@@ -15,8 +15,8 @@ import triton.language as tl
 from quant.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 from quant.kernels import interpreting, pdl_options
-from quant.kernels.gemv_parts import (_dot4, _dot4_bytes, _prefetch_share, _program_tile, _write_out,  # noqa: F401
-                                      packed_gemv_reference, prefetch_lines, result_buffer, split_k)
+from quant.kernels.gemv_parts import (_dot4, _dot4_bytes, _program_tile, _write_out, packed_gemv_reference,  # noqa: F401
+                                      result_buffer, split_k)
 from quant.packed_layout import PackedWeight, layout_kind
 
 _BYTE_MASK = {1: 0x01010101, 2: 0x03030303, 4: 0x0F0F0F0F, 8: -1}
@@ -121,11 +121,11 @@ def _group_dot(w, xq_ptr, g, offs_m, m_mask, M, rows, x_words, BITS: tl.constexp
 
 
 @triton.jit
-def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, groups_per_split, pf_ptr, pf_lines,
+def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, groups_per_split,
                         BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, BYTE_MASK: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr, USE_ASM: tl.constexpr,
-                        ROWS_2D: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                        ROWS_2D: tl.constexpr, USE_PDL: tl.constexpr):
     GW: tl.constexpr = GROUP * BITS // 32  # words per group (per column)
     DEEP: tl.constexpr = GW <= 8  # two groups in flight when their words fit in registers (≤ 2-bit)
     pid_k = tl.program_id(1)
@@ -146,8 +146,6 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
                           eviction_policy="evict_first")  # [GW, BN]
     else:
         w_after = w_next
-    if PREFETCH == 1:
-        _prefetch_share(pf_ptr, pf_lines, USE_ASM, 32)
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -171,17 +169,14 @@ def _packed_gemv_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K
         sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
         corrected = (dot * MULT - OFFSET * sumx[:, None]).to(tl.float32)
         acc += corrected * sx[:, None] * sw[None, :]
-    if PREFETCH == 2:
-        _prefetch_share(pf_ptr, pf_lines, USE_ASM, 32)
     _write_out(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)
 
 
 @triton.jit
-def _packed_gemv_kwarps_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, N, NG, groups_per_split, pf_ptr, pf_lines,
+def _packed_gemv_kwarps_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, N, NG, groups_per_split,
                                BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, BYTE_MASK: tl.constexpr,
                                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WK: tl.constexpr, ATOMIC: tl.constexpr,
-                               ACCUMULATE: tl.constexpr, USE_ASM: tl.constexpr, USE_PDL: tl.constexpr,
-                               PREFETCH: tl.constexpr):
+                               ACCUMULATE: tl.constexpr, USE_ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """One row, WK warps a program: each step loads WK consecutive groups as a [WK, GW, BLOCK_N] tile (a warp a
     group; the next step's tile in flight while this one is summed), the groups are summed once at the end."""
     STEPS: tl.constexpr = 8 // BITS  # shift steps per word
@@ -198,8 +193,6 @@ def _packed_gemv_kwarps_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, 
     w_next = tl.load(w_ptr + (g_start * GW + word_rows) * N + cols,
                      mask=col_ok & ((g_start + gi)[:, None, None] < g_end), other=0,
                      eviction_policy="evict_first")  # [WK, GW, BN]
-    if PREFETCH == 1:
-        _prefetch_share(pf_ptr, pf_lines, USE_ASM, 32 * WK)
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -223,8 +216,6 @@ def _packed_gemv_kwarps_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, 
         sw = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok[:, None] & n_mask[None, :],
                      other=0.0).to(tl.float32)  # [WK, BN]
         acc += (dot * MULT - OFFSET * sumx[:, None]).to(tl.float32) * sx[:, None] * sw
-    if PREFETCH == 2:
-        _prefetch_share(pf_ptr, pf_lines, USE_ASM, 32 * WK)
     _write_out(out_ptr, tl.sum(acc, axis=0)[None, :], offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)
 
 
@@ -235,11 +226,10 @@ def _packed_gemv_kwarps_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, 
 # columns] tiles would need a [rows, words, columns] broadcast here, which spills.)
 @triton.jit
 def _packed_gemv_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, groups_per_split,
-                             pf_ptr, pf_lines,
                              BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr,
                              BYTE_MASK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, ACCUMULATE: tl.constexpr,
-                             USE_ASM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                             USE_ASM: tl.constexpr, USE_PDL: tl.constexpr):
     STEPS: tl.constexpr = 8 // BITS  # shift steps per word
     GW: tl.constexpr = GROUP * BITS // 32  # word rows per group
     pid_k = tl.program_id(1)
@@ -255,8 +245,6 @@ def _packed_gemv_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M,
                      eviction_policy="evict_first")  # [BN]
     w_after = tl.load(w_ptr + (t + 1) * N + offs_n, mask=n_mask & (offs_n * 0 + t + 1 < t_end), other=0,
                       eviction_policy="evict_first")  # [BN]
-    if PREFETCH == 1:
-        _prefetch_share(pf_ptr, pf_lines, USE_ASM, 32)
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -279,8 +267,6 @@ def _packed_gemv_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M,
             sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
             acc += (isum * MULT - OFFSET * sumx[:, None]).to(tl.float32) * sx[:, None] * sw[None, :]
             isum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    if PREFETCH == 2:
-        _prefetch_share(pf_ptr, pf_lines, USE_ASM, 32)
     _write_out(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)
 
 
@@ -295,16 +281,13 @@ def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -
 
 def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
                 out: torch.Tensor | None = None, accumulate: bool = False,
-                config: tuple[int, int, int] | None = None, num_sms: int = 132, variant: str | None = None,
-                prefetch: torch.Tensor | None = None, prefetch_at: int = 0) -> torch.Tensor:
+                config: tuple[int, int, int] | None = None, num_sms: int = 132, variant: str | None = None
+                ) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y.
     variant (default by row count and size: default_variant): "2d" (the M = 1 tiles once per row), "3d"
     (broadcast over rows), "rows" (the word-row loop, from ROW_LOOP_FROM rows), "mma" (tensor cores:
     quant.kernels.packed_mma, its own config), "kwarps" (one row of a ≤ 2-bit layout: warps split K in a
-    program; config (BLOCK_N, split_k, warps)). A tri5 matrix runs quant.kernels.tri5_gemv (its config).
-    prefetch: a contiguous tensor (the next product's weights, or their first part) whose 128-byte lines the
-    programs ask L2 for, at their start (prefetch_at=1, before the PDL wait) or after their last group (2);
-    a hint only (the result is the same); the dp4a kernels take it, the tensor-core and tri5 kernels not yet."""
+    program; config (BLOCK_N, split_k, warps)). A tri5 matrix runs quant.kernels.tri5_gemv (its config)."""
     if pw.kind == "tri5":
         from quant.kernels.tri5_gemv import tri5_gemv
         return tri5_gemv(xq, sx, sumx, pw, out, accumulate, config)
@@ -317,9 +300,8 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
     row_loop = variant == "rows" and m > 1
     kind = layout_kind(pw.kind)
     ng = k // pw.group_size
-    pf = _prefetch_args(prefetch, prefetch_at, xq)
     if variant == "kwarps" and m == 1 and kind.bits <= 2:
-        return _kwarps(xq, sx, sumx, pw, out, accumulate, config or kwarps_launch_config(pw.out_features, ng), pf)
+        return _kwarps(xq, sx, sumx, pw, out, accumulate, config or kwarps_launch_config(pw.out_features, ng))
     block_n, split, warps = config or gemv_launch_config(pw.out_features, ng, pw.kind, num_sms)
     out = result_buffer(out, m, pw.out_features, xq.device, accumulate, split)
     per_split = triton.cdiv(ng, split)
@@ -327,25 +309,15 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
     kernel, extra = ((_packed_gemv_rows_kernel, {}) if row_loop
                      else (_packed_gemv_kernel, {"ROWS_2D": m > 1 and variant == "2d"}))
     kernel[grid](
-        xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split, *pf[:2],
+        xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
         BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits],
         GROUP=pw.group_size, BLOCK_M=max(triton.next_power_of_2(m), 2 if row_loop else 1), BLOCK_N=block_n,
         ATOMIC=split > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(), num_warps=warps,
-        PREFETCH=pf[2], **extra, **pdl_options(xq.device))
+        **extra, **pdl_options(xq.device))
     return out
 
 
-def _prefetch_args(prefetch: torch.Tensor | None, at: int, xq: torch.Tensor) -> tuple:
-    """(pointer, lines, PREFETCH) of a launch: no lines, or none asked for, is PREFETCH 0 (xq stands in)."""
-    lines = prefetch_lines(prefetch)
-    if lines == 0 or at == 0:
-        return xq.view(torch.int32), 0, 0
-    assert at in (1, 2) and prefetch.is_contiguous()
-    return prefetch.view(torch.int32) if prefetch.dtype != torch.int32 else prefetch, lines, at
-
-
-def _kwarps(xq, sx, sumx, pw: PackedWeight, out, accumulate: bool, config: tuple[int, int, int],
-            pf: tuple) -> torch.Tensor:
+def _kwarps(xq, sx, sumx, pw: PackedWeight, out, accumulate: bool, config: tuple[int, int, int]) -> torch.Tensor:
     """One row through _packed_gemv_kwarps_kernel (config: BLOCK_N, split_k, warps)."""
     kind, ng = layout_kind(pw.kind), pw.in_features // pw.group_size
     block_n, split, warps = config
@@ -353,9 +325,8 @@ def _kwarps(xq, sx, sumx, pw: PackedWeight, out, accumulate: bool, config: tuple
     grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(ng, per_split))
     out = result_buffer(out, 1, pw.out_features, xq.device, accumulate, grid[1])
     _packed_gemv_kwarps_kernel[grid](
-        xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, pw.out_features, ng, per_split, *pf[:2],
-        BITS=kind.bits,
+        xq.view(torch.int32), sx, sumx, pw.words, pw.scales, out, pw.out_features, ng, per_split, BITS=kind.bits,
         MULT=kind.mult, OFFSET=kind.offset, BYTE_MASK=_BYTE_MASK[kind.bits], GROUP=pw.group_size, BLOCK_N=block_n,
         WK=warps, ATOMIC=grid[1] > 1, ACCUMULATE=accumulate, USE_ASM=not interpreting(), num_warps=warps,
-        PREFETCH=pf[2], **pdl_options(xq.device))
+        **pdl_options(xq.device))
     return out

@@ -13,9 +13,7 @@ that leave a phase out) against what it must compute instead.
       load-only  the words are read and XOR-folded, no dp4a or scaling (the ALU's cost);
       read       a streaming read of the same bytes by a few programs per SM (the floor of one kernel);
   chain: a decode step's GEMVs alone, the 8B shape's 36 layers x (qkv, o, gate/up, down) in one graph:
-      product kernels (as launched, and with the split rule of ~1024 programs; and with each product asking L2
-      for the first L2/4, L2/8 or L2/2 bytes of the next one's words, after its last group or at its start:
-      engine.runtime.prefetch_chain), then the read kernel per matrix
+      product kernels (as launched, and with the split rule of ~1024 programs), then the read kernel per matrix
       (144 kernels), then the read kernel per layer (36): what kernel boundaries cost on their own;
   splits: every layout's one-row GEMV at every split of K (tri, bin, int4, int8 through packed_gemv, tri5 through
       its own kernel) at the 8B and 27B-class shapes: the best split against the launch rule's.
@@ -210,21 +208,6 @@ def section_chain(run: Run) -> None:
     result["product 1024"] = time_calls(run, [lambda mats=mats: [packed_gemv(*xq, m, out=o, accumulate=True, config=c)
                                                                 for xq, m, o, c in zip(xqs, mats, outs, rule)]
                                               for mats in weights])
-    flat = [m for mats in weights for m in mats]  # the step's order: each prefetches the next (the last the first)
-    l2 = torch.cuda.get_device_properties(run.dev).L2_cache_size if run.dev.type == "cuda" else 4 << 20
-    for at, share in ((2, 0.25), (1, 0.25), (2, 0.125), (2, 0.5)):
-        cap = int(l2 * share) // 4  # int32 words
-        nexts = [flat[(i + 1) % len(flat)].words.view(-1)[:cap] for i in range(len(flat))]
-        for xq, m, o, nxt in zip(xqs * layers, flat, outs * layers, nexts):  # a hint: the products unchanged
-            want = packed_gemv(*xq, m)
-            _check(run, f"chain prefetch {at} {m.out_features}x{m.in_features}",
-                   torch.equal(packed_gemv(*xq, m, prefetch=nxt, prefetch_at=at), want), "equal to the product without it")
-            break
-        result[f"prefetch {'end' if at == 2 else 'start'} L2/{round(1 / share)}"] = time_calls(
-            run, [lambda layer=layer: [packed_gemv(*xq, m, out=o, accumulate=True, prefetch=nexts[len(shapes) * layer + j],
-                                                   prefetch_at=at)
-                                       for j, (xq, m, o) in enumerate(zip(xqs, weights[layer], outs))]
-                  for layer in range(layers)])
     result["read per matrix"] = time_calls(run, [lambda mats=mats: [read_words(m.words.view(-1), out, read_programs(run))
                                                                     for m in mats] for mats in weights])
     result["read per layer"] = time_calls(run, [lambda b=b: read_words(b, out, read_programs(run)) for b in buffers])
