@@ -135,8 +135,8 @@ def test_second_turn_reuses_the_prefix_and_stop_strings_cut_exactly(server, refe
 
 
 def test_a_draft_model_is_loaded_once_for_all_slots(tiny_gguf, reference, one_thread):
-    """draft:PATH in the server's engine (the target drafting for itself: every draft is accepted):
-    one copy of the draft model's weights, a KV cache per slot, greedy output unchanged."""
+    """draft:PATH in the server's engine (the target drafting for itself, its weights as stored: every draft is
+    accepted): one copy of the draft model's weights, a KV cache per slot, greedy output unchanged."""
     import queue
 
     from engine.decoding.sequence import Finished, Request
@@ -145,7 +145,7 @@ def test_a_draft_model_is_loaded_once_for_all_slots(tiny_gguf, reference, one_th
     from engine.weights.loader import load_model
     from tests.engine_runs import Threaded, spec_engine
     loaded = load_model(tiny_gguf, "cpu", weight_dtype=torch.float32)
-    spec = SpeculativeConfig.from_spec(f"draft:{tiny_gguf}", num_draft_tokens=3, adaptive=False)
+    spec = SpeculativeConfig.from_spec(f"draft:{tiny_gguf}", num_draft_tokens=3, adaptive=False, draft_weights="stored")
     engine = Threaded(spec_engine(ModelRunner(loaded, max_seq_len=96, num_slots=2), loaded.tokenizer, spec,
                                   slot_context=96))
     try:
