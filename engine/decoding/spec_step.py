@@ -112,6 +112,7 @@ class SpeculativeStep:
         self.method = drafters[0].name
         self.slots = [SlotDrafter(d, SpecStats(method or d.name)) for d in drafters]
         self._steps = 0
+        self._caught_up = 0.0  # of the step running: seconds drafters spent feeding tokens they had not seen
         # batched speculation: the measured cost of a whole fused pass by its row count, and each
         # slot's recent acceptance, decide how many of the proposed drafts are worth their rows
         self.pass_cost = TargetCost()

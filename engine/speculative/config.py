@@ -22,6 +22,7 @@ from engine.weights.loader import LoadedModel
 from engine.speculative.drafter import Drafter
 
 METHODS = ("ngram", "draft", "mtp", "dflash")
+DRAFT_WEIGHTS = ("auto", "stored")  # a draft model's matrices on the CPU (engine.speculative.cpu_draft)
 SPEC_HELP = "ngram | draft:PATH|NAME | mtp[:PATH] | dflash[:PATH] | mix:ngram,draft:PATH,..."
 
 
@@ -73,7 +74,7 @@ class SpeculativeConfig:
             raise BonsaiError(f"the number of draft tokens must be in 1..64, got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 32:
             raise BonsaiError(f"n-gram sizes must satisfy 1 <= min <= max <= 32, got {self.ngram_min}..{self.ngram_max}")
-        if self.draft_weights not in ("auto", "stored"):
+        if self.draft_weights not in DRAFT_WEIGHTS:
             raise BonsaiError(f"draft_weights must be auto (a draft model's matrices as 4-bit codes on the CPU) "
                               f"or stored (as its file stores them), got {self.draft_weights!r}")
         if self.ngram_pool_size < 0:

@@ -20,7 +20,6 @@ from engine.runtime.linear import Linear
 from engine.weights.loader import LoadedModel
 from quant.gguf_int4 import GROUP, affine_rtn
 
-DRAFT_WEIGHTS = ("auto", "stored")  # SpeculativeConfig.draft_weights
 ROW_MULTIPLE = 16  # the int4 kernel packs rows in sixteens
 
 
@@ -51,24 +50,17 @@ def four_bit_drafter(loaded: LoadedModel) -> int:
         return 0
     model = loaded.model
     done = 0
-    for name, module in list(model.named_modules()):
-        if not name or name == "lm_head" or not _convertible(module):
-            continue
-        if not _fits(*module_shape(module)):
-            continue
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, _as_int4(module))
-        done += 1
-    head = model.lm_head
-    if head is None:  # tied: the output layer reads the embedding, which stays for the lookup
+    for name, module in list(model.named_modules()):  # the block matrices and an untied output layer
+        if name and _convertible(module) and _fits(*module_shape(module)):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, _as_int4(module))
+            done += 1
+    if model.lm_head is None:  # tied: the output layer reads the embedding, which stays for the lookup
         vocab, hidden = model.embed.weight.shape
-        if _fits(vocab, hidden) and model.embed.weight.dtype.is_floating_point:
+        if _fits(vocab, hidden):
             codes, s, z = affine_rtn(model.embed.weight.data.float())  # [V, H], [V, H/32] x 2
             model.lm_head = Int4CpuLinear(codes, s, z, None, hidden)
             done += 1
-    elif _convertible(head) and _fits(*module_shape(head)):
-        model.lm_head = _as_int4(head)
-        done += 1
     return done
 
 
