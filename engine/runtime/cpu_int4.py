@@ -8,6 +8,9 @@ mantissa bits; llama.cpp quantizes its activations to int8 blocks for the same d
 result does not depend on how many rows share the call (checked once per process by
 `rows_independent`; where it does, rows run one call each), so a speculative verify pass gives the
 one-row decode step's values bit for bit. Quality against float16 matrices: docs/quality.md.
+
+The kernel's time grows with the rows (it runs as a GEMV per row): from PREFILL_ROWS rows on (prompt chunks),
+a call decodes its matrix to bfloat16 and runs bfloat16 GEMMs instead (engine.runtime.cpu_int4_prefill).
 """
 from __future__ import annotations
 
@@ -16,10 +19,15 @@ import functools
 import torch
 from torch import nn
 
+from engine.runtime.cpu_int4_prefill import fast_prefill_usable, prefill_matmul
 from quant.gguf_int4 import GROUP, dense_weights
 
 # Up to this many rows (decode, verify widths) a call's rows must equal one-row calls bit for bit.
 VERIFY_ROWS = 16
+# From this many rows on, decode + one bfloat16 GEMM beats the int4 kernel: measured break-even 40-48 rows for
+# the 0.5B / 1.5B matrices at 1 and 2 threads (~64 for a 256x1536 one, whose time is small either way); docs/perf.md
+# session 24. Must stay above VERIFY_ROWS: those calls keep the kernel's row-for-row results.
+PREFILL_ROWS = 48
 
 
 @functools.cache
@@ -73,6 +81,7 @@ class Int4CpuLinear(nn.Module):
         self.register_buffer("sz", scales_and_zeros(s, z))  # [K/32, N, 2] bfloat16
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.split_rows = not rows_independent()
+        self.fast_prefill = fast_prefill_usable(self.out_features)
 
     @property
     def nbytes(self) -> int:
@@ -87,12 +96,19 @@ class Int4CpuLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)  # [M, K]
+        if rows >= PREFILL_ROWS and self.fast_prefill:
+            return self._out(prefill_matmul(flat.to(torch.bfloat16), self.packed, self.sz, self.out_features,
+                                            self.halves), x)  # [M, N]: the halves summed in the weights
         if self.halves == 2:
             flat = torch.cat([flat, flat], dim=-1)  # [M, 2K]: each half of the codes sees the whole input
         if self.split_rows and 1 < rows <= VERIFY_ROWS:
             y = torch.cat([int4_matmul(flat[i:i + 1], self.packed, self.sz) for i in range(rows)])  # [M, N]
         else:
             y = int4_matmul(flat, self.packed, self.sz)  # [M, N]
+        return self._out(y, x)
+
+    def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """bfloat16 y [M, N] → x's dtype and leading shape, plus the bias."""
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 

@@ -3,6 +3,7 @@ shared machine leaves alone (wall-clock suites swing 2-3x within one prompt ther
 
 Usage: python tests/perf/cpu_spec_cost.py --target qwen2.5-coder-1.5b --spec draft:qwen2.5-coder-0.5b
            [--weight-dtype bfloat16] [--categories code-edit,summarization] [--suite coder] [--draft-tokens 4]
+           [--prefill-rows N]  (A/B of the CPU int4 layers' GEMM path for prompt chunks)
 Per prompt of the suite: plain greedy decoding, then speculative, each timed with time.process_time()
 (torch on one thread, so CPU seconds are the work done); the outputs must be identical. Prints the
 tokens per target pass and the speedup per prompt; with --float16-plain also plain decoding with the
@@ -52,7 +53,12 @@ def main() -> None:
     ap.add_argument("--draft-weights", default="auto", choices=["auto", "stored"],
                     help="a draft model's matrices: auto (all 4-bit codes), stored (as its file stores them)")
     ap.add_argument("--gate", action="store_true", help="with the spec gate, as a run's engine has it (adaptive)")
+    ap.add_argument("--prefill-rows", type=int, default=None,
+                    help="engine.runtime.cpu_int4.PREFILL_ROWS for both models (1000000: int4 kernel only, as before)")
     args = ap.parse_args()
+    if args.prefill_rows is not None:
+        from engine.runtime import cpu_int4
+        cpu_int4.PREFILL_ROWS = args.prefill_rows
     torch.set_num_threads(1)
     path = store.resolve_model(args.target)
     fast = args.weight_dtype.startswith("cpu-fast")
