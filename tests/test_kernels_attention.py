@@ -147,6 +147,21 @@ def test_one_row_at_each_split_boundary(dtype):
         torch.testing.assert_close(got, decode_attention_reference(q, k, v, ints([0]), ints([n]), 0.1), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_splits_spread_each_rows_keys_or_keep_fixed_ranges(dtype):
+    """By default a row's keys are spread over the splits in whole tiles (a short row: one tile a split); with
+    min_split_len each split keeps at least that many keys (split_length: fixed ranges of the cache). Rows of
+    lengths at and around both kinds of boundary, and longer than splits × one tile, match the reference."""
+    h, kv, d, s, splits = 4, 2, 64, 700, 5  # tiles of 128 keys at d=64
+    q, k, v = attention_inputs(h, kv, d, s, dtype, rows=6, slots=2, seed=4)
+    lengths = [1, 128, 129, 640, 641, 700]
+    slot_ids, lens = ints([i % 2 for i in range(6)]), ints(lengths)
+    want = decode_attention_reference(q, k, v, slot_ids, lens, d ** -0.5)
+    for floor in (None, split_length(s, splits, d), 256):
+        got = decode_attention(q, k, v, slot_ids, lens, d ** -0.5, splits, min_split_len=floor)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+
+
 @pytest.mark.parametrize("d", [32, 256])
 def test_other_head_dims(d):
     q, k, v = attention_inputs(6, 2, d, 100, torch.float32, rows=2, slots=2, seed=2)
@@ -193,10 +208,12 @@ def test_reference_is_the_models_attention():
 
 
 def test_default_num_splits():
-    assert default_num_splits(64) == 1 and default_num_splits(200, num_kv_heads=3, head_dim=64) == 1
-    for s in (1024, 4096, 32768, 131072):
+    assert default_num_splits(64) == 1 and default_num_splits(128, num_kv_heads=3, head_dim=64) == 1  # one tile
+    assert default_num_splits(640) == 5 and default_num_splits(1024) == 8  # short caches: MIN_SPLITS, whole tiles
+    for s in (200, 640, 1024, 4096, 32768, 131072):
         n = default_num_splits(s)
-        assert split_length(s, n, 128) >= 256 and (n - 1) * split_length(s, n, 128) < s  # none empty at full length
+        assert (n - 1) * split_length(s, n, 128) < s  # none empty at full length
+        assert s < 4096 or split_length(s, n, 128) >= 256  # long caches: MIN_SPLIT_LEN keys a split at least
     assert default_num_splits(32768) * 8 >= 132  # a 32K cache fills an H200's SMs
 
 

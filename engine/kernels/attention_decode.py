@@ -3,8 +3,10 @@
 Each program handles one (row, kv head, split): the query heads that share the kv head form one
 [G_PAD, D] tile (padded to 16 rows for tl.dot) and stream the split's keys/values in BLOCK_S tiles with
 an online softmax in float32. The grid (M, KV, num_splits) never depends on the values of seq_lens, so
-a CUDA graph captures it once and replays it at any length: a split past a row's length only records
-an empty partial. A second kernel combines the splits' partials by log-sum-exp.
+a CUDA graph captures it once and replays it at any length. Each row's keys are spread over the splits in
+whole tiles (at least `min_split_len` keys a split; by default one tile), so a short row still keeps many
+programs busy; a split past a row's keys only records an empty partial. A second kernel combines the splits'
+partials by log-sum-exp.
 A quantized cache (int8 codes with a float16 scale per row, or int4 codes two per byte with a float16
 scale and min per group of 32: engine/kernels/kv_codes.py) is read as codes and dequantized in
 registers, tile by tile, to q's dtype (what KVCache.read would return) before the dots.
@@ -29,6 +31,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_GROUP = 64  # query heads per kv head
 MAX_SPLITS = 1024
 MIN_SPLIT_LEN = 256  # keys: below this a split's fixed costs (q load, partial write) dominate
+# ... except that a short cache still gets this many splits (one tile each at least): its rows' keys spread over
+# them (the split kernel), so a 512-key row runs 8 tiles at once instead of 2 splits of 4 tiles in a row. H100,
+# 8B ternary step at 512 keys of a 640-key cache: 3 splits 1,735-1,761 µs, 8 splits 1,682, 32 splits 1,655.
+MIN_SPLITS = 8
 PROGRAMS_PER_SM = 4  # at full length: a few waves of programs, each streaming >= MIN_SPLIT_LEN keys
 LOG2E = 1.4426950408889634
 
@@ -110,8 +116,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_ptr, lse_p
     v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
     k_scales = slot * stride_kss + kv_head * stride_ksh  # offset of this (slot, head) in k_scale and k_min
     v_scales = slot * stride_vss + kv_head * stride_vsh
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    # keys per split: the row's keys spread over the splits (whole tiles), at least split_len (the caller's floor)
+    length = tl.maximum(split_len, tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S)
+    start = split * length
+    end = tl.minimum(start + length, seq_len)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -193,13 +201,16 @@ def split_length(max_seq_len: int, num_splits: int, head_dim: int) -> int:
 def default_num_splits(max_seq_len: int, num_kv_heads: int = 8, batch: int = 1, num_sms: int = 132,
                        head_dim: int = 128) -> int:
     """Splits for a cache of max_seq_len keys: at full length the grid holds about PROGRAMS_PER_SM programs
-    per SM (batch * kv_heads * splits), but no split is shorter than MIN_SPLIT_LEN keys, so short caches
-    use few programs (one split skips the combine kernel); no split is left empty at full length."""
+    per SM (batch * kv_heads * splits), but no split is shorter than MIN_SPLIT_LEN keys there; a short cache
+    still gets MIN_SPLITS (as many as it has tiles, at most; one split skips the combine kernel); no split is
+    left empty at full length."""
     assert max_seq_len > 0 and num_kv_heads > 0 and batch > 0 and num_sms > 0
     wanted = max(1, math.ceil(PROGRAMS_PER_SM * num_sms / (batch * num_kv_heads)))
     length = split_length(max_seq_len, min(wanted, MAX_SPLITS), head_dim)
     length = max(length, split_length(MIN_SPLIT_LEN, 1, head_dim))
-    return triton.cdiv(max_seq_len, length)
+    tile = block_size(head_dim)
+    fewest = min(MIN_SPLITS, triton.cdiv(max_seq_len, tile), wanted)
+    return max(triton.cdiv(max_seq_len, length), triton.cdiv(max_seq_len, split_length(max_seq_len, fewest, head_dim)))
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
@@ -246,13 +257,16 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_i
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int,
-                     out: torch.Tensor | None = None, v_rotate: bool = False, **scales: torch.Tensor) -> torch.Tensor:
+                     out: torch.Tensor | None = None, v_rotate: bool = False, min_split_len: int | None = None,
+                     **scales: torch.Tensor) -> torch.Tensor:
     """q [M, H, D]; caches [slots, KV, S, D] (or the codes of a quantized cache, with its k_scale /
     k_min / v_scale / v_min: engine/kernels/kv_codes.py); slot_ids [M] int32; seq_lens [M] int32 = number
     of valid keys of each row (keys 0..seq_len-1 of its slot; a causal verify row passes position + 1;
     values above S are clamped to S). Query head h reads kv head h // (H // KV). v_rotate: the values are
-    stored rotated by the Hadamard matrix (KVCache.layer_read_args), the output is rotated back. Returns
-    out [M, H, D] in q's dtype. Raises UnsupportedKernelShape (a ValueError) for shapes it cannot handle."""
+    stored rotated by the Hadamard matrix (KVCache.layer_read_args), the output is rotated back.
+    min_split_len: the fewest keys a split takes (None: one tile; split_length(S, num_splits, D) gives each
+    split a fixed range of the cache whatever the rows' lengths). Returns out [M, H, D] in q's dtype. Raises
+    UnsupportedKernelShape (a ValueError) for shapes it cannot handle."""
     formats = _check(q, k_cache, v_cache, slot_ids, seq_lens, num_splits, scales)
     m, h, d = q.shape
     if out is None:
@@ -263,13 +277,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # The interpreter multiplies bfloat16 tiles as raw uint16 integers: on the CPU the dots widen their
     # inputs to float32 first (on a GPU, tf32 holds bf16/fp16 values exactly, so the maths is the same).
     _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, out,
-            dot_f32=q.device.type == "cpu", block_s=block_size(d), scales=scales, formats=formats, v_rotate=v_rotate)
+            dot_f32=q.device.type == "cpu", block_s=block_size(d), scales=scales, formats=formats, v_rotate=v_rotate,
+            min_split_len=min_split_len)
     return out
 
 
 def decode_attention_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                           seq_lens: torch.Tensor, scale: float, num_splits: int, v_rotate: bool = False,
-                          **scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          min_split_len: int | None = None, **scales: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`decode_attention` whose output goes straight to int8 activations with one scale per head
     (group size = head_dim), as `quantize_activations(out.reshape(M, H * D), D)` would make them:
     (xq [M, H * D] int8, sx [M, H] float32, sumx [M, H] int32). One kernel less per layer."""
@@ -281,14 +297,14 @@ def decode_attention_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
              torch.empty(m, h, dtype=torch.int32, device=q.device))
     _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, out,
             dot_f32=q.device.type == "cpu", block_s=block_size(d), quant=quant, scales=scales, formats=formats,
-            v_rotate=v_rotate)
+            v_rotate=v_rotate, min_split_len=min_split_len)
     return quant
 
 
 def decode_attention_int8_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                     slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                    num_splits: int = 1, v_rotate: bool = False, **scales: torch.Tensor
-                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                    num_splits: int = 1, v_rotate: bool = False, min_split_len: int | None = None,
+                                    **scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from quant.kernels.act_quant import quantize_activations_reference
     m, h, d = q.shape
     out = decode_attention_reference(q, k_cache, v_cache, slot_ids, seq_lens, scale, num_splits, v_rotate=v_rotate,
@@ -298,11 +314,11 @@ def decode_attention_int8_reference(q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: int, out: torch.Tensor,
             dot_f32: bool, block_s: int, num_warps: int = 4, quant=None, scales=None, formats=(FLOAT, FLOAT),
-            v_rotate: bool = False) -> None:
+            v_rotate: bool = False, min_split_len: int | None = None) -> None:
     m, h, d = q.shape
     kv, s_max = k_cache.shape[1], k_cache.shape[2]
     group = h // kv
-    split_len = triton.cdiv(triton.cdiv(s_max, num_splits), block_s) * block_s  # split_length() for block_s
+    split_len = triton.cdiv(min_split_len or block_s, block_s) * block_s  # the fewest keys a split takes
     partial_outputs = num_splits > 1 or quant is not None or v_rotate  # the combine kernel rotates back
     if partial_outputs:
         partials = torch.empty(m, h, num_splits, d, dtype=torch.float32, device=q.device)  # [M, H, NS, D]
@@ -334,10 +350,11 @@ def _launch(q, k_cache, v_cache, slot_ids, seq_lens, scale: float, num_splits: i
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
                                out: torch.Tensor | None = None, v_rotate: bool = False,
-                               **scales: torch.Tensor) -> torch.Tensor:
+                               min_split_len: int | None = None, **scales: torch.Tensor) -> torch.Tensor:
     """Plain torch, row by row in float32: softmax(q kᵀ * scale) v over the first seq_len keys of the
     row's slot (a quantized cache dequantized to q's dtype first, as KVCache.read does), rotated back by
-    H if v_rotate. num_splits is accepted for a matching signature and does not change the maths."""
+    H if v_rotate. num_splits and min_split_len are accepted for a matching signature and do not change the
+    maths."""
     m, h, d = q.shape
     group = h // k_cache.shape[1]
     result = torch.empty(m, h, d, dtype=q.dtype, device=q.device)  # [M, H, D]
