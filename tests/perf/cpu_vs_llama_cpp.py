@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 N_PROMPT, N_GEN = 64, 32
 
 
-def llama_bench(binary: Path, model: Path, threads: int, repack: bool = True) -> dict[str, float]:
+def llama_bench(binary: Path, model: Path, threads: int, repack: bool = False) -> dict[str, float]:
     """One llama-bench invocation (one timed repetition per test): {'pp64': tok/s, 'tg32': tok/s}."""
     out = subprocess.run([str(binary), "-m", str(model), "-p", str(N_PROMPT), "-n", str(N_GEN), "-t", str(threads),
                           "-r", "1", "-o", "json", "--repack", "1" if repack else "0"],
@@ -66,8 +66,9 @@ def main() -> None:
     ap.add_argument("--output-dtype", choices=["auto", "float32", "float16"], default="auto", help="runtime.output_dtype")
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--no-repack", action="store_true", help="llama-bench --repack 0 (its weight repacking off: "
-                    "the 0.3.36 build segfaults at load on Qwen2.5-Coder-0.5B on an AMX machine without it)")
+    ap.add_argument("--repack", action="store_true", help="llama-bench --repack 1 (its weight repacking on; off by "
+                    "default: the 0.3.36 build segfaults at load on Qwen2.5-Coder-0.5B and dies with SIGILL on SmolLM2 on "
+                    "an AMX machine with it, 2026-12-06)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     binary = build(args.llama_dir) / "llama-bench"
@@ -96,7 +97,7 @@ def main() -> None:
         ours_bench(runner, special, 10_000)  # warm-up (llama-bench warms up inside each call)
         samples = {"bonsai": {}, "llama.cpp": {}}
         for r in range(args.rounds):
-            runs = [("llama.cpp", lambda: llama_bench(binary, path, args.threads, not args.no_repack)),
+            runs = [("llama.cpp", lambda: llama_bench(binary, path, args.threads, args.repack)),
                     ("bonsai", lambda: ours_bench(runner, special, r + 1))]
             for engine, run in (runs if r % 2 == 0 else runs[::-1]):
                 for test, tps in run().items():
