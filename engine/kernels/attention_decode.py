@@ -202,8 +202,8 @@ def default_num_splits(max_seq_len: int, num_kv_heads: int = 8, batch: int = 1, 
                        head_dim: int = 128) -> int:
     """Splits for a cache of max_seq_len keys: at full length the grid holds about PROGRAMS_PER_SM programs
     per SM (batch * kv_heads * splits), but no split is shorter than MIN_SPLIT_LEN keys there; a short cache
-    still gets MIN_SPLITS (as many as it has tiles, at most; one split skips the combine kernel); no split is
-    left empty at full length."""
+    is still cut into up to MIN_SPLITS splits of whole tiles (640 keys at head_dim 128: 5 of 128; one tile:
+    one split, which skips the combine kernel); no split is left empty at full length."""
     assert max_seq_len > 0 and num_kv_heads > 0 and batch > 0 and num_sms > 0
     wanted = max(1, math.ceil(PROGRAMS_PER_SM * num_sms / (batch * num_kv_heads)))
     length = split_length(max_seq_len, min(wanted, MAX_SPLITS), head_dim)
