@@ -208,9 +208,9 @@ def default_num_splits(max_seq_len: int, num_kv_heads: int = 8, batch: int = 1, 
     wanted = max(1, math.ceil(PROGRAMS_PER_SM * num_sms / (batch * num_kv_heads)))
     length = split_length(max_seq_len, min(wanted, MAX_SPLITS), head_dim)
     length = max(length, split_length(MIN_SPLIT_LEN, 1, head_dim))
-    tile = block_size(head_dim)
-    fewest = min(MIN_SPLITS, triton.cdiv(max_seq_len, tile), wanted)
-    return max(triton.cdiv(max_seq_len, length), triton.cdiv(max_seq_len, split_length(max_seq_len, fewest, head_dim)))
+    fewest = min(MIN_SPLITS, triton.cdiv(max_seq_len, block_size(head_dim)), wanted)
+    length = min(length, split_length(max_seq_len, fewest, head_dim))
+    return triton.cdiv(max_seq_len, length)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,

@@ -41,7 +41,7 @@ class Phase:
     """One _Ops attribute wrapped: "skip" returns what the call at the same index of an earlier real step
     returned (no launch), "double" launches it twice; `select` picks the calls it applies to."""
 
-    def __init__(self, fn, mode: str, select=lambda *a, **k: True):
+    def __init__(self, fn, mode: str, select):
         self.fn, self.mode, self.select = fn, mode, select
         self.cache: dict[int, object] = {}
         self.index = 0
