@@ -101,3 +101,20 @@ def _mma_cases():
                     lambda pw=pw, rows=rows, config=config, accumulate=accumulate: packed_gemv(
                         *_activations(rows, 1024, pw.group_size), pw, out=torch.zeros(rows, 256),
                         accumulate=accumulate, config=config, variant="mma"))
+    yield from _mma_prefetch_cases()
+
+
+def _mma_prefetch_cases():
+    """The tensor-core kernel with tiles prefetched in registers (1 and 2 ahead, with Triton's pipelining off
+    and on) and activations loaded ahead, as tests/perf/gpu_issue20.py sweeps it: tri and int4 (one group a
+    tile), bin (two groups a tile)."""
+    from quant.kernels.packed_mma import packed_mma
+    from quant.packed_layout import random_packed
+    for kind, group in (("tri", 128), ("int4", 128), ("bin", 64)):
+        pw = random_packed(kind, 256, 1024, group, generator=torch.Generator().manual_seed(0))
+        for rows, config, prefetch, x_ahead in ((8, (128, 2, 4, 1), 1, 1), (8, (128, 2, 4, 2), 2, 2),
+                                                (16, (256, 1, 8, 1), 2, 2), (8, (128, 2, 4, 2), 0, 2)):
+            yield f"library: mma {kind} g{group} M={rows} {config} prefetch {prefetch} x ahead {x_ahead}", (
+                lambda pw=pw, rows=rows, config=config, prefetch=prefetch, x_ahead=x_ahead: packed_mma(
+                    *_activations(rows, 1024, pw.group_size), pw, torch.zeros(rows, 256), True, config,
+                    prefetch=prefetch, x_ahead=x_ahead))

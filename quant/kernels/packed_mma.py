@@ -92,12 +92,11 @@ def _joined_planes(codes, BITS: tl.constexpr, STEPS: tl.constexpr, FIELD: tl.con
 
 
 @triton.jit
-def _group_epilogue(acc, d, g, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
+def _group_epilogue(acc, d, g, sw, sx_ptr, sumx_ptr, offs_m, m_mask, NG,
                     MULT: tl.constexpr, OFFSET: tl.constexpr, EXACT_MAGIC: tl.constexpr):
-    """acc [BN, BM] + group g's int32 sums d [BN, BM], corrected and scaled."""
+    """acc [BN, BM] + group g's int32 sums d [BN, BM], corrected and scaled (sw [BN]: its weight scales)."""
     sumx = tl.load(sumx_ptr + offs_m * NG + g, mask=m_mask, other=0).to(tl.float32)  # [BM]
     sx = tl.load(sx_ptr + offs_m * NG + g, mask=m_mask, other=0.0)  # [BM]
-    sw = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
     if EXACT_MAGIC:
         f = (d + 0x4B400000).to(tl.float32, bitcast=True)  # 12582912 + d, exactly
         if MULT == 1:  # 12582912 + OFFSET·sumx < 2^24: an exact float, one subtraction
@@ -110,11 +109,74 @@ def _group_epilogue(acc, d, g, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, 
 
 
 @triton.jit
+def _scales(s_ptr, g, g_end, N, offs_n, n_mask):
+    """Group g's weight scales [BN] as float32 (zeros from the split's end g_end on)."""
+    return tl.load(s_ptr + g * N + offs_n, mask=n_mask & ((offs_n * 0 + g) < g_end), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _x_tile(xq_ptr, t, t_end, offs_m, m_mask, K, p, E: tl.constexpr, KD: tl.constexpr, STEPS: tl.constexpr):
+    """The activations the STEPS bit planes of tile t meet: eight [KD, BM] int8 tensors (those past STEPS repeat
+    the first; zeros past the split's last tile t_end - 1), loaded together (one memory round trip)."""
+    k0 = E * (t * (KD // 4) + p // 4) + p % 4  # [KD]: the input of plane 0 of each byte
+    base = xq_ptr + offs_m[None, :] * K + k0[:, None]  # [KD, BM]
+    ok = m_mask[None, :] & ((p * 0 + t) < t_end)[:, None]
+    x0 = tl.load(base, mask=ok, other=0)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    x4 = x0
+    x5 = x0
+    x6 = x0
+    x7 = x0
+    if STEPS > 1:
+        x1 = tl.load(base + 4, mask=ok, other=0)
+    if STEPS > 2:
+        x2 = tl.load(base + 8, mask=ok, other=0)
+        x3 = tl.load(base + 12, mask=ok, other=0)
+    if STEPS > 4:
+        x4 = tl.load(base + 16, mask=ok, other=0)
+        x5 = tl.load(base + 20, mask=ok, other=0)
+        x6 = tl.load(base + 24, mask=ok, other=0)
+        x7 = tl.load(base + 28, mask=ok, other=0)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _pick(j: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7):
+    """x_j of eight (j a compile-time constant)."""
+    if j == 0:
+        return x0
+    elif j == 1:
+        return x1
+    elif j == 2:
+        return x2
+    elif j == 3:
+        return x3
+    elif j == 4:
+        return x4
+    elif j == 5:
+        return x5
+    elif j == 6:
+        return x6
+    else:
+        return x7
+
+
+@triton.jit
+def _tile(w_bytes, t, t_end, tile_bytes, byte_offs, n_mask, p):
+    """Tile t's packed bytes [BN, KD] (zeros past the split's last tile t_end - 1)."""
+    return tl.load(w_bytes + t * tile_bytes + byte_offs, mask=n_mask[:, None] & ((p * 0 + t) < t_end)[None, :],
+                   other=0, eviction_policy="evict_first")
+
+
+@triton.jit
 def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, tiles_per_split,
                        BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, SIGNED: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
                        ACCUMULATE: tl.constexpr, EXACT_MAGIC: tl.constexpr, USE_ASM: tl.constexpr,
-                       JOIN: tl.constexpr, USE_PDL: tl.constexpr):
+                       JOIN: tl.constexpr, PREFETCH: tl.constexpr, X_AHEAD: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     E: tl.constexpr = 32 // BITS  # codes per word
     STEPS: tl.constexpr = 8 // BITS  # bit planes per byte
     FIELD: tl.constexpr = 0x01010101 if BITS == 1 else (0x03030303 if BITS == 2 else 0x0F0F0F0F)
@@ -129,16 +191,67 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
     w_bytes = w_ptr.to(tl.pointer_type(tl.int8))
     byte_offs = (p // 4)[None, :] * (4 * N) + (p % 4)[None, :] + 4 * offs_n[:, None]  # [BN, KD]
+    tile_bytes = (KD // 4) * (4 * N)
+    # PREFETCH tiles in registers ahead of the one multiplied (0: the tile is loaded where it is used and
+    # num_stages pipelines what Triton can); the first loads need nothing from the previous kernel
+    g_end = t_end * R
+    if PREFETCH > 0:  # and each tile's weight scales one tile ahead
+        codes_next = _tile(w_bytes, t_start, t_end, tile_bytes, byte_offs, n_mask, p)  # [BN, KD]
+        sw0_next = _scales(s_ptr, t_start * R, g_end, N, offs_n, n_mask)  # [BN]
+        if R > 1:
+            sw1_next = _scales(s_ptr, t_start * R + 1, g_end, N, offs_n, n_mask)
+        if R > 2:
+            sw2_next = _scales(s_ptr, t_start * R + 2, g_end, N, offs_n, n_mask)
+            sw3_next = _scales(s_ptr, t_start * R + 3, g_end, N, offs_n, n_mask)
+        if PREFETCH > 1:
+            codes_after = _tile(w_bytes, t_start + 1, t_end, tile_bytes, byte_offs, n_mask, p)  # [BN, KD]
+    # X_AHEAD: each plane's activations loaded where its product needs them (0), all of a tile's at the start of
+    # its step (1), or a tile ahead (2)
+    if X_AHEAD == 2:
+        xn0, xn1, xn2, xn3, xn4, xn5, xn6, xn7 = _x_tile(xq_ptr, t_start, t_end, offs_m, m_mask, K, p, E, KD, STEPS)
     if USE_PDL:  # the weights need nothing from the previous kernel: bring the first tile into L2 meanwhile
-        first = w_ptr + (t_start * (KD // 4) + tl.arange(0, KD // 4))[:, None] * N + offs_n[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [first], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        if PREFETCH == 0:
+            first = w_ptr + (t_start * (KD // 4) + tl.arange(0, KD // 4))[:, None] * N + offs_n[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [first], dtype=tl.int32,
+                                      is_pure=False, pack=1)
         gdc_launch_dependents()
         gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for t in range(t_start, t_end):
-        codes = tl.load(w_bytes + t * (KD // 4) * (4 * N) + byte_offs, mask=n_mask[:, None], other=0,
-                        eviction_policy="evict_first")  # [BN, KD] packed bytes
+        g = t * R
+        if PREFETCH == 0:
+            codes = tl.load(w_bytes + t * tile_bytes + byte_offs, mask=n_mask[:, None], other=0,
+                            eviction_policy="evict_first")  # [BN, KD] packed bytes
+            sw0 = _scales(s_ptr, g, g_end, N, offs_n, n_mask)  # [BN]
+            if R > 1:
+                sw1 = _scales(s_ptr, g + 1, g_end, N, offs_n, n_mask)
+            if R > 2:
+                sw2 = _scales(s_ptr, g + 2, g_end, N, offs_n, n_mask)
+                sw3 = _scales(s_ptr, g + 3, g_end, N, offs_n, n_mask)
+        else:
+            sw0 = sw0_next
+            sw0_next = _scales(s_ptr, g + R, g_end, N, offs_n, n_mask)
+            if R > 1:
+                sw1 = sw1_next
+                sw1_next = _scales(s_ptr, g + R + 1, g_end, N, offs_n, n_mask)
+            if R > 2:
+                sw2 = sw2_next
+                sw2_next = _scales(s_ptr, g + R + 2, g_end, N, offs_n, n_mask)
+                sw3 = sw3_next
+                sw3_next = _scales(s_ptr, g + R + 3, g_end, N, offs_n, n_mask)
+            codes = codes_next  # [BN, KD] packed bytes
+            ahead = t + PREFETCH  # the tile whose load goes out now
+            load = _tile(w_bytes, ahead, t_end, tile_bytes, byte_offs, n_mask, p)  # [BN, KD]
+            if PREFETCH == 1:
+                codes_next = load
+            else:
+                codes_next = codes_after
+                codes_after = load
+        if X_AHEAD == 1:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_tile(xq_ptr, t, t_end, offs_m, m_mask, K, p, E, KD, STEPS)
+        elif X_AHEAD == 2:
+            x0, x1, x2, x3, x4, x5, x6, x7 = xn0, xn1, xn2, xn3, xn4, xn5, xn6, xn7
+            xn0, xn1, xn2, xn3, xn4, xn5, xn6, xn7 = _x_tile(xq_ptr, t + 1, t_end, offs_m, m_mask, K, p, E, KD, STEPS)
         k_of = E * (t * (KD // 4) + p // 4) + p % 4  # [KD]: input of plane 0 of each byte
         d0 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         d1 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
@@ -161,7 +274,13 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
                     a = _plane(codes, BITS * j, FIELD, USE_ASM)  # [BN, KD] int8 codes
                 x_offs = offs_m[None, :] * K + (k_of + 4 * j)[:, None]  # [KD, BM]
                 for r in tl.static_range(R):
-                    x = tl.load(xq_ptr + x_offs, mask=m_mask[None, :] & ((p // GB) == r)[:, None], other=0)  # [KD, BM]
+                    in_group = ((p // GB) == r)[:, None]  # [KD, 1]: the bytes of the tile's group r
+                    if X_AHEAD == 0:
+                        x = tl.load(xq_ptr + x_offs, mask=m_mask[None, :] & in_group, other=0)  # [KD, BM]
+                    elif R == 1:
+                        x = _pick(j, x0, x1, x2, x3, x4, x5, x6, x7)  # [KD, BM]
+                    else:
+                        x = tl.where(in_group, _pick(j, x0, x1, x2, x3, x4, x5, x6, x7), 0).to(tl.int8)
                     if r == 0:
                         d0 = tl.dot(a, x, d0, out_dtype=tl.int32)
                     elif r == 1:
@@ -170,17 +289,12 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
                         d2 = tl.dot(a, x, d2, out_dtype=tl.int32)
                     else:
                         d3 = tl.dot(a, x, d3, out_dtype=tl.int32)
-        g = t * R
-        acc = _group_epilogue(acc, d0, g, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
-                              MULT, OFFSET, EXACT_MAGIC)
+        acc = _group_epilogue(acc, d0, g, sw0, sx_ptr, sumx_ptr, offs_m, m_mask, NG, MULT, OFFSET, EXACT_MAGIC)
         if R > 1:
-            acc = _group_epilogue(acc, d1, g + 1, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
-                                  MULT, OFFSET, EXACT_MAGIC)
+            acc = _group_epilogue(acc, d1, g + 1, sw1, sx_ptr, sumx_ptr, offs_m, m_mask, NG, MULT, OFFSET, EXACT_MAGIC)
         if R > 2:
-            acc = _group_epilogue(acc, d2, g + 2, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
-                                  MULT, OFFSET, EXACT_MAGIC)
-            acc = _group_epilogue(acc, d3, g + 3, sx_ptr, sumx_ptr, s_ptr, offs_m, m_mask, offs_n, n_mask, N, NG,
-                                  MULT, OFFSET, EXACT_MAGIC)
+            acc = _group_epilogue(acc, d2, g + 2, sw2, sx_ptr, sumx_ptr, offs_m, m_mask, NG, MULT, OFFSET, EXACT_MAGIC)
+            acc = _group_epilogue(acc, d3, g + 3, sw3, sx_ptr, sumx_ptr, offs_m, m_mask, NG, MULT, OFFSET, EXACT_MAGIC)
     _write_out(out_ptr, tl.trans(acc), offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)  # y [BM, BN]
 
 
@@ -192,6 +306,11 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
 # (128, 4, 2, 1024) 49.0 + 25.3 (before 49.4 + 25.6). Joined planes lost for both (tri 28.2 + 15.3 at best).
 MMA_LAUNCH = {"tri": (128, 4, 2, 512), "bin": (128, 4, 3, 1024), "int4": (128, 4, 2, 1024), "int8": (128, 4, 3, 1024)}
 JOIN_PLANES = {"tri": False, "int4": False}
+# Tiles whose packed bytes a program loads into registers ahead of the one it multiplies (0: none, the loop as
+# Triton pipelines it with num_stages).
+PREFETCH_TILES = {"tri": 0, "bin": 0, "int4": 0, "int8": 0}
+# How a tile's activations are loaded (packed_mma's x_ahead).
+X_AHEAD = {"tri": 0, "bin": 0, "int4": 0, "int8": 0}
 
 
 def mma_launch_config(n: int, tiles: int, rows: int, kind: str = "tri") -> tuple[int, int, int, int]:
@@ -203,10 +322,14 @@ def mma_launch_config(n: int, tiles: int, rows: int, kind: str = "tri") -> tuple
 
 def packed_mma(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
                out: torch.Tensor | None = None, accumulate: bool = False,
-               config: tuple[int, int, int, int] | None = None, join: bool | None = None) -> torch.Tensor:
+               config: tuple[int, int, int, int] | None = None, join: bool | None = None,
+               prefetch: int | None = None, x_ahead: int | None = None) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations on tensor cores → float32 [M, N]; with accumulate,
     out += y. Same results as packed_gemv (the same integer sums; float sums in another order).
-    join: a tile's bit planes in one product (`joinable` layouts; default JOIN_PLANES) or one per plane."""
+    join: a tile's bit planes in one product (`joinable` layouts; default JOIN_PLANES) or one per plane.
+    prefetch: tiles loaded into registers ahead of the one multiplied, 0-2 (default PREFETCH_TILES).
+    x_ahead: a tile's activations loaded per plane where used (0), together at its step's start (1), or a tile
+    ahead (2) (default X_AHEAD)."""
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous() and mma_supported(pw.kind, pw.group_size, k)
     kind = layout_kind(pw.kind)
@@ -218,10 +341,14 @@ def packed_mma(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Packe
     grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(tiles, per_split))
     max_code = 128 if kind.signed else (1 << kind.bits) - 1
     join = JOIN_PLANES.get(pw.kind, False) if join is None else join
+    prefetch = PREFETCH_TILES.get(pw.kind, 0) if prefetch is None else prefetch
+    x_ahead = X_AHEAD.get(pw.kind, 0) if x_ahead is None else x_ahead
+    assert prefetch in (0, 1, 2) and x_ahead in (0, 1, 2)
     _packed_mma_kernel[grid](
         xq, sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
         BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, SIGNED=kind.signed, GROUP=pw.group_size,
         BLOCK_M=16 if m > 8 else 8, BLOCK_N=block_n, ATOMIC=split > 1, ACCUMULATE=accumulate,
         EXACT_MAGIC=pw.group_size * max_code * 127 < 2 ** 22, USE_ASM=not interpreting(),
-        JOIN=join and joinable(pw.kind, pw.group_size), num_warps=warps, num_stages=stages, **pdl_options(xq.device))
+        JOIN=join and joinable(pw.kind, pw.group_size), PREFETCH=prefetch, X_AHEAD=x_ahead, num_warps=warps,
+        num_stages=stages, **pdl_options(xq.device))
     return out

@@ -5,7 +5,8 @@ path, and the graphed decode step at 1-16 rows under several dispatch rules, in 
     TRITON_INTERPRET=1 python3 tests/perf/gpu_issue20.py --tiny --json /tmp/i20.json   # the code paths, on a CPU
 
 sweep: packed_mma at 8 rows on the 8B gate/up and down shapes (tri, int4, g128) over BLOCK_N x warps x
-       stages x split-K programs x joined planes; every config checked against the exact reference first.
+       stages x split-K programs x tiles prefetched in registers; every config checked against the exact
+       reference first.
 paths: per layout and shape (8B and 27B-class q/k/v, o, gate/up, down) and rows 1-16: the dp4a kernels as
        dispatched, packed_mma with the sweep's best config, and (from 5 rows) what PackedLinear does above
        GEMV_MAX_ROWS (unpack to bf16 + cuBLAS): µs each, the fastest marked; the rule it implies.
@@ -33,7 +34,7 @@ import quant.kernels.packed_mma as mma_mod  # noqa: E402
 from quant.kernels.act_quant import quantize_activations  # noqa: E402
 from quant.kernels.gemv_parts import split_k  # noqa: E402
 from quant.kernels.packed_gemv import packed_gemv, packed_gemv_reference  # noqa: E402
-from quant.kernels.packed_mma import groups_per_tile, joinable, packed_mma  # noqa: E402
+from quant.kernels.packed_mma import groups_per_tile, packed_mma  # noqa: E402
 from quant.packed_layout import PackedWeight  # noqa: E402
 from tests.perf.gpu_kern import SHAPES, TINY_SHAPES, Run, relative_error, rotated, time_calls  # noqa: E402
 
@@ -41,8 +42,10 @@ SWEEP_SHAPES = ("8b gate_up", "8b down")
 PATH_SHAPES = ("8b qkv", "8b o", "8b gate_up", "8b down", "27b qkv", "27b o", "27b gate_up", "27b down")
 KINDS = ("tri", "int4")
 ROWS = (1, 2, 3, 4, 5, 8, 12, 16)
-GRID = [(bn, w, st, prog, join) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)
-        for prog in (512, 1024, 2048) for join in (False, True)]
+# (BLOCK_N, warps, stages, programs, tiles prefetched in registers, activations ahead: packed_mma's x_ahead);
+# joined planes lost every sweep (session 9): not swept. (0, 2, 0) is the shipped loop.
+GRID = [(bn, w, st, prog, pre, xa) for bn, w in ((128, 4), (256, 8)) for prog in (256, 512)
+        for pre, st, xa in ((0, 2, 0), (0, 2, 1), (0, 3, 1), (0, 2, 2), (1, 1, 1), (2, 1, 2))]
 SECTIONS = ("sweep", "paths", "step", "prefill")
 
 
@@ -53,38 +56,40 @@ def mma_config(pw: PackedWeight, bn: int, warps: int, stages: int, programs: int
 
 def section_sweep(run: Run) -> None:
     res = run.results.setdefault("sweep", [])
-    grid = GRID if not run.args.tiny else GRID[:4] + [g for g in GRID if g[4]][:2]
-    for kind in KINDS:
-        mats = {shape: run.weights(kind, shape, seed=3) for shape in SWEEP_SHAPES}
-        xqs = {shape: run.activations(8, mats[shape].in_features, seed=8) for shape in SWEEP_SHAPES}
-        copies = {shape: rotated(run, pw) for shape, pw in mats.items()}
-        for bn, warps, stages, programs, join in grid:
-            if join and not joinable(kind, 128):
-                continue
-            if run.out_of_time(f"sweep {kind} {bn} {warps} {stages} {programs} {join}"):
-                return
-            row = {"kind": kind, "block_n": bn, "warps": warps, "stages": stages, "programs": programs, "join": join}
+    grid = GRID if not run.args.tiny else GRID[:5]
+    mats = {kind: {shape: run.weights(kind, shape, seed=3) for shape in SWEEP_SHAPES} for kind in KINDS}
+    xqs = {shape: run.activations(8, mats[KINDS[0]][shape].in_features, seed=8) for shape in SWEEP_SHAPES}
+    copies = {kind: {shape: rotated(run, pw) for shape, pw in m.items()} for kind, m in mats.items()}
+    for bn, warps, stages, programs, pre, xa in grid:  # each config on both layouts: a short budget sees both
+        if run.out_of_time(f"sweep {bn} {warps} {stages} {programs} {pre} {xa}"):
+            break
+        for kind in KINDS:
+            row = {"kind": kind, "block_n": bn, "warps": warps, "stages": stages, "programs": programs,
+                   "prefetch": pre, "x_ahead": xa, "join": False}
             try:
                 total = 0.0
-                for shape, pw in mats.items():
+                for shape, pw in mats[kind].items():
                     cfg = mma_config(pw, bn, warps, stages, programs)
-                    got = packed_mma(*xqs[shape], pw, config=cfg, join=join)
+                    got = packed_mma(*xqs[shape], pw, config=cfg, join=False, prefetch=pre, x_ahead=xa)
                     err = relative_error(got, packed_gemv_reference(*xqs[shape], pw))
                     if err > 1e-5:
                         raise AssertionError(f"{shape}: max rel err {err:.1e}")
                     out = torch.zeros(8, pw.out_features, device=run.dev)
-                    t = time_calls(run, [lambda w=w, c=cfg: packed_mma(*xqs[shape], w, out, True, c, join)
-                                         for w in copies[shape]])
+                    t = time_calls(run, [lambda w=w, c=cfg: packed_mma(*xqs[shape], w, out, True, c, False, pre, xa)
+                                         for w in copies[kind][shape]])
                     row[shape] = t["us"]
                     total += t["us"]
                 row["total_us"] = total
             except Exception as error:  # noqa: BLE001 - a config that does not compile or is wrong: recorded
-                row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160] if str(error).strip() else ''}"
+                text = str(error).strip()
+                row["error"] = f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
             res.append(row)
-            print(f"sweep {kind} bn={bn} w={warps} st={stages} prog={programs} join={join}: "
-                  f"{row.get('total_us', float('nan')):.1f} us {row.get('error', '')}", flush=True)
-        del mats, copies
-        torch.cuda.empty_cache() if run.dev.type == "cuda" else None
+            print(f"sweep {kind} bn={bn} w={warps} st={stages} prog={programs} prefetch={pre} x_ahead={xa}: "
+                  f"{row.get('total_us', float('nan')):.1f} us "
+                  + " ".join(f"{sh} {row[sh]:.1f}" for sh in SWEEP_SHAPES if sh in row) + f" {row.get('error', '')}",
+                  flush=True)
+    del mats, copies
+    torch.cuda.empty_cache() if run.dev.type == "cuda" else None
     best = {}
     for kind in KINDS:
         ok = [r for r in res if r["kind"] == kind and "total_us" in r]
@@ -95,11 +100,15 @@ def section_sweep(run: Run) -> None:
     run.results["best"] = best
 
 
-def best_launch(run: Run, kind: str) -> tuple[tuple[int, int, int, int], bool]:
+def best_launch(run: Run, kind: str) -> tuple[tuple[int, int, int, int], bool, int, int]:
+    """(BLOCK_N, warps, stages, programs), joined planes, prefetched tiles, activations ahead: the sweep's best,
+    else the shipped."""
     b = run.results.get("best", {}).get(kind)
     if b is None:
-        return mma_mod.MMA_LAUNCH[kind], mma_mod.JOIN_PLANES.get(kind, False)
-    return (b["block_n"], b["warps"], b["stages"], b["programs"]), b["join"]
+        return (mma_mod.MMA_LAUNCH[kind], mma_mod.JOIN_PLANES.get(kind, False),
+                mma_mod.PREFETCH_TILES.get(kind, 0), mma_mod.X_AHEAD.get(kind, 0))
+    return ((b["block_n"], b["warps"], b["stages"], b["programs"]), b["join"], b.get("prefetch", 0),
+            b.get("x_ahead", 0))
 
 
 def section_paths(run: Run) -> None:
@@ -108,7 +117,7 @@ def section_paths(run: Run) -> None:
     shapes = [s for s in PATH_SHAPES if s in run.shapes]
     rows_list = ROWS if not run.args.tiny else (1, 4, 5, 16)
     for kind in KINDS:
-        (bn, warps, stages, programs), join = best_launch(run, kind)
+        (bn, warps, stages, programs), join, pre, xa = best_launch(run, kind)
         for shape in shapes:
             pw = run.weights(kind, shape, seed=5)
             copies = rotated(run, pw)
@@ -123,13 +132,14 @@ def section_paths(run: Run) -> None:
                                                        variant=gemv_mod.default_variant(kind, 128, rows, w.in_features)
                                                        if rows == 1 else None)}
                 if rows >= 2:
-                    calls["mma"] = lambda w: packed_mma(*xq, w, out, True, cfg, join)
+                    calls["mma"] = lambda w: packed_mma(*xq, w, out, True, cfg, join, pre, xa)
                 if rows >= 5:
                     calls["cublas"] = lambda w: torch.matmul(x, dequantize_t(w, torch.bfloat16))
                 row = {"kind": kind, "shape": shape, "rows": rows}
                 for name, fn in calls.items():
                     if name == "mma":
-                        err = relative_error(packed_mma(*xq, pw, config=cfg, join=join), packed_gemv_reference(*xq, pw))
+                        err = relative_error(packed_mma(*xq, pw, config=cfg, join=join, prefetch=pre, x_ahead=xa),
+                                             packed_gemv_reference(*xq, pw))
                         row["mma_err"] = err
                     row[name] = time_calls(run, [lambda w=w, fn=fn: fn(w) for w in copies])["us"]
                 row["fastest"] = min((k for k in calls), key=lambda k: row[k])
@@ -155,16 +165,19 @@ def section_step(run: Run) -> None:
         return
     loaded, cfg = model_8b(run)
     cache = KVCache(cfg, 1024, 16, dtype=torch.bfloat16, device=run.dev)
-    shipped = dict(gemv_mod.MMA_FROM_ROWS), dict(mma_mod.MMA_LAUNCH), dict(mma_mod.JOIN_PLANES)
-    policies = {"shipped": None, **{f"mma>={n}": n for n in run.args.policies}}
+    shipped = (dict(gemv_mod.MMA_FROM_ROWS), dict(mma_mod.MMA_LAUNCH), dict(mma_mod.JOIN_PLANES),
+               dict(mma_mod.PREFETCH_TILES), dict(mma_mod.X_AHEAD))
+    # shipped: today's thresholds and launch configs; best: today's thresholds, the sweep's best configs
+    policies = {"shipped": None, "best": 0, **{f"mma>={n}": n for n in run.args.policies}}
     res = run.results.setdefault("step", [])
     for name, start in policies.items():
         gemv_mod.MMA_FROM_ROWS.clear()
-        gemv_mod.MMA_FROM_ROWS.update(shipped[0] if start is None else {k: start for k in shipped[0]})
+        gemv_mod.MMA_FROM_ROWS.update(shipped[0] if not start else {k: start for k in shipped[0]})
         if start is not None:
             for kind in KINDS:
-                launch, join = best_launch(run, kind)
+                launch, join, pre, xa = best_launch(run, kind)
                 mma_mod.MMA_LAUNCH[kind], mma_mod.JOIN_PLANES[kind] = launch, join
+                mma_mod.PREFETCH_TILES[kind], mma_mod.X_AHEAD[kind] = pre, xa
         base = None
         for rows in (1, 2, 4, 8, 16):
             if run.out_of_time(f"step {name} {rows}"):
@@ -188,6 +201,8 @@ def section_step(run: Run) -> None:
         gemv_mod.MMA_FROM_ROWS.update(shipped[0])
         mma_mod.MMA_LAUNCH.update(shipped[1])
         mma_mod.JOIN_PLANES.update(shipped[2])
+        mma_mod.PREFETCH_TILES.update(shipped[3])
+        mma_mod.X_AHEAD.update(shipped[4])
 
 
 def model_8b(run: Run):
