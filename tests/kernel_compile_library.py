@@ -112,9 +112,11 @@ def _mma_prefetch_cases():
     from quant.packed_layout import random_packed
     for kind, group in (("tri", 128), ("int4", 128), ("bin", 64)):
         pw = random_packed(kind, 256, 1024, group, generator=torch.Generator().manual_seed(0))
-        for rows, config, prefetch, x_ahead in ((8, (128, 2, 4, 1), 1, 1), (8, (128, 2, 4, 2), 2, 2),
-                                                (16, (256, 1, 8, 1), 2, 2), (8, (128, 2, 4, 2), 0, 2)):
-            yield f"library: mma {kind} g{group} M={rows} {config} prefetch {prefetch} x ahead {x_ahead}", (
-                lambda pw=pw, rows=rows, config=config, prefetch=prefetch, x_ahead=x_ahead: packed_mma(
-                    *_activations(rows, 1024, pw.group_size), pw, torch.zeros(rows, 256), True, config,
-                    prefetch=prefetch, x_ahead=x_ahead))
+        for rows, config, prefetch, x_ahead, word_rows in (
+                (8, (128, 2, 4, 1), 1, 1, False), (8, (128, 2, 4, 2), 2, 2, False), (16, (256, 1, 8, 1), 2, 2, False),
+                (8, (128, 2, 4, 2), 0, 2, False), (8, (128, 2, 4, 2), 0, 1, True), (16, (64, 2, 2, 3), 0, 0, True)):
+            yield (f"library: mma {kind} g{group} M={rows} {config} prefetch {prefetch} x ahead {x_ahead}"
+                   f"{' word rows' if word_rows else ''}"), (
+                lambda pw=pw, rows=rows, config=config, prefetch=prefetch, x_ahead=x_ahead, word_rows=word_rows:
+                packed_mma(*_activations(rows, 1024, pw.group_size), pw, torch.zeros(rows, 256), True, config,
+                           prefetch=prefetch, x_ahead=x_ahead, word_rows=word_rows))

@@ -8,10 +8,13 @@ per code, a quarter-rate instruction on Hopper), int8 MMA has twice bf16's rate,
 bit-identical to the dp4a kernels'.
 
 The product is computed transposed, y[m, n] = (W xᵀ)[n, m]: the weight is the MMA's big operand (its
-M = BLOCK_N columns of W, so Hopper can use wgmma), the rows are the small one (N = BLOCK_M, padded in
-registers: masked rows load zeros and are never stored). The program loads the packed bytes of a tile
-of BLOCK_N columns × KD bytes (one group, or R = 32 / bytes-per-group groups when a group has fewer
-than 32 bytes of codes) as int8 [BLOCK_N, KD], and for each bit plane j (shift BITS·j) takes
+M = BLOCK_N columns of W), the rows are the small one (N = BLOCK_M, padded in registers: masked rows load
+zeros and are never stored); Triton 3.6 emits mma.sync m16n8k32 for it on sm_90 (read in the PTX). The
+program loads the packed bytes of a tile of BLOCK_N columns × KD bytes (one group, or R = 32 /
+bytes-per-group groups when a group has fewer than 32 bytes of codes) as int8 [BLOCK_N, KD] (tri and int4
+by default read by word rows — a thread copies 16 bytes and a warp 512 contiguous bytes of one row of the
+words, where a [BLOCK_N, KD] load gives a thread 4 bytes and a warp 16-byte pieces of 8 rows — and a tile's
+activations for all its planes loaded at the start of its step), and for each bit plane j (shift BITS·j) takes
     A_j = (bytes >> BITS·j) & field mask          (one shift and one and per four codes: `_plane`)
 which is elementwise on the packed bytes, so it is right in whatever register layout Triton gives the
 MMA operand. Byte p of word w, plane j holds input k = E·w + 4j + p % 4 (E codes per word): the
@@ -176,7 +179,7 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
                        ACCUMULATE: tl.constexpr, EXACT_MAGIC: tl.constexpr, USE_ASM: tl.constexpr,
                        JOIN: tl.constexpr, PREFETCH: tl.constexpr, X_AHEAD: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       WORD_ROWS: tl.constexpr, USE_PDL: tl.constexpr):
     E: tl.constexpr = 32 // BITS  # codes per word
     STEPS: tl.constexpr = 8 // BITS  # bit planes per byte
     FIELD: tl.constexpr = 0x01010101 if BITS == 1 else (0x03030303 if BITS == 2 else 0x0F0F0F0F)
@@ -191,6 +194,10 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
     w_bytes = w_ptr.to(tl.pointer_type(tl.int8))
     byte_offs = (p // 4)[None, :] * (4 * N) + (p % 4)[None, :] + 4 * offs_n[:, None]  # [BN, KD]
+    # WORD_ROWS: the tile loaded as [word row, column·byte] so that a warp reads whole rows of the words (the [BN, KD]
+    # load gives a warp 16-byte pieces of 8 word rows), then viewed as [BN, KD]
+    row_bytes = tl.program_id(0) * BLOCK_N * 4 + tl.arange(0, BLOCK_N * 4)  # [BN·4] of a word row, contiguous
+    offs_rows = tl.arange(0, KD // 4)[:, None] * (4 * N) + row_bytes[None, :]  # [KD / 4, BN·4]
     tile_bytes = (KD // 4) * (4 * N)
     # PREFETCH tiles in registers ahead of the one multiplied (0: the tile is loaded where it is used and
     # num_stages pipelines what Triton can); the first loads need nothing from the previous kernel
@@ -220,8 +227,14 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
     for t in range(t_start, t_end):
         g = t * R
         if PREFETCH == 0:
-            codes = tl.load(w_bytes + t * tile_bytes + byte_offs, mask=n_mask[:, None], other=0,
-                            eviction_policy="evict_first")  # [BN, KD] packed bytes
+            if WORD_ROWS:
+                words = tl.load(w_bytes + t * tile_bytes + offs_rows, mask=(row_bytes < 4 * N)[None, :], other=0,
+                                eviction_policy="evict_first")  # [KD / 4, BN·4]
+                codes = tl.reshape(tl.permute(tl.reshape(words, [KD // 4, BLOCK_N, 4]), (1, 0, 2)),
+                                   [BLOCK_N, KD])  # [BN, KD] packed bytes
+            else:
+                codes = tl.load(w_bytes + t * tile_bytes + byte_offs, mask=n_mask[:, None], other=0,
+                                eviction_policy="evict_first")  # [BN, KD] packed bytes
             sw0 = _scales(s_ptr, g, g_end, N, offs_n, n_mask)  # [BN]
             if R > 1:
                 sw1 = _scales(s_ptr, g + 1, g_end, N, offs_n, n_mask)
@@ -299,18 +312,23 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
 
 
 # Per layout: (BLOCK_N, num_warps, num_stages, programs split-K aims for), and whether a tile's planes go into
-# one product (`joinable` layouts only). 128 columns over 4 warps is one warpgroup (a 64-row wgmma per half).
-# Swept on an H200 (tests/perf/gpu_issue20.py --sections sweep: 8 rows, 8B gate/up + down, g128, BLOCK_N
-# 64/128/256 x 4/8 warps x 2-4 stages x 512-2048 programs x joined planes or not, 108 configs a layout):
-# tri best (128, 4, 2, 512) 22.9 + 16.6 µs (before: (128, 4, 3, 1024) 25.4 + 16.4); int4 best
-# (128, 4, 2, 1024) 49.0 + 25.3 (before 49.4 + 25.6). Joined planes lost for both (tri 28.2 + 15.3 at best).
-MMA_LAUNCH = {"tri": (128, 4, 2, 512), "bin": (128, 4, 3, 1024), "int4": (128, 4, 2, 1024), "int8": (128, 4, 3, 1024)}
+# one product (`joinable` layouts only). The tensor core op is mma.sync m16n8k32 (N = the 8 or 16 padded rows).
+# Swept on an H100 (session 25, tests/perf/gpu_issue20.py --sections sweep --grid ref,rows: 8 rows, 8B gate/up +
+# down, g128, µs): the packed bytes read by word rows (WORD_ROWS: 16-byte copies, a warp on one 512-byte row)
+# took tri from 40.4 (the session-9 config, (128, 4, 2, 512)) to 33.9 at (128, 4, 3, 512) with the activations
+# loaded together (X_AHEAD 1), and int4 from 84.3 ((128, 4, 2, 1024)) to 41.5 at (128, 4, 3, 512); ncu on the
+# gate/up product: L1/TEX throughput 68% → 58%, DRAM 30% → 37%, 28.6 → 22.5 µs. Registers in flight (PREFETCH
+# 1-2), one- or two-warp programs and 1,024-2,048 programs lost or tied. bin / int8 rows stay on the dp4a
+# kernels (MMA_FROM_ROWS), their entries untouched.
+MMA_LAUNCH = {"tri": (128, 4, 3, 512), "bin": (128, 4, 3, 1024), "int4": (128, 4, 3, 512), "int8": (128, 4, 3, 1024)}
 JOIN_PLANES = {"tri": False, "int4": False}
 # Tiles whose packed bytes a program loads into registers ahead of the one it multiplies (0: none, the loop as
 # Triton pipelines it with num_stages).
 PREFETCH_TILES = {"tri": 0, "bin": 0, "int4": 0, "int8": 0}
-# How a tile's activations are loaded (packed_mma's x_ahead).
-X_AHEAD = {"tri": 0, "bin": 0, "int4": 0, "int8": 0}
+# How a tile's activations are loaded (packed_mma's x_ahead): 1, all planes' together at the start of its step.
+X_AHEAD = {"tri": 1, "bin": 0, "int4": 1, "int8": 0}
+# Whether the packed bytes are loaded a word row at a time (packed_mma's word_rows).
+WORD_ROWS = {"tri": True, "bin": False, "int4": True, "int8": False}
 
 
 def mma_launch_config(n: int, tiles: int, rows: int, kind: str = "tri") -> tuple[int, int, int, int]:
@@ -323,13 +341,14 @@ def mma_launch_config(n: int, tiles: int, rows: int, kind: str = "tri") -> tuple
 def packed_mma(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
                out: torch.Tensor | None = None, accumulate: bool = False,
                config: tuple[int, int, int, int] | None = None, join: bool | None = None,
-               prefetch: int | None = None, x_ahead: int | None = None) -> torch.Tensor:
+               prefetch: int | None = None, x_ahead: int | None = None, word_rows: bool | None = None) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations on tensor cores → float32 [M, N]; with accumulate,
     out += y. Same results as packed_gemv (the same integer sums; float sums in another order).
     join: a tile's bit planes in one product (`joinable` layouts; default JOIN_PLANES) or one per plane.
     prefetch: tiles loaded into registers ahead of the one multiplied, 0-2 (default PREFETCH_TILES).
     x_ahead: a tile's activations loaded per plane where used (0), together at its step's start (1), or a tile
-    ahead (2) (default X_AHEAD)."""
+    ahead (2) (default X_AHEAD). word_rows: the packed bytes loaded a word row at a time (default WORD_ROWS; with
+    prefetch 0 only)."""
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous() and mma_supported(pw.kind, pw.group_size, k)
     kind = layout_kind(pw.kind)
@@ -343,12 +362,13 @@ def packed_mma(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Packe
     join = JOIN_PLANES.get(pw.kind, False) if join is None else join
     prefetch = PREFETCH_TILES.get(pw.kind, 0) if prefetch is None else prefetch
     x_ahead = X_AHEAD.get(pw.kind, 0) if x_ahead is None else x_ahead
+    word_rows = WORD_ROWS.get(pw.kind, False) if word_rows is None else word_rows
     assert prefetch in (0, 1, 2) and x_ahead in (0, 1, 2)
     _packed_mma_kernel[grid](
         xq, sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
         BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, SIGNED=kind.signed, GROUP=pw.group_size,
         BLOCK_M=16 if m > 8 else 8, BLOCK_N=block_n, ATOMIC=split > 1, ACCUMULATE=accumulate,
         EXACT_MAGIC=pw.group_size * max_code * 127 < 2 ** 22, USE_ASM=not interpreting(),
-        JOIN=join and joinable(pw.kind, pw.group_size), PREFETCH=prefetch, X_AHEAD=x_ahead, num_warps=warps,
-        num_stages=stages, **pdl_options(xq.device))
+        JOIN=join and joinable(pw.kind, pw.group_size), PREFETCH=prefetch, X_AHEAD=x_ahead, WORD_ROWS=word_rows,
+        num_warps=warps, num_stages=stages, **pdl_options(xq.device))
     return out

@@ -42,10 +42,20 @@ SWEEP_SHAPES = ("8b gate_up", "8b down")
 PATH_SHAPES = ("8b qkv", "8b o", "8b gate_up", "8b down", "27b qkv", "27b o", "27b gate_up", "27b down")
 KINDS = ("tri", "int4")
 ROWS = (1, 2, 3, 4, 5, 8, 12, 16)
-# (BLOCK_N, warps, stages, programs, tiles prefetched in registers, activations ahead: packed_mma's x_ahead);
-# joined planes lost every sweep (session 9): not swept. (0, 2, 0) is the shipped loop.
-GRID = [(bn, w, st, prog, pre, xa) for bn, w in ((128, 4), (256, 8)) for prog in (256, 512)
-        for pre, st, xa in ((0, 2, 0), (0, 2, 1), (0, 3, 1), (0, 2, 2), (1, 1, 1), (2, 1, 2))]
+# (BLOCK_N, warps, stages, programs, tiles prefetched in registers, activations ahead: packed_mma's x_ahead, bytes
+# read by word rows); joined planes lost every sweep (session 9): not swept.
+GRIDS = {"wide": [(bn, w, st, prog, pre, xa, False) for bn, w in ((128, 4), (256, 8)) for prog in (256, 512)
+                  for pre, st, xa in ((0, 2, 0), (0, 2, 1), (0, 3, 1), (0, 2, 2), (1, 1, 1), (2, 1, 2))],
+         # programs of one or two warps: a program's barriers (the activations' trips through shared memory)
+         # stall fewer warps, and more programs are in flight
+         "narrow": [(bn, w, st, prog, pre, xa, False) for bn, w in ((32, 1), (64, 1), (64, 2), (128, 2))
+                    for prog in (512, 1024, 2048) for pre, st, xa in ((0, 2, 0), (0, 2, 1), (0, 3, 1), (0, 2, 2))],
+         # the packed bytes read a whole word row a warp (16-byte copies) instead of 16-byte pieces of 8 rows
+         "rows": [(bn, w, st, prog, 0, xa, True) for bn, w in ((64, 2), (128, 2), (128, 4), (256, 4), (256, 8))
+                  for prog in (512, 1024) for st, xa in ((2, 0), (2, 1), (3, 1), (2, 2))],
+         # the shipped tri config, and it with the activations loaded together
+         "ref": [(128, 4, 2, 512, 0, 0, False), (128, 4, 2, 512, 0, 1, False)]}
+
 SECTIONS = ("sweep", "paths", "step", "prefill")
 
 
@@ -56,26 +66,27 @@ def mma_config(pw: PackedWeight, bn: int, warps: int, stages: int, programs: int
 
 def section_sweep(run: Run) -> None:
     res = run.results.setdefault("sweep", [])
-    grid = GRID if not run.args.tiny else GRID[:5]
+    grid = [g for name in run.args.grid.split(",") for g in GRIDS[name]]
+    grid = grid if not run.args.tiny else grid[:5]
     mats = {kind: {shape: run.weights(kind, shape, seed=3) for shape in SWEEP_SHAPES} for kind in KINDS}
     xqs = {shape: run.activations(8, mats[KINDS[0]][shape].in_features, seed=8) for shape in SWEEP_SHAPES}
     copies = {kind: {shape: rotated(run, pw) for shape, pw in m.items()} for kind, m in mats.items()}
-    for bn, warps, stages, programs, pre, xa in grid:  # each config on both layouts: a short budget sees both
-        if run.out_of_time(f"sweep {bn} {warps} {stages} {programs} {pre} {xa}"):
+    for bn, warps, stages, programs, pre, xa, wr in grid:  # each config on both layouts: a short budget sees both
+        if run.out_of_time(f"sweep {bn} {warps} {stages} {programs} {pre} {xa} {wr}"):
             break
         for kind in KINDS:
             row = {"kind": kind, "block_n": bn, "warps": warps, "stages": stages, "programs": programs,
-                   "prefetch": pre, "x_ahead": xa, "join": False}
+                   "prefetch": pre, "x_ahead": xa, "word_rows": wr, "join": False}
             try:
                 total = 0.0
                 for shape, pw in mats[kind].items():
                     cfg = mma_config(pw, bn, warps, stages, programs)
-                    got = packed_mma(*xqs[shape], pw, config=cfg, join=False, prefetch=pre, x_ahead=xa)
+                    got = packed_mma(*xqs[shape], pw, config=cfg, join=False, prefetch=pre, x_ahead=xa, word_rows=wr)
                     err = relative_error(got, packed_gemv_reference(*xqs[shape], pw))
                     if err > 1e-5:
                         raise AssertionError(f"{shape}: max rel err {err:.1e}")
                     out = torch.zeros(8, pw.out_features, device=run.dev)
-                    t = time_calls(run, [lambda w=w, c=cfg: packed_mma(*xqs[shape], w, out, True, c, False, pre, xa)
+                    t = time_calls(run, [lambda w=w, c=cfg: packed_mma(*xqs[shape], w, out, True, c, False, pre, xa, wr)
                                          for w in copies[kind][shape]])
                     row[shape] = t["us"]
                     total += t["us"]
@@ -84,7 +95,7 @@ def section_sweep(run: Run) -> None:
                 text = str(error).strip()
                 row["error"] = f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
             res.append(row)
-            print(f"sweep {kind} bn={bn} w={warps} st={stages} prog={programs} prefetch={pre} x_ahead={xa}: "
+            print(f"sweep {kind} bn={bn} w={warps} st={stages} prog={programs} prefetch={pre} x_ahead={xa} rows={wr}: "
                   f"{row.get('total_us', float('nan')):.1f} us "
                   + " ".join(f"{sh} {row[sh]:.1f}" for sh in SWEEP_SHAPES if sh in row) + f" {row.get('error', '')}",
                   flush=True)
@@ -100,15 +111,16 @@ def section_sweep(run: Run) -> None:
     run.results["best"] = best
 
 
-def best_launch(run: Run, kind: str) -> tuple[tuple[int, int, int, int], bool, int, int]:
-    """(BLOCK_N, warps, stages, programs), joined planes, prefetched tiles, activations ahead: the sweep's best,
-    else the shipped."""
+def best_launch(run: Run, kind: str) -> tuple[tuple[int, int, int, int], bool, int, int, bool]:
+    """(BLOCK_N, warps, stages, programs), joined planes, prefetched tiles, activations ahead, bytes by word rows:
+    the sweep's best, else the shipped."""
     b = run.results.get("best", {}).get(kind)
     if b is None:
         return (mma_mod.MMA_LAUNCH[kind], mma_mod.JOIN_PLANES.get(kind, False),
-                mma_mod.PREFETCH_TILES.get(kind, 0), mma_mod.X_AHEAD.get(kind, 0))
+                mma_mod.PREFETCH_TILES.get(kind, 0), mma_mod.X_AHEAD.get(kind, 0),
+                mma_mod.WORD_ROWS.get(kind, False))
     return ((b["block_n"], b["warps"], b["stages"], b["programs"]), b["join"], b.get("prefetch", 0),
-            b.get("x_ahead", 0))
+            b.get("x_ahead", 0), b.get("word_rows", False))
 
 
 def section_paths(run: Run) -> None:
@@ -117,7 +129,7 @@ def section_paths(run: Run) -> None:
     shapes = [s for s in PATH_SHAPES if s in run.shapes]
     rows_list = ROWS if not run.args.tiny else (1, 4, 5, 16)
     for kind in KINDS:
-        (bn, warps, stages, programs), join, pre, xa = best_launch(run, kind)
+        (bn, warps, stages, programs), join, pre, xa, wr = best_launch(run, kind)
         for shape in shapes:
             pw = run.weights(kind, shape, seed=5)
             copies = rotated(run, pw)
@@ -132,13 +144,14 @@ def section_paths(run: Run) -> None:
                                                        variant=gemv_mod.default_variant(kind, 128, rows, w.in_features)
                                                        if rows == 1 else None)}
                 if rows >= 2:
-                    calls["mma"] = lambda w: packed_mma(*xq, w, out, True, cfg, join, pre, xa)
+                    calls["mma"] = lambda w: packed_mma(*xq, w, out, True, cfg, join, pre, xa, wr)
                 if rows >= 5:
                     calls["cublas"] = lambda w: torch.matmul(x, dequantize_t(w, torch.bfloat16))
                 row = {"kind": kind, "shape": shape, "rows": rows}
                 for name, fn in calls.items():
                     if name == "mma":
-                        err = relative_error(packed_mma(*xq, pw, config=cfg, join=join, prefetch=pre, x_ahead=xa),
+                        err = relative_error(packed_mma(*xq, pw, config=cfg, join=join, prefetch=pre, x_ahead=xa,
+                                                        word_rows=wr),
                                              packed_gemv_reference(*xq, pw))
                         row["mma_err"] = err
                     row[name] = time_calls(run, [lambda w=w, fn=fn: fn(w) for w in copies])["us"]
@@ -166,7 +179,7 @@ def section_step(run: Run) -> None:
     loaded, cfg = model_8b(run)
     cache = KVCache(cfg, 1024, 16, dtype=torch.bfloat16, device=run.dev)
     shipped = (dict(gemv_mod.MMA_FROM_ROWS), dict(mma_mod.MMA_LAUNCH), dict(mma_mod.JOIN_PLANES),
-               dict(mma_mod.PREFETCH_TILES), dict(mma_mod.X_AHEAD))
+               dict(mma_mod.PREFETCH_TILES), dict(mma_mod.X_AHEAD), dict(mma_mod.WORD_ROWS))
     # shipped: today's thresholds and launch configs; best: today's thresholds, the sweep's best configs
     policies = {"shipped": None, "best": 0, **{f"mma>={n}": n for n in run.args.policies}}
     res = run.results.setdefault("step", [])
@@ -175,9 +188,9 @@ def section_step(run: Run) -> None:
         gemv_mod.MMA_FROM_ROWS.update(shipped[0] if not start else {k: start for k in shipped[0]})
         if start is not None:
             for kind in KINDS:
-                launch, join, pre, xa = best_launch(run, kind)
+                launch, join, pre, xa, wr = best_launch(run, kind)
                 mma_mod.MMA_LAUNCH[kind], mma_mod.JOIN_PLANES[kind] = launch, join
-                mma_mod.PREFETCH_TILES[kind], mma_mod.X_AHEAD[kind] = pre, xa
+                mma_mod.PREFETCH_TILES[kind], mma_mod.X_AHEAD[kind], mma_mod.WORD_ROWS[kind] = pre, xa, wr
         base = None
         for rows in (1, 2, 4, 8, 16):
             if run.out_of_time(f"step {name} {rows}"):
@@ -203,6 +216,7 @@ def section_step(run: Run) -> None:
         mma_mod.JOIN_PLANES.update(shipped[2])
         mma_mod.PREFETCH_TILES.update(shipped[3])
         mma_mod.X_AHEAD.update(shipped[4])
+        mma_mod.WORD_ROWS.update(shipped[5])
 
 
 def model_8b(run: Run):
@@ -253,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--grid", default="wide", help="sweep: configs swept, comma-separated names of GRIDS")
     ap.add_argument("--policies", default="2,3,4,5,8", help="step: mma from these row counts, besides the shipped rule")
     args = ap.parse_args(argv)
     args.policies = [int(p) for p in args.policies.split(",") if p]
