@@ -116,8 +116,11 @@ def test_riders_fill_the_rows_a_decode_pass_leaves_free_oldest_first():
     assert chunks(plan_riders(1, [(0, 40)], rows=16, min_free=4)) == [(0, 15)]
     # a prompt's last token rides too: its logits start the answer
     assert chunks(plan_riders(2, [(4, 2)], rows=16, min_free=4)) == [(4, 2)]
-    # nobody decodes (the prompts run their own passes), or too few rows free (the prompt would crawl)
+    # nobody decodes: a lone prompt runs its own passes; two or more share the pass, oldest first
     assert plan_riders(0, [(0, 40)], rows=16, min_free=4) == []
+    assert chunks(plan_riders(0, [(3, 10), (1, 40)], rows=16, min_free=4)) == [(3, 10), (1, 6)]
+    assert chunks(plan_riders(0, [(1, 40), (3, 10)], rows=16, min_free=4)) == [(1, 16)]
+    # too few rows free (the prompt would crawl)
     assert plan_riders(13, [(0, 40)], rows=16, min_free=4) == []
     assert chunks(plan_riders(12, [(0, 40)], rows=16, min_free=4)) == [(0, 4)]
     assert plan_riders(16, [(0, 40)], rows=16, min_free=0) == []  # no row free at all

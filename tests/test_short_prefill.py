@@ -146,6 +146,42 @@ def test_short_prompts_ride_in_the_decode_pass_of_other_slots(one_thread, monkey
 
 
 
+def test_a_wave_of_short_prompts_shares_passes_before_anyone_decodes(one_thread, monkeypatch):
+    """Three requests arriving together, nobody decoding: their prompts share the step's passes (oldest first, a
+    pass holding two prompts' rows where one ends), none runs a pass of its own, the first ones decode while the
+    others still feed, and every greedy output is the one its request gets alone."""
+    from engine.decoding.sequence import Request
+    loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
+    tok = TinyTokenizer()
+    prompts = (PROMPT, PROMPT[::-1] + [9], PROMPT[3:] + [5, 6])
+    alone = [run_engine(ModelRunner(loaded, 96, fast_decode=True), tok, p, max_tokens=8, ignore_eos=True)[1]
+             for p in prompts]
+    runner = ModelRunner(loaded, 96, num_slots=3, fast_decode=True)
+    runner.short_prefill_rows = 8
+    runner.prepare_rows(8)
+    passes, forwards = [], []
+    step_rows, forward = ModelRunner.step_rows, ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "step_rows",
+                        lambda self, t, p, s: passes.append(list(s)) or step_rows(self, t, p, s))
+    monkeypatch.setattr(ModelRunner, "forward",
+                        lambda self, slot, t, num_logits=1: forwards.append((slot.index, len(t))) or
+                        forward(self, slot, t, num_logits))
+    engine = engine_over(runner, tok)
+    outs = {i: [] for i in range(3)}
+    for i, prompt in enumerate(prompts):
+        engine.submit(Request(list(prompt), max_tokens=8, ignore_eos=True,
+                              emit=lambda e, i=i: outs[i].extend(getattr(e, "token_ids", ()))))
+    for _ in range(40):
+        if not engine.has_work:
+            break
+        engine.step()
+    assert not engine.has_work
+    assert passes[0] == [0] * 8 and passes[1] == [0] * 3 + [1] * 5  # oldest first (its last token too), then the next
+    assert not any(n > 1 for _, n in forwards)  # no prompt ran a pass of its own
+    assert any(len(set(p)) == 3 for p in passes)  # a decode row of the first next to the others' prompt rows
+    assert [outs[0], outs[1], outs[2]] == alone
+
+
 @pytest.mark.parametrize("gate_speculates", [False, True])
 def test_with_drafters_prompts_ride_only_in_steps_the_gate_keeps_plain(one_thread, monkeypatch, gate_speculates):
     """Drafters attached: a short prompt rides in a decode pass only when the gate keeps that step plain (a

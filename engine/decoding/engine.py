@@ -1,17 +1,16 @@
 """The engine: the one place where logits become tokens, for one request or many.
 
-`step()` advances every active request by one iteration: requests that were cancelled leave their
-slot; waiting requests get free slots (longest cached prefix first, scheduler.py); prompt chunks run
-for the requests that still have prompt (or inserted) tokens to feed, oldest first, at most
-`prefill_budget` tokens while other slots decode (scheduler.plan_prefill); then one batched decode
-step runs the next token of every decoding slot together, in one forward, short prompts riding in the
-rows its pass leaves free (scheduler.plan_riders). So a running request waits for at most one budget
-of prefill between two of its tokens, and a new request's first token comes from its last chunk. Events
-go back to each request through its `emit` (sequence.py). A step that fails ends the requests it served
-with an error and resets their slots; the others go on. Admitting a request is guarded the same way (one
-that cannot start fails alone), and an event callback that raises ends only its own request. `close` (the
-server's thread ending, `failure` saying why) fails every active and waiting request at once and refuses new
-ones: nothing ever waits on a dead engine.
+`step()` advances every active request by one iteration: requests that were cancelled leave their slot; waiting
+requests get free slots (longest cached prefix first, scheduler.py); prompt chunks run for the requests that still
+have prompt (or inserted) tokens to feed, oldest first, at most `prefill_budget` tokens while other slots decode
+(scheduler.plan_prefill); then one batched decode step runs the next token of every decoding slot together, in one
+forward, short prompts riding in the rows its pass leaves free (scheduler.plan_riders; with no slot decoding, a wave
+of them shares passes). So a running request waits for at most one budget of prefill between two of its tokens, and
+a new request's first token comes from its last chunk. Events go back to each request through its `emit`
+(sequence.py). A step that fails ends the requests it served with an error and resets their slots; the others go
+on. Admitting a request is guarded the same way (one that cannot start fails alone), and an event callback that
+raises ends only its own request. `close` (the server's thread ending, `failure` saying why) fails every active and
+waiting request at once and refuses new ones: nothing ever waits on a dead engine.
 
 Offline generation is `submit` + `step` until the request finished (generate.py); `bonsai chat`, `generate`, `bench`
 and the drafter trainer drive it that way with one slot, the server (engine/server/engine_thread.py) from its own
@@ -47,10 +46,9 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer | None, slot_context: int | None = None, max_queue: int = 16,
-                 rules: ThinkingRules | None = None, metrics: Metrics | None = None,
-                 drafters: list[Drafter] | None = None, num_draft_tokens: int = 4, prefill_budget: int | None = None,
-                 spec_method: str | None = None, lookahead: bool | None = None, spec_gate: bool | None = None,
-                 mixed_prefill: bool = True):
+                 rules: ThinkingRules | None = None, metrics: Metrics | None = None, drafters: list[Drafter] | None = None,
+                 num_draft_tokens: int = 4, prefill_budget: int | None = None, spec_method: str | None = None,
+                 lookahead: bool | None = None, spec_gate: bool | None = None, mixed_prefill: bool = True):
         """tokenizer None: token ids only (generated weights).
         slot_context: positions one request may use (default: the runner's context). drafters: one per
         slot (speculative decoding), None: plain decoding; num_draft_tokens: k, the most each drafts
@@ -61,23 +59,23 @@ class Engine:
         (engine.decoding.lookahead; default: on a CUDA device, where the two overlap).
         spec_gate: with drafters, speculate only while measured faster (engine.decoding.spec_gate; default:
         on a CUDA device; elsewhere the drafters' planners alone decide, by the pass costs they measure).
-        mixed_prefill: while slots decode (plainly), short prompts ride in the rows their pass leaves free
-        instead of running passes of their own (engine.decoding.scheduler.plan_riders)."""
+        mixed_prefill: short prompts ride in the rows a decode pass leaves free (or share passes) instead of
+        running passes of their own (engine.decoding.scheduler.plan_riders)."""
         self.runner, self.tokenizer = runner, tokenizer
         if prefill_budget is not None and prefill_budget < 1:
             raise BonsaiError(f"the prefill budget must be >= 1 token per step, got {prefill_budget}")
         self.prefill_chunk = min(runner.prefill_chunk_size, prefill_budget or runner.prefill_chunk_size)
-        # a prompt whose rest fits the runner's short prefill (its graphed passes of short_prefill_rows
-        # positions) is cut in those passes, and two of them run between decode steps by default: at 8 slots
-        # on an H200 that took the ITL p99 from 48 to 15 ms for 4% of the aggregate (docs/perf.md, session 10);
-        # a longer prompt's eager chunk costs about the same at any size, so it is never cut smaller
+        # a prompt whose rest fits the runner's short prefill (its graphed passes of short_prefill_rows positions) is
+        # cut in those passes, two of them between decode steps by default: at 8 slots on an H200 that took the ITL
+        # p99 from 48 to 15 ms for 4% of the aggregate (docs/perf.md, session 10); a longer prompt's eager chunk
+        # costs about the same at any size, so it is never cut smaller
         rows = getattr(runner, "short_prefill_rows", 0)
         self.short_cut = min(rows, self.prefill_chunk) if rows > 1 else 0
         self.short_tokens = getattr(runner, "short_prefill_tokens", 0) if rows > 1 else 0
         self.prefill_budget = prefill_budget or (2 * self.short_cut if self.short_cut else runner.prefill_chunk_size)
-        # mixed passes: a decode step of B slots runs in the fused step's pass of up to `mix_rows` rows, the
-        # free ones fed with short prompts' next tokens, so decoding slots wait for no pass of prefill
-        self.mix_rows = rows if mixed_prefill and rows > 1 else 0  # with drafters: in steps the gate keeps plain
+        # mixed passes: a decode step of B slots runs in the fused step's pass of up to `mix_rows` rows, the free ones
+        # fed with short prompts' next tokens: decoding slots wait for no prefill (with drafters: in plain steps)
+        self.mix_rows = rows if mixed_prefill and rows > 1 else 0
         self.min_riders = max(1, self.mix_rows // 4)  # fewer free rows: the prompt would crawl
         self.slot_context = min(slot_context or runner.max_seq_len, runner.max_seq_len)
         self.rules = rules or ThinkingRules()
@@ -222,7 +220,7 @@ class Engine:
         if not self.mix_rows or (self.ahead is not None and self.ahead.rows):
             return []
         decoding = sum(1 for s in self.active.values() if len(s.pending) == 1 and not s.done)
-        if self.spec is not None and (self.gate is None or self.gate.peek(decoding)):
+        if self.spec is not None and decoding and (self.gate is None or self.gate.peek(decoding)):
             return []
         waiting = [(i, len(s.pending)) for i, s in self.active.items()
                    if 1 < len(s.pending) <= self.short_tokens and not s.done]
@@ -262,6 +260,8 @@ class Engine:
     def _decode_all(self, riders: list[PrefillChunk] = ()) -> None:
         rows = [i for i, s in sorted(self.active.items()) if len(s.pending) == 1 and not s.done]
         if not rows:
+            if riders:  # prompts sharing a pass, nobody decoding yet
+                self._mixed_pass([], [], riders)
             return
         speculate = self.spec is not None and (self.gate is None or self.gate.speculate(len(rows)))
         if self.gate is not None:

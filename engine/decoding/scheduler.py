@@ -184,11 +184,13 @@ def plan_riders(decoding: int, waiting: list[tuple[int, int]], rows: int, min_fr
 
     decoding: slots decoding this step (one row each); waiting: (slot, tokens it still has to feed) of the
     short prompts still prefilling, oldest first; rows: the rows a pass holds. The free rows go to the
-    oldest prompts, each piece its next tokens (consecutive positions of its slot). Nothing rides when no
-    slot decodes (the prompts then run their own passes, nobody waits) or fewer than `min_free` rows are
-    free (a prompt would crawl: its own passes serve it better)."""
+    oldest prompts, each piece its next tokens (consecutive positions of its slot). With no slot decoding,
+    two or more prompts share passes (a wave arriving together: no pass ends half empty at each prompt's
+    end, and the first prompts decode, in the same passes, while the others still feed); a lone prompt then
+    runs its own passes (the same rows). Nothing rides when fewer than `min_free` rows are free (a prompt
+    would crawl: its own passes serve it better)."""
     free = rows - decoding
-    if decoding < 1 or free < max(min_free, 1):
+    if (decoding < 1 and len(waiting) < 2) or free < max(min_free, 1):
         return []
     out: list[PrefillChunk] = []
     for slot, left in waiting:
