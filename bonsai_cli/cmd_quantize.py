@@ -27,7 +27,7 @@ def quantize(
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="YAML recipe with ordered pattern rules"),
     calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text (UTF-8) for gptq / gsq (default: "
                                          "docstrings of Python's standard library)"),
-    calib_samples: int = typer.Option(32, "--calib-samples", help="calibration sequences"),
+    calib_samples: int = typer.Option(64, "--calib-samples", help="calibration sequences"),
     calib_seq_len: int = typer.Option(256, "--calib-seq-len", help="tokens per calibration sequence"),
     gsq_steps: int = typer.Option(200, "--gsq-steps", help="gsq: learned-rounding steps per layer"),
     scale_refits: int = typer.Option(1, "--scale-refits", help="gptq / gsq: rounds of least-squares group scales "
@@ -65,7 +65,7 @@ def quantize(
 
     Layer by layer: one decoder layer of the source is in memory at a time. Peak memory ≈ 0.45 GiB
     + 4 B × (one layer's parameters) + 4 B × calibration tokens × (3·hidden + ffn) + the larger of
-    GPTQ's (5·b·K² + 12·N·K; K the widest input, b 8 bytes up to K = 8192 else 4), the output
+    GPTQ's (4·b·K² + 12·N·K; K the widest input, b 8 bytes up to K = 8192 else 4), the output
     layer's (its codes, V·H bytes, + 1 GiB of row slices) and block tuning's (9 B × one layer's parameters
     + one minibatch's activations; its float stream adds 8 B × calibration tokens × hidden); predicted and
     printed before starting. gptq / gsq then train each layer's group scales on its output (--block-tune-steps).

@@ -60,19 +60,18 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> tuple[torch.Te
 
     Dead inputs (H[i, i] = 0, never active in the calibration data) get H[i, i] = 1 so H stays
     invertible; their weights do not change the layer's output on that data. Returns the factor
-    [K, K] and the dead mask [K]. Holds at most three K×K matrices besides the caller's."""
+    [K, K] and the dead mask [K]. Holds at most two K×K matrices besides the caller's: the damped copy
+    goes as soon as it is factored (a 21504-wide FFN: 1.8 GB fewer at the peak)."""
     k = hessian.shape[0]
-    h = hessian.to(hessian_dtype(k), copy=True)  # [K, K]
-    diagonal = h.diagonal()
+    diagonal = hessian.diagonal().to(hessian_dtype(k))  # [K]
     dead = diagonal == 0
-    diagonal[dead] = 1.0
+    diagonal = torch.where(dead, torch.ones_like(diagonal), diagonal)
     damping = damp * float(diagonal.mean())
-    added = 0.0
     for attempt in range(6):  # a near-singular H (few tokens, duplicated inputs) needs more damping
-        step = damping * (10 ** attempt)
-        diagonal += step - added
-        added = step
+        h = hessian.to(hessian_dtype(k), copy=True)  # [K, K]
+        h.diagonal().copy_(diagonal + damping * (10 ** attempt))
         chol, info = torch.linalg.cholesky_ex(h)
+        del h
         if int(info) != 0:
             continue
         inverse = torch.cholesky_inverse(chol)

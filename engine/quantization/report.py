@@ -8,7 +8,7 @@ F FFN width, K the widest linear input (max(H, q_size, F)), b(K) 8 up to 8192 in
   one layer in float32       4·L
   calibration activations    4·T·(3·H + F)   (the stream in and out, the attention residual, SwiGLU)
   then the larger of
-    GPTQ on the widest input  5·b(K)·K² + 12·N·K  (Hessian, its factorization; the matrix, its
+    GPTQ on the widest input  4·b(K)·K² + 12·N·K  (Hessian, its factorization; the matrix, its
                                                     working copy and codes)
     the output layer          V·H·(1 + 2/G) + 4·256 MiB  (its codes and scales assembled, slices
                                                     of rows in float32; bf16: 2·V·H)
@@ -152,7 +152,7 @@ def predict_peak(config: ModelConfig, calibration_tokens: int, group_size: int, 
     n, k = widest
     b = 8 if hessian_dtype(k) != hessian_dtype(1 << 20) else 4
     refit = 2 * min(REFIT_CHUNK_BYTES, 4 * n * (k // group_size) * k)  # refit_scales' products of one chunk
-    gptq = (5 * b * k * k + 12 * n * k + refit) if calibration_tokens else 12 * n * k
+    gptq = (4 * b * k * k + 12 * n * k + refit) if calibration_tokens else 12 * n * k
     vh = config.vocab_size * h
     slice_bytes = min(GPTQ_SLICE_BYTES if calibration_tokens else SLICE_BYTES, 4 * vh)
     head = (2 * vh if head_float else int(vh * (1 + 2 / group_size))) + 4 * slice_bytes
