@@ -101,22 +101,20 @@ def _mma_cases():
                     lambda pw=pw, rows=rows, config=config, accumulate=accumulate: packed_gemv(
                         *_activations(rows, 1024, pw.group_size), pw, out=torch.zeros(rows, 256),
                         accumulate=accumulate, config=config, variant="mma"))
-    yield from _mma_prefetch_cases()
+    yield from _mma_load_cases()
 
 
-def _mma_prefetch_cases():
-    """The tensor-core kernel with tiles prefetched in registers (1 and 2 ahead, with Triton's pipelining off
-    and on) and activations loaded ahead, as tests/perf/gpu_issue20.py sweeps it: tri and int4 (one group a
-    tile), bin (two groups a tile)."""
+def _mma_load_cases():
+    """The tensor-core kernel's ways of loading a tile as tests/perf/gpu_issue20.py sweeps them: activations a tile
+    ahead or all planes' together, packed bytes by word rows or not; tri and int4 (one group a tile), bin (two)."""
     from quant.kernels.packed_mma import packed_mma
     from quant.packed_layout import random_packed
     for kind, group in (("tri", 128), ("int4", 128), ("bin", 64)):
         pw = random_packed(kind, 256, 1024, group, generator=torch.Generator().manual_seed(0))
-        for rows, config, prefetch, x_ahead, word_rows in (
-                (8, (128, 2, 4, 1), 1, 1, False), (8, (128, 2, 4, 2), 2, 2, False), (16, (256, 1, 8, 1), 2, 2, False),
-                (8, (128, 2, 4, 2), 0, 2, False), (8, (128, 2, 4, 2), 0, 1, True), (16, (64, 2, 2, 3), 0, 0, True)):
-            yield (f"library: mma {kind} g{group} M={rows} {config} prefetch {prefetch} x ahead {x_ahead}"
+        for rows, config, x_ahead, word_rows in ((8, (128, 2, 4, 2), 2, False), (16, (256, 1, 8, 1), 2, True),
+                                                 (8, (128, 2, 4, 2), 1, True), (16, (64, 2, 2, 3), 0, True)):
+            yield (f"library: mma {kind} g{group} M={rows} {config} x ahead {x_ahead}"
                    f"{' word rows' if word_rows else ''}"), (
-                lambda pw=pw, rows=rows, config=config, prefetch=prefetch, x_ahead=x_ahead, word_rows=word_rows:
+                lambda pw=pw, rows=rows, config=config, x_ahead=x_ahead, word_rows=word_rows:
                 packed_mma(*_activations(rows, 1024, pw.group_size), pw, torch.zeros(rows, 256), True, config,
-                           prefetch=prefetch, x_ahead=x_ahead, word_rows=word_rows))
+                           x_ahead=x_ahead, word_rows=word_rows))

@@ -28,13 +28,12 @@ def _packed(kind: str, group: int, n: int = 80, k: int = 256, seed: int = 0) -> 
     ("tri", 128, 2, (32, 1, 4, 1)), ("tri", 64, 11, (64, 2, 4, 2)),  # one group a tile; two
     ("bin", 128, 16, (32, 2, 4, 1)), ("bin", 64, 3, (32, 1, 4, 1)),  # two groups a tile; four
     ("int4", 32, 9, (32, 2, 4, 1)), ("int8", 128, 5, (64, 1, 2, 2))])
-@pytest.mark.parametrize("prefetch,x_ahead,word_rows", [(0, 0, False), (1, 1, False), (2, 2, False), (0, 2, False),
-                                                        (0, 1, True)])
-def test_mma_matches_reference(kind, group, rows, config, prefetch, x_ahead, word_rows):
+@pytest.mark.parametrize("x_ahead,word_rows", [(0, False), (1, False), (2, False), (1, True), (2, True)])
+def test_mma_matches_reference(kind, group, rows, config, x_ahead, word_rows):
     pw = _packed(kind, group)
     x = torch.randn(rows, 256, device=DEVICE)
     xq = quantize_activations(x, group)
-    got = packed_mma(*xq, pw, config=config, prefetch=prefetch, x_ahead=x_ahead, word_rows=word_rows)
+    got = packed_mma(*xq, pw, config=config, x_ahead=x_ahead, word_rows=word_rows)
     torch.testing.assert_close(got, packed_mma_reference(*xq, pw), rtol=1e-5, atol=1e-4)
     dense = x.float() @ dequantize(pw).t()  # and it is the real product, up to the int8 rounding of x
     assert (got - dense).abs().max() < 0.05 * dense.abs().max()
@@ -44,8 +43,8 @@ def test_mma_matches_reference(kind, group, rows, config, prefetch, x_ahead, wor
     ("tri", 128, "8b gate_up", 8), ("tri", 64, "8b o", 16), ("int4", 128, "8b down", 2), ("int4", 64, "8b gate_up", 16),
     ("tri", 128, "27b o", 5), ("tri", 64, "27b down", 8), ("int4", 128, "27b down 21504", 12), ("int4", 64, "27b qkv", 4),
     ("bin", 64, "27b gate_up", 8), ("bin", 128, "27b o", 16), ("int8", 64, "8b o", 3), ("int8", 128, "27b gate_up", 8)])
-@pytest.mark.parametrize("prefetch,x_ahead,word_rows", [(0, 0, False), (2, 2, False), (0, 2, True)])
-def test_mma_at_real_shapes(kind, group, shape, rows, prefetch, x_ahead, word_rows):
+@pytest.mark.parametrize("x_ahead,word_rows", [(0, False), (2, False), (2, True)])
+def test_mma_at_real_shapes(kind, group, shape, rows, x_ahead, word_rows):
     """The real K with the split-K partition the real matrix launches (a last split of one tile for the
     27B hidden size), on 40 columns in blocks of 32 (the last ragged): the full width runs in
     tests/perf/gpu_kern.py's checks on the GPU. With tiles and activations loaded ahead, a split's last loads
@@ -55,8 +54,7 @@ def test_mma_at_real_shapes(kind, group, shape, rows, prefetch, x_ahead, word_ro
     pw = _packed(kind, group, n=40, k=k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k + rows)).to(DEVICE)
     xq = quantize_activations(x, group)
-    got = packed_mma(*xq, pw, config=(32, split, warps, stages), prefetch=prefetch, x_ahead=x_ahead,
-                     word_rows=word_rows)
+    got = packed_mma(*xq, pw, config=(32, split, warps, stages), x_ahead=x_ahead, word_rows=word_rows)
     want = packed_mma_reference(*xq, pw)  # K/G float32 terms in another order: tolerance ∝ output size
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
@@ -71,7 +69,7 @@ def test_mma_comparison_catches_a_plane_bug():
     with pytest.raises(AssertionError):
         torch.testing.assert_close(packed_mma(*xq, bad, config=(32, 1, 4, 1)), packed_mma_reference(*xq, pw))
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(packed_mma(*xq, bad, config=(32, 1, 4, 1), prefetch=2, x_ahead=2),
+        torch.testing.assert_close(packed_mma(*xq, bad, config=(32, 1, 4, 1), x_ahead=2),
                                    packed_mma_reference(*xq, pw))
     with pytest.raises(AssertionError):
         torch.testing.assert_close(packed_mma(*xq, bad, config=(32, 1, 4, 1), word_rows=True),

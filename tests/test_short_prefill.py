@@ -98,6 +98,18 @@ def test_the_engine_cuts_a_short_prompt_in_the_runners_passes(one_thread, monkey
     assert sizes == [len(PROMPT)] and got == want
 
 
+def _watch_passes(monkeypatch) -> tuple[list, list]:
+    """The slots of every fused pass (step_rows) and (slot, tokens) of every runner forward, as they run."""
+    passes, forwards = [], []
+    step_rows, forward = ModelRunner.step_rows, ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "step_rows",
+                        lambda self, t, p, s: passes.append(list(s)) or step_rows(self, t, p, s))
+    monkeypatch.setattr(ModelRunner, "forward",
+                        lambda self, slot, t, num_logits=1: forwards.append((slot.index, len(t))) or
+                        forward(self, slot, t, num_logits))
+    return passes, forwards
+
+
 def test_short_prompts_ride_in_the_decode_pass_of_other_slots(one_thread, monkeypatch):
     """While a slot decodes, a second request's short prompt goes in the free rows of the decode step's
     pass (a mixed pass: rows of both slots in one step_rows call), no prefill pass of its own runs, and
@@ -112,13 +124,7 @@ def test_short_prompts_ride_in_the_decode_pass_of_other_slots(one_thread, monkey
     runner = ModelRunner(loaded, 96, num_slots=2, fast_decode=True)
     runner.short_prefill_rows = 8
     runner.prepare_rows(8)
-    passes, forwards = [], []
-    step_rows, forward = ModelRunner.step_rows, ModelRunner.forward
-    monkeypatch.setattr(ModelRunner, "step_rows",
-                        lambda self, t, p, s: passes.append(list(s)) or step_rows(self, t, p, s))
-    monkeypatch.setattr(ModelRunner, "forward",
-                        lambda self, slot, t, num_logits=1: forwards.append((slot.index, len(t))) or
-                        forward(self, slot, t, num_logits))
+    passes, forwards = _watch_passes(monkeypatch)
     engine = engine_over(runner, tok)
     assert (engine.mix_rows, engine.min_riders) == (8, 2)
     outs = {0: [], 1: []}
@@ -159,13 +165,7 @@ def test_a_wave_of_short_prompts_shares_passes_before_anyone_decodes(one_thread,
     runner = ModelRunner(loaded, 96, num_slots=3, fast_decode=True)
     runner.short_prefill_rows = 8
     runner.prepare_rows(8)
-    passes, forwards = [], []
-    step_rows, forward = ModelRunner.step_rows, ModelRunner.forward
-    monkeypatch.setattr(ModelRunner, "step_rows",
-                        lambda self, t, p, s: passes.append(list(s)) or step_rows(self, t, p, s))
-    monkeypatch.setattr(ModelRunner, "forward",
-                        lambda self, slot, t, num_logits=1: forwards.append((slot.index, len(t))) or
-                        forward(self, slot, t, num_logits))
+    passes, forwards = _watch_passes(monkeypatch)
     engine = engine_over(runner, tok)
     outs = {i: [] for i in range(3)}
     for i, prompt in enumerate(prompts):

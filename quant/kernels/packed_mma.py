@@ -112,9 +112,9 @@ def _group_epilogue(acc, d, g, sw, sx_ptr, sumx_ptr, offs_m, m_mask, NG,
 
 
 @triton.jit
-def _scales(s_ptr, g, g_end, N, offs_n, n_mask):
-    """Group g's weight scales [BN] as float32 (zeros from the split's end g_end on)."""
-    return tl.load(s_ptr + g * N + offs_n, mask=n_mask & ((offs_n * 0 + g) < g_end), other=0.0).to(tl.float32)
+def _scales(s_ptr, g, N, offs_n, n_mask):
+    """Group g's weight scales [BN] as float32."""
+    return tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -167,19 +167,11 @@ def _pick(j: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _tile(w_bytes, t, t_end, tile_bytes, byte_offs, n_mask, p):
-    """Tile t's packed bytes [BN, KD] (zeros past the split's last tile t_end - 1)."""
-    return tl.load(w_bytes + t * tile_bytes + byte_offs, mask=n_mask[:, None] & ((p * 0 + t) < t_end)[None, :],
-                   other=0, eviction_policy="evict_first")
-
-
-@triton.jit
 def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K, NG, tiles_per_split,
                        BITS: tl.constexpr, MULT: tl.constexpr, OFFSET: tl.constexpr, SIGNED: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
                        ACCUMULATE: tl.constexpr, EXACT_MAGIC: tl.constexpr, USE_ASM: tl.constexpr,
-                       JOIN: tl.constexpr, PREFETCH: tl.constexpr, X_AHEAD: tl.constexpr,
-                       WORD_ROWS: tl.constexpr, USE_PDL: tl.constexpr):
+                       JOIN: tl.constexpr, X_AHEAD: tl.constexpr, WORD_ROWS: tl.constexpr, USE_PDL: tl.constexpr):
     E: tl.constexpr = 32 // BITS  # codes per word
     STEPS: tl.constexpr = 8 // BITS  # bit planes per byte
     FIELD: tl.constexpr = 0x01010101 if BITS == 1 else (0x03030303 if BITS == 2 else 0x0F0F0F0F)
@@ -199,67 +191,33 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
     row_bytes = tl.program_id(0) * BLOCK_N * 4 + tl.arange(0, BLOCK_N * 4)  # [BN·4] of a word row, contiguous
     offs_rows = tl.arange(0, KD // 4)[:, None] * (4 * N) + row_bytes[None, :]  # [KD / 4, BN·4]
     tile_bytes = (KD // 4) * (4 * N)
-    # PREFETCH tiles in registers ahead of the one multiplied (0: the tile is loaded where it is used and
-    # num_stages pipelines what Triton can); the first loads need nothing from the previous kernel
-    g_end = t_end * R
-    if PREFETCH > 0:  # and each tile's weight scales one tile ahead
-        codes_next = _tile(w_bytes, t_start, t_end, tile_bytes, byte_offs, n_mask, p)  # [BN, KD]
-        sw0_next = _scales(s_ptr, t_start * R, g_end, N, offs_n, n_mask)  # [BN]
-        if R > 1:
-            sw1_next = _scales(s_ptr, t_start * R + 1, g_end, N, offs_n, n_mask)
-        if R > 2:
-            sw2_next = _scales(s_ptr, t_start * R + 2, g_end, N, offs_n, n_mask)
-            sw3_next = _scales(s_ptr, t_start * R + 3, g_end, N, offs_n, n_mask)
-        if PREFETCH > 1:
-            codes_after = _tile(w_bytes, t_start + 1, t_end, tile_bytes, byte_offs, n_mask, p)  # [BN, KD]
     # X_AHEAD: each plane's activations loaded where its product needs them (0), all of a tile's at the start of
     # its step (1), or a tile ahead (2)
     if X_AHEAD == 2:
         xn0, xn1, xn2, xn3, xn4, xn5, xn6, xn7 = _x_tile(xq_ptr, t_start, t_end, offs_m, m_mask, K, p, E, KD, STEPS)
     if USE_PDL:  # the weights need nothing from the previous kernel: bring the first tile into L2 meanwhile
-        if PREFETCH == 0:
-            first = w_ptr + (t_start * (KD // 4) + tl.arange(0, KD // 4))[:, None] * N + offs_n[None, :]
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [first], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+        first = w_ptr + (t_start * (KD // 4) + tl.arange(0, KD // 4))[:, None] * N + offs_n[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [first], dtype=tl.int32,
+                                  is_pure=False, pack=1)
         gdc_launch_dependents()
         gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for t in range(t_start, t_end):
         g = t * R
-        if PREFETCH == 0:
-            if WORD_ROWS:
-                words = tl.load(w_bytes + t * tile_bytes + offs_rows, mask=(row_bytes < 4 * N)[None, :], other=0,
-                                eviction_policy="evict_first")  # [KD / 4, BN·4]
-                codes = tl.reshape(tl.permute(tl.reshape(words, [KD // 4, BLOCK_N, 4]), (1, 0, 2)),
-                                   [BLOCK_N, KD])  # [BN, KD] packed bytes
-            else:
-                codes = tl.load(w_bytes + t * tile_bytes + byte_offs, mask=n_mask[:, None], other=0,
-                                eviction_policy="evict_first")  # [BN, KD] packed bytes
-            sw0 = _scales(s_ptr, g, g_end, N, offs_n, n_mask)  # [BN]
-            if R > 1:
-                sw1 = _scales(s_ptr, g + 1, g_end, N, offs_n, n_mask)
-            if R > 2:
-                sw2 = _scales(s_ptr, g + 2, g_end, N, offs_n, n_mask)
-                sw3 = _scales(s_ptr, g + 3, g_end, N, offs_n, n_mask)
+        if WORD_ROWS:
+            words = tl.load(w_bytes + t * tile_bytes + offs_rows, mask=(row_bytes < 4 * N)[None, :], other=0,
+                            eviction_policy="evict_first")  # [KD / 4, BN·4]
+            codes = tl.reshape(tl.permute(tl.reshape(words, [KD // 4, BLOCK_N, 4]), (1, 0, 2)),
+                               [BLOCK_N, KD])  # [BN, KD] packed bytes
         else:
-            sw0 = sw0_next
-            sw0_next = _scales(s_ptr, g + R, g_end, N, offs_n, n_mask)
-            if R > 1:
-                sw1 = sw1_next
-                sw1_next = _scales(s_ptr, g + R + 1, g_end, N, offs_n, n_mask)
-            if R > 2:
-                sw2 = sw2_next
-                sw2_next = _scales(s_ptr, g + R + 2, g_end, N, offs_n, n_mask)
-                sw3 = sw3_next
-                sw3_next = _scales(s_ptr, g + R + 3, g_end, N, offs_n, n_mask)
-            codes = codes_next  # [BN, KD] packed bytes
-            ahead = t + PREFETCH  # the tile whose load goes out now
-            load = _tile(w_bytes, ahead, t_end, tile_bytes, byte_offs, n_mask, p)  # [BN, KD]
-            if PREFETCH == 1:
-                codes_next = load
-            else:
-                codes_next = codes_after
-                codes_after = load
+            codes = tl.load(w_bytes + t * tile_bytes + byte_offs, mask=n_mask[:, None], other=0,
+                            eviction_policy="evict_first")  # [BN, KD] packed bytes
+        sw0 = _scales(s_ptr, g, N, offs_n, n_mask)  # [BN]
+        if R > 1:
+            sw1 = _scales(s_ptr, g + 1, N, offs_n, n_mask)
+        if R > 2:
+            sw2 = _scales(s_ptr, g + 2, N, offs_n, n_mask)
+            sw3 = _scales(s_ptr, g + 3, N, offs_n, n_mask)
         if X_AHEAD == 1:
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_tile(xq_ptr, t, t_end, offs_m, m_mask, K, p, E, KD, STEPS)
         elif X_AHEAD == 2:
@@ -317,14 +275,11 @@ def _packed_mma_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
 # down, g128, µs): the packed bytes read by word rows (WORD_ROWS: 16-byte copies, a warp on one 512-byte row)
 # took tri from 40.4 (the session-9 config, (128, 4, 2, 512)) to 33.9 at (128, 4, 3, 512) with the activations
 # loaded together (X_AHEAD 1), and int4 from 84.3 ((128, 4, 2, 1024)) to 41.5 at (128, 4, 3, 512); ncu on the
-# gate/up product: L1/TEX throughput 68% → 58%, DRAM 30% → 37%, 28.6 → 22.5 µs. Registers in flight (PREFETCH
-# 1-2), one- or two-warp programs and 1,024-2,048 programs lost or tied. bin / int8 rows stay on the dp4a
-# kernels (MMA_FROM_ROWS), their entries untouched.
+# gate/up product: L1/TEX throughput 68% → 58%, DRAM 30% → 37%, 28.6 → 22.5 µs. Tiles held in registers 1-2 ahead
+# (built, measured, removed: docs/perf.md session 25), one- or two-warp programs and 1,024-2,048 programs lost or
+# tied. bin / int8 rows stay on the dp4a kernels (MMA_FROM_ROWS), their entries untouched.
 MMA_LAUNCH = {"tri": (128, 4, 3, 512), "bin": (128, 4, 3, 1024), "int4": (128, 4, 3, 512), "int8": (128, 4, 3, 1024)}
 JOIN_PLANES = {"tri": False, "int4": False}
-# Tiles whose packed bytes a program loads into registers ahead of the one it multiplies (0: none, the loop as
-# Triton pipelines it with num_stages).
-PREFETCH_TILES = {"tri": 0, "bin": 0, "int4": 0, "int8": 0}
 # How a tile's activations are loaded (packed_mma's x_ahead): 1, all planes' together at the start of its step.
 X_AHEAD = {"tri": 1, "bin": 0, "int4": 1, "int8": 0}
 # Whether the packed bytes are loaded a word row at a time (packed_mma's word_rows).
@@ -341,14 +296,12 @@ def mma_launch_config(n: int, tiles: int, rows: int, kind: str = "tri") -> tuple
 def packed_mma(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
                out: torch.Tensor | None = None, accumulate: bool = False,
                config: tuple[int, int, int, int] | None = None, join: bool | None = None,
-               prefetch: int | None = None, x_ahead: int | None = None, word_rows: bool | None = None) -> torch.Tensor:
+               x_ahead: int | None = None, word_rows: bool | None = None) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations on tensor cores → float32 [M, N]; with accumulate,
     out += y. Same results as packed_gemv (the same integer sums; float sums in another order).
     join: a tile's bit planes in one product (`joinable` layouts; default JOIN_PLANES) or one per plane.
-    prefetch: tiles loaded into registers ahead of the one multiplied, 0-2 (default PREFETCH_TILES).
     x_ahead: a tile's activations loaded per plane where used (0), together at its step's start (1), or a tile
-    ahead (2) (default X_AHEAD). word_rows: the packed bytes loaded a word row at a time (default WORD_ROWS; with
-    prefetch 0 only)."""
+    ahead (2) (default X_AHEAD). word_rows: the packed bytes loaded a word row at a time (default WORD_ROWS)."""
     m, k = xq.shape
     assert m <= 16 and k == pw.in_features and xq.is_contiguous() and mma_supported(pw.kind, pw.group_size, k)
     kind = layout_kind(pw.kind)
@@ -360,15 +313,14 @@ def packed_mma(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Packe
     grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(tiles, per_split))
     max_code = 128 if kind.signed else (1 << kind.bits) - 1
     join = JOIN_PLANES.get(pw.kind, False) if join is None else join
-    prefetch = PREFETCH_TILES.get(pw.kind, 0) if prefetch is None else prefetch
     x_ahead = X_AHEAD.get(pw.kind, 0) if x_ahead is None else x_ahead
     word_rows = WORD_ROWS.get(pw.kind, False) if word_rows is None else word_rows
-    assert prefetch in (0, 1, 2) and x_ahead in (0, 1, 2)
+    assert x_ahead in (0, 1, 2)
     _packed_mma_kernel[grid](
         xq, sx, sumx, pw.words, pw.scales, out, m, pw.out_features, k, ng, per_split,
         BITS=kind.bits, MULT=kind.mult, OFFSET=kind.offset, SIGNED=kind.signed, GROUP=pw.group_size,
         BLOCK_M=16 if m > 8 else 8, BLOCK_N=block_n, ATOMIC=split > 1, ACCUMULATE=accumulate,
         EXACT_MAGIC=pw.group_size * max_code * 127 < 2 ** 22, USE_ASM=not interpreting(),
-        JOIN=join and joinable(pw.kind, pw.group_size), PREFETCH=prefetch, X_AHEAD=x_ahead, WORD_ROWS=word_rows,
+        JOIN=join and joinable(pw.kind, pw.group_size), X_AHEAD=x_ahead, WORD_ROWS=word_rows,
         num_warps=warps, num_stages=stages, **pdl_options(xq.device))
     return out

@@ -5,7 +5,7 @@ path, and the graphed decode step at 1-16 rows under several dispatch rules, in 
     TRITON_INTERPRET=1 python3 tests/perf/gpu_issue20.py --tiny --json /tmp/i20.json   # the code paths, on a CPU
 
 sweep: packed_mma at 8 rows on the 8B gate/up and down shapes (tri, int4, g128) over BLOCK_N x warps x
-       stages x split-K programs x tiles prefetched in registers; every config checked against the exact
+       stages x split-K programs x how a tile is loaded; every config checked against the exact
        reference first.
 paths: per layout and shape (8B and 27B-class q/k/v, o, gate/up, down) and rows 1-16: the dp4a kernels as
        dispatched, packed_mma with the sweep's best config, and (from 5 rows) what PackedLinear does above
@@ -42,19 +42,19 @@ SWEEP_SHAPES = ("8b gate_up", "8b down")
 PATH_SHAPES = ("8b qkv", "8b o", "8b gate_up", "8b down", "27b qkv", "27b o", "27b gate_up", "27b down")
 KINDS = ("tri", "int4")
 ROWS = (1, 2, 3, 4, 5, 8, 12, 16)
-# (BLOCK_N, warps, stages, programs, tiles prefetched in registers, activations ahead: packed_mma's x_ahead, bytes
-# read by word rows); joined planes lost every sweep (session 9): not swept.
-GRIDS = {"wide": [(bn, w, st, prog, pre, xa, False) for bn, w in ((128, 4), (256, 8)) for prog in (256, 512)
-                  for pre, st, xa in ((0, 2, 0), (0, 2, 1), (0, 3, 1), (0, 2, 2), (1, 1, 1), (2, 1, 2))],
+# (BLOCK_N, warps, stages, programs, activations ahead: packed_mma's x_ahead, bytes read by word rows); joined planes
+# lost every sweep (session 9), tiles held in registers ahead lost in session 25's: not swept.
+GRIDS = {"wide": [(bn, w, st, prog, xa, False) for bn, w in ((128, 4), (256, 8)) for prog in (256, 512)
+                  for st, xa in ((2, 0), (2, 1), (3, 1), (2, 2))],
          # programs of one or two warps: a program's barriers (the activations' trips through shared memory)
          # stall fewer warps, and more programs are in flight
-         "narrow": [(bn, w, st, prog, pre, xa, False) for bn, w in ((32, 1), (64, 1), (64, 2), (128, 2))
-                    for prog in (512, 1024, 2048) for pre, st, xa in ((0, 2, 0), (0, 2, 1), (0, 3, 1), (0, 2, 2))],
+         "narrow": [(bn, w, st, prog, xa, False) for bn, w in ((32, 1), (64, 1), (64, 2), (128, 2))
+                    for prog in (512, 1024, 2048) for st, xa in ((2, 0), (2, 1), (3, 1), (2, 2))],
          # the packed bytes read a whole word row a warp (16-byte copies) instead of 16-byte pieces of 8 rows
-         "rows": [(bn, w, st, prog, 0, xa, True) for bn, w in ((64, 2), (128, 2), (128, 4), (256, 4), (256, 8))
+         "rows": [(bn, w, st, prog, xa, True) for bn, w in ((64, 2), (128, 2), (128, 4), (256, 4), (256, 8))
                   for prog in (512, 1024) for st, xa in ((2, 0), (2, 1), (3, 1), (2, 2))],
          # the shipped tri config, and it with the activations loaded together
-         "ref": [(128, 4, 2, 512, 0, 0, False), (128, 4, 2, 512, 0, 1, False)]}
+         "ref": [(128, 4, 2, 512, 0, False), (128, 4, 2, 512, 1, False)]}
 
 SECTIONS = ("sweep", "paths", "step", "prefill")
 
@@ -71,22 +71,22 @@ def section_sweep(run: Run) -> None:
     mats = {kind: {shape: run.weights(kind, shape, seed=3) for shape in SWEEP_SHAPES} for kind in KINDS}
     xqs = {shape: run.activations(8, mats[KINDS[0]][shape].in_features, seed=8) for shape in SWEEP_SHAPES}
     copies = {kind: {shape: rotated(run, pw) for shape, pw in m.items()} for kind, m in mats.items()}
-    for bn, warps, stages, programs, pre, xa, wr in grid:  # each config on both layouts: a short budget sees both
-        if run.out_of_time(f"sweep {bn} {warps} {stages} {programs} {pre} {xa} {wr}"):
+    for bn, warps, stages, programs, xa, wr in grid:  # each config on both layouts: a short budget sees both
+        if run.out_of_time(f"sweep {bn} {warps} {stages} {programs} {xa} {wr}"):
             break
         for kind in KINDS:
             row = {"kind": kind, "block_n": bn, "warps": warps, "stages": stages, "programs": programs,
-                   "prefetch": pre, "x_ahead": xa, "word_rows": wr, "join": False}
+                   "x_ahead": xa, "word_rows": wr, "join": False}
             try:
                 total = 0.0
                 for shape, pw in mats[kind].items():
                     cfg = mma_config(pw, bn, warps, stages, programs)
-                    got = packed_mma(*xqs[shape], pw, config=cfg, join=False, prefetch=pre, x_ahead=xa, word_rows=wr)
+                    got = packed_mma(*xqs[shape], pw, config=cfg, join=False, x_ahead=xa, word_rows=wr)
                     err = relative_error(got, packed_gemv_reference(*xqs[shape], pw))
                     if err > 1e-5:
                         raise AssertionError(f"{shape}: max rel err {err:.1e}")
                     out = torch.zeros(8, pw.out_features, device=run.dev)
-                    t = time_calls(run, [lambda w=w, c=cfg: packed_mma(*xqs[shape], w, out, True, c, False, pre, xa, wr)
+                    t = time_calls(run, [lambda w=w, c=cfg: packed_mma(*xqs[shape], w, out, True, c, False, xa, wr)
                                          for w in copies[kind][shape]])
                     row[shape] = t["us"]
                     total += t["us"]
@@ -95,7 +95,7 @@ def section_sweep(run: Run) -> None:
                 text = str(error).strip()
                 row["error"] = f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
             res.append(row)
-            print(f"sweep {kind} bn={bn} w={warps} st={stages} prog={programs} prefetch={pre} x_ahead={xa} rows={wr}: "
+            print(f"sweep {kind} bn={bn} w={warps} st={stages} prog={programs} x_ahead={xa} rows={wr}: "
                   f"{row.get('total_us', float('nan')):.1f} us "
                   + " ".join(f"{sh} {row[sh]:.1f}" for sh in SWEEP_SHAPES if sh in row) + f" {row.get('error', '')}",
                   flush=True)
@@ -111,16 +111,15 @@ def section_sweep(run: Run) -> None:
     run.results["best"] = best
 
 
-def best_launch(run: Run, kind: str) -> tuple[tuple[int, int, int, int], bool, int, int, bool]:
-    """(BLOCK_N, warps, stages, programs), joined planes, prefetched tiles, activations ahead, bytes by word rows:
+def best_launch(run: Run, kind: str) -> tuple[tuple[int, int, int, int], bool, int, bool]:
+    """(BLOCK_N, warps, stages, programs), joined planes, activations ahead, bytes by word rows:
     the sweep's best, else the shipped."""
     b = run.results.get("best", {}).get(kind)
     if b is None:
-        return (mma_mod.MMA_LAUNCH[kind], mma_mod.JOIN_PLANES.get(kind, False),
-                mma_mod.PREFETCH_TILES.get(kind, 0), mma_mod.X_AHEAD.get(kind, 0),
+        return (mma_mod.MMA_LAUNCH[kind], mma_mod.JOIN_PLANES.get(kind, False), mma_mod.X_AHEAD.get(kind, 0),
                 mma_mod.WORD_ROWS.get(kind, False))
-    return ((b["block_n"], b["warps"], b["stages"], b["programs"]), b["join"], b.get("prefetch", 0),
-            b.get("x_ahead", 0), b.get("word_rows", False))
+    return ((b["block_n"], b["warps"], b["stages"], b["programs"]), b["join"], b.get("x_ahead", 0),
+            b.get("word_rows", False))
 
 
 def section_paths(run: Run) -> None:
@@ -129,7 +128,7 @@ def section_paths(run: Run) -> None:
     shapes = [s for s in PATH_SHAPES if s in run.shapes]
     rows_list = ROWS if not run.args.tiny else (1, 4, 5, 16)
     for kind in KINDS:
-        (bn, warps, stages, programs), join, pre, xa, wr = best_launch(run, kind)
+        (bn, warps, stages, programs), join, xa, wr = best_launch(run, kind)
         for shape in shapes:
             pw = run.weights(kind, shape, seed=5)
             copies = rotated(run, pw)
@@ -144,13 +143,13 @@ def section_paths(run: Run) -> None:
                                                        variant=gemv_mod.default_variant(kind, 128, rows, w.in_features)
                                                        if rows == 1 else None)}
                 if rows >= 2:
-                    calls["mma"] = lambda w: packed_mma(*xq, w, out, True, cfg, join, pre, xa, wr)
+                    calls["mma"] = lambda w: packed_mma(*xq, w, out, True, cfg, join, xa, wr)
                 if rows >= 5:
                     calls["cublas"] = lambda w: torch.matmul(x, dequantize_t(w, torch.bfloat16))
                 row = {"kind": kind, "shape": shape, "rows": rows}
                 for name, fn in calls.items():
                     if name == "mma":
-                        err = relative_error(packed_mma(*xq, pw, config=cfg, join=join, prefetch=pre, x_ahead=xa,
+                        err = relative_error(packed_mma(*xq, pw, config=cfg, join=join, x_ahead=xa,
                                                         word_rows=wr),
                                              packed_gemv_reference(*xq, pw))
                         row["mma_err"] = err
@@ -179,7 +178,7 @@ def section_step(run: Run) -> None:
     loaded, cfg = model_8b(run)
     cache = KVCache(cfg, 1024, 16, dtype=torch.bfloat16, device=run.dev)
     shipped = (dict(gemv_mod.MMA_FROM_ROWS), dict(mma_mod.MMA_LAUNCH), dict(mma_mod.JOIN_PLANES),
-               dict(mma_mod.PREFETCH_TILES), dict(mma_mod.X_AHEAD), dict(mma_mod.WORD_ROWS))
+               dict(mma_mod.X_AHEAD), dict(mma_mod.WORD_ROWS))
     # shipped: today's thresholds and launch configs; best: today's thresholds, the sweep's best configs
     policies = {"shipped": None, "best": 0, **{f"mma>={n}": n for n in run.args.policies}}
     res = run.results.setdefault("step", [])
@@ -188,9 +187,9 @@ def section_step(run: Run) -> None:
         gemv_mod.MMA_FROM_ROWS.update(shipped[0] if not start else {k: start for k in shipped[0]})
         if start is not None:
             for kind in KINDS:
-                launch, join, pre, xa, wr = best_launch(run, kind)
+                launch, join, xa, wr = best_launch(run, kind)
                 mma_mod.MMA_LAUNCH[kind], mma_mod.JOIN_PLANES[kind] = launch, join
-                mma_mod.PREFETCH_TILES[kind], mma_mod.X_AHEAD[kind], mma_mod.WORD_ROWS[kind] = pre, xa, wr
+                mma_mod.X_AHEAD[kind], mma_mod.WORD_ROWS[kind] = xa, wr
         base = None
         for rows in (1, 2, 4, 8, 16):
             if run.out_of_time(f"step {name} {rows}"):
@@ -214,9 +213,8 @@ def section_step(run: Run) -> None:
         gemv_mod.MMA_FROM_ROWS.update(shipped[0])
         mma_mod.MMA_LAUNCH.update(shipped[1])
         mma_mod.JOIN_PLANES.update(shipped[2])
-        mma_mod.PREFETCH_TILES.update(shipped[3])
-        mma_mod.X_AHEAD.update(shipped[4])
-        mma_mod.WORD_ROWS.update(shipped[5])
+        mma_mod.X_AHEAD.update(shipped[3])
+        mma_mod.WORD_ROWS.update(shipped[4])
 
 
 def model_8b(run: Run):

@@ -35,7 +35,7 @@ def main() -> None:
         out = torch.zeros(rows, 24576, device=dev)
         for _ in range(3):
             if rows == 8:
-                packed_mma(*xq, pw, out, True, config, False, 0, args.x_ahead, bool(args.word_rows))
+                packed_mma(*xq, pw, out, True, config, False, args.x_ahead, bool(args.word_rows))
             else:
                 packed_gemv(*xq, pw, out=out, accumulate=True)
     torch.cuda.synchronize()
