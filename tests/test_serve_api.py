@@ -219,6 +219,7 @@ def test_concurrent_streams_some_disconnecting_and_a_full_queue(server):
     # mid-stream are admitted first and hold their slots until all others have their answer, so
     # exactly 3 of the other 8 find the server full.
     rows0, steps0 = metric(server, "bonsai_decode_rows_total"), metric(server, "bonsai_decode_steps_total")
+    timed0, queued0 = metric(server, "bonsai_request_timed_total"), metric(server, "bonsai_request_queue_seconds_total")
     out: dict = {}
     go = threading.Event()
     answered = {i: threading.Event() for i in range(11)}
@@ -247,6 +248,9 @@ def test_concurrent_streams_some_disconnecting_and_a_full_queue(server):
     assert metric(server, 'bonsai_requests_total{outcome="rejected_busy"}') == results.count(busy)
     rows, steps = metric(server, "bonsai_decode_rows_total") - rows0, metric(server, "bonsai_decode_steps_total") - steps0
     assert rows >= 1.5 * steps  # requests were decoded together (one after another: rows == steps)
+    # the 8 admitted requests ended (3 left, 5 answered), and 4 of them waited for a slot held by a leaving one
+    assert metric(server, "bonsai_request_timed_total") - timed0 == 8
+    assert metric(server, "bonsai_request_queue_seconds_total") - queued0 > 0
 
 
 def test_metrics_are_prometheus_text(server):

@@ -205,6 +205,8 @@ def test_reasoning_opened_by_the_prompt_and_text_without_thought():
 def test_metrics_prometheus_text_parses():
     m = Metrics(slots_total=2)
     m.count_request("stop")
+    m.count_request("length", queued=0.5, first_token=0.25)
+    m.count_request("cancelled", queued=0.125, first_token=0.0)  # ended before its first token
     m.count_prompt(10, 4)
     m.count_step(rows=2, tokens=2)
     m.count_prefill()
@@ -217,6 +219,8 @@ def test_metrics_prometheus_text_parses():
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     assert samples['bonsai_requests_total{outcome="stop"}'] == 1
+    assert samples["bonsai_request_timed_total"] == 2 and samples["bonsai_request_queue_seconds_total"] == 0.625
+    assert samples["bonsai_request_first_token_seconds_total"] == 0.25
     assert samples["bonsai_prompt_cache_tokens_total"] == 4 and samples["bonsai_prompt_tokens_computed_total"] == 6
     assert samples["bonsai_decode_rows_total"] == 2 and samples["bonsai_slots_total"] == 2
     assert samples["bonsai_prefill_chunks_total"] == 1

@@ -110,46 +110,79 @@ def _watch_passes(monkeypatch) -> tuple[list, list]:
     return passes, forwards
 
 
-def test_short_prompts_ride_in_the_decode_pass_of_other_slots(one_thread, monkeypatch):
-    """While a slot decodes, a second request's short prompt goes in the free rows of the decode step's
-    pass (a mixed pass: rows of both slots in one step_rows call), no prefill pass of its own runs, and
-    both requests' greedy outputs are those each gets alone."""
-    from engine.decoding.sequence import Request
+def _two_prompts(short_tokens: int | None = None):
+    """(tokenizer, two prompts, each one's greedy tokens alone, a two-slot runner whose fused step takes 8 rows)."""
     loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
     tok = TinyTokenizer()
-    alone = []
-    for prompt in (PROMPT, PROMPT[::-1] + [9]):
-        single = ModelRunner(loaded, 96, fast_decode=True)
-        alone.append(run_engine(single, tok, prompt, max_tokens=10, ignore_eos=True)[1])
+    prompts = (PROMPT, PROMPT[::-1] + [9])
+    alone = [run_engine(ModelRunner(loaded, 96, fast_decode=True), tok, p, max_tokens=10, ignore_eos=True)[1]
+             for p in prompts]
     runner = ModelRunner(loaded, 96, num_slots=2, fast_decode=True)
     runner.short_prefill_rows = 8
+    if short_tokens is not None:
+        runner.short_prefill_tokens = short_tokens
     runner.prepare_rows(8)
-    passes, forwards = _watch_passes(monkeypatch)
-    engine = engine_over(runner, tok)
-    assert (engine.mix_rows, engine.min_riders) == (8, 2)
-    outs = {0: [], 1: []}
-    first = Request(list(PROMPT), max_tokens=10, ignore_eos=True,
-                    emit=lambda e: outs[0].extend(getattr(e, "token_ids", ())))
-    engine.submit(first)
-    for _ in range(8):  # the first prompt's own passes (nobody decodes yet), then its first decode step
-        engine.step()
-        if any(len(s.pending) == 1 for s in engine.active.values()):
-            break
-    assert engine.active and outs[0], "the first request should decode by now"
-    second = Request(PROMPT[::-1] + [9], max_tokens=10, ignore_eos=True,
-                     emit=lambda e: outs[1].extend(getattr(e, "token_ids", ())))
-    engine.submit(second)
-    forwards.clear()
-    for _ in range(40):
+    return tok, prompts, alone, runner
+
+
+def _run_out(engine, steps: int = 40) -> None:
+    for _ in range(steps):
         if not engine.has_work:
             break
         engine.step()
     assert not engine.has_work
+
+
+def _second_once_the_first_decodes(engine, prompts, outs: dict, max_tokens: int = 10) -> None:
+    """Submit prompts[0], step until it decodes, then submit prompts[1] (outs[i]: request i's tokens)."""
+    from engine.decoding.sequence import Request
+
+    def request(i: int) -> Request:
+        return Request(list(prompts[i]), max_tokens=max_tokens, ignore_eos=True,
+                       emit=lambda e: outs[i].extend(getattr(e, "token_ids", ())))
+    engine.submit(request(0))
+    for _ in range(8):
+        engine.step()
+        if any(len(s.pending) == 1 for s in engine.active.values()):
+            break
+    engine.submit(request(1))
+
+
+def test_short_prompts_ride_in_the_decode_pass_of_other_slots(one_thread, monkeypatch):
+    """While a slot decodes, a second request's short prompt goes in the free rows of the decode step's
+    pass (a mixed pass: rows of both slots in one step_rows call), no prefill pass of its own runs, and
+    both requests' greedy outputs are those each gets alone."""
+    tok, prompts, alone, runner = _two_prompts()
+    passes, forwards = _watch_passes(monkeypatch)
+    engine = engine_over(runner, tok)
+    assert (engine.mix_rows, engine.min_riders) == (8, 2)
+    outs = {0: [], 1: []}
+    _second_once_the_first_decodes(engine, prompts, outs)
+    assert outs[0], "the first request should decode by now"
+    forwards.clear()
+    _run_out(engine)
     mixed = [p for p in passes if set(p) == {0, 1} and len(p) > 2]
     assert mixed and mixed[0][0] == 0 and mixed[0][1:] == [1] * 7  # the decode row, then 7 prompt rows
     assert all(index == 0 or n == 1 for index, n in forwards)  # slot 1's prompt ran in no pass of its own
     assert [outs[0], outs[1]] == alone
 
+
+def test_a_longer_prompt_rides_while_a_slot_decodes_and_runs_eager_when_none_does(one_thread, monkeypatch):
+    """A prompt longer than the short prefill (here 8 tokens) but within a chunk: with nobody decoding it runs as
+    one eager chunk (its first token sooner); while another slot decodes it rides in the decode passes instead of
+    stalling that slot with an eager chunk; both greedy outputs are those each request gets alone."""
+    tok, prompts, alone, runner = _two_prompts(short_tokens=8)
+    passes, forwards = _watch_passes(monkeypatch)
+    engine = engine_over(runner, tok)
+    assert engine.short_tokens == 8 and engine.ride_tokens >= len(prompts[1])
+    outs = {0: [], 1: []}
+    _second_once_the_first_decodes(engine, prompts, outs)
+    assert (0, len(PROMPT)) in forwards  # nobody decoding: the whole prompt as one eager chunk
+    forwards.clear()
+    _run_out(engine)
+    assert all(index == 0 or n == 1 for index, n in forwards)  # slot 1's 12 tokens ran in no forward of their own
+    assert any(set(p) == {0, 1} and len(p) > 2 for p in passes)  # they rode in slot 0's decode passes
+    assert [outs[0], outs[1]] == alone
 
 
 def test_a_wave_of_short_prompts_shares_passes_before_anyone_decodes(one_thread, monkeypatch):
@@ -186,17 +219,9 @@ def test_a_wave_of_short_prompts_shares_passes_before_anyone_decodes(one_thread,
 def test_with_drafters_prompts_ride_only_in_steps_the_gate_keeps_plain(one_thread, monkeypatch, gate_speculates):
     """Drafters attached: a short prompt rides in a decode pass only when the gate keeps that step plain (a
     verify pass has no free rows); either way both requests' greedy outputs are those each gets alone."""
-    from engine.decoding.sequence import Request
     from engine.decoding.spec_gate import SpecGate
     from engine.speculative.ngram import NgramDrafter
-    loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
-    tok = TinyTokenizer()
-    prompts = (PROMPT, PROMPT[::-1] + [9])
-    alone = [run_engine(ModelRunner(loaded, 96, fast_decode=True), tok, p, max_tokens=10, ignore_eos=True)[1]
-             for p in prompts]
-    runner = ModelRunner(loaded, 96, num_slots=2, fast_decode=True)
-    runner.short_prefill_rows = 8
-    runner.prepare_rows(8)
+    tok, prompts, alone, runner = _two_prompts()
     from engine.decoding.engine import Engine
     mixed, mixed_pass = [], Engine._mixed_pass
     monkeypatch.setattr(Engine, "_mixed_pass", lambda self, rows, fed, riders: mixed.append(len(riders)) or
@@ -206,14 +231,7 @@ def test_with_drafters_prompts_ride_only_in_steps_the_gate_keeps_plain(one_threa
     engine = engine_over(runner, tok, NgramDrafter(1, 3), 4, spec_gate=True)
     assert engine.gate is not None and engine.mix_rows == 8
     outs = {0: [], 1: []}
-    engine.submit(Request(list(prompts[0]), max_tokens=10, ignore_eos=True,
-                          emit=lambda e: outs[0].extend(getattr(e, "token_ids", ()))))
-    for _ in range(8):
-        engine.step()
-        if any(len(s.pending) == 1 for s in engine.active.values()):
-            break
-    engine.submit(Request(list(prompts[1]), max_tokens=10, ignore_eos=True,
-                          emit=lambda e: outs[1].extend(getattr(e, "token_ids", ()))))
+    _second_once_the_first_decodes(engine, prompts, outs)
     for _ in range(60):
         if not engine.has_work:
             break

@@ -1,20 +1,19 @@
 """The engine: the one place where logits become tokens, for one request or many.
 
-`step()` advances every active request by one iteration: requests that were cancelled leave their slot; waiting
-requests get free slots (longest cached prefix first, scheduler.py); prompt chunks run for the requests that still
-have prompt (or inserted) tokens to feed, oldest first, at most `prefill_budget` tokens while other slots decode
-(scheduler.plan_prefill); then one batched decode step runs the next token of every decoding slot together, in one
-forward, short prompts riding in the rows its pass leaves free (scheduler.plan_riders; with no slot decoding, a wave
-of them shares passes). So a running request waits for at most one budget of prefill between two of its tokens, and
-a new request's first token comes from its last chunk. Events go back to each request through its `emit`
-(sequence.py). A step that fails ends the requests it served with an error and resets their slots; the others go
-on. Admitting a request is guarded the same way (one that cannot start fails alone), and an event callback that
-raises ends only its own request. `close` (the server's thread ending, `failure` saying why) fails every active and
-waiting request at once and refuses new ones: nothing ever waits on a dead engine.
+`step()` advances every active request by one iteration: cancelled requests leave their slot; waiting requests get
+free slots (longest cached prefix first, scheduler.py); prompt chunks run for the requests with prompt (or inserted)
+tokens to feed, oldest first, at most `prefill_budget` tokens while other slots decode (scheduler.plan_prefill); then
+one batched decode step runs the next token of every decoding slot in one forward, prompts riding in the rows its
+pass leaves free (scheduler.plan_riders: short ones, or up to a chunk while slots decode; with no slot decoding, a
+wave of short ones shares passes). A new request's first token comes from its last chunk. Events go back through
+each request's `emit` (sequence.py). A step that fails ends the requests it served with an error and resets their
+slots; the others go on; admission is guarded the same way, and an event callback that raises ends only its own
+request. `close` (the server's thread ending, `failure` saying why) fails every active and waiting request at once
+and refuses new ones: nothing ever waits on a dead engine.
 
-Offline generation is `submit` + `step` until the request finished (generate.py); `bonsai chat`, `generate`, `bench`
-and the drafter trainer drive it that way with one slot, the server (engine/server/engine_thread.py) from its own
-thread with many. `submit` and `cancel` may be called from other threads.
+Offline generation is `submit` + `step` until the request finished (generate.py: `bonsai chat`, `generate`, `bench`,
+the drafter trainer, one slot); the server (engine/server/engine_thread.py) drives it from its own thread with many.
+`submit` and `cancel` may be called from other threads.
 
 With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step instead (unless the
 gate keeps it plain: spec_gate.py): each decoding slot's drafter proposes tokens, all slots' rows are scored together,
@@ -77,6 +76,8 @@ class Engine:
         # fed with short prompts' next tokens: decoding slots wait for no prefill (with drafters: in plain steps)
         self.mix_rows = rows if mixed_prefill and rows > 1 else 0
         self.min_riders = max(1, self.mix_rows // 4)  # fewer free rows: the prompt would crawl
+        # while slots decode, prompts up to a chunk ride too: an eager chunk stalls them all (docs/perf.md, session 26)
+        self.ride_tokens = max(self.short_tokens, self.prefill_chunk) if self.mix_rows else 0
         self.slot_context = min(slot_context or runner.max_seq_len, runner.max_seq_len)
         self.rules = rules or ThinkingRules()
         # ids the tokenizer can turn into text: a model's padded vocabulary (or a borrowed tokenizer's smaller one) is cut
@@ -112,9 +113,8 @@ class Engine:
         if not request.prompt_ids:
             raise BonsaiError("the prompt is empty: give at least one token of input")
         if len(request.prompt_ids) >= self.slot_context:
-            raise BonsaiError(f"the prompt has {len(request.prompt_ids)} tokens but the context holds "
-                              f"{self.slot_context}: shorten it or raise the context (model.max_context, "
-                              "--max-seq-len)")
+            raise BonsaiError(f"the prompt has {len(request.prompt_ids)} tokens but the context holds {self.slot_context}"
+                              ": shorten it or raise the context (model.max_context, --max-seq-len)")
         with self.lock:
             if self.closed:
                 raise ServiceUnavailable(self.failure or "the server is shutting down")
@@ -194,9 +194,8 @@ class Engine:
         self.metrics.slots_busy = self.scheduler.busy
 
     def _step(self) -> None:
-        for index, seq in list(self.active.items()):
-            if seq.request.cancelled.is_set():
-                self._end(index, "cancelled")
+        for index in [i for i, seq in self.active.items() if seq.request.cancelled.is_set()]:
+            self._end(index, "cancelled")
         for index in self._to_begin:
             if self.spec is not None and index in self.active:
                 try:
@@ -222,19 +221,18 @@ class Engine:
         decoding = sum(1 for s in self.active.values() if len(s.pending) == 1 and not s.done)
         if self.spec is not None and decoding and (self.gate is None or self.gate.peek(decoding)):
             return []
-        waiting = [(i, len(s.pending)) for i, s in self.active.items()
-                   if 1 < len(s.pending) <= self.short_tokens and not s.done]
+        limit = self.ride_tokens if decoding else self.short_tokens
+        waiting = [(i, len(s.pending)) for i, s in self.active.items() if 1 < len(s.pending) <= limit and not s.done]
         return plan_riders(decoding, waiting, self.mix_rows, self.min_riders) if waiting else []
 
     def _prefill(self, mixing: bool = False) -> None:
         """This iteration's prompt chunks (scheduler.plan_prefill): oldest request first (`active`
-        keeps admission order), within the budget while any slot decodes. mixing: the short prompts ride
-        in the decode pass instead (all of them: one that found no free row waits for the next)."""
-        waiting = [(i, len(s.pending), self._chunk(len(s.pending))) for i, s in self.active.items()
-                   if len(s.pending) > 1 and not s.done and not (mixing and len(s.pending) <= self.short_tokens)]
-        if not waiting:
-            return
+        keeps admission order), within the budget while any slot decodes. mixing: the prompts that may ride
+        (_riders) ride in the decode pass instead (all of them: one that found no free row waits for the next)."""
         decoding = any(len(s.pending) == 1 and not s.done for s in self.active.values())
+        limit = (self.ride_tokens if decoding else self.short_tokens) if mixing else 0
+        waiting = [(i, len(s.pending), self._chunk(len(s.pending))) for i, s in self.active.items()
+                   if len(s.pending) > max(limit, 1) and not s.done]
         for part in plan_prefill(waiting, self.prefill_budget if decoding else None):
             if part.slot in self.active:  # not failed by an earlier chunk of this iteration
                 self._prefill_chunk(part.slot, part.size)
@@ -374,7 +372,8 @@ class Engine:
         with self.lock:
             self.scheduler.release(self.runner.slot(index))  # its tokens stay cached for the next request
             self.metrics.slots_busy = self.scheduler.busy
-        self.metrics.count_request(outcome or seq.finish_reason or "stop")
+        self.metrics.count_request(outcome or seq.finish_reason or "stop", seq.started - seq.request.arrived,
+                                   seq.stats.prefill_seconds)
 
     def _fail(self, index: int, message: str, status: int = 500) -> None:
         seq = self.active.pop(index, None)

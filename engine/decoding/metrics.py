@@ -25,15 +25,26 @@ class Metrics:
     spec_drafted_per_position: Counter = field(default_factory=Counter)  # position (0 = first draft) → drafts
     spec_accepted_per_position: Counter = field(default_factory=Counter)
     spec_verify_steps: int = 0  # slot-steps that verified at least one draft
+    # ended requests that were admitted: seconds waiting for a slot (arrival → admission) and from admission to
+    # the first token (its prompt's prefill, shared passes included), summed (the means: / requests_timed)
+    requests_timed: int = 0
+    queue_seconds: float = 0.0
+    first_token_seconds: float = 0.0
     slots_total: int = 0
     slots_busy: int = 0
     queue_waiting: int = 0
     _recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens) of decode steps
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def count_request(self, outcome: str) -> None:
+    def count_request(self, outcome: str, queued: float | None = None, first_token: float | None = None) -> None:
+        """A request ended with `outcome`; an admitted one also gives its seconds waiting for a slot and from
+        admission to its first token (0 when it ended before one)."""
         with self._lock:
             self.requests[outcome] += 1
+            if queued is not None:
+                self.requests_timed += 1
+                self.queue_seconds += max(queued, 0.0)
+                self.first_token_seconds += max(first_token or 0.0, 0.0)
 
     def count_prompt(self, prompt: int, cached: int) -> None:
         with self._lock:
@@ -96,6 +107,13 @@ class Metrics:
                [("", snapshot["cached_tokens"])])
         metric("prompt_cache_hits_total", "counter", "Requests that reused part of a slot's cache.",
                [("", snapshot["cache_hit_requests"])])
+        metric("request_timed_total", "counter", "Admitted requests that ended (the count of the two sums below).",
+               [("", snapshot["requests_timed"])])
+        metric("request_queue_seconds_total", "counter", "Seconds requests waited for a slot, summed.",
+               [("", snapshot["queue_seconds"])])
+        metric("request_first_token_seconds_total", "counter",
+               "Seconds from a request's admission to its first token, summed.",
+               [("", snapshot["first_token_seconds"])])
         metric("generation_tokens_total", "counter", "Tokens generated.", [("", snapshot["generated_tokens"])])
         metric("decode_steps_total", "counter", "Batched decode steps.", [("", snapshot["decode_steps"])])
         metric("decode_rows_total", "counter", "Rows (requests) over all decode steps.",

@@ -270,12 +270,23 @@ def _packed_gemv_rows_kernel(xq_ptr, sx_ptr, sumx_ptr, w_ptr, s_ptr, out_ptr, M,
     _write_out(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, N, ATOMIC, ACCUMULATE)
 
 
-def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132) -> tuple[int, int, int]:
+# One row of a 1-bit matrix under 100M weights: programs of 32 columns (48 registers a thread against 165 at 128
+# columns: more programs a SM). Measured on an H100 (tests/perf/gemv_configs.py, 2026-12-06, µs, 128 → 32 columns
+# at the split rule): 8B q/k/v 5.98 → 4.87, o 5.42 → 3.96, down 7.43 → 7.46; 27B-class q/k/v 5.97 → 5.23, o 7.32 →
+# 4.93, down 12.26 → 9.15; gate/up (≥ 100M) stays at 128 (8B 8.85 against 10.03). Ternary: within ±5% either way.
+NARROW_COLUMNS = {"bin": (32, 100_000_000 // 128)}  # kind: (BLOCK_N, below this many columns × groups)
+
+
+def gemv_launch_config(n: int, num_groups: int, kind: str, num_sms: int = 132, rows: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, split_k, num_warps). Measured on an H200 (tests/perf/gpu_kernels.py sweep): one warp
     of 128 columns per program (each thread owns four neighbouring columns and every word of a group,
     so per-group sums stay inside the thread) and split-K until the grid holds ~4096 programs (at
-    most 32 splits, at least two groups each) beat wider programs at every Qwen3-8B shape."""
+    most 32 splits, at least two groups each) beat wider programs at every Qwen3-8B shape; one row of a
+    smaller 1-bit matrix takes narrower programs (NARROW_COLUMNS)."""
     block_n, warps = 128, 1
+    narrow = NARROW_COLUMNS.get(kind)
+    if rows == 1 and narrow is not None and n * num_groups < narrow[1]:
+        block_n = narrow[0]
     return block_n, split_k(triton.cdiv(n, block_n), num_groups, 4096), warps
 
 
@@ -302,7 +313,7 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
     ng = k // pw.group_size
     if variant == "kwarps" and m == 1 and kind.bits <= 2:
         return _kwarps(xq, sx, sumx, pw, out, accumulate, config or kwarps_launch_config(pw.out_features, ng))
-    block_n, split, warps = config or gemv_launch_config(pw.out_features, ng, pw.kind, num_sms)
+    block_n, split, warps = config or gemv_launch_config(pw.out_features, ng, pw.kind, num_sms, m)
     out = result_buffer(out, m, pw.out_features, xq.device, accumulate, split)
     per_split = triton.cdiv(ng, split)
     grid = (triton.cdiv(pw.out_features, block_n), triton.cdiv(ng, per_split))
