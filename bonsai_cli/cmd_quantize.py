@@ -39,7 +39,7 @@ def quantize(
                                                    "layer that train the layer's group scales on its output against "
                                                    "the float model's (codes fixed, layer by layer; 0: off; default "
                                                    "50 for gptq / gsq)"),
-    block_tune_lr: float = typer.Option(1e-2, "--block-tune-lr", help="--block-tune-steps: Adam step of log(scale) "
+    block_tune_lr: float = typer.Option(5e-3, "--block-tune-lr", help="--block-tune-steps: Adam step of log(scale) "
                                         "(engine.quantization.quantize.BLOCK_TUNE_LR)"),
     rotate: Optional[bool] = typer.Option(None, "--rotate/--no-rotate", help="fold the norms and a randomized "
                                           "Hadamard rotation of the residual stream into the weights before "

@@ -1,7 +1,10 @@
 """The `bonsai` command: Typer app, one-line errors, --debug for tracebacks."""
 from __future__ import annotations
 
+import os
+import platform
 import sys
+from pathlib import Path
 
 import click
 import typer
@@ -29,10 +32,35 @@ app.command("serve")(cmd_serve.serve)
 app.command("train-drafter")(cmd_train_drafter.train_drafter)
 
 
+# `bonsai quantize` allocates and frees the same large temporaries for its whole run (GPTQ, block tuning): with glibc
+# asked for transparent huge pages (a tunable read at process start) its page faults cost much less system time at
+# the same peak (docs/quality.md, session 26). Set for that command only, by running the process again.
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def with_huge_pages(args: list[str]) -> None:
+    """Run this process again (same command line) with glibc's huge-page tunable added to GLIBC_TUNABLES when it runs
+    `quantize` and the tunable is not set yet, on Linux with glibc and transparent huge pages not off; else nothing."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if not args or args[0] != "quantize" or "glibc.malloc.hugetlb" in tunables or not sys.platform.startswith("linux"):
+        return
+    try:
+        if platform.libc_ver()[0] != "glibc" or "[never]" in THP_MODE.read_text():
+            return
+    except OSError:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, dict(os.environ, GLIBC_TUNABLES=":".join(filter(None, (tunables, HUGE_PAGES)))))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; user errors print one line on stderr and exit 1."""
     from engine.errors import BonsaiError, one_line
 
+    if argv is None:  # a process of its own (never a caller's: tests call main(argv) in theirs)
+        with_huge_pages(sys.argv[1:])
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     if debug:

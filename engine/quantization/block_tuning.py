@@ -40,7 +40,7 @@ from quant.formats import fp16_scales
 @dataclass(frozen=True)
 class BlockTuningOptions:
     steps: int = 0  # Adam steps per block; 0: off
-    lr: float = 1e-2  # Adam step of θ = log(scale / start scale), cosine-decayed to 0 (quantize.BLOCK_TUNE_LR)
+    lr: float = 5e-3  # Adam step of θ = log(scale / start scale), cosine-decayed to 0 (quantize.BLOCK_TUNE_LR)
     batch_sequences: int = 2  # calibration sequences per step
     held_out: float = 0.125  # fraction of the sequences kept aside to check that tuning helped
     bf16: bool = True  # forward / backward of the steps in bfloat16 autocast (CPU)

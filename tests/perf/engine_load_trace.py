@@ -4,6 +4,7 @@ at one client and 77-92 ms at eight, 2026-12-06, H100, 8B ternary: the mean batc
 
     python3 tests/perf/engine_load_trace.py [--clients 1,8] [--requests 64] [--prompt 12-40] [--tokens 32]
     python3 tests/perf/engine_load_trace.py --cpu-smoke          # a tiny dummy model on the CPU
+    python3 tests/perf/engine_load_trace.py --spec ngram --clients 1,2,4,8   # against --spec none, the same prompts
 
 No HTTP, no tokenizer (token-id requests): what is left is the engine loop. Each client resubmits as soon as its
 request finishes. Per iteration: its wall time, rows decoding, riders (prompt rows in the decode pass) and own prompt
@@ -62,8 +63,10 @@ class Trace:
 
 
 def level(engine: Engine, trace: Trace, clients: int, requests: int, prompt: tuple[int, int], tokens: int,
-          vocab: int, seed: int) -> dict:
+          vocab: int, seed: int, pattern: int = 0) -> dict:
+    """pattern > 0: each prompt is a random run of that many tokens repeated (n-gram drafts find matches)."""
     rng = random.Random(seed)
+    drafted0, accepted0 = engine.metrics.spec_drafted, engine.metrics.spec_accepted
     done: list[dict] = []
     to_submit = clients
     submitted = 0
@@ -80,7 +83,8 @@ def level(engine: Engine, trace: Trace, clients: int, requests: int, prompt: tup
                 done.append(record)
             elif "first_iteration" not in record:
                 record["first_iteration"] = len(trace.iterations)
-        return Request([rng.randrange(10, vocab) for _ in range(n)], max_tokens=tokens, ignore_eos=True, text=False,
+        run = [rng.randrange(10, vocab) for _ in range(pattern or n)]
+        return Request((run * (n // len(run) + 1))[:n], max_tokens=tokens, ignore_eos=True, text=False,
                        reuse_prefix=False, emit=emit)
 
     start_iteration, t0 = len(trace.iterations), time.perf_counter()
@@ -99,6 +103,7 @@ def level(engine: Engine, trace: Trace, clients: int, requests: int, prompt: tup
              "with riders": [i for i in its if i["riders"] and not i["own_passes"]],
              "own prompt passes": [i for i in its if i["own_passes"]]}
     return {"clients": clients, "tok_s": sum(r["tokens"] for r in done) / wall, "wall_s": wall,
+            "drafted": engine.metrics.spec_drafted - drafted0, "accepted": engine.metrics.spec_accepted - accepted0,
             "iterations": len(its), "mean_decoding": statistics.mean(i["decoding"] for i in its),
             "first_token_ms_mean": statistics.mean(r["first_token_ms"] for r in done),
             "first_token_iterations_mean": statistics.mean(waited) if waited else 0.0,
@@ -119,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt", default="12-40", help="prompt lengths, uniform in this range")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--spec", default="none", help="ngram: an n-gram drafter on every slot, k = 4 (with the gate)")
+    ap.add_argument("--pattern", type=int, default=0, help="prompts of a random run of this many tokens, repeated")
     ap.add_argument("--no-ride", action="store_true",
                     help="prompts longer than the short prefill never ride (the engine before session 26)")
     ap.add_argument("--json", type=Path)
@@ -134,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                         weight_format=WeightFormat(args.weights, 64 if args.cpu_smoke else 128, args.head))
     runner = ModelRunner(loaded, max_seq_len=512, num_slots=args.slots)
     runner.prepare_rows(16)
-    engine = Engine(runner, None)
+    drafters = None
+    if args.spec == "ngram":
+        from engine.speculative.ngram import NgramDrafter
+        drafters = [NgramDrafter(1, 4) for _ in range(args.slots)]
+    engine = Engine(runner, None, drafters=drafters, num_draft_tokens=4)
     if args.no_ride:
         engine.ride_tokens = engine.short_tokens
     trace = Trace(engine)
@@ -142,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     level(engine, trace, args.slots, args.slots, (lo, hi), 4, config.vocab_size, seed=99)  # warm-up
     for c in (int(x) for x in args.clients.split(",")):
-        r = level(engine, trace, c, args.requests, (lo, hi), args.tokens, config.vocab_size, seed=c)
+        r = level(engine, trace, c, args.requests, (lo, hi), args.tokens, config.vocab_size, seed=c,
+                  pattern=args.pattern)
         results.append(r)
         print(f"c={c}: {r['tok_s']:8.1f} tok/s, {r['iterations']} iterations, mean decoding {r['mean_decoding']:.2f} "
               f"rows, admission→first token {r['first_token_ms_mean']:.1f} ms = "
-              f"{r['first_token_iterations_mean']:.1f} iterations", flush=True)
+              f"{r['first_token_iterations_mean']:.1f} iterations; drafts accepted {r['accepted']} / {r['drafted']}",
+              flush=True)
         for kind, k in r["kinds"].items():
             print(f"    {kind:18}: {k['count']:5} iterations of {k['ms_mean']:6.2f} ms, decoding {k['decoding_mean']:.2f}, "
                   f"riders {k['riders_mean']:.1f} rows, own prompt tokens {k['own_tokens_mean']:.1f}", flush=True)
