@@ -39,8 +39,8 @@ def quantize(
                                                    "layer that train the layer's group scales on its output against "
                                                    "the float model's (codes fixed, layer by layer; 0: off; default "
                                                    "50 for gptq / gsq)"),
-    block_tune_lr: float = typer.Option(5e-3, "--block-tune-lr", help="--block-tune-steps: Adam step of log(scale) "
-                                        "(engine.quantization.quantize.BLOCK_TUNE_LR)"),
+    block_tune_lr: Optional[float] = typer.Option(None, "--block-tune-lr", help="--block-tune-steps: Adam step of "
+                                                  "log(scale) (default 5e-3)"),
     rotate: Optional[bool] = typer.Option(None, "--rotate/--no-rotate", help="fold the norms and a randomized "
                                           "Hadamard rotation of the residual stream into the weights before "
                                           "quantizing (QuaRot-style; default: on for gptq / gsq where the hidden size "
@@ -81,7 +81,7 @@ def quantize(
     from engine.sources import store
     from engine.weights.loader import resolve_device
     from engine.quantization.paths import check_writable
-    from engine.quantization.quantize import BLOCK_TUNE_STEPS, QuantizeOptions
+    from engine.quantization.quantize import BLOCK_TUNE_LR, BLOCK_TUNE_STEPS, QuantizeOptions
     from engine.quantization.quantize import quantize as run_quantize
 
     file_data = read_recipe_file(recipe) if recipe else None
@@ -101,7 +101,7 @@ def quantize(
                            tune_steps=tune_scales, tune_lr=tune_lr,
                            block_tune_steps=(block_tune_steps if block_tune_steps is not None
                                              else 0 if method == "rtn" else BLOCK_TUNE_STEPS),
-                           block_tune_lr=block_tune_lr, lora=lora, gguf=gguf, device=device,
+                           block_tune_lr=BLOCK_TUNE_LR if block_tune_lr is None else block_tune_lr, lora=lora, gguf=gguf, device=device,
                            force=force, rotate=rotate, online_hadamard=online_hadamard, evaluate=evaluate,
                            eval_tokens=eval_tokens, eval_text=eval_text, allow_lossy_gguf=allow_lossy_gguf)
     path = store.resolve_model(src)

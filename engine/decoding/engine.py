@@ -204,8 +204,8 @@ class Engine:
                     log.exception("drafter begin failed")
                     self._fail(index, error_message(e))
         self._to_begin.clear()
-        riders = self._riders()
-        self._prefill(mixing=bool(riders))
+        riders, limit = self._riders()
+        self._prefill(riding=limit if riders else 0)
         self._decode_all(riders)
         for index, seq in list(self.active.items()):
             if seq.done:
@@ -214,25 +214,25 @@ class Engine:
     def _room(self, index: int) -> int:
         return self.slot_context - self.runner.slot(index).length
 
-    def _riders(self) -> list[PrefillChunk]:
-        """Short prompts' pieces riding in this decode pass (scheduler.plan_riders); none if it speculates or a step runs ahead."""
+    def _riders(self) -> tuple[list[PrefillChunk], int]:
+        """Prompts' pieces riding in this decode pass (scheduler.plan_riders) and the longest prompt that may ride (short
+        ones, up to a chunk while slots decode); none if it speculates or a step runs ahead."""
         if not self.mix_rows or (self.ahead is not None and self.ahead.rows):
-            return []
+            return [], 0
         decoding = sum(1 for s in self.active.values() if len(s.pending) == 1 and not s.done)
         if self.spec is not None and decoding and (self.gate is None or self.gate.peek(decoding)):
-            return []
+            return [], 0
         limit = self.ride_tokens if decoding else self.short_tokens
         waiting = [(i, len(s.pending)) for i, s in self.active.items() if 1 < len(s.pending) <= limit and not s.done]
-        return plan_riders(decoding, waiting, self.mix_rows, self.min_riders) if waiting else []
+        return (plan_riders(decoding, waiting, self.mix_rows, self.min_riders) if waiting else []), limit
 
-    def _prefill(self, mixing: bool = False) -> None:
+    def _prefill(self, riding: int = 0) -> None:
         """This iteration's prompt chunks (scheduler.plan_prefill): oldest request first (`active`
-        keeps admission order), within the budget while any slot decodes. mixing: the prompts that may ride
-        (_riders) ride in the decode pass instead (all of them: one that found no free row waits for the next)."""
-        decoding = any(len(s.pending) == 1 and not s.done for s in self.active.values())
-        limit = (self.ride_tokens if decoding else self.short_tokens) if mixing else 0
+        keeps admission order), within the budget while any slot decodes. riding: prompts up to this long ride in the
+        decode pass instead (all of them: one that found no free row waits for the next)."""
         waiting = [(i, len(s.pending), self._chunk(len(s.pending))) for i, s in self.active.items()
-                   if len(s.pending) > max(limit, 1) and not s.done]
+                   if len(s.pending) > max(riding, 1) and not s.done]
+        decoding = any(len(s.pending) == 1 and not s.done for s in self.active.values())
         for part in plan_prefill(waiting, self.prefill_budget if decoding else None):
             if part.slot in self.active:  # not failed by an earlier chunk of this iteration
                 self._prefill_chunk(part.slot, part.size)

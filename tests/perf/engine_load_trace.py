@@ -40,8 +40,8 @@ class Trace:
         riders, chunk = engine._riders, engine._prefill_chunk
 
         def traced_riders():
-            out = riders()
-            self.current["riders"] += sum(p.size for p in out)
+            out = riders()  # (pieces, the longest prompt that may ride)
+            self.current["riders"] += sum(p.size for p in out[0])
             return out
 
         def traced_chunk(index, size):

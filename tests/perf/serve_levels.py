@@ -47,7 +47,7 @@ def level(url: str, suite: str, c: int, reps: int, timeout: float, limit: int | 
         if proc.returncode != 0:
             raise RuntimeError(f"bench failed: {proc.stderr.strip().splitlines()[-1:]}")
         report = json.loads(out.read_text())
-    summary = _find_summary(report)
+    summary = report["concurrency"][0]["summary"]  # bonsai_cli/bench_server.py: one level
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
     steps = max(delta["decode_steps_total"], 1)
     wall = summary["wall_seconds"]
@@ -59,23 +59,6 @@ def level(url: str, suite: str, c: int, reps: int, timeout: float, limit: int | 
             "ttft_p50": summary.get("ttft_ms_p50"),
             "queue_ms": delta["request_queue_seconds_total"] / max(delta["request_timed_total"], 1) * 1e3,
             "first_token_ms": delta["request_first_token_seconds_total"] / max(delta["request_timed_total"], 1) * 1e3}
-
-
-def _find_summary(report) -> dict:
-    """The first dict in the bench report that carries aggregate_tokens_per_second."""
-    if isinstance(report, dict):
-        if "aggregate_tokens_per_second" in report:
-            return report
-        items = report.values()
-    elif isinstance(report, list):
-        items = report
-    else:
-        items = []
-    for item in items:
-        found = _find_summary(item)
-        if found:
-            return found
-    return {}
 
 
 def main(argv: list[str] | None = None) -> int:
