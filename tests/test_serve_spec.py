@@ -286,3 +286,37 @@ def test_a_full_context_ends_the_answer_where_plain_decoding_does(loaded, smollm
         assert engine.runner.slot(0).length == 32
     finally:
         engine.stop()
+
+
+def test_a_pass_is_timed_without_the_device_work_queued_before_it(loaded, smollm2_tok, one_thread, monkeypatch):
+    """A fused verify pass is timed from a settled device: work launched before it (asynchronously on a GPU: this
+    iteration's prompt chunks, a dropped step launched ahead) is not billed to it; billed, one pass measured several
+    times its cost and the joint planner cut the drafts that needed its row count. Here a clock that moves only
+    when the device is waited for, a prompt chunk queueing 10 s of device work and a pass 1 ms a row."""
+    import types
+
+    from engine.decoding import spec_step
+    clock = {"now": 0.0, "queued": 0.0}
+
+    def sync(device):
+        clock["now"] += clock["queued"]
+        clock["queued"] = 0.0
+    monkeypatch.setattr(spec_step, "_sync", sync)
+    monkeypatch.setattr(spec_step, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    want = plain(loaded, smollm2_tok, PROMPTS[0], 12)[1]
+    runner = ModelRunner(loaded, max_seq_len=96, num_slots=1, prefill_chunk_size=8, fast_decode=True)
+    forward, step_rows = runner.forward, runner.step_rows
+
+    def queued(seconds, run, *args, **kw):
+        clock["queued"] += seconds
+        return run(*args, **kw)
+    monkeypatch.setattr(runner, "forward", lambda *a, **kw: queued(10.0, forward, *a, **kw))
+    monkeypatch.setattr(runner, "step_rows", lambda t, p, s: queued(1e-3 * len(t), step_rows, t, p, s))
+    engine = spec_engine(runner, smollm2_tok, NGRAM, slot_context=96)
+    assert engine.spec is not None and engine.gate is None and runner.decoder is not None
+    from engine.decoding.generate import generate_text
+    from engine.decoding.sequence import Request
+    _, got, _, _ = generate_text(engine, Request(list(PROMPTS[0]), max_tokens=12))
+    assert got == want
+    costs = engine.spec.pass_cost.seconds
+    assert costs and all(seconds == pytest.approx(1e-3 * rows) for rows, seconds in costs.items())

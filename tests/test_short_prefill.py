@@ -215,29 +215,57 @@ def test_a_wave_of_short_prompts_shares_passes_before_anyone_decodes(one_thread,
     assert [outs[0], outs[1], outs[2]] == alone
 
 
+def _watch_decode_steps(monkeypatch, asked: list, spec_steps: list) -> list:
+    """(riders?, gate questions, speculative steps) of every decode step as it runs."""
+    from engine.decoding.engine import Engine
+    calls, decode_all = [], Engine._decode_all
+
+    def watched(self, riders=()):
+        n, k = len(asked), len(spec_steps)
+        decode_all(self, riders)
+        calls.append((bool(riders), len(asked) - n, len(spec_steps) - k))
+    monkeypatch.setattr(Engine, "_decode_all", watched)
+    return calls
+
+
 @pytest.mark.parametrize("gate_speculates", [False, True])
-def test_with_drafters_prompts_ride_only_in_steps_the_gate_keeps_plain(one_thread, monkeypatch, gate_speculates):
-    """Drafters attached: a short prompt rides in a decode pass only when the gate keeps that step plain (a
-    verify pass has no free rows); either way both requests' greedy outputs are those each gets alone."""
+def test_with_drafters_and_the_gate_prompts_ride_in_plain_steps(one_thread, monkeypatch, gate_speculates):
+    """Drafters attached, the gate on: a short prompt rides in a decode pass whichever way the gate would go (a step
+    with riders is plain, the gate not asked: a prompt's own passes stall the drafting slots for longer), and no
+    pass of its own runs for it; either way both requests' greedy outputs are those each gets alone."""
     from engine.decoding.spec_gate import SpecGate
     from engine.speculative.ngram import NgramDrafter
     tok, prompts, alone, runner = _two_prompts()
-    from engine.decoding.engine import Engine
-    mixed, mixed_pass = [], Engine._mixed_pass
-    monkeypatch.setattr(Engine, "_mixed_pass", lambda self, rows, fed, riders: mixed.append(len(riders)) or
-                        mixed_pass(self, rows, fed, riders))
-    monkeypatch.setattr(SpecGate, "speculate", lambda self, batch: gate_speculates)
+    asked, spec_steps = [], []
+    monkeypatch.setattr(SpecGate, "speculate", lambda self, batch: asked.append(batch) or gate_speculates)
     monkeypatch.setattr(SpecGate, "peek", lambda self, batch: gate_speculates)
     engine = engine_over(runner, tok, NgramDrafter(1, 3), 4, spec_gate=True)
     assert engine.gate is not None and engine.mix_rows == 8
+    monkeypatch.setattr(engine.spec, "step", lambda *a, step=engine.spec.step: spec_steps.append(1) or step(*a))
     outs = {0: [], 1: []}
     _second_once_the_first_decodes(engine, prompts, outs)
-    for _ in range(60):
-        if not engine.has_work:
-            break
-        engine.step()
-    assert not engine.has_work
-    assert bool(mixed) != gate_speculates
+    passes, forwards = _watch_passes(monkeypatch)
+    calls = _watch_decode_steps(monkeypatch, asked, spec_steps)
+    _run_out(engine, 60)
+    assert any(r for r, _, _ in calls) and all(index == 0 or n == 1 for index, n in forwards)  # slot 1's prompt rode
+    assert all(a == 0 and k == 0 for r, a, k in calls if r)  # a step with riders: plain, the gate not asked
+    assert any(k for r, _, k in calls if not r) == gate_speculates
+    assert [outs[0], outs[1]] == alone
+
+
+def test_without_the_gate_drafters_keep_prompts_out_of_their_steps(one_thread, monkeypatch):
+    """Drafters that see every step (no gate): no prompt rides (a step with riders is a plain one); the second
+    prompt runs passes of its own and both greedy outputs are those each request gets alone."""
+    from engine.speculative.ngram import NgramDrafter
+    tok, prompts, alone, runner = _two_prompts()
+    engine = engine_over(runner, tok, NgramDrafter(1, 3), 4, spec_gate=False)
+    assert engine.gate is None and engine.mix_rows == 8
+    outs = {0: [], 1: []}
+    _second_once_the_first_decodes(engine, prompts, outs)
+    passes, forwards = _watch_passes(monkeypatch)
+    calls = _watch_decode_steps(monkeypatch, [], [])
+    _run_out(engine, 60)
+    assert not any(r for r, _, _ in calls) and any(index == 1 and n > 1 for index, n in forwards)
     assert [outs[0], outs[1]] == alone
 
 

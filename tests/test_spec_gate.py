@@ -63,8 +63,16 @@ def test_steps_with_prompt_chunks_are_not_scored():
     gate.begin(True, 4, 0, 0, 0.0)
     gate.begin(True, 4, 8, 1, 10.0)  # a prompt chunk ran in between: not scored
     assert (True, 4) not in gate.rates
-    gate.begin(False, 4, 12, 1, 11.0)
-    assert gate.rates[(True, 4)] == pytest.approx(4.0)
+    # nor the step whose own iteration ran that chunk just before it began: launched asynchronously, the chunk's
+    # device time lands in the step's window (speculative steps, after which prompts ran their own chunks, were
+    # scored several times slower than they ran)
+    gate.begin(False, 4, 12, 1, 30.0)
+    assert (True, 4) not in gate.rates
+    gate.begin(False, 4, 16, 1, 31.0)  # a step with no chunk in its iteration or its window
+    gate.begin(True, 4, 24, 1, 33.0)
+    assert gate.rates == {(False, 4): pytest.approx(4.0)}
+    gate.begin(True, 4, 36, 1, 34.0)
+    assert gate.rates[(True, 4)] == pytest.approx(12.0)
 
 
 @pytest.mark.parametrize("lookahead", [False, True])  # on: as on a GPU (a plain step launches the next one)

@@ -15,10 +15,10 @@ Offline generation is `submit` + `step` until the request finished (generate.py:
 the drafter trainer, one slot); the server (engine/server/engine_thread.py) drives it from its own thread with many.
 `submit` and `cancel` may be called from other threads.
 
-With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step instead (unless the
-gate keeps it plain: spec_gate.py): each decoding slot's drafter proposes tokens, all slots' rows are scored together,
-each slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached tokens stay exactly
-what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the whole prompt of the request."""
+With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step (unless the gate
+keeps it plain, spec_gate.py, or prompts ride in it): each decoding slot's drafter proposes tokens, all slots' rows
+are scored together, each slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached
+tokens stay what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the request's whole prompt."""
 from __future__ import annotations
 
 import logging
@@ -73,7 +73,7 @@ class Engine:
         self.short_tokens = getattr(runner, "short_prefill_tokens", 0) if rows > 1 else 0
         self.prefill_budget = prefill_budget or (2 * self.short_cut if self.short_cut else runner.prefill_chunk_size)
         # mixed passes: a decode step of B slots runs in the fused step's pass of up to `mix_rows` rows, the free ones
-        # fed with short prompts' next tokens: decoding slots wait for no prefill (with drafters: in plain steps)
+        # fed with short prompts' next tokens: decoding slots wait for no prefill (with drafters: the step is plain)
         self.mix_rows = rows if mixed_prefill and rows > 1 else 0
         self.min_riders = max(1, self.mix_rows // 4)  # fewer free rows: the prompt would crawl
         # while slots decode, prompts up to a chunk ride too: an eager chunk stalls them all (docs/perf.md, session 26)
@@ -216,11 +216,12 @@ class Engine:
 
     def _riders(self) -> tuple[list[PrefillChunk], int]:
         """Prompts' pieces riding in this decode pass (scheduler.plan_riders) and the longest prompt that may ride (short
-        ones, up to a chunk while slots decode); none if it speculates or a step runs ahead."""
+        ones, up to a chunk while slots decode); none if a step runs ahead or drafters decode every step (no gate). With
+        the gate a step with riders is plain: a prompt's own passes stalled the drafting slots for longer (docs/perf.md)."""
         if not self.mix_rows or (self.ahead is not None and self.ahead.rows):
             return [], 0
         decoding = sum(1 for s in self.active.values() if len(s.pending) == 1 and not s.done)
-        if self.spec is not None and decoding and (self.gate is None or self.gate.peek(decoding)):
+        if self.spec is not None and decoding and self.gate is None:
             return [], 0
         limit = self.ride_tokens if decoding else self.short_tokens
         waiting = [(i, len(s.pending)) for i, s in self.active.items() if 1 < len(s.pending) <= limit and not s.done]
@@ -261,7 +262,7 @@ class Engine:
             if riders:  # prompts sharing a pass, nobody decoding yet
                 self._mixed_pass([], [], riders)
             return
-        speculate = self.spec is not None and (self.gate is None or self.gate.speculate(len(rows)))
+        speculate = self.spec is not None and not riders and (self.gate is None or self.gate.speculate(len(rows)))
         if self.gate is not None:
             self.gate.begin(speculate, len(rows), self.metrics.generated_tokens, self.metrics.prefill_chunks,
                             time.perf_counter())

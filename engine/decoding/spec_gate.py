@@ -5,14 +5,17 @@ planner), but a speculative step also costs what the pass does not show: draftin
 the planners time by, accepting row by row, and no step launched ahead (engine.decoding.lookahead). At
 high concurrency that made speculation slower than plain decoding (0.72-0.94x at 8 slots on an H200). So
 the engine measures both: the tokens per second of the iterations that speculated and of those that did
-not, per class of batch size (iterations that also ran prompt chunks are not scored), and takes the faster; the
-slower one is tried again after `every` steps, so a change of workload is seen, and after twice as many each
-time a try finds it still slower (up to MAX_EVERY: at 8 slots on an H200 the tries alone cost 11% of plain
-decoding's speed, 2026-12-04). A plain step does not launch the next one ahead when that one will speculate. A class is the batch sizes up to
-a power of two (1, 2, 3-4, 5-8, 9-16, …): with many slots the batch size changes every few steps as requests end
-and begin, and per exact size each new size was tried both ways again (at 8 slots that kept speculation on
-though it lost: 0.93x plain on the H200). Plain bookkeeping, no
-tensors: the choice changes speed only, never the output (greedy output is the same either way).
+not, per class of batch size, and takes the faster; the slower one is tried again after `every` steps, so a
+change of workload is seen, and after twice as many each time a try finds it still slower (up to MAX_EVERY: at
+8 slots on an H200 the tries alone cost 11% of plain decoding's speed, 2026-12-04). A step is not scored when
+prompt chunks ran in its window or in its own iteration before it began: launched asynchronously, a chunk's
+device time lands in the step's window (those chunks ran before speculative steps, prompts riding in plain ones:
+speculation was scored slower than it ran, and kept off where it paid, 2026-12-06). A plain step does not launch
+the next one ahead when that one will speculate. A class is the batch sizes up to a power of two (1, 2, 3-4, 5-8,
+9-16, …): with many slots the batch size changes every few steps as requests end and begin, and per exact size
+each new size was tried both ways again (at 8 slots that kept speculation on though it lost: 0.93x plain on the
+H200). Plain bookkeeping, no tensors: the choice changes speed only, never the output (greedy output is the same
+either way).
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ class SpecGate:
         # a way that keeps losing costs ever less; back to `every` when a try finds it faster) and the next try
         self.period: dict[int, int] = {}
         self.retry_at: dict[int, int] = {}
-        self._open: tuple[bool, int, int, int, float, bool] | None = None  # the step being timed
+        self._open: tuple[bool, int, int, int, float, bool, bool] | None = None  # the step being timed
+        self._prefills = 0  # the engine's count of prompt chunks run when the last step began
         self._trial = False  # the step just chosen is a try of the slower way
 
     def _choice(self, c: int, step: int) -> tuple[bool, bool]:
@@ -70,25 +74,27 @@ class SpecGate:
 
     def begin(self, speculated: bool, batch: int, generated: int, prefills: int, now: float) -> None:
         """A decode step begins (after this iteration's prompt chunks): the previous step is scored by the
-        tokens generated since it began over the time since, unless prompt chunks ran in between
-        (`prefills`: the engine's count of prompt chunks run)."""
+        tokens generated since it began over the time since, unless prompt chunks ran in between or in its own
+        iteration before it began (`prefills`: the engine's count of prompt chunks run; the device may still
+        be running them when the step begins)."""
         if self._open is not None:
-            was, b, g0, p0, t0, trial = self._open
-            if prefills == p0 and generated > g0 and now > t0:
+            was, b, g0, p0, t0, trial, clean = self._open
+            if clean and prefills == p0 and generated > g0 and now > t0:
                 rate = (generated - g0) / (now - t0)
                 old = self.rates.get((was, b))
                 self.rates[(was, b)] = rate if old is None else (1 - EMA) * old + EMA * rate
                 if trial:
                     self._after_try(was, b)
-        self._open = (speculated, size_class(batch), generated, prefills, now, self._trial)
-        self._trial = False
+        clean = prefills == self._prefills  # no prompt chunk since the last step began
+        self._open = (speculated, size_class(batch), generated, prefills, now, self._trial, clean)
+        self._prefills, self._trial = prefills, False
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` of the step being timed out of its rate: one-time work, such as a drafter feeding the
         prompt or the tokens of plain steps it did not see (a speculative step's rate is its steady state's)."""
         if self._open is not None and seconds > 0:
-            was, b, g0, p0, t0, trial = self._open
-            self._open = (was, b, g0, p0, t0 + seconds, trial)
+            was, b, g0, p0, t0, trial, clean = self._open
+            self._open = (was, b, g0, p0, t0 + seconds, trial, clean)
 
     def _after_try(self, tried: bool, c: int) -> None:
         """A try of the slower way was scored: still slower, wait twice as long before the next; faster now,

@@ -234,7 +234,7 @@ class SpeculativeStep:
         for r in rows:
             if r.start + len(r.tokens) > self.runner.slot(r.index).capacity:
                 raise AssertionError(f"slot {r.index}: {len(r.tokens)} rows past its capacity")
-        begin = time.perf_counter()
+        begin = _settled(self.runner.device)
         logits = self.runner.step_rows(tokens, positions, slot_ids)  # [M, V]
         _sync(logits.device)  # the drafters' planners weigh the pass's real time
         seconds = time.perf_counter() - begin
@@ -256,7 +256,7 @@ class SpeculativeStep:
             if r in plain:
                 continue
             try:
-                begin = time.perf_counter()
+                begin = _settled(self.runner.device)
                 layers = tuple(self.slots[r.index].drafter.hidden_layers)
                 r.logits, r.hidden = self.runner.verify(self.runner.slot(r.index), r.tokens, layers)  # [T, V]
                 _sync(r.logits.device)
@@ -267,7 +267,7 @@ class SpeculativeStep:
                 fail(r.index, e)
         if plain:
             try:
-                begin = time.perf_counter()
+                begin = _settled(self.runner.device)
                 logits = self.runner.decode_batch([self.runner.slot(r.index) for r in plain],
                                                   [r.tokens[0] for r in plain])  # [B, V]
                 _sync(logits.device)
@@ -317,6 +317,14 @@ class SpeculativeStep:
         slot.rewind(a - (used - 1))  # as after plain decoding: every token before the last one taken
         kept = {i: h[:a + 1] for i, h in r.hidden.items()} if r.hidden else None
         self.slots[r.index].drafter.observe(Feedback(draft, a, verdict.bonus, kept, r.seconds))
+
+
+def _settled(device: torch.device) -> float:
+    """The clock once the device's queued work is done: a pass is timed alone, not with this iteration's prompt chunks
+    (launched asynchronously) or a dropped step launched ahead; timed with them, passes of 1-5 rows measured 2.5-9.4
+    ms for 1.7-2.5, and the planner cut the drafts (4 slots, H100: 738 speculative steps kept 91, 2026-12-06)."""
+    _sync(device)
+    return time.perf_counter()
 
 
 def _sync(device: torch.device) -> None:
