@@ -269,3 +269,15 @@ def test_joint_draft_lengths_weigh_the_whole_pass():
     keep = joint_draft_lengths([0.95] * 4 + [0.1] * 4, [4] * 8, mid)
     assert keep[4:] == [0] * 4 and all(k > 0 for k in keep[:4])
     assert joint_draft_lengths([0.5], [0], mid) == [0]
+
+
+def test_row_counts_not_measured_are_estimated_from_their_neighbours():
+    """Interpolated between the nearest measured row counts, extended from the largest by the slope of the last two:
+    on the GPU the second row costs more than the next ones (another kernel), and a line through the one-row pass
+    priced 6-9 rows at ~1.5x what they cost, so 4 slots kept about one draft a step and never measured wider passes."""
+    from engine.speculative.planner import TargetCost, joint_draft_lengths
+    gpu = TargetCost({1: 1.74, 2: 2.05, 3: 2.49, 4: 2.50, 5: 2.53})  # ms by rows, H100, the 8B ternary fused step
+    assert gpu.estimate(8) == pytest.approx(2.53 + 3 * 0.03)
+    assert TargetCost({1: 1.0, 4: 1.3}).estimate(2) == pytest.approx(1.1)
+    assert TargetCost({4: 2.0}).estimate(2) < 2.0 and TargetCost().estimate(5) == pytest.approx(1.2)
+    assert sum(joint_draft_lengths([0.9] * 4, [4] * 4, gpu)) >= 8  # (the line through one: 1 draft in all)

@@ -159,7 +159,8 @@ def level(engine: Engine, trace: Trace, clients: int, requests: int, prompt: tup
 
 def base_engine(base: Path) -> type:
     """The Engine of the files engine/decoding/{spec_gate,spec_step,engine}.py under `base` (an earlier commit's, e.g.
-    `git archive HEAD engine/decoding | tar -x -C DIR`), loaded beside the current modules: both measured in one process."""
+    `git archive HEAD engine/decoding engine/speculative | tar -x -C DIR`), loaded beside the current modules: both
+    measured in one process. With engine/speculative/planner.py under `base`, the base's fused step plans with it."""
     import importlib.util
     modules = {}
     for name in ("spec_gate", "spec_step", "engine"):
@@ -168,6 +169,13 @@ def base_engine(base: Path) -> type:
         spec.loader.exec_module(modules[name])
     modules["engine"].SpecGate = modules["spec_gate"].SpecGate
     modules["engine"].SpeculativeStep = modules["spec_step"].SpeculativeStep
+    planner = base / "engine" / "speculative" / "planner.py"
+    if planner.exists():
+        spec = importlib.util.spec_from_file_location("base_planner", planner)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for name in ("Acceptance", "TargetCost", "joint_draft_lengths"):
+            setattr(modules["spec_step"], name, getattr(module, name))
     return modules["engine"].Engine
 
 
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--spec", default="none", help="comma-separated engines, each on its own runner, levels interleaved: "
                     "none | ngram (an n-gram drafter on every slot, k = 4, with the gate) | ngram:always (no gate)")
-    ap.add_argument("--base", type=Path, help="engines named NAME@base run the engine/decoding files under this folder")
+    ap.add_argument("--base", type=Path, help="engines named NAME@base run the engine/decoding files (and engine/speculative/planner.py, if there) under this folder")
     ap.add_argument("--repeat", type=int, default=1, help="each level this many times (interleaved across engines)")
     ap.add_argument("--pattern", type=int, default=0, help="prompts of a random run of this many tokens, repeated")
     ap.add_argument("--no-ride", action="store_true",
