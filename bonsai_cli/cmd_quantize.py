@@ -41,6 +41,9 @@ def quantize(
                                                    "50 for gptq / gsq)"),
     block_tune_lr: Optional[float] = typer.Option(None, "--block-tune-lr", help="--block-tune-steps: Adam step of "
                                                   "log(scale) (default 5e-3)"),
+    asymmetric: Optional[float] = typer.Option(None, "--asymmetric", help="gptq / gsq: share (0-1) of the float "
+                                               "model's outputs on its own inputs in each layer's fit (0: plain "
+                                               "GPTQ, its outputs on the quantized model's inputs; default 0.25)"),
     rotate: Optional[bool] = typer.Option(None, "--rotate/--no-rotate", help="fold the norms and a randomized "
                                           "Hadamard rotation of the residual stream into the weights before "
                                           "quantizing (QuaRot-style; default: on for gptq / gsq where the hidden size "
@@ -68,8 +71,10 @@ def quantize(
     + 4 B × (one layer's parameters) + 4 B × calibration tokens × (3·hidden + ffn) + the larger of
     GPTQ's (4·b·K² + 12·N·K; K the widest input, b 8 bytes up to K = 8192 else 4), the output
     layer's (its codes, V·H bytes, + 1 GiB of row slices) and block tuning's (9 B × one layer's parameters
-    + one minibatch's activations; its float stream adds 8 B × calibration tokens × hidden); predicted and
-    printed before starting. gptq / gsq then train each layer's group scales on its output (--block-tune-steps).
+    + one minibatch's activations; its float stream, also --asymmetric's, adds 8 B × calibration tokens × hidden;
+    --asymmetric adds to GPTQ's the cross term of the widest input, 4·N·K or b·K²); predicted and printed before
+    starting. gptq / gsq fit each layer partly to the float model's outputs (--asymmetric), then train each
+    layer's group scales on its output (--block-tune-steps).
     """
     import os
 
@@ -81,7 +86,7 @@ def quantize(
     from engine.sources import store
     from engine.weights.loader import resolve_device
     from engine.quantization.paths import check_writable
-    from engine.quantization.quantize import BLOCK_TUNE_LR, BLOCK_TUNE_STEPS, QuantizeOptions
+    from engine.quantization.quantize import ASYMMETRIC, BLOCK_TUNE_LR, BLOCK_TUNE_STEPS, QuantizeOptions
     from engine.quantization.quantize import quantize as run_quantize
 
     file_data = read_recipe_file(recipe) if recipe else None
@@ -101,7 +106,9 @@ def quantize(
                            tune_steps=tune_scales, tune_lr=tune_lr,
                            block_tune_steps=(block_tune_steps if block_tune_steps is not None
                                              else 0 if method == "rtn" else BLOCK_TUNE_STEPS),
-                           block_tune_lr=BLOCK_TUNE_LR if block_tune_lr is None else block_tune_lr, lora=lora, gguf=gguf, device=device,
+                           block_tune_lr=BLOCK_TUNE_LR if block_tune_lr is None else block_tune_lr,
+                           asymmetric=(asymmetric if asymmetric is not None else 0.0 if method == "rtn" else ASYMMETRIC),
+                           lora=lora, gguf=gguf, device=device,
                            force=force, rotate=rotate, online_hadamard=online_hadamard, evaluate=evaluate,
                            eval_tokens=eval_tokens, eval_text=eval_text, allow_lossy_gguf=allow_lossy_gguf)
     path = store.resolve_model(src)

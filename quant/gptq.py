@@ -55,25 +55,35 @@ def hessian_dtype(k: int) -> torch.dtype:
     return torch.float64 if k <= HESSIAN_FLOAT64_MAX else torch.float32
 
 
-def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean diag(H), in hessian_dtype(K).
+def damped_cholesky(hessian: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower Cholesky factor L of H + λI (L Lᵀ) with λ = damp · mean diag(H), in hessian_dtype(K).
 
     Dead inputs (H[i, i] = 0, never active in the calibration data) get H[i, i] = 1 so H stays
-    invertible; their weights do not change the layer's output on that data. Returns the factor
-    [K, K] and the dead mask [K]. Holds at most two K×K matrices besides the caller's: the damped copy
-    goes as soon as it is factored (a 21504-wide FFN: 1.8 GB fewer at the peak)."""
+    invertible; their weights do not change the layer's output on that data. A near-singular H (few
+    tokens, duplicated inputs) is retried with 10x more damping, up to five times. Returns L [K, K] and
+    the dead mask [K]. Holds one K×K besides the caller's and L: the damped copy goes once factored."""
     k = hessian.shape[0]
     diagonal = hessian.diagonal().to(hessian_dtype(k))  # [K]
     dead = diagonal == 0
     diagonal = torch.where(dead, torch.ones_like(diagonal), diagonal)
     damping = damp * float(diagonal.mean())
-    for attempt in range(6):  # a near-singular H (few tokens, duplicated inputs) needs more damping
+    for attempt in range(6):
         h = hessian.to(hessian_dtype(k), copy=True)  # [K, K]
         h.diagonal().copy_(diagonal + damping * (10 ** attempt))
         chol, info = torch.linalg.cholesky_ex(h)
         del h
-        if int(info) != 0:
-            continue
+        if int(info) == 0:
+            return chol, dead
+    raise ValueError("the Hessian is not positive definite even with strong damping: "
+                     "give more calibration tokens")
+
+
+def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upper Cholesky factor of (H + λI)⁻¹ (damped_cholesky's damping), in hessian_dtype(K). Returns
+    the factor [K, K] and the dead mask [K]. Holds at most two K×K matrices besides the caller's (a
+    21504-wide FFN: 1.8 GB fewer at the peak than keeping the damped copy)."""
+    for attempt in range(6):
+        chol, dead = damped_cholesky(hessian, damp * (10 ** attempt))
         inverse = torch.cholesky_inverse(chol)
         del chol
         factor, info = torch.linalg.cholesky_ex(inverse, upper=True)
@@ -82,6 +92,24 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> tuple[torch.Te
             return factor, dead
     raise ValueError("the Hessian is not positive definite even with strong damping: "
                      "give more calibration tokens")
+
+
+def asymmetric_target(w: torch.Tensor, cross: torch.Tensor, hessian: torch.Tensor, damp: float,
+                      strength: float = 1.0) -> torch.Tensor:
+    """The weights GPTQ should approach so that the layer, fed the quantized model's inputs x̃, gives the
+    float model's outputs W x (x: the float model's own inputs): min_Q Σ ‖Q x̃ − W x‖² = Σ ‖(Q − W') x̃‖²
+    + const for W' = W + W D H̃⁻¹, D = Σ (x − x̃) x̃ᵀ, H̃ = Σ x̃ x̃ᵀ ("asymmetric calibration", GPTQv2 /
+    GPTAQ, Li et al. 2025). w [N, K]; cross = W D [N, K]; hessian H̃ [K, K], damped as GPTQ damps it.
+    strength scales the correction (0: w itself, GPTQ's own target; 1: the whole correction).
+    Returns W' float32 [N, K] (w + strength · cross (H̃ + λI)⁻¹; dead inputs keep w)."""
+    if strength == 0:
+        return w.float()
+    chol, dead = damped_cholesky(hessian.to(w.device), damp)  # [K, K] lower
+    # X = cross (H̃ + λI)⁻¹  ⇔  (H̃ + λI) Xᵀ = crossᵀ (symmetric)
+    shift = torch.cholesky_solve(cross.to(chol.dtype).T.contiguous(), chol).T  # [N, K]
+    del chol
+    shift[:, dead] = 0.0
+    return (w.to(shift.dtype) + strength * shift).float()
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, grid: str, group_size: int = 128, damp: float = 0.01,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from quant.grids import dequantize
-from quant.gptq import (GRIDS, code_range, gptq_quantize, gptq_with_refits, refit_scales, round_with_scale,
+from quant.gptq import (GRIDS, asymmetric_target, code_range, gptq_quantize, gptq_with_refits, refit_scales, round_with_scale,
                         row_errors, rtn)
 
 
@@ -131,3 +131,31 @@ def test_refit_scales_keeps_rows_it_cannot_improve():
     assert torch.equal(refit_scales(w, codes, new, h, 16)[1:], refit_scales(w, codes, new, h, 16)[1:])
     flipped = -codes  # codes pointing the wrong way: a better fit needs negative scales, which are refused
     assert torch.equal(refit_scales(w, flipped, scales, h, 16), scales)
+
+
+def test_asymmetric_target_is_the_least_squares_fit_to_the_float_outputs():
+    """W' = W + W D H̃⁻¹ minimises Σ ‖W' x̃ − W x‖² (x̃ the quantized model's inputs, x the float model's)."""
+    gen = torch.Generator().manual_seed(3)
+    x = correlated_inputs(512, 48, seed=1)  # [T, K] the float model's inputs
+    x_q = x + 0.3 * correlated_inputs(512, 48, seed=2)  # [T, K] the quantized model's
+    w = torch.randn(20, 48, generator=gen)  # [N, K]
+    hessian = (x_q.T @ x_q).double()  # [K, K]
+    cross = w.double() @ ((x - x_q).T @ x_q).double()  # [N, K] = W D
+    goal = asymmetric_target(w, cross, hessian, damp=1e-9)
+    best = torch.linalg.lstsq(x_q.double(), (x @ w.T).double()).solution.T  # [N, K]
+    torch.testing.assert_close(goal.double(), best, rtol=1e-5, atol=1e-5)
+    err = lambda v: float((x_q.double() @ v.double().T - (x @ w.T).double()).pow(2).sum())  # noqa: E731
+    assert err(goal) < 0.9 * err(w)
+    half = asymmetric_target(w, cross, hessian, damp=1e-9, strength=0.5)
+    torch.testing.assert_close(half.double(), (w.double() + best) / 2, rtol=1e-5, atol=1e-5)
+
+
+def test_asymmetric_target_without_a_mismatch_is_the_weights():
+    x = correlated_inputs(256, 32)  # [T, K]
+    x[:, 5] = 0.0  # a dead input
+    w = torch.randn(8, 32)  # [N, K]
+    hessian = (x.T @ x).double()
+    assert torch.equal(asymmetric_target(w, torch.zeros(8, 32), hessian, 0.01), w)
+    assert torch.equal(asymmetric_target(w, torch.randn(8, 32), hessian, 0.01, strength=0.0), w)
+    moved = asymmetric_target(w, torch.randn(8, 32), hessian, 0.01)
+    assert torch.equal(moved[:, 5], w[:, 5])  # a dead input's weights are left as they are

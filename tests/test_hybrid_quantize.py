@@ -70,9 +70,10 @@ def _in_sample_kl(path, ref_path, ids) -> float:
 
 
 @pytest.mark.parametrize("method, extra", [("gptq", {}), ("gsq", {"gsq_steps": 60}), ("gptq", {"tune_steps": 2}),
-                                           ("gptq", {"block_tune_steps": 10})])
+                                           ("gptq", {"block_tune_steps": 10}),
+                                           ("gptq", {"block_tune_steps": 10, "asymmetric": 0.25})])
 def test_calibrated_quantization_of_a_hybrid_beats_rtn_on_its_calibration_text(full_vocab, tmp_path, method, extra):
-    """gptq / gsq (and end-to-end or block-wise scale tuning) through the DeltaNet layers (q/k/v and z from the block's norm,
+    """gptq / gsq (and end-to-end or block-wise scale tuning, asymmetric calibration) through the DeltaNet layers (q/k/v and z from the block's norm,
     out_proj from the rule's gated-normed output) and the gated attention: the checkpoint loads, and on the text
     it was calibrated on its logits are closer to the float model's than round-to-nearest's."""
     calib = tmp_path / "calib.txt"

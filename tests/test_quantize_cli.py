@@ -212,6 +212,8 @@ BAD = [
     (["--tune-scales", "-1"], "--tune-scales must be >= 0"),
     (["--method", "rtn", "--tune-scales", "5"], "--tune-scales trains on calibration text: use it with --method gptq or gsq"),
     (["--block-tune-steps", "-1"], "--block-tune-steps must be >= 0"),
+    (["--asymmetric", "2"], "--asymmetric must be between 0 and 1"),
+    (["--method", "rtn", "--asymmetric", "0.5"], "--asymmetric fits layers on calibration text"),
     (["--block-tune-lr", "0"], "--block-tune-lr > 0"),
     (["--method", "rtn", "--block-tune-steps", "5"], "--block-tune-steps trains on calibration text: use it with --method"),
 ]
@@ -275,18 +277,21 @@ def test_calibration_methods_go_through_engine_calibration(tiny, tmp_path, monke
     calls = []
     real = layerwise.quantize_block
 
-    def spy(block, hidden, targets, keep, method, options, model, say):
+    def spy(block, hidden, targets, keep, method, options, model, say, floats=None):
         calls.append(dict(method=method, shapes=[tuple(x.shape) for x in hidden], samples=options.samples,
-                          seq_len=options.seq_len, steps=options.gsq.steps, refits=options.scale_refits))
-        return (yield from real(block, hidden, targets, keep, method, options, model, say))
+                          seq_len=options.seq_len, steps=options.gsq.steps, refits=options.scale_refits,
+                          asymmetric=options.asymmetric, floats=floats is not None))
+        return (yield from real(block, hidden, targets, keep, method, options, model, say, floats))
     monkeypatch.setattr(layerwise, "quantize_block", spy)
     calib = tmp_path / "calib.txt"
     calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     report = quantize(tiny.gguf, tmp_path / "ckpt", QuantizeOptions(Recipe(QuantSpec("tri", 128)), method="gsq",
                                                                     calib=calib, calib_samples=3, calib_seq_len=32,
-                                                                    gsq_steps=3, scale_refits=2, evaluate=False))
+                                                                    gsq_steps=3, scale_refits=2, asymmetric=0.5,
+                                                                    evaluate=False))
     assert len(calls) == 2 and all(c["method"] == "gsq" and c["shapes"] == [(3, 32, 256)] for c in calls), calls
     assert (calls[0]["samples"], calls[0]["seq_len"], calls[0]["steps"], calls[0]["refits"]) == (3, 32, 3, 2)
+    assert all(c["asymmetric"] == 0.5 and c["floats"] for c in calls), calls  # the float model's pass given
     assert report.by_format()["tri g128"]["tensors"] == 14
     assert report.error_by_class()["mlp.up_proj"] > 0.1
 

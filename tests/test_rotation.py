@@ -188,10 +188,10 @@ def test_rotated_gptq_calibrates_the_rotated_model(tiny, tmp_path, monkeypatch, 
     import engine.quantization.layerwise as layerwise
     seen, real = [], layerwise.quantize_block
 
-    def spy(block, hidden, targets, keep, method, options, model, say):
+    def spy(block, hidden, targets, keep, method, options, model, say, floats=None):
         seen.append((model.lm_head is not None, block.feed_forward.down_hadamard,
                      float(block.ffn_norm.weight.detach().min())))
-        return (yield from real(block, hidden, targets, keep, method, options, model, say))
+        return (yield from real(block, hidden, targets, keep, method, options, model, say, floats))
     monkeypatch.setattr(layerwise, "quantize_block", spy)
     kls = {}
     for rotate in (False, True):

@@ -25,15 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from engine.errors import BonsaiError
 from engine.weights.loader import LoadedModel, resolve_device
 from engine.runtime.deltanet import GatedDeltaNet
 from engine.runtime.model import Block
+from engine.quantization.block_pass import (FloatStream, attention_input, block_forward, cross_dtype, out_proj,
+                                            rotary_tables, swiglu)
 from quant.grids import dequantize
 from quant.formats import fp16_scales, relative_error
-from quant.gptq import GRIDS, gptq_with_refits, hessian_dtype, rtn
+from quant.gptq import GRIDS, asymmetric_target, gptq_with_refits, hessian_dtype, rtn
 from quant.gsq import GSQOptions, gsq_refine
 
 METHODS = ("gptq", "gsq")
@@ -48,6 +49,7 @@ class CalibrationOptions:
     block_size: int = 128  # GPTQ lazy-update block
     act_order: bool = False  # GPTQ: columns by decreasing H[i, i] (groups stay contiguous)
     scale_refits: int = 0  # after GPTQ: rounds of least-squares group scales (quant.gptq.gptq_with_refits)
+    asymmetric: float = 0.0  # layer-wise loop: share of the float model's target (quant.gptq.asymmetric_target)
     gsq: GSQOptions = field(default_factory=GSQOptions)
     gsq_tokens: int = 16384  # input rows per layer given to GSQ (a random subsample when there are more)
     device: str = "cpu"
@@ -64,6 +66,8 @@ class CalibrationOptions:
             raise BonsaiError(f"calibration sequences need at least 2 tokens, got seq_len {self.seq_len}")
         if not self.damp > 0:
             raise BonsaiError(f"calibration option damp must be > 0, got {self.damp}")
+        if not 0 <= self.asymmetric <= 1:
+            raise BonsaiError(f"--asymmetric must be between 0 and 1, got {self.asymmetric}")
         if not isinstance(self.gsq, GSQOptions):
             raise BonsaiError("calibration option gsq must be a GSQOptions")
 
@@ -136,54 +140,41 @@ def _checked_spec(plan, name: str, in_features: int):
 
 class LayerInputs:
     """Hessian H = Σ xᵀx of one layer input (float32 products summed in quant.gptq.hessian_dtype:
-    float64 up to 8192 inputs, else float32) and, for GSQ, the rows of x at fixed token positions."""
+    float64 up to 8192 inputs, else float32), for GSQ the rows of x at fixed token positions, and for
+    asymmetric calibration (inputs x_f of the float model given to `add`) the cross term W D,
+    D = Σ (x_f − x)ᵀ x: kept as D [K, K], or, for one weight W [N, K] with N < K (`weight`), as W D [N, K]."""
 
-    def __init__(self, width: int, device: torch.device, keep_rows: list[torch.Tensor] | None):
+    def __init__(self, width: int, device: torch.device, keep_rows: list[torch.Tensor] | None,
+                 weight: torch.Tensor | None = None):
         self.hessian = torch.zeros(width, width, dtype=hessian_dtype(width), device=device)  # [K, K]
         self.keep_rows, self.kept, self.chunk = keep_rows, [], 0
+        self.products = cross_dtype(torch.device(device))
+        self.weight = None if weight is None else weight.detach().to(self.products)  # [N, K], N < K: kept as W D
+        self.cross: torch.Tensor | None = None  # D [K, K] or W D [N, K] (float32), once a float input is added
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> None:
         x2 = x.reshape(-1, x.shape[-1]).float()  # [B·T, K]
         self.hessian += (x2.T @ x2).to(self.hessian.dtype)
+        if x_float is not None:  # the cross term's products in cross_dtype: a correction, not the Hessian
+            d = (x_float.reshape(x2.shape).float() - x2).to(self.products)  # [B·T, K]
+            xs = x2.to(self.products)  # [B·T, K]
+            part = ((d @ self.weight.T).T @ xs if self.weight is not None else d.T @ xs).float()  # [N, K] or [K, K]
+            self.cross = part if self.cross is None else self.cross.add_(part)
         if self.keep_rows is not None:
             self.kept.append(x2[self.keep_rows[self.chunk]])
         self.chunk += 1
 
+    def cross_of(self, target: "Target") -> torch.Tensor | None:
+        """W D of the target's rows [rows, K] (float weights: call before they are quantized), or None."""
+        if self.cross is None:
+            return None
+        if self.weight is not None:
+            return self.cross[target.start:target.start + target.rows]
+        rows = target.param[target.start:target.start + target.rows].to(self.cross.device, torch.float32)
+        return rows @ self.cross  # [rows, K]
+
     def rows(self) -> torch.Tensor:
         return torch.cat(self.kept)  # [T_gsq, K]
-
-
-def _attention_output(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The input of o_proj: causal self-attention of the whole sequences x [B, T, H], no KV cache
-    (engine.model.Attention's own projection). Returns [B, T, q_size]."""
-    attn = block.attention
-    cfg = attn.cfg
-    b, t, _ = x.shape
-    q, k, v, gate = attn.project(block.attention_norm(x), cos, sin, with_gate=True)  # [B, H, T, D], [B, KV, T, D] x2
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                         enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, D]
-    out = out.transpose(1, 2).reshape(b, t, cfg.q_size)
-    return out if gate is None else out * torch.sigmoid(gate.float()).to(out.dtype)  # a hybrid's output gate
-
-
-def _swiglu(block: Block, h: torch.Tensor) -> torch.Tensor:
-    """The input of down_proj for the residual stream h [B, T, H] (after the online Hadamard of a
-    rotated model): [B, T, F]."""
-    return block.feed_forward.down_input(block.ffn_norm(h))
-
-
-def rotary_tables(model, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = torch.arange(seq_len, device=device)[None, :, None].float() * model.inv_freq.to(device)  # [1, T, D/2]
-    return angles.cos()[:, :, None], angles.sin()[:, :, None]  # [1, T, 1, D/2]
-
-
-def block_forward(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One block over whole sequences x [B, T, H] with the steps the calibration uses."""
-    if isinstance(block.attention, GatedDeltaNet):  # a hybrid's DeltaNet layer, from the zero state
-        h = x + block.attention.over_sequences(block.attention_norm(x))
-        return h + block.feed_forward.w2(_swiglu(block, h))
-    h = x + block.attention.wo(_attention_output(block, x, cos, sin))
-    return h + block.feed_forward.w2(_swiglu(block, h))
 
 
 def quantize_with_calibration(loaded: LoadedModel, token_ids: list[list[int]], plan: Callable[[str], Any],
@@ -195,6 +186,9 @@ def quantize_with_calibration(loaded: LoadedModel, token_ids: list[list[int]], p
     float"). method "gptq" | "gsq". Codes and scales are on the CPU."""
     if method not in METHODS:
         raise BonsaiError(f"unknown calibration method '{method}': use {' or '.join(METHODS)}")
+    if options.asymmetric:  # the model is quantized in place: no float model stays to give the float stream
+        raise BonsaiError("asymmetric calibration needs the float model next to the quantized one: "
+                          "use the layer-wise loop (bonsai quantize), or asymmetric 0 here")
     sequences = [list(s[:options.seq_len]) for s in token_ids[:options.samples]]
     if not sequences or any(len(s) < 2 for s in sequences):
         raise BonsaiError("calibration needs at least one sequence of 2 or more tokens: give a calibration text")
@@ -255,8 +249,10 @@ def gsq_rows(hidden: list[torch.Tensor], options: CalibrationOptions) -> list[to
 
 
 def quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str, list[Target]],
-                    keep, method: str, options: CalibrationOptions, model, say):
-    """Quantize one block stage by stage (generator: yields its tensors, returns the next hidden)."""
+                    keep, method: str, options: CalibrationOptions, model, say, floats: FloatStream | None = None):
+    """Quantize one block stage by stage (generator: yields its tensors, returns the next hidden).
+    floats: the float model's pass over the block (float_stream): each linear is then fitted to the float
+    model's outputs on its inputs by options.asymmetric's share (quant.gptq.asymmetric_target)."""
     cfg = model.config
     device = hidden[0].device
     tables = {}
@@ -266,30 +262,34 @@ def quantize_block(block: Block, hidden: list[torch.Tensor], targets: dict[str, 
             tables[t] = rotary_tables(model, t, device)
         return tables[t]
 
-    def stage(key: str, width: int, make_inputs: Callable[[int], torch.Tensor]):
-        if not targets[key]:
-            return
-        inputs = LayerInputs(width, device, keep)
-        for c in range(len(hidden)):
-            inputs.add(make_inputs(c))
+    def stage(key: str, width: int, make_inputs: Callable[[int], torch.Tensor],
+              make_float: Callable[[int], torch.Tensor] | None, *used: str):
+        """Hessian (and with floats the cross term) of one input, then its tensors; the float parts `used` by no
+        later stage are dropped before GPTQ runs (its peak)."""
+        if targets[key]:
+            params = {id(t.param): t.param for t in targets[key]}
+            one = next(iter(params.values())) if len(params) == 1 else None
+            weight = one if floats is not None and one is not None and one.shape[0] < width else None
+            inputs = LayerInputs(width, device, keep, weight)
+            for c in range(len(hidden)):
+                inputs.add(make_inputs(c), None if floats is None else make_float(c))
+        for part in used if floats is not None else ():
+            setattr(floats, part, None)
         for target in targets[key]:
             yield quantize_rows(target, inputs, method, options, say)
 
-    yield from stage("qkv", cfg.hidden_size, lambda c: block.attention_norm(hidden[c]))
-    att = block.attention
-    if isinstance(att, GatedDeltaNet):  # out_proj's input: the gated-normed rule output, from the zero state
-        attn_out = [att.over_sequences(block.attention_norm(x), project=False) for x in hidden]
-        width, out_proj = cfg.hybrid.value_dim, att.out_proj
-    else:
-        attn_out = [_attention_output(block, x, *rope(x.shape[1])) for x in hidden]  # inputs of o_proj
-        width, out_proj = cfg.q_size, att.wo
-    yield from stage("o", width, attn_out.__getitem__)
-    hidden = [x + out_proj(a) for x, a in zip(hidden, attn_out)]  # residual after attention
+    norm, ffn_norm = block.attention_norm, block.ffn_norm
+    yield from stage("qkv", cfg.hidden_size, lambda c: norm(hidden[c]), lambda c: norm(floats.inputs[c]), "inputs")
+    attn_out = [attention_input(block, x, rope) for x in hidden]  # inputs of the output projection
+    width = cfg.hybrid.value_dim if isinstance(block.attention, GatedDeltaNet) else cfg.q_size
+    yield from stage("o", width, attn_out.__getitem__, lambda c: floats.attention[c], "attention")
+    hidden = [x + out_proj(block)(a) for x, a in zip(hidden, attn_out)]  # residual after attention
     del attn_out
-    yield from stage("gate_up", cfg.hidden_size, lambda c: block.ffn_norm(hidden[c]))
-    swiglu = [_swiglu(block, h) for h in hidden]  # inputs of down_proj
-    yield from stage("down", cfg.intermediate_size, lambda c: swiglu[c])
-    return [h + block.feed_forward.w2(s) for h, s in zip(hidden, swiglu)]
+    yield from stage("gate_up", cfg.hidden_size, lambda c: ffn_norm(hidden[c]), lambda c: ffn_norm(floats.hidden[c]))
+    down_in = [swiglu(block, h) for h in hidden]  # inputs of down_proj
+    yield from stage("down", cfg.intermediate_size, lambda c: down_in[c],
+                     lambda c: swiglu(block, floats.hidden[c], floats.w13), "hidden", "w13")
+    return [h + block.feed_forward.w2(s) for h, s in zip(hidden, down_in)]
 
 
 def quantize_rows(target: Target, inputs: LayerInputs, method: str, options: CalibrationOptions, say):
@@ -298,10 +298,14 @@ def quantize_rows(target: Target, inputs: LayerInputs, method: str, options: Cal
     param = target.param
     device = inputs.hessian.device  # the output layer may stay on the CPU while its Hessian is on the GPU
     w = param[target.start:target.start + target.rows].to(device=device, dtype=torch.float32)  # [N, K]
-    codes, scales = gptq_with_refits(w, inputs.hessian, spec.quant_type, g, options.damp, options.block_size,
+    cross = inputs.cross_of(target)  # [N, K] or None
+    goal = w if cross is None else asymmetric_target(w, cross, inputs.hessian, options.damp, options.asymmetric)
+    del cross
+    codes, scales = gptq_with_refits(goal, inputs.hessian, spec.quant_type, g, options.damp, options.block_size,
                                      options.act_order, options.scale_refits)
     if method == "gsq":
-        codes, scales = gsq_refine(w, inputs.rows(), codes, scales, spec.quant_type, g, options.gsq)
+        codes, scales = gsq_refine(goal, inputs.rows(), codes, scales, spec.quant_type, g, options.gsq)
+    del goal
     scales = fp16_scales(scales)  # as stored: later layers calibrate on the weights a reader gets
     target.error = relative_error(w, codes, scales, g)
     target.sums = group_sums(w, codes, g)

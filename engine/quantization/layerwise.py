@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from engine.quantization.block_tuning import BlockTuningOptions, Quantized, tune_block
+from engine.quantization.block_pass import float_stream
 from engine.quantization.calibration import (CalibrationOptions, LayerInputs, Target, block_forward, block_targets, gsq_rows,
                                 quantize_block, rotary_tables, weight_error)
 from engine.sources.checkpoint_file import hf_name
@@ -201,8 +202,10 @@ def quantize_layers(job: LayerwiseInputs, writer: CheckpointWriter, record: Reco
     quantized_inputs = None if src.tied else embed_spec
     calib_batches = Batches(calib, embed_batches(src, calib, quantized_inputs, dev))
     tune = calibrated and job.tuning.steps > 0
-    float_states: list[torch.Tensor] = []  # block tuning: the float model's states of the calibration, [B, T, H] each
-    if tune:
+    asymmetric = calibrated and opts.asymmetric > 0
+    # block tuning, asymmetric calibration: the float model's states of the calibration, [B, T, H] each
+    float_states: list[torch.Tensor] = []
+    if tune or asymmetric:
         rounded = quantized_inputs is not None and not quantized_inputs.is_float
         float_states = embed_batches(src, calib, None, dev) if rounded else [x.clone() for x in calib_batches.hidden]
     ref_batches = Batches(evals, embed_batches(src, evals, None, dev))
@@ -221,11 +224,14 @@ def quantize_layers(job: LayerwiseInputs, writer: CheckpointWriter, record: Reco
             targets = block_targets(block, i, cfg, plan)
             by_name = {t.name: t for group in targets.values() for t in group}
             if calibrated:
-                if tune:  # the float model's outputs of this block: the tuning's targets, the next float states
-                    float_states = [block_forward(block, x, *rotary_tables(model, x.shape[1], dev)) for x in float_states]
+                floats = float_stream(block, float_states, model) if asymmetric and by_name else None
+                if tune or asymmetric:  # the float model's outputs of this block: the tuning's targets, the next float states
+                    float_states = floats.outputs if floats else [block_forward(block, x, *rotary_tables(model, x.shape[1], dev))
+                                                                   for x in float_states]
                 tuned = tune and bool(by_name)
                 inputs = calib_batches.hidden if tuned else None
-                stages = quantize_block(block, calib_batches.hidden, targets, keep, job.method, opts, model, say)
+                stages = quantize_block(block, calib_batches.hidden, targets, keep, job.method, opts, model, say, floats)
+                del floats
                 done_tensors = []
                 while True:
                     try:

@@ -47,6 +47,9 @@ QUALITY_FILE = "quality.json"
 # (Qwen2.5-Coder-0.5B / 1.5B: docs/quality.md, session 22), learning rate (session 26, 64 x 256 calibration tokens:
 # 1e-2 took the 0.5B from 2.56x to 2.23x the source perplexity but the 1.5B from 2.09-2.13x to 2.20x)
 BLOCK_TUNE_STEPS, BLOCK_TUNE_LR = 50, 5e-3
+# `bonsai quantize`'s share of the float model's target in each layer's GPTQ fit (asymmetric calibration, gptq / gsq;
+# docs/quality.md, session 27: the 0.5B seed command 2.56x -> 1.92x at 0.25, 2.10x at 1)
+ASYMMETRIC = 0.25
 EVAL_CONTEXT = 512
 MIN_EVAL_TOKENS = 128
 Progress = Callable[[str, int, int], None]  # (message, done, total)
@@ -65,6 +68,7 @@ class QuantizeOptions:
     tune_lr: float = 5e-4
     block_tune_steps: int = 0  # gptq / gsq: Adam steps of block-wise scale tuning per layer (engine.quantization.block_tuning)
     block_tune_lr: float = BLOCK_TUNE_LR
+    asymmetric: float = 0.0  # gptq / gsq: share of the float model's target in each layer's fit (calibration)
     lora: Path | None = None
     gguf: Path | None = None
     allow_lossy_gguf: bool = False
@@ -90,6 +94,10 @@ class QuantizeOptions:
         if self.block_tune_steps < 0 or not self.block_tune_lr > 0:
             raise BonsaiError(f"--block-tune-steps must be >= 0 and --block-tune-lr > 0, got {self.block_tune_steps} "
                               f"and {self.block_tune_lr}")
+        if not 0 <= self.asymmetric <= 1:
+            raise BonsaiError(f"--asymmetric must be between 0 and 1, got {self.asymmetric}")
+        if self.asymmetric and self.method == "rtn":
+            raise BonsaiError("--asymmetric fits layers on calibration text: use it with --method gptq or gsq")
         if self.block_tune_steps and self.method == "rtn":
             raise BonsaiError("--block-tune-steps trains on calibration text: use it with --method gptq or gsq")
         if self.tune_steps and self.method == "rtn":
@@ -218,7 +226,8 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     tuning = BlockTuningOptions(steps=opts.block_tune_steps, lr=opts.block_tune_lr)
     predicted = predict_peak(out_config, sum(len(s) for s in calib_ids), opts.recipe.default.group_size,
                              head is None or head.is_float,
-                             tuning.batch_sequences * opts.calib_seq_len if tuning.steps and calib_ids else 0)
+                             tuning.batch_sequences * opts.calib_seq_len if tuning.steps and calib_ids else 0,
+                             opts.asymmetric > 0)
     announce(predicted)
     report = QuantizeReport(out=out, method=opts.method, rotation=out_rotation, group_fallbacks=fallbacks,
                             settings=_settings(opts, calib_ids), predicted_peak_bytes=predicted["total"])
@@ -291,6 +300,7 @@ def _settings(opts: QuantizeOptions, calib_ids: list[list[int]]) -> dict[str, An
             "scale_refits": opts.scale_refits if opts.method != "rtn" else 0,
             "gsq_steps": opts.gsq_steps if opts.method == "gsq" else 0, "tune_steps": opts.tune_steps,
             "block_tune_steps": opts.block_tune_steps, "block_tune_lr": opts.block_tune_lr,
+            "asymmetric": opts.asymmetric,
             "calibration_tokens": sum(len(s) for s in calib_ids), "calibration_sequences": len(calib_ids),
             "calibration_text": str(opts.calib) if opts.calib else ("python stdlib docstrings" if calib_ids else None),
             "device": opts.device, "threads": torch.get_num_threads()}
@@ -305,7 +315,7 @@ def _calibration_options(opts: QuantizeOptions):
     from engine.quantization.calibration import CalibrationOptions
     from quant.gsq import GSQOptions
     return CalibrationOptions(samples=opts.calib_samples, seq_len=opts.calib_seq_len, scale_refits=opts.scale_refits,
-                              device=opts.device, gsq=GSQOptions(steps=opts.gsq_steps))
+                              asymmetric=opts.asymmetric, device=opts.device, gsq=GSQOptions(steps=opts.gsq_steps))
 
 
 def _write_files(writer: CheckpointWriter, source: Any, config, out_config, tokenizer_files) -> None:

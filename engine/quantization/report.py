@@ -16,6 +16,8 @@ F FFN width, K the widest linear input (max(H, q_size, F)), b(K) 8 up to 8192 in
                                                     gradient, the codes; one minibatch of S tokens with
                                                     its gradients), and 8·T·H more activations (the float
                                                     model's stream and its next states)
+  asymmetric calibration (if on) adds the float stream (8·T·H, as block tuning) and, to GPTQ, the cross term of
+  the widest input: 4·N·K (kept as W·D when N < K) or b(K)·K² (as D)
 A 27B-class model (H 5120, F 21504, 64 layers, T 8192): ~0.45 + 1.6 + 0.9 + max(11.1, 1.4) ≈ 14 GiB.
 """
 from __future__ import annotations
@@ -142,9 +144,9 @@ def peak_rss_bytes() -> int:
 
 
 def predict_peak(config: ModelConfig, calibration_tokens: int, group_size: int, head_float: bool,
-                 tuning_tokens: int = 0) -> dict[str, int]:
+                 tuning_tokens: int = 0, asymmetric: bool = False) -> dict[str, int]:
     """The terms of the module doc's formula, in bytes, and their 'total'. tuning_tokens: the tokens of one
-    block-tuning minibatch (0: no block tuning)."""
+    block-tuning minibatch (0: no block tuning); asymmetric: asymmetric calibration on."""
     h, f = config.hidden_size, config.intermediate_size
     shapes = config.linear_shapes()
     layer = sum(o * i for o, i in shapes.values())
@@ -152,13 +154,15 @@ def predict_peak(config: ModelConfig, calibration_tokens: int, group_size: int, 
     n, k = widest
     b = 8 if hessian_dtype(k) != hessian_dtype(1 << 20) else 4
     refit = 2 * min(REFIT_CHUNK_BYTES, 4 * n * (k // group_size) * k)  # refit_scales' products of one chunk
-    gptq = (4 * b * k * k + 12 * n * k + refit) if calibration_tokens else 12 * n * k
+    asymmetric = asymmetric and bool(calibration_tokens)
+    cross = (4 * n * k if n < k else b * k * k) if asymmetric else 0  # the cross term W·D or D
+    gptq = (4 * b * k * k + 12 * n * k + refit + cross) if calibration_tokens else 12 * n * k
     vh = config.vocab_size * h
     slice_bytes = min(GPTQ_SLICE_BYTES if calibration_tokens else SLICE_BYTES, 4 * vh)
     head = (2 * vh if head_float else int(vh * (1 + 2 / group_size))) + 4 * slice_bytes
     tuned = bool(tuning_tokens and calibration_tokens)
     parts = {"base": BASE_BYTES, "layer": 4 * layer,
-             "activations": 4 * calibration_tokens * (3 * h + f + (2 * h if tuned else 0)),
+             "activations": 4 * calibration_tokens * (3 * h + f + (2 * h if tuned or asymmetric else 0)),
              "gptq": gptq, "output layer": head,
              "block tuning": 9 * layer + 8 * tuning_tokens * (8 * h + 4 * f) if tuned else 0}
     parts["total"] = (parts["base"] + parts["layer"] + parts["activations"]

@@ -124,9 +124,11 @@ class FeedForward(nn.Module):
         assert block and self.intermediate % block == 0, f"block {block} does not divide {self.intermediate}"
         self.w2_rotation = InputRotation(InputRotationSpec(self.intermediate, block), device)
 
-    def down_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The input of w2 for x [.., H]: SwiGLU of gate/up, then w2's input rotation if any → [.., F]."""
-        gate, up = self.w13(rotated(self.w13_rotation, x)).split(self.intermediate, dim=-1)
+    def down_input(self, x: torch.Tensor, w13: torch.Tensor | None = None) -> torch.Tensor:
+        """The input of w2 for x [.., H]: SwiGLU of gate/up (w13's, or the float `w13` [2F, H] calibration keeps),
+        then w2's input rotation if any → [.., F]."""
+        h = rotated(self.w13_rotation, x)  # [.., H]
+        gate, up = (self.w13(h) if w13 is None else F.linear(h, w13)).split(self.intermediate, dim=-1)
         return rotated(self.w2_rotation, F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
