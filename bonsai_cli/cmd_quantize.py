@@ -67,12 +67,13 @@ def quantize(
 ) -> None:
     """Quantize a model to ternary / 1-bit / int4 / int8 weights: a bonsai checkpoint (and a GGUF).
 
-    Layer by layer: one decoder layer of the source is in memory at a time. Peak memory ≈ 0.45 GiB
+    Layer by layer: one decoder layer of the source is in memory at a time. Peak memory ≈ 0.5 GiB
     + 4 B × (one layer's parameters) + 4 B × calibration tokens × (3·hidden + ffn) + the larger of
     GPTQ's (4·b·K² + 12·N·K; K the widest input, b 8 bytes up to K = 8192 else 4), the output
     layer's (its codes, V·H bytes, + 1 GiB of row slices) and block tuning's (9 B × one layer's parameters
     + one minibatch's activations; its float stream, also --asymmetric's, adds 8 B × calibration tokens × hidden;
-    --asymmetric adds to GPTQ's the cross term of the widest input, 4·N·K or b·K²); predicted and printed before
+    --asymmetric adds to GPTQ's the cross term of the widest input, 4·N·K or b·K², and a fourth candidate: that
+    input's sums with the float copies they are made from); predicted and printed before
     starting. gptq / gsq fit each layer partly to the float model's outputs (--asymmetric), then train each
     layer's group scales on its output (--block-tune-steps).
     """
@@ -148,7 +149,7 @@ def peak_line(parts: dict[str, int]) -> str:
     return (f"predicted peak memory {gib['total']:.2f} GiB (base {gib['base']:.2f} + one layer {gib['layer']:.2f} + "
             f"calibration activations {gib['activations']:.2f} + max(GPTQ {gib['gptq']:.2f}, output layer "
             f"{gib['output layer']:.2f}" + (f", block tuning {gib['block tuning']:.2f}" if parts.get("block tuning") else "")
-            + "))")
+            + (f", asymmetric sums {gib['asymmetric']:.2f}" if parts.get("asymmetric") else "") + "))")
 
 
 class _StopRequest:

@@ -225,7 +225,7 @@ def test_asymmetric_calibration_fits_a_block_to_the_float_model(tiny):
         inputs.add(x, xf)
     target = Target("t", w, 2, 3, SPEC)
     exact = w[2:5].double() @ ((xf - x).reshape(-1, 40).double().T @ x.reshape(-1, 40).double())  # [3, K]
-    for inputs in (wide, square):  # products in cross_dtype (bfloat16 where native): within its rounding
+    for inputs in (wide, square):  # products in CROSS_DTYPE: within float32's rounding
         assert float((inputs.cross_of(target).double() - exact).norm() / exact.norm()) < 2e-2
     assert LayerInputs(40, x.device, None).cross_of(target) is None
 
@@ -244,3 +244,17 @@ def test_quantize_with_asymmetric_calibration(tiny, tmp_path):
         same = torch.equal(plain.read_quantized(name)[1], asym.read_quantized(name)[1])
         first = ".layers.0.self_attn." in name and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
         assert same == first, name
+
+
+@pytest.mark.gpu
+def test_the_layer_loop_on_the_gpu_with_tuning_and_asymmetric_calibration(tiny, tmp_path):
+    """`bonsai quantize --device cuda` with the defaults' block tuning and asymmetric calibration: the scales
+    tuned on the GPU (it once crashed: start scales on the CPU, the block on the GPU) give a model as near
+    the source as the CPU's."""
+    kl = {}
+    for device in ("cpu", "cuda"):
+        report, ckpt = _quantize_tiny(tiny, tmp_path, f"ckpt-{device}", block_tune_steps=20, block_tune_lr=1e-2,
+                                      asymmetric=0.25, eval_tokens=256, device=device)
+        assert report.settings["block_tune_steps"] == 20 and report.settings["asymmetric"] == 0.25
+        kl[device] = report.quality["kl_mean"]
+    assert kl["cuda"] < 1.2 * kl["cpu"] + 1e-3, kl

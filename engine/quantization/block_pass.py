@@ -9,16 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.runtime.deltanet import GatedDeltaNet
-from engine.runtime.linear import cpu_bf16_gemm
 from engine.runtime.model import Block
 
 
-def cross_dtype(device: torch.device) -> torch.dtype:
-    """The dtype of asymmetric calibration's extra products (the cross terms, down_proj's float inputs):
-    bfloat16 where it multiplies natively (CUDA, CPUs with AVX512-BF16 / AMX: 4-5x float32's speed), else
-    float32. They only correct the target (quant.gptq.asymmetric_target), so bfloat16's rounding (~0.4%, summed
-    over thousands of tokens) does not matter there; the Hessians stay in hessian_dtype."""
-    return torch.bfloat16 if device.type == "cuda" or cpu_bf16_gemm() else torch.float32
+# The dtype of asymmetric calibration's extra products (the cross terms, the float gate/up copy down_proj's float
+# inputs are recomputed from). Float32: in bfloat16 (4-5x faster on AMX / AVX512-BF16 CPUs) the float model's down_proj
+# inputs carry bfloat16's rounding, a sizeable part of their difference from the quantized model's, and the fit got
+# worse: Qwen2.5-Coder-1.5B seed command at alpha 0.25, 2.14x the source perplexity (KL 0.723) against 1.98x (0.627)
+# in float32 (docs/quality.md, sessions 27-28).
+CROSS_DTYPE = torch.float32
 
 
 @dataclass
@@ -30,7 +29,7 @@ class FloatStream:
     inputs: list[torch.Tensor] | None  # [B, T, H] each
     attention: list[torch.Tensor] | None  # [B, T, q_size] each
     hidden: list[torch.Tensor] | None  # [B, T, H] each
-    w13: torch.Tensor | None  # [2F, H] in cross_dtype
+    w13: torch.Tensor | None  # [2F, H] in CROSS_DTYPE
     outputs: list[torch.Tensor]  # [B, T, H] each
 
 
@@ -51,7 +50,7 @@ def float_stream(block: Block, inputs: list[torch.Tensor], model) -> FloatStream
     attention = [attention_input(block, x, rope) for x in inputs]
     hidden = [x + out_proj(block)(a) for x, a in zip(inputs, attention)]  # [B, T, H] each
     outputs = [h + block.feed_forward.w2(swiglu(block, h)) for h in hidden]
-    w13 = block.feed_forward.w13.weight.detach().to(cross_dtype(inputs[0].device), copy=True)  # [2F, H]
+    w13 = block.feed_forward.w13.weight.detach().to(CROSS_DTYPE, copy=True)  # [2F, H]
     return FloatStream(list(inputs), attention, hidden, w13, outputs)
 
 

@@ -158,7 +158,7 @@ def tune_block(block: nn.Module, model, inputs: list[torch.Tensor], targets: lis
     for pname in dict.fromkeys(names[id(t.target.param)] for t in tensors):
         layouts[pname] = _Layout(params[pname], [(i, t) for i, t in enumerate(tensors)
                                                  if names[id(t.target.param)] == pname], dtype)
-    start = [t.scales.float() for t in tensors]  # [N, K/G] each
+    start = [t.scales.to(t.target.param.device, torch.float32) for t in tensors]  # [N, K/G] each, by the weights
     theta = [torch.zeros_like(s, requires_grad=True) for s in start]  # [N, K/G] each
 
     def weights(scales: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -202,7 +202,7 @@ def tune_block(block: nn.Module, model, inputs: list[torch.Tensor], targets: lis
     kept = after < before
     if kept:
         for t, s in zip(tensors, tuned):
-            t.scales = s
+            t.scales = s.to(t.scales.device)  # where quantize_block gave them (the CPU)
     else:  # the start scales back
         with torch.no_grad():
             write(start)

@@ -30,7 +30,7 @@ from engine.errors import BonsaiError
 from engine.weights.loader import LoadedModel, resolve_device
 from engine.runtime.deltanet import GatedDeltaNet
 from engine.runtime.model import Block
-from engine.quantization.block_pass import (FloatStream, attention_input, block_forward, cross_dtype, out_proj,
+from engine.quantization.block_pass import (CROSS_DTYPE, FloatStream, attention_input, block_forward, out_proj,
                                             rotary_tables, swiglu)
 from quant.grids import dequantize
 from quant.formats import fp16_scales, relative_error
@@ -148,18 +148,19 @@ class LayerInputs:
                  weight: torch.Tensor | None = None):
         self.hessian = torch.zeros(width, width, dtype=hessian_dtype(width), device=device)  # [K, K]
         self.keep_rows, self.kept, self.chunk = keep_rows, [], 0
-        self.products = cross_dtype(torch.device(device))
+        self.products = CROSS_DTYPE
         self.weight = None if weight is None else weight.detach().to(self.products)  # [N, K], N < K: kept as W D
         self.cross: torch.Tensor | None = None  # D [K, K] or W D [N, K] (float32), once a float input is added
 
     def add(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> None:
         x2 = x.reshape(-1, x.shape[-1]).float()  # [B·T, K]
         self.hessian += (x2.T @ x2).to(self.hessian.dtype)
-        if x_float is not None:  # the cross term's products in cross_dtype: a correction, not the Hessian
-            d = (x_float.reshape(x2.shape).float() - x2).to(self.products)  # [B·T, K]
+        if x_float is not None:  # the cross term's products in CROSS_DTYPE
+            d = torch.sub(x_float.reshape(x2.shape), x2).to(self.products)  # [B·T, K] (no float32 copy of x_float)
             xs = x2.to(self.products)  # [B·T, K]
-            part = ((d @ self.weight.T).T @ xs if self.weight is not None else d.T @ xs).float()  # [N, K] or [K, K]
-            self.cross = part if self.cross is None else self.cross.add_(part)
+            part = (d @ self.weight.T).T @ xs if self.weight is not None else d.T @ xs  # [N, K] or [K, K]
+            del d, xs
+            self.cross = part.float() if self.cross is None else self.cross.add_(part)
         if self.keep_rows is not None:
             self.kept.append(x2[self.keep_rows[self.chunk]])
         self.chunk += 1

@@ -227,7 +227,7 @@ def quantize(src: Path, out: Path, opts: QuantizeOptions, progress: Progress = l
     predicted = predict_peak(out_config, sum(len(s) for s in calib_ids), opts.recipe.default.group_size,
                              head is None or head.is_float,
                              tuning.batch_sequences * opts.calib_seq_len if tuning.steps and calib_ids else 0,
-                             opts.asymmetric > 0)
+                             opts.asymmetric > 0, _calibration_options(opts).batch_sequences * opts.calib_seq_len)
     announce(predicted)
     report = QuantizeReport(out=out, method=opts.method, rotation=out_rotation, group_fallbacks=fallbacks,
                             settings=_settings(opts, calib_ids), predicted_peak_bytes=predicted["total"])

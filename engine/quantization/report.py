@@ -4,7 +4,7 @@ source, time and memory; and the peak memory it predicts before it starts.
 Peak memory of the layer loop (engine.quantization.layerwise), in bytes, T calibration tokens (0 for rtn), H hidden,
 F FFN width, K the widest linear input (max(H, q_size, F)), b(K) 8 up to 8192 inputs else 4
 (quant.gptq.hessian_dtype), L the parameters of one decoder layer, V×H the embedding:
-  base                       ~0.45 GiB (Python, torch, the tokenizer)
+  base                       ~0.5 GiB (Python, torch, the tokenizer; measured 0.49-0.51 with a 1 MB model)
   one layer in float32       4·L
   calibration activations    4·T·(3·H + F)   (the stream in and out, the attention residual, SwiGLU)
   then the larger of
@@ -16,9 +16,11 @@ F FFN width, K the widest linear input (max(H, q_size, F)), b(K) 8 up to 8192 in
                                                     gradient, the codes; one minibatch of S tokens with
                                                     its gradients), and 8·T·H more activations (the float
                                                     model's stream and its next states)
-  asymmetric calibration (if on) adds the float stream (8·T·H, as block tuning) and, to GPTQ, the cross term of
-  the widest input: 4·N·K (kept as W·D when N < K) or b(K)·K² (as D)
-A 27B-class model (H 5120, F 21504, 64 layers, T 8192): ~0.45 + 1.6 + 0.9 + max(11.1, 1.4) ≈ 14 GiB.
+  asymmetric calibration (if on) adds the float stream (8·T·H, as block tuning), to GPTQ the cross term of the
+  widest input, 4·N·K (kept as W·D when N < K) or b(K)·K² (as D), and a fourth candidate for the larger: the
+  widest input's sums, b(K)·K² + cross + 4·T·H + 8·F·H + 12·C·K (its Hessian and cross term, the float residual
+  and gate/up copy its float inputs are recomputed from, one chunk of C tokens' differences and products)
+A 27B-class model (H 5120, F 21504, 64 layers, T 8192): ~0.5 + 1.6 + 0.9 + max(11.1, 1.4) ≈ 14 GiB.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from engine.sources.model_config import ModelConfig
 from quant import recipe as recipes
 from quant.gptq import REFIT_CHUNK_BYTES, hessian_dtype
 
-BASE_BYTES = int(0.45 * 2 ** 30)
+BASE_BYTES = 2 ** 29  # 0.5 GiB
 SLICE_BYTES = 256 << 20  # float32 bytes of one slice of rows of the embedding / output layer
 # GPTQ of the output layer keeps several float32 copies of its slice (weights, errors, codes, refits):
 # slices of this size keep that below one decoder layer's float32 bytes for the models we target
@@ -144,9 +146,10 @@ def peak_rss_bytes() -> int:
 
 
 def predict_peak(config: ModelConfig, calibration_tokens: int, group_size: int, head_float: bool,
-                 tuning_tokens: int = 0, asymmetric: bool = False) -> dict[str, int]:
+                 tuning_tokens: int = 0, asymmetric: bool = False, chunk_tokens: int = 2048) -> dict[str, int]:
     """The terms of the module doc's formula, in bytes, and their 'total'. tuning_tokens: the tokens of one
-    block-tuning minibatch (0: no block tuning); asymmetric: asymmetric calibration on."""
+    block-tuning minibatch (0: no block tuning); asymmetric: asymmetric calibration on; chunk_tokens: the tokens
+    of one calibration forward pass."""
     h, f = config.hidden_size, config.intermediate_size
     shapes = config.linear_shapes()
     layer = sum(o * i for o, i in shapes.values())
@@ -164,7 +167,9 @@ def predict_peak(config: ModelConfig, calibration_tokens: int, group_size: int, 
     parts = {"base": BASE_BYTES, "layer": 4 * layer,
              "activations": 4 * calibration_tokens * (3 * h + f + (2 * h if tuned or asymmetric else 0)),
              "gptq": gptq, "output layer": head,
-             "block tuning": 9 * layer + 8 * tuning_tokens * (8 * h + 4 * f) if tuned else 0}
+             "block tuning": 9 * layer + 8 * tuning_tokens * (8 * h + 4 * f) if tuned else 0,
+             "asymmetric": (b * k * k + cross + 4 * calibration_tokens * h + 8 * f * h + 12 * chunk_tokens * k
+                            if asymmetric else 0)}
     parts["total"] = (parts["base"] + parts["layer"] + parts["activations"]
-                      + max(parts["gptq"], parts["output layer"], parts["block tuning"]))
+                      + max(parts["gptq"], parts["output layer"], parts["block tuning"], parts["asymmetric"]))
     return parts

@@ -5,6 +5,8 @@ model is layers × the layer time + the output layer's slices.
 
 Usage: python tests/perf/gptq_layer_time.py [--config configs/models/qwen3-8b.yaml ...] [--device cuda]
        [--tokens 8192] [--seq-len 256] [--recipe tq] [--layers 2] [--threads 2] [--json OUT]
+       [--asymmetric 0.25] [--block-tune-steps 50]   (bonsai quantize's defaults: the float pass kept next to the
+       quantized one, each linear fitted partly to it, then the block's scales tuned; 0 / 0: plain GPTQ)
 Recipes: tq = ternary g128 with q/k/v/o at int4 g128 (the seed's); int4 = int4 g128 everywhere.
 Runs on the CPU too (a small --config for a check). Not part of CI.
 """
@@ -33,10 +35,14 @@ def main() -> None:
     ap.add_argument("--refits", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--asymmetric", type=float, default=0.0, help="share of the float model's target (quantize: 0.25)")
+    ap.add_argument("--block-tune-steps", type=int, default=0, help="block tuning steps a layer (quantize: 50)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import yaml
 
+    from engine.quantization.block_pass import float_stream
+    from engine.quantization.block_tuning import BlockTuningOptions, Quantized, tune_block
     from engine.quantization.calibration import CalibrationOptions, block_targets, quantize_block
     from engine.runtime.model import Block, Transformer, rotary_inverse_frequencies
     from engine.sources.model_config import ModelConfig
@@ -49,7 +55,8 @@ def main() -> None:
         attn = lambda n: any(p in n for p in ("q_proj", "k_proj", "v_proj", "o_proj"))  # noqa: E731
         plan = (lambda n: QuantSpec("int4" if args.recipe == "int4" or attn(n) else "tri", 128))
         options = CalibrationOptions(samples=args.tokens // args.seq_len, seq_len=args.seq_len, scale_refits=args.refits,
-                                     device=args.device)
+                                     asymmetric=args.asymmetric, device=args.device)
+        tuning = BlockTuningOptions(steps=args.block_tune_steps)
         with torch.device("meta"):
             model = Transformer(cfg)
         model.inv_freq = rotary_inverse_frequencies(cfg).to(dev)
@@ -66,17 +73,27 @@ def main() -> None:
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                stages = quantize_block(block, hidden, block_targets(block, 0, cfg, plan), None, "gptq", options,
-                                        model, lambda m: None)
+                targets = block_targets(block, 0, cfg, plan)
+                by_name = {t.name: t for group in targets.values() for t in group}
+                floats = float_stream(block, hidden, model) if args.asymmetric or tuning.steps else None
+                outputs = floats.outputs if floats is not None else None  # the float block's: tuning's targets
+                stages = quantize_block(block, hidden, targets, None, "gptq", options, model, lambda m: None,
+                                        floats if args.asymmetric else None)
+                del floats
+                done = []
                 try:
                     while True:
-                        next(stages)
-                except StopIteration:
-                    pass
+                        name, codes, scales, _ = next(stages)
+                        done.append(Quantized(by_name[name], codes, scales))
+                except StopIteration as end:
+                    quantized = end.value
+                split = time.perf_counter() - start
+                if tuning.steps:
+                    tune_block(block, model, hidden, outputs, quantized, done, tuning)
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-            print(f"{path.name}: layer {i}: {times[-1]:.1f} s", file=sys.stderr, flush=True)
+            print(f"{path.name}: layer {i}: {times[-1]:.1f} s (gptq {split:.1f} s)", file=sys.stderr, flush=True)
             del block, hidden
         slice_rows = max(1, (256 << 20) // (4 * cfg.hidden_size))
         w = torch.randn(slice_rows, cfg.hidden_size, device=dev, generator=gen) * 0.02
@@ -90,6 +107,7 @@ def main() -> None:
         layer = min(times[1:] or times)
         total = layer * cfg.num_layers + head
         rows.append({"config": str(path), "device": args.device, "tokens": args.tokens, "recipe": args.recipe,
+                     "asymmetric": args.asymmetric, "block_tune_steps": tuning.steps,
                      "layer_s": layer, "layers": cfg.num_layers, "output_layer_s": head, "predicted_total_s": total,
                      "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None})
         print(f"{path.name}: {layer:.1f} s a layer x {cfg.num_layers} + output layer {head:.0f} s = "

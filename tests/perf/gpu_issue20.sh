@@ -38,6 +38,6 @@ if [[ ,$PARTS, == *,serve,* ]]; then
 fi
 if [[ ,$PARTS, == *,spec,* ]]; then
     echo "== plain vs n-gram speculation through the server, repetitive suite"
-    BASE="$OUT/serve.yaml" LEVELS=${SPEC_LEVELS:-1,8} REPS=${SPEC_REPS:-1} PORT=18081 BENCH_S=${SPEC_S:-150} timeout 400 \
+    BASE="$OUT/serve.yaml" LEVELS=${SPEC_LEVELS:-1,8} REPS=${SPEC_REPS:-1} PORT=18081 BENCH_S=${SPEC_S:-150} timeout ${SPEC_TIMEOUT:-400} \
         bash tests/perf/serve_spec_concurrency.sh 2>&1 | tail -12
 fi

@@ -6,8 +6,8 @@ Usage: python tests/perf/random_checkpoint.py [--config configs/models/qwen3-8b.
 Writes (in a child process) a Hugging Face directory (config.json of --config with N layers, one safetensors shard per layer,
 random bf16 weights of std 0.02, unit norms, the Qwen2.5 tokenizer taken from a GGUF of the same
 151,936-token vocabulary, --tokenizer) under --dir, then quantizes it in this process with the default
-recipe of `bonsai quantize` (ternary + q/k/v/o int4, group 128, 64 x 256 calibration tokens, 50 block-tuning steps a
-layer) and prints VmHWM / VmRSS after every layer: a peak set by the
+recipe of `bonsai quantize` (ternary + q/k/v/o int4, group 128, 64 x 256 calibration tokens, asymmetric calibration
+0.25, 50 block-tuning steps a layer) and prints VmHWM / VmRSS after every layer: a peak set by the
 largest layer stays flat with depth. The directory is deleted afterwards unless --keep. Not part of CI.
 """
 from __future__ import annotations
@@ -94,10 +94,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--calib-samples", type=int, default=64, help="as `bonsai quantize` (its default)")
     ap.add_argument("--block-tune-steps", type=int, default=50, help="as `bonsai quantize` (its default for gptq)")
+    ap.add_argument("--asymmetric", type=float, default=None, help="as `bonsai quantize` (default: its ASYMMETRIC)")
     ap.add_argument("--write-only", action="store_true", help="(internal) write the model and exit")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from engine.quantization.quantize import QuantizeOptions, quantize
+    from engine.quantization.quantize import ASYMMETRIC, QuantizeOptions, quantize
     from quant.formats import QuantSpec
     from quant.recipe import Recipe, Rule
     src = args.dir / "model"
@@ -123,7 +124,10 @@ def main() -> None:
                                                                 online_hadamard=True, evaluate=not args.no_eval,
                                                                 force=True, calib_samples=args.calib_samples,
                                                                 block_tune_steps=args.block_tune_steps
-                                                                if args.method != "rtn" else 0),
+                                                                if args.method != "rtn" else 0,
+                                                                asymmetric=(ASYMMETRIC if args.asymmetric is None
+                                                                            else args.asymmetric)
+                                                                if args.method != "rtn" else 0.0),
                           progress=progress, announce=lambda p: print("predicted", {k: f"{v / 2**30:.2f} GiB"
                                                                                      for k, v in p.items()}))
         result = {"on_disk_bytes": size, "layers": args.layers, "config": str(args.config), "log": log,
