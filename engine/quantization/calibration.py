@@ -148,16 +148,15 @@ class LayerInputs:
                  weight: torch.Tensor | None = None):
         self.hessian = torch.zeros(width, width, dtype=hessian_dtype(width), device=device)  # [K, K]
         self.keep_rows, self.kept, self.chunk = keep_rows, [], 0
-        self.products = CROSS_DTYPE
-        self.weight = None if weight is None else weight.detach().to(self.products)  # [N, K], N < K: kept as W D
+        self.weight = None if weight is None else weight.detach().to(CROSS_DTYPE)  # [N, K], N < K: kept as W D
         self.cross: torch.Tensor | None = None  # D [K, K] or W D [N, K] (float32), once a float input is added
 
     def add(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> None:
         x2 = x.reshape(-1, x.shape[-1]).float()  # [B·T, K]
         self.hessian += (x2.T @ x2).to(self.hessian.dtype)
         if x_float is not None:  # the cross term's products in CROSS_DTYPE
-            d = torch.sub(x_float.reshape(x2.shape), x2).to(self.products)  # [B·T, K] (no float32 copy of x_float)
-            xs = x2.to(self.products)  # [B·T, K]
+            d = torch.sub(x_float.reshape(x2.shape), x2).to(CROSS_DTYPE)  # [B·T, K] (no float32 copy of x_float)
+            xs = x2.to(CROSS_DTYPE)  # [B·T, K]
             part = (d @ self.weight.T).T @ xs if self.weight is not None else d.T @ xs  # [N, K] or [K, K]
             del d, xs
             self.cross = part.float() if self.cross is None else self.cross.add_(part)
