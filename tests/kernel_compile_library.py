@@ -17,6 +17,7 @@ def library_cases():
             yield f"library: packed_gemm {kind} {str(dtype)[6:]}", (
                 lambda pw=pw, dtype=dtype: packed_gemm(torch.randn(32, 256, dtype=dtype), pw))
     yield from _kwarps_cases()
+    yield from _persistent_ffn_cases()
     yield from _tri5_cases()
     yield from _mma_cases()
     yield from _deltanet_prefill_cases()
@@ -55,6 +56,21 @@ def _kwarps_cases():
                 lambda pw=pw, split=split, accumulate=accumulate: packed_gemv(
                     *_activations(1, 1024, 128), pw, out=torch.zeros(1, 256), accumulate=accumulate,
                     config=(128, split, 2), variant="kwarps"))
+
+
+def _persistent_ffn_cases():
+    """The one-launch FFN (quant.kernels.persistent_ffn; not in the engine's step yet): both ≤ 2-bit layouts, the
+    persistent form with its grid barriers and the phased form (one launch a phase)."""
+    from quant.kernels.persistent_ffn import FfnBuffers, persistent_ffn
+    from quant.packed_layout import random_packed
+    for kind in ("tri", "bin"):
+        gen = torch.Generator().manual_seed(0)
+        w13, w2 = random_packed(kind, 768, 256, 128, generator=gen), random_packed(kind, 256, 384, 128, generator=gen)
+        for phased in (False, True):
+            yield f"library: persistent ffn {kind}{' phased' if phased else ''}", (
+                lambda w13=w13, w2=w2, phased=phased: persistent_ffn(
+                    torch.zeros(1, 256), torch.ones(256), 1e-6, w13, w2, FfnBuffers.make(256, 384, 128, "cpu"),
+                    phased=phased, programs=16))
 
 
 def _tri5_cases():

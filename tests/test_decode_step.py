@@ -48,6 +48,25 @@ def test_fused_step_matches_the_model(weights, head, kernels):
         assert got.argmax() == ref.argmax()
 
 
+@pytest.mark.parametrize("weights", ["tri", "bin"])
+def test_the_one_launch_ffn_in_the_step_matches_the_model(weights):
+    """The persistent FFN kernel (quant.kernels.persistent_ffn) in place of the four FFN launches: phased in the
+    interpreter on a CPU, one launch with grid barriers on a GPU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = load_dummy(CFG, "tiny", device=device, weight_format=WeightFormat(weights, 64, "int4"),
+                        dtype=torch.float32)
+    want = _plain_logits(loaded, 10)
+    runner = ModelRunner(loaded, max_seq_len=64, fast_decode=False)
+    runner.prefill(runner.slot(0), TOKENS[:10])
+    step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=True, persistent_ffn=True)
+    assert step.workspace.ffn is not None
+    for i, (token, ref) in enumerate(zip(TOKENS[10:12], want)):
+        got = step.run([token], [10 + i], [0])[0]
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
+        assert got.argmax() == ref.argmax()
+    assert int(step.workspace.ffn.stuck) == 0 and not step.workspace.gate_up.any()
+
+
 def test_runner_uses_the_fused_step_when_asked():
     loaded = load_dummy(CFG, "tiny", weight_format=WeightFormat("tri", 64, "int4"))
     want = _plain_logits(loaded, 12)

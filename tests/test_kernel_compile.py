@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 COMPAT_TRITON = Path(os.environ.get("BONSAI_COMPAT_TRITON", ROOT / ".venv" / "triton-3.6"))
 KERNELS = {"_qk_norm_rope_write_kernel", "_decode_split_kernel", "_combine_splits_kernel", "_prefill_kernel",
-           "_quantize_kernel", "_packed_gemv_kernel", "_packed_gemv_rows_kernel", "_packed_gemv_kwarps_kernel",
+           "_quantize_kernel", "_packed_gemv_kernel", "_packed_gemv_rows_kernel", "_packed_gemv_kwarps_kernel", "_persistent_ffn_kernel",
            "_packed_gemm_kernel",
            "_dequant_t_kernel", "_tri5_gemv_kernel", "_tri5_rows_kernel", "_dequant_tri5_kernel", "_packed_mma_kernel",
            "_conv_update_kernel", "_recurrent_update_kernel", "_gated_rope_write_kernel", "_gate_project_kernel",

@@ -39,7 +39,7 @@ class DecodeStepRunner:
     """Runs `decode_step` for a fixed number of rows, graphed on CUDA."""
 
     def __init__(self, model: Transformer, cache: KVCache, rows: int, num_splits: int, use_graph: bool = True,
-                 kernels: bool | None = None):
+                 kernels: bool | None = None, persistent_ffn: bool = False):
         device = cache.device
         self.model, self.cache, self.rows, self.num_splits = model, cache, rows, num_splits
         self.ops = make_ops(device, kernels)
@@ -56,7 +56,7 @@ class DecodeStepRunner:
         if self.host_embedding is not None and model.takes_tokens:  # the graph reads the rows from here
             table = self.host_embedding.weight
             self.inputs.embedded = torch.zeros(rows, table.shape[1], dtype=table.dtype, device=device)  # [M, H]
-        self.workspace = Workspace.make(model, rows, device)
+        self.workspace = Workspace.make(model, rows, device, persistent_ffn)  # persistent_ffn: one launch an FFN
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         # offloaded KV: eager; streamed weights: graphed with their copies where every host buffer is pinned

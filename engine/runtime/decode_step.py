@@ -52,13 +52,20 @@ class Workspace:
     # the residual stream after the last block, before the final norm: what drafters that read the target's
     # hidden state take (engine.speculative.hidden_drafter); copied there by each step (valid until the next)
     hidden: torch.Tensor  # [M, H]
+    ffn: object | None = None  # quant.kernels.persistent_ffn.FfnBuffers: the one-launch FFN's scratch (one row)
 
     @staticmethod
-    def make(model: Transformer, rows: int, device: torch.device) -> "Workspace":
+    def make(model: Transformer, rows: int, device: torch.device, persistent_ffn: bool = False) -> "Workspace":
         cfg = model.config
-        return Workspace(torch.zeros(rows, cfg.q_size + 2 * cfg.kv_size, device=device),
-                         torch.zeros(rows, 2 * cfg.intermediate_size, device=device),
-                         torch.zeros(rows, cfg.hidden_size, device=device))
+        ws = Workspace(torch.zeros(rows, cfg.q_size + 2 * cfg.kv_size, device=device),
+                       torch.zeros(rows, 2 * cfg.intermediate_size, device=device),
+                       torch.zeros(rows, cfg.hidden_size, device=device))
+        group = next((b.feed_forward.w13.group_size for b in model.layers
+                      if isinstance(b.feed_forward.w13, PackedLinear)), None)
+        if persistent_ffn and rows == 1 and group is not None:
+            from quant.kernels.persistent_ffn import FfnBuffers
+            ws.ffn = FfnBuffers.make(cfg.hidden_size, cfg.intermediate_size, group, device, gu=ws.gate_up[0])
+        return ws
 
 
 class _Ops:
@@ -185,8 +192,13 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
 
 
 def _feed_forward(ops: _Ops, block, x: torch.Tensor, ws: Workspace, eps: float) -> None:
-    """x [M, H] float32 += the block's SwiGLU FFN (RMSNorm → gate/up → down)."""
+    """x [M, H] float32 += the block's SwiGLU FFN (RMSNorm → gate/up → down): one persistent launch where the
+    workspace has its buffers and the layers take it (quant.kernels.persistent_ffn), else four launches."""
     ffn = block.feed_forward
+    if ws.ffn is not None and ops.fast and _one_launch_ffn(ffn, x):
+        from quant.kernels.persistent_ffn import persistent_ffn
+        persistent_ffn(x, block.ffn_norm.weight, eps, ffn.w13.packed, ffn.w2.packed, ws.ffn)
+        return
     gu = _project(ops, x, ffn.w13, block.ffn_norm.weight, eps, into=ws.gate_up,
                   rotation=ffn.w13_rotation)  # [M, 2F]
     if ffn.w2_rotation is not None:  # w2's weight holds a folded rotation: SwiGLU and the rotation in torch, then w2
@@ -197,6 +209,15 @@ def _feed_forward(ops: _Ops, block, x: torch.Tensor, ws: Workspace, eps: float) 
         _project(ops, z, ffn.w2, residual=x)
     else:
         _project(ops, gu, ffn.w2, gated=True, residual=x)
+
+
+def _one_launch_ffn(ffn, x: torch.Tensor) -> bool:
+    if x.shape[0] != 1 or ffn.w13_rotation is not None or ffn.w2_rotation is not None:
+        return False
+    if not (isinstance(ffn.w13, PackedLinear) and isinstance(ffn.w2, PackedLinear)):
+        return False
+    from quant.kernels.persistent_ffn import supported
+    return ffn.w13.bias is None and ffn.w2.bias is None and supported(ffn.w13.packed, ffn.w2.packed)
 
 
 def make_ops(device: torch.device, kernels: bool | None = None) -> _Ops:
