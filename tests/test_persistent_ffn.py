@@ -93,3 +93,14 @@ def test_one_launch_with_grid_barriers_matches_the_phases(kind):
         assert int(buffers.stuck) == 0
         assert torch.allclose(got, expected, rtol=1e-4, atol=1e-3), (got - expected).abs().max()
         assert not buffers.gu.any()
+
+
+def test_the_perf_script_checks_every_variant_in_miniature(tmp_path):
+    """tests/perf/persistent_ffn.py --tiny: each variant it times is first checked against the four launches."""
+    import json
+
+    from tests.perf import persistent_ffn as script
+    out = tmp_path / "ffn.json"
+    assert script.main(["--tiny", "--sections", "check", "--kinds", "tri", "--json", str(out)]) == 0
+    checks = json.loads(out.read_text())["checks"]
+    assert len(checks) == 6 and all(c["ok"] for c in checks)
