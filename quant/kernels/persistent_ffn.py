@@ -15,6 +15,11 @@ sessions 20 and 24: removing launches without that overlap measured slower).
 The maths of each phase are quant.kernels.act_quant's and packed_gemv's "kwarps" tiles (bit-identical int8
 codes, the same dp4a sums). `phased=True` runs the same kernel once per phase (PHASE = 0..3, no barrier): the
 CPU interpreter's path (it runs programs one after another, so a grid barrier cannot work there) and a fallback.
+
+Measured slower, so off by default (`DecodeStepRunner(persistent_ffn=True)` turns it on; tests/perf/persistent_ffn.py,
+H100, docs/perf.md session 29): 8B ternary FFN 22.1 µs in four launches, 31.0 µs in one (the step 0.84x): the large
+products already stream at the copy bandwidth as separate kwarps launches, and the one launch holds more registers
+(half the resident programs) with its barriers on the critical path.
 """
 from __future__ import annotations
 
