@@ -60,11 +60,12 @@ class Workspace:
         ws = Workspace(torch.zeros(rows, cfg.q_size + 2 * cfg.kv_size, device=device),
                        torch.zeros(rows, 2 * cfg.intermediate_size, device=device),
                        torch.zeros(rows, cfg.hidden_size, device=device))
-        group = next((b.feed_forward.w13.group_size for b in model.layers
-                      if isinstance(b.feed_forward.w13, PackedLinear)), None)
-        if persistent_ffn and rows == 1 and group is not None:
-            from quant.kernels.persistent_ffn import FfnBuffers
-            ws.ffn = FfnBuffers.make(cfg.hidden_size, cfg.intermediate_size, group, device, gu=ws.gate_up[0])
+        if persistent_ffn and rows == 1:
+            group = next((b.feed_forward.w13.group_size for b in model.layers
+                          if isinstance(b.feed_forward.w13, PackedLinear)), None)
+            if group is not None:
+                from quant.kernels.persistent_ffn import FfnBuffers
+                ws.ffn = FfnBuffers.make(cfg.hidden_size, cfg.intermediate_size, group, device, gu=ws.gate_up[0])
         return ws
 
 

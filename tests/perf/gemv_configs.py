@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import quant.kernels.packed_gemv as pg  # noqa: E402
 from quant.kernels.gemv_parts import split_k  # noqa: E402
 from quant.kernels.packed_gemv import packed_gemv, packed_gemv_reference  # noqa: E402
-from tests.perf.gpu_kern import SHAPES, TINY_SHAPES, Run, rotated, section_copy, time_calls  # noqa: E402
+from tests.perf.gpu_kern import (SHAPES, TINY_SHAPES, Run, replay_us, rotated, section_copy, step_model,  # noqa: E402
+                                 time_calls)
 
 
 def candidates(kind: str, n: int, ng: int) -> list[tuple[str, tuple[int, int, int]]]:
@@ -119,26 +119,17 @@ def rules(table: dict[tuple[int, int], tuple[str, tuple[int, int, int]]], kind: 
 
 
 def section_step(run: Run) -> None:
-    import yaml
-
     from engine.runtime.cuda_graphs import DecodeStepRunner
-    from engine.runtime.kv_cache import KVCache
-    from engine.sources.model_config import ModelConfig
-    from engine.weights.formats import WeightFormat
-    from engine.weights.loader import load_dummy
     if run.dev.type != "cuda" or not run.args.steps:
         return
-    root = Path(__file__).resolve().parents[2]
     res = run.results.setdefault("step", [])
     for spec in run.args.steps.split(","):
         if run.out_of_time(f"step {spec}"):
             return
-        name, kind, head = spec.split(":")
+        kind = spec.split(":")[1]
         table = {(int(key.split()[1]), int(key.split()[2]) // 128): (v, tuple(c))
                  for key, (v, c) in run.results.get("best", {}).items() if key.split()[0] == kind}
-        cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs/models" / f"{name}.yaml").read_text()))
-        loaded = load_dummy(cfg, name, run.dev, WeightFormat(kind, 128, head))
-        cache = KVCache(cfg, 640, 1, dtype=torch.bfloat16, device=run.dev)
+        loaded, cache = step_model(spec, run.dev)
         wide = {(n, k // 128): ("2d", (128, split_k(triton.cdiv(n, 128), k // 128, 4096), 1))
                 for n, k in run.shapes.values() if shipped(kind, n, k)[0] == "2d"}  # the rule before NARROW_COLUMNS
         tables = {"shipped": {}, "fastest": table, "wide": wide}
@@ -148,12 +139,7 @@ def section_step(run: Run) -> None:
                 with rules(tables[policy], kind):
                     step = DecodeStepRunner(loaded.model, cache, 1, 4)
                     step.run([1], [512], [0])
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    step.graph.replay()
-                torch.cuda.synchronize()
-                times[policy].append((time.perf_counter() - t0) / 200 * 1e6)
+                times[policy].append(replay_us(step.graph))
                 del step
         row = {"model": spec, **{p: {"us": statistics.mean(t), "spread": (max(t) - min(t)) / 2, "samples": t}
                                  for p, t in times.items()}}

@@ -181,6 +181,32 @@ def time_product(run: Run, pw: PackedWeight, xq, path: str) -> dict:
     return {"copies": len(mats), **timing}
 
 
+def step_model(spec: str, dev: torch.device):
+    """"NAME:KIND:HEAD" (configs/models/NAME.yaml, packed layout, head layout) → (generated-weights model, a one-slot
+    640-key bfloat16 cache): what the graphed one-row step timings of the perf scripts run."""
+    import yaml
+
+    from engine.runtime.kv_cache import KVCache
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.formats import WeightFormat
+    from engine.weights.loader import load_dummy
+    name, kind, head = spec.split(":")
+    root = Path(__file__).resolve().parents[2]
+    cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs/models" / f"{name}.yaml").read_text()))
+    loaded = load_dummy(cfg, name, dev, WeightFormat(kind, 128, head))
+    return loaded, KVCache(cfg, 640, 1, dtype=torch.bfloat16, device=dev)
+
+
+def replay_us(graph, replays: int = 200) -> float:
+    """Mean µs of a captured graph's replays, back to back."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / replays * 1e6
+
+
 def section_copy(run: Run) -> None:
     """Device-to-device copy bandwidth, read + write counted: median of --reps copies of 1 GiB."""
     size = (16 << 20) if run.args.tiny else (1 << 30)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +32,8 @@ from quant.kernels.gemv_parts import _dot4  # noqa: E402
 from quant.kernels.packed_gemv import packed_gemv  # noqa: E402
 from quant.kernels.persistent_ffn import _RESIDENT, FfnBuffers, persistent_ffn  # noqa: E402
 from quant.packed_layout import PackedWeight, layout_kind, random_packed  # noqa: E402
-from tests.perf.gpu_kern import ROTATE_BYTES, Run, relative_error, section_copy, time_calls  # noqa: E402
+from tests.perf.gpu_kern import (ROTATE_BYTES, Run, relative_error, replay_us, section_copy, step_model,  # noqa: E402
+                                 time_calls)
 
 SHAPES = {"8b": (4096, 12288), "27b": (5120, 17408)}
 TINY = {"8b": (256, 384)}
@@ -190,24 +190,14 @@ def section_ffn(run: Run) -> None:
 
 
 def section_step(run: Run) -> None:
-    import yaml
-
     from engine.runtime.cuda_graphs import DecodeStepRunner
-    from engine.runtime.kv_cache import KVCache
-    from engine.sources.model_config import ModelConfig
-    from engine.weights.formats import WeightFormat
-    from engine.weights.loader import load_dummy
     if run.dev.type != "cuda" or not run.args.steps:
         return
-    root = Path(__file__).resolve().parents[2]
     res = run.results.setdefault("step", [])
     for spec in run.args.steps.split(","):
         if run.out_of_time(f"step {spec}"):
             return
-        name, kind, head = spec.split(":")
-        cfg = ModelConfig.from_hf_config(yaml.safe_load((root / "configs/models" / f"{name}.yaml").read_text()))
-        loaded = load_dummy(cfg, name, run.dev, WeightFormat(kind, 128, head))
-        cache = KVCache(cfg, 640, 1, dtype=torch.bfloat16, device=run.dev)
+        loaded, cache = step_model(spec, run.dev)
         times: dict[str, list[float]] = {"four launches": [], "one launch": []}
         logits, first = {}, {}
         for _ in range(run.args.rounds):
@@ -215,12 +205,7 @@ def section_step(run: Run) -> None:
                 step = DecodeStepRunner(loaded.model, cache, 1, 4, persistent_ffn=policy == "one launch")
                 logits[policy] = step.run([1], [512], [0]).clone()
                 first.setdefault(policy, logits[policy])
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    step.graph.replay()
-                torch.cuda.synchronize()
-                times[policy].append((time.perf_counter() - t0) / 200 * 1e6)
+                times[policy].append(replay_us(step.graph))
                 if step.workspace.ffn is not None and int(step.workspace.ffn.stuck):
                     run.results["checks"].append({"name": f"step {spec} stuck", "ok": False})
                 del step
