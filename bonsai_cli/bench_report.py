@@ -102,13 +102,18 @@ def drafter_table(summary: dict[str, dict[str, Any]]) -> Table:
 def concurrency_table(levels: list[dict[str, Any]]) -> Table:
     table = Table(title="throughput by concurrency")
     drafting = any(lv["summary"].get("draft_tokens") for lv in levels)
+    vs_plain = all("plain" in lv for lv in levels)  # --vs-plain: the same requests with drafting off, same server
     for col in ("concurrency", "requests", "tokens", "aggregate tok/s", "per-request tok/s", "TTFT p50 ms", "TTFT p90 ms",
-                "ITL p50 ms", "ITL p99 ms", *(("drafts accepted",) if drafting else ())):
+                "ITL p50 ms", "ITL p99 ms", *(("drafts accepted",) if drafting else ()),
+                *(("plain tok/s", "x plain", "identical") if vs_plain else ())):
         table.add_column(col, justify="right")
     for lv in levels:
         s = lv["summary"]
         spec = ((f"{s['draft_tokens_accepted']}/{s['draft_tokens']} ({100 * s['draft_acceptance']:.0f}%)",)
                 if drafting else ())
+        if vs_plain:
+            spec += (f"{lv['plain']['summary']['aggregate_tokens_per_second']:.1f}", f"{lv['speedup']:.2f}x",
+                     f"{lv['identical_outputs']}/{s['requests']}")
         table.add_row(str(lv["concurrency"]), str(s["requests"]), str(s["generated_tokens"]),
                       f"{s['aggregate_tokens_per_second']:.1f}", f"{s['decode_tps_mean']:.1f} ± {s['decode_tps_std']:.1f}",
                       f"{s['ttft_ms_p50']:.0f}", f"{s['ttft_ms_p90']:.0f}", f"{s['itl_ms_p50']:.1f}", f"{s['itl_ms_p99']:.1f}",

@@ -64,7 +64,8 @@ def bench(
     spec: Optional[str] = typer.Option(None, "--spec", help=SPEC_HELP),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help=DRAFT_TOKENS_HELP + " (default 4)"),
     vs_plain: bool = typer.Option(False, "--vs-plain", help="with --spec: also run each prompt plain, just before "
-                                  "(interleaved); report the speedup per category and check the outputs are identical"),
+                                  "(interleaved); report the speedup per category and check the outputs are identical; "
+                                  "with --url: each level also with drafting off per request (speculative.n_max 0)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every result and the environment here"),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="write a PNG chart here"),
     compare: Optional[list[Path]] = typer.Option(None, "--compare", help="two JSON files: print B/A ratios"),
@@ -104,9 +105,9 @@ def bench(
         given = [flag for flag, value in local.items() if value not in (None, False)]
         if given:
             raise BonsaiError(f"{given[0]} sets how a local MODEL runs; a server sets its own in its config")
-    if vs_plain and (spec is None or not suite):
+    if vs_plain and not url and (spec is None or not suite):
         raise BonsaiError("--vs-plain compares speculative with plain decoding on a suite: give --spec and --suite "
-                          "(for -p/-n tests, run twice and use --compare)")
+                          "(for -p/-n tests, run twice and use --compare; with --url the server's speculation)")
     report: dict[str, Any] = {"bonsai_bench": bench_report.SCHEMA_VERSION, "complete": False,
                               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                               "speculative": {"active": False, "drafters": []},
@@ -116,7 +117,7 @@ def bench(
         if url:
             from bonsai_cli.bench_server import run_server_bench
             run_server_bench(report, url, suite or "short", categories, limit, _int_list(concurrency, "--concurrency"),
-                             repetitions, api_key, timeout, save)
+                             repetitions, api_key, timeout, save, vs_plain)
         else:
             from bonsai_cli.bench_local import run_local_bench
             run_local_bench(report, model, config, local, suite, categories, limit, _int_list(n_prompt, "-p"),

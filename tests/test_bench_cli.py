@@ -67,6 +67,25 @@ def test_url_run_against_stub_server(tmp_path, capsys):
     assert report["suite"]["results"][0]["drafted"] == 6 and report["suite"]["results"][0]["accepted"] == 4
 
 
+def test_url_run_vs_plain_sends_each_level_both_ways(tmp_path, capsys):
+    """--url --vs-plain: every level runs its requests as served and again with "speculative.n_max": 0 (llama.cpp's
+    per-request field), the order alternating by level; the report has both, the speedup and identical outputs."""
+    out, seen = tmp_path / "v.json", []
+    with running_stub(tokens=8, token_delay=0.001, requests_seen=seen) as url:
+        proc = bonsai_in_process(capsys, "bench", "--url", url, "--suite", "short", "--limit", "1", "--categories",
+                                 "qa,code", "--concurrency", "1,2", "-r", "1", "--vs-plain", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    for level in report["concurrency"]:
+        assert level["plain"]["summary"]["generated_tokens"] == level["summary"]["generated_tokens"] == 16
+        assert level["speedup"] > 0 and level["identical_outputs"] == 2
+    chats = [r["body"] for r in seen if r["path"] == "/v1/chat/completions"][1:]  # after the warm-up
+    assert len(chats) == 8
+    off = [b.get("speculative.n_max") == 0 for b in chats]
+    assert off == [True, True, False, False, False, False, True, True]  # level 1: plain first; level 2: served first
+    assert "as served / plain" in proc.stderr and "2 of 2 greedy outputs identical" in proc.stderr
+
+
 def test_interrupted_run_keeps_partial_results(tmp_path):
     """A real SIGINT in the middle of a run (a fresh process, a small generated model): the tests
     measured so far stay in the JSON, marked incomplete, exit code 130. The decode tests after pp8

@@ -140,7 +140,7 @@ def test_health_turns_503_and_requests_are_refused_when_the_engine_is_dead(loade
     ("top_k", 10**30), ("top_k", -1), ("thinking_budget", 10**30), ("top_logprobs", 21),
     ("repetition_penalty", 1e-300), ("repetition_penalty", 1e300), ("repetition_penalty", 0.0),
     ("temperature", 2.5), ("top_p", 0.0), ("min_p", 1.0), ("presence_penalty", 1e308),
-    ("frequency_penalty", -3.0),
+    ("frequency_penalty", -3.0), ("speculative.n_max", -1), ("speculative.n_max", 10**30),
 ])
 def test_out_of_range_numbers_are_400_naming_the_field(field, value):
     with pytest.raises(P.RequestError) as e:

@@ -110,7 +110,7 @@ HOSTILE = STRINGS + [
     '{"include_usage":true}', '["\\n\\n", "."]', '["\\ud800"]']
 CHAT_FIELDS = ["messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
                "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "stream",
-               "stream_options", "logprobs", "top_logprobs", "thinking_budget", "user", "frobnicate"]
+               "stream_options", "logprobs", "top_logprobs", "thinking_budget", "user", "speculative.n_max", "frobnicate"]
 TEXT_FIELDS = ["prompt", "max_tokens", "temperature", "seed", "stop", "logprobs", "stream", "echo", "top_k"]
 MESSAGE_FIELDS = ["role", "content", "content", "name", "reasoning_content", "tool_calls"]
 

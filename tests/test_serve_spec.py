@@ -320,3 +320,38 @@ def test_a_pass_is_timed_without_the_device_work_queued_before_it(loaded, smollm
     assert got == want
     costs = engine.spec.pass_cost.seconds
     assert costs and all(seconds == pytest.approx(1e-3 * rows) for rows, seconds in costs.items())
+
+
+def test_a_request_caps_or_turns_off_its_own_drafts(loaded, smollm2_tok, one_thread, monkeypatch):
+    """Request.draft_tokens (the API's speculative.n_max): 0 decodes that request plainly — no drafts, and a step
+    whose every row asks so is the plain step — while another request of the same engine drafts; a cap of 1
+    drafts at most one token a step. Outputs stay plain decoding's (the oracle would draft 4 for every slot)."""
+    wants = [(p, plain(loaded, smollm2_tok, p, 16)) for p in PROMPTS[:3]]
+    engine = make_engine(loaded, smollm2_tok, slots=3, fused=True)
+    per_step: list[list[int]] = []  # rows of each slot in each fused speculative step, most first
+    step_rows = engine.runner.step_rows
+    monkeypatch.setattr(engine.runner, "step_rows", lambda t, p, s: per_step.append(
+        sorted((list(s).count(i) for i in set(s)), reverse=True)) or step_rows(t, p, s))
+    try:
+        for slot in engine.spec.slots:
+            slot.drafter = Oracle(*[(p, ids) for p, (_, ids, _) in wants])
+        _, q = submit(engine, PROMPTS[0], max_tokens=16, id="alone-off", draft_tokens=0)
+        text, _, fin = collect(q)
+        assert text == wants[0][1][0] and fin.timings["draft_n"] == 0 and not per_step  # plain steps only
+        jobs = [submit(engine, p, max_tokens=16, id=f"r{i}", draft_tokens=cap)
+                for i, (p, cap) in enumerate(zip(PROMPTS[:3], (0, None, 1)))]
+        results = [collect(q) for _, q in jobs]
+        assert [r[0] for r in results] == [text for _, (text, _, _) in wants]
+        drafted = [r[2].timings["draft_n"] for r in results]
+        assert drafted[0] == 0 and drafted[1] > 0 and drafted[2] > 0
+        three = [rows for rows in per_step if len(rows) == 3]  # steps of all three slots: 1 + 4, 1 + 1 and 1 row
+        assert three and all(rows[1] <= 2 and rows[2] == 1 for rows in three) and max(r[0] for r in three) == 5
+    finally:
+        engine.stop()
+
+
+def test_a_negative_draft_cap_is_refused():
+    from engine.decoding.sequence import Request
+    from engine.errors import BonsaiError
+    with pytest.raises(BonsaiError, match="draft_tokens"):
+        Request([1, 2], draft_tokens=-1)

@@ -91,6 +91,24 @@ def test_greedy_answers_equal_plain_decoding_and_drafts_are_counted(server, refe
     assert sum(s["drafter"]["drafted"] for s in slots) >= drafted
 
 
+def test_a_request_turns_its_drafts_off_with_llama_cpps_field(server, reference, one_thread):
+    """"speculative.n_max": 0 (llama.cpp's name) decodes that request plainly in the speculating server; a wrong
+    value is a 400 naming the field."""
+    tok = reference.tokenizer
+    for path, body in (("/v1/completions", {"prompt": PROMPTS[0]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[1]}]})):
+        r = httpx.post(server.url + path, timeout=120, json={**body, "max_tokens": 24, "temperature": 0,
+                                                             "speculative.n_max": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["timings"]["draft_n"] == 0 and r.json()["usage"]["completion_tokens"] > 0
+    assert r.json()["choices"][0]["message"]["content"] is not None
+    plain = complete(server, PROMPTS[0], 24, **{"speculative.n_max": 0})
+    assert plain["choices"][0]["text"] == reference(tok.encode(PROMPTS[0], add_special_tokens=True), 24)
+    assert complete(server, PROMPTS[0], 24)["timings"]["draft_n"] > 0  # the same prompt drafts by default
+    bad = httpx.post(server.url + "/v1/completions", timeout=30, json={"prompt": "x", "speculative.n_max": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative.n_max"
+
+
 def test_concurrent_streams_equal_plain_decoding(server, reference, one_thread):
     tok = reference.tokenizer
     texts: dict[int, str] = {}

@@ -258,8 +258,8 @@ def _sse_data(resp: http.client.HTTPResponse, sock: socket.socket | None, deadli
 
 
 def stream_chat(url: str, model: str, prompt: SuitePrompt, api_key: str | None, timeout: float,
-                temperature: float = 0.0, seed: int | None = None) -> PromptResult:
-    """Run one prompt as a streaming chat completion and measure it.
+                temperature: float = 0.0, seed: int | None = None, extra: dict[str, Any] | None = None) -> PromptResult:
+    """Run one prompt as a streaming chat completion and measure it (extra: more fields of the request body).
 
     TTFT runs from just before the request is sent (connecting included) to the first chunk that
     carries text (content or reasoning). Inter-token latencies are the gaps between such chunks.
@@ -270,7 +270,7 @@ def stream_chat(url: str, model: str, prompt: SuitePrompt, api_key: str | None, 
                                "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
     if seed is not None:
         payload["seed"] = seed
-    body = json.dumps(payload).encode()
+    body = json.dumps({**payload, **(extra or {})}).encode()
     headers = _headers(api_key, "text/event-stream") | {"Content-Type": "application/json"}
     stream = _Stream(ep.url, prompt.id)
     where = stream.where
@@ -307,8 +307,8 @@ def stream_chat(url: str, model: str, prompt: SuitePrompt, api_key: str | None, 
 
 
 def run_concurrency(url: str, model: str, prompts: list[SuitePrompt], concurrency: int, api_key: str | None,
-                    timeout: float, temperature: float = 0.0,
-                    seed: int | None = None) -> tuple[list[PromptResult], float]:
+                    timeout: float, temperature: float = 0.0, seed: int | None = None,
+                    extra: dict[str, Any] | None = None) -> tuple[list[PromptResult], float]:
     """Run every prompt with ``concurrency`` requests in flight; return results (in prompt order) and wall seconds.
 
     The first failing request's BonsaiError is raised; requests not yet started are cancelled.
@@ -320,7 +320,7 @@ def run_concurrency(url: str, model: str, prompts: list[SuitePrompt], concurrenc
     pool = ThreadPoolExecutor(max_workers=min(concurrency, len(prompts)), thread_name_prefix="bonsai-bench")
     try:
         start = time.perf_counter()
-        futures = [pool.submit(stream_chat, url, model, p, api_key, timeout, temperature, seed) for p in prompts]
+        futures = [pool.submit(stream_chat, url, model, p, api_key, timeout, temperature, seed, extra) for p in prompts]
         wait(futures, return_when=FIRST_EXCEPTION)  # every request is bounded by its own timeout
         wall = time.perf_counter() - start
         for future in futures:

@@ -1,11 +1,11 @@
 """The engine: the one place where logits become tokens, for one request or many.
 
-`step()` advances every active request by one iteration: cancelled requests leave their slot; waiting requests get
-free slots (longest cached prefix first, scheduler.py); prompt chunks run for the requests with prompt (or inserted)
-tokens to feed, oldest first, at most `prefill_budget` tokens while other slots decode (scheduler.plan_prefill); then
-one batched decode step runs the next token of every decoding slot in one forward, prompts riding in the rows its
-pass leaves free (scheduler.plan_riders: short ones, or up to a chunk while slots decode; with no slot decoding, a
-wave of short ones shares passes). A new request's first token comes from its last chunk. Events go back through
+`step()` advances every active request by one iteration: cancelled requests leave their slot; waiting requests get free
+slots (longest cached prefix first, scheduler.py); prompt chunks run for the requests with prompt (or inserted) tokens
+to feed, oldest first, at most `prefill_budget` tokens while other slots decode (scheduler.plan_prefill); then one
+batched decode step runs the next token of every decoding slot in one forward, prompts riding in the rows its pass
+leaves free (scheduler.plan_riders: short ones, or up to a chunk while slots decode; with no slot decoding, a wave of
+short ones shares passes). A new request's first token comes from its last chunk. Events go back through
 each request's `emit` (sequence.py). A step that fails ends the requests it served with an error and resets their
 slots; the others go on; admission is guarded the same way, and an event callback that raises ends only its own
 request. `close` (the server's thread ending, `failure` saying why) fails every active and waiting request at once
@@ -64,10 +64,8 @@ class Engine:
         if prefill_budget is not None and prefill_budget < 1:
             raise BonsaiError(f"the prefill budget must be >= 1 token per step, got {prefill_budget}")
         self.prefill_chunk = min(runner.prefill_chunk_size, prefill_budget or runner.prefill_chunk_size)
-        # a prompt whose rest fits the runner's short prefill (its graphed passes of short_prefill_rows positions) is
-        # cut in those passes, two of them between decode steps by default: at 8 slots on an H200 that took the ITL
-        # p99 from 48 to 15 ms for 4% of the aggregate (docs/perf.md, session 10); a longer prompt's eager chunk
-        # costs about the same at any size, so it is never cut smaller
+        # a prompt whose rest fits the runner's short prefill (graphed passes of short_prefill_rows) runs two of those
+        # between decode steps: ITL p99 48 → 15 ms at 8 slots (docs/perf.md, session 10); longer ones: whole chunks
         rows = getattr(runner, "short_prefill_rows", 0)
         self.short_cut = min(rows, self.prefill_chunk) if rows > 1 else 0
         self.short_tokens = getattr(runner, "short_prefill_tokens", 0) if rows > 1 else 0
@@ -83,8 +81,7 @@ class Engine:
         # ids the tokenizer can turn into text: a model's padded vocabulary (or a borrowed tokenizer's smaller one) is cut
         vocab = runner.loaded.config.vocab_size
         self.vocab = min(vocab, tokenizer.vocab_size) if tokenizer is not None else vocab
-        self.metrics = metrics or Metrics()
-        self.scheduler: Scheduler[Request] = Scheduler(runner.cache.slots, max_queue)
+        self.metrics, self.scheduler = metrics or Metrics(), Scheduler(runner.cache.slots, max_queue)
         self.metrics.slots_total = len(runner.cache.slots)
         self.active: dict[int, Sequence] = {}  # slot index → its request
         self.spec = None
@@ -94,8 +91,7 @@ class Engine:
                                         self.metrics, spec_method)
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)  # notified on submit / cancel (a thread driving step() waits)
-        self.closed = False
-        self.failure: str | None = None  # why the server's engine thread ended on its own (None: it did not)
+        self.closed, self.failure = False, None  # failure: why the server's engine thread ended on its own (a str)
         self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
         on = lookahead if lookahead is not None else runner.device.type == "cuda"
         self.ahead = Lookahead(runner) if on and getattr(runner, "rewinds_for_free", True) else None
@@ -262,7 +258,7 @@ class Engine:
             if riders:  # prompts sharing a pass, nobody decoding yet
                 self._mixed_pass([], [], riders)
             return
-        speculate = self.spec is not None and not riders and (self.gate is None or self.gate.speculate(len(rows)))
+        speculate = self._drafting(rows) and not riders and (self.gate is None or self.gate.speculate(len(rows)))
         if self.gate is not None:
             self.gate.begin(speculate, len(rows), self.metrics.generated_tokens, self.metrics.prefill_chunks,
                             time.perf_counter())
@@ -348,11 +344,15 @@ class Engine:
                     self._fail(index, error_message(e), 400 if isinstance(e, BonsaiError) else 500)
         return logits[:len(rows)]
 
+    def _drafting(self, rows: list[int]) -> bool:
+        """Speculation on, and some row's request allows drafts (every row's `draft_tokens=0`: a plain step)."""
+        return self.spec is not None and any(self.active[i].request.draft_tokens != 0 for i in rows)
+
     def _launch_ahead(self, rows: list[int], seqs: list[Sequence], choices: list[int]) -> None:
         """Launch the next decode step of `rows` feeding their chosen tokens, unless it will not be the next step:
         a request waits or prefills, the gate will speculate, or a row ends now (its end-of-sequence token, its
         last token). A row that ends another way (a stop string, a cancel) drops it again (`_end`)."""
-        gate_speculates = self.gate is not None and self.gate.peek(len(rows))
+        gate_speculates = self.gate is not None and self._drafting(rows) and self.gate.peek(len(rows))
         if self.ahead is None or self.scheduler.waiting or len(rows) != len(self.active) or gate_speculates or any(
                 choice in seq.eos or seq.generated + 1 >= seq.request.max_tokens
                 for seq, choice in zip(seqs, choices)):

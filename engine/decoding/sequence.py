@@ -71,6 +71,7 @@ class Request:
     split_reasoning: bool = True  # thoughts go out as reasoning; off (raw completions): all text is content
     top_logprobs: int | None = None  # None: no logprobs; n: the chosen token's and the n most likely
     grammar: GrammarSpec | None = None  # the output must match it (tokens it refuses are masked; it ends the output)
+    draft_tokens: int | None = None  # the most tokens drafted a step for it (None: the engine's; 0: plain decoding)
     id: str = ""
     emit: Callable[[Delta | Finished | Failed], None] = lambda event: None
     arrived: float = field(default_factory=time.perf_counter)
@@ -79,6 +80,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise BonsaiError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.draft_tokens is not None and self.draft_tokens < 0:
+            raise BonsaiError(f"draft_tokens must be >= 0 (0: no speculation for the request), got {self.draft_tokens}")
 
 
 @dataclass

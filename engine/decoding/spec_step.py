@@ -183,7 +183,8 @@ class SpeculativeStep:
         after a prefill, so a seeded request starts the same whatever was cached."""
         if seq.first_token is None:
             return 0
-        k = self.num_draft_tokens
+        cap = seq.request.draft_tokens  # the request's own limit (speculative.n_max), if it set one
+        k = self.num_draft_tokens if cap is None else min(self.num_draft_tokens, cap)
         return max(min(k, self.slot_context - start - 1, seq.request.max_tokens - seq.generated - 1), 0)
 
     def _budgets(self, active: dict[int, Sequence], indices: list[int]) -> list[int]:

@@ -72,7 +72,8 @@ def _make_jobs(served: Served, req: Any, chat: bool, family: str | None) -> tupl
             budget = EFFORT_BUDGET[req.reasoning_effort]
         spec = ChatJob([m.as_dict() for m in req.messages], req.token_limit(), sampling, req.stops(),
                        req.template_tools(), req.tool_schemas(), req.chat_template_kwargs, budget,
-                       req.top_logprobs_wanted(), chat_grammar(req, engine.tokenizer, family))
+                       req.top_logprobs_wanted(), chat_grammar(req, engine.tokenizer, family),
+                       draft_tokens=req.draft_tokens)
         return make_chat_jobs(served, spec), ""
     prompt_in = req.prompt_input()
     prompt = completion_prompt(engine.tokenizer, prompt_in)
@@ -81,7 +82,8 @@ def _make_jobs(served: Served, req: Any, chat: bool, family: str | None) -> tupl
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     echo = (prompt_in if isinstance(prompt_in, str) else engine.tokenizer.decode(prompt.ids)) if req.echo else ""
     return [Job(prompt.ids, max_tokens=max_tokens, sampling=s, stop=req.stops(), split_reasoning=False,
-                top_logprobs=req.logprobs, id=rid if i == 0 else f"{rid}-{i}") for i, s in enumerate(sampling)], echo
+                top_logprobs=req.logprobs, draft_tokens=req.draft_tokens, id=rid if i == 0 else f"{rid}-{i}")
+            for i, s in enumerate(sampling)], echo
 
 
 def call_delta(c) -> dict[str, Any]:

@@ -77,6 +77,9 @@ class _Common(ClientFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user label, logged with the request
+    # llama.cpp's name: the most tokens drafted a step for this request (at most the server's
+    # speculative.num_draft_tokens; 0: this request decodes plainly); ignored by a server without speculation
+    draft_tokens: int | None = Field(None, alias="speculative.n_max", ge=0, le=MAX_COUNT)
 
     def sampling(self, vocab: int = MAX_COUNT, choice: int = 0) -> SamplingParams:
         """Choice `choice`'s sampling: its own seed (seed + choice) when a seed is given; logit_bias ids

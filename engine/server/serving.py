@@ -69,6 +69,7 @@ class ChatJob:
     top_logprobs: int | None = None
     grammar: GrammarSpec | None = None  # the output's constraint (response_format, tool_choice)
     prefix: str = "chatcmpl-"
+    draft_tokens: int | None = None  # speculative.n_max: the request's cap on drafted tokens a step
 
 
 def tool_family(served: Served, tools: list | None) -> str | None:
@@ -98,7 +99,8 @@ def make_chat_jobs(served: Served, chat: ChatJob) -> list[Job]:
         grammar = grammar.with_reasoning(opened=True)  # the thought the prompt opened runs free, then the constraint
     return [Job(prompt.ids, max_tokens=max_tokens, sampling=s, stop=chat.stop, thinking_budget=budget,
                 thinking_at_start=prompt.thinking_at_start, split_reasoning=True, top_logprobs=chat.top_logprobs,
-                grammar=grammar, id=rid if i == 0 else f"{rid}-{i}") for i, s in enumerate(chat.sampling)]
+                grammar=grammar, draft_tokens=chat.draft_tokens, id=rid if i == 0 else f"{rid}-{i}")
+            for i, s in enumerate(chat.sampling)]
 
 
 async def start_chat(served: Served, relays: dict, chat: ChatJob, family: str | None, param: str) -> "Generation":

@@ -9,14 +9,18 @@
 #        SUITE=tests/perf/repetitive_suite.json  EXTRA="--limit 1" (more bench options)  PORT=8080
 #        READY_S=300 (seconds to wait for a server)  BENCH_S=200 (seconds per bench run)
 #        BUDGET=N (server.max_prefill_tokens_per_step; default: the config's, else one prefill chunk)
+#        SAME=1: one speculative server; each level's requests run plain ("speculative.n_max": 0) and as served,
+#        side by side in that process (`bonsai bench --url --vs-plain`): no spread between two server processes
 set -u
 BASE=${BASE:?set BASE to a serve config}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 LEVELS=${LEVELS:-1,2,4,8}; REPS=${REPS:-2}; PORT=${PORT:-8080}; K=${K:-4}; SPEC=${SPEC:-ngram}
 SUITE=${SUITE:-tests/perf/repetitive_suite.json}; EXTRA=${EXTRA:-}; READY_S=${READY_S:-300}; BENCH_S=${BENCH_S:-200}
-BUDGET=${BUDGET:-}
+BUDGET=${BUDGET:-}; SAME=${SAME:-0}
 B="python3 -m bonsai_cli"
-for mode in plain spec; do
+MODES="plain spec"; VS=""
+if [ "$SAME" = 1 ]; then MODES="spec"; VS="--vs-plain"; fi
+for mode in $MODES; do
     cfg="$OUT/serve-$mode.yaml"
     python3 - "$BASE" "$cfg" "$mode" "$SPEC" "$K" "$BUDGET" <<'PY'
 import sys, yaml
@@ -45,14 +49,18 @@ PY
     done
     if [ $ok != 1 ]; then echo "server ($mode) did not start:"; tail -5 "$OUT/serve-$mode.log"; kill $PID 2>/dev/null; exit 1; fi
     echo "server ready after ${i}s"
-    timeout "$BENCH_S" $B bench --url "http://127.0.0.1:$PORT" --suite "$SUITE" --concurrency "$LEVELS" -r "$REPS" $EXTRA \
-        --json "$OUT/serve-$mode.json" 2>&1 | tail -14
+    timeout "$BENCH_S" $B bench --url "http://127.0.0.1:$PORT" --suite "$SUITE" --concurrency "$LEVELS" -r "$REPS" $EXTRA $VS \
+        --json "$OUT/serve-$mode.json" 2>&1 | tail -18
     curl -s "http://127.0.0.1:$PORT/metrics" | grep '^bonsai_spec_decode' > "$OUT/metrics-$mode.txt"
     kill -INT $PID; wait $PID
 done
-python3 - "$OUT/serve-plain.json" "$OUT/serve-spec.json" <<'PY'
+python3 - "$OUT/serve-plain.json" "$OUT/serve-spec.json" "$SAME" <<'PY'
 import json, sys
-plain, spec = (json.load(open(p)) for p in sys.argv[1:])
+if sys.argv[3] == "1":  # one server: each level's plain run is inside the speculative report
+    spec = json.load(open(sys.argv[2]))
+    plain = {"concurrency": [{"concurrency": lv["concurrency"], **lv["plain"]} for lv in spec["concurrency"]]}
+else:
+    plain, spec = (json.load(open(p)) for p in sys.argv[1:3])
 print(f"{'concurrency':>11} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accepted':>14}")
 for a, b in zip(plain["concurrency"], spec["concurrency"]):
     x, y = a["summary"], b["summary"]

@@ -1,0 +1,229 @@
+"""Probe for issue 19: can a one-row packed GEMV written in CUDA C++ stream the small products faster than Triton?
+
+Session 29 measured the one-row Triton products at 96-99% of copy bandwidth on the 8B / 27B-class gate/up
+matrices but 43-70% on q/k/v, o and down (4-12 MB each), and a persistent Triton kernel could not keep even the
+large ones' bandwidth. Before building CUDA C++ into the engine (NVRTC at run time, a CI compile check), this
+probe answers the question that decides it: with every weight word of the product requested in one go (each
+thread loads all of its words as 16-byte vectors before it computes; no software pipeline, no registers held
+across steps), how close to the bytes' time does a small product get, against Triton's kernels in the same run?
+
+    python3 tests/perf/cuda_gemv_probe.py --json $OUT/cuda_probe.json [--kinds tri,bin] [--reps 30]
+
+Needs a CUDA GPU and CuPy (its NVRTC compiles the kernel at run time; the lent machines' image has both). The
+kernel reads the layout packed_gemv reads (words [K·BITS/32, N] int32, scales [K/G, N] float16, int8
+activations with per-group scale and code sum) and computes the same sums; each config is checked against
+packed_gemv_reference before it is timed as tests/perf/gpu_kern.py times (graph replays over rotated copies).
+Configs: WARPS warps a block, each warp GPW whole groups of 128 columns (a thread: 4 neighbouring columns,
+GW·GPW 16-byte loads); the block sums its warps in shared memory and adds one float a column (atomics when the
+grid splits K). FLOOR=1 compiles the same loads with the arithmetic replaced by an xor: what the loads alone cost.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from quant.kernels.packed_gemv import packed_gemv, packed_gemv_reference  # noqa: E402
+from quant.packed_layout import layout_kind  # noqa: E402
+from tests.perf.gpu_kern import SHAPES, Run, relative_error, rotated, section_copy, time_calls  # noqa: E402
+
+SOURCE = r"""
+__device__ __forceinline__ float half_bits_to_float(unsigned short h)
+{
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+gemv_row(const int* __restrict__ xq, const float* __restrict__ sx, const int* __restrict__ sumx,
+         const int* __restrict__ w, const unsigned short* __restrict__ s, float* __restrict__ out, int N, int NG)
+{
+    constexpr int STEPS = 8 / BITS;              // shift steps a word (four codes a byte lane each)
+    constexpr int GW = GROUP * BITS / 32;        // word rows a group
+    constexpr unsigned MASK = BITS == 2 ? 0x03030303u : 0x01010101u;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int col = (blockIdx.x * 32 + lane) * 4;              // this thread's first of 4 columns
+    const int g0 = (blockIdx.y * WARPS + warp) * GPW;          // this warp's first group
+    const bool col_ok = col < N;
+    int4 wv[GPW][GW];                                          // every word this thread needs, requested first
+#pragma unroll
+    for (int gg = 0; gg < GPW; ++gg)
+#pragma unroll
+        for (int r = 0; r < GW; ++r)
+            wv[gg][r] = (col_ok && g0 + gg < NG)
+                ? __ldcs(reinterpret_cast<const int4*>(w + (size_t)((g0 + gg) * GW + r) * N + col))
+                : make_int4(0, 0, 0, 0);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int gg = 0; gg < GPW; ++gg) {
+        const int g = g0 + gg;
+        if (g < NG) {
+            int is[4] = {0, 0, 0, 0};
+#if FLOOR
+#pragma unroll
+            for (int r = 0; r < GW; ++r) {
+                is[0] ^= wv[gg][r].x; is[1] ^= wv[gg][r].y; is[2] ^= wv[gg][r].z; is[3] ^= wv[gg][r].w;
+            }
+            for (int c = 0; c < 4; ++c) acc[c] += (float)is[c];
+#else
+            const int* xg = xq + g * (GROUP / 4);              // the group's activation words (4 int8 each)
+#pragma unroll
+            for (int r = 0; r < GW; ++r) {
+#pragma unroll
+                for (int j = 0; j < STEPS; ++j) {
+                    const int xw = __ldg(xg + r * STEPS + j);
+                    is[0] = __dp4a((int)(((unsigned)wv[gg][r].x >> (BITS * j)) & MASK), xw, is[0]);
+                    is[1] = __dp4a((int)(((unsigned)wv[gg][r].y >> (BITS * j)) & MASK), xw, is[1]);
+                    is[2] = __dp4a((int)(((unsigned)wv[gg][r].z >> (BITS * j)) & MASK), xw, is[2]);
+                    is[3] = __dp4a((int)(((unsigned)wv[gg][r].w >> (BITS * j)) & MASK), xw, is[3]);
+                }
+            }
+            const float scale = __ldg(sx + g);
+            const int codes_sum = __ldg(sumx + g);
+            if (col_ok) {
+                const uint2 raw = __ldg(reinterpret_cast<const uint2*>(s + (size_t)g * N + col));
+                const float sw[4] = {half_bits_to_float(raw.x & 0xffffu), half_bits_to_float(raw.x >> 16),
+                                     half_bits_to_float(raw.y & 0xffffu), half_bits_to_float(raw.y >> 16)};
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    acc[c] += (float)(is[c] * MULT - OFFSET * codes_sum) * scale * sw[c];
+            }
+#endif
+        }
+    }
+    __shared__ float part[WARPS][128];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) part[warp][lane * 4 + c] = acc[c];
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < WARPS; ++k) total += part[k][threadIdx.x];
+        const int n = blockIdx.x * 128 + threadIdx.x;
+        if (n < N) {
+            if (gridDim.y > 1) atomicAdd(out + n, total);
+            else out[n] += total;
+        }
+    }
+}
+"""
+
+CONFIGS = ((4, 1), (8, 1), (4, 2), (8, 2))  # (WARPS, GPW)
+
+
+class CudaGemv:
+    """The CUDA C++ one-row product for one (kind, WARPS, GPW, FLOOR): compiled once through CuPy's NVRTC."""
+
+    def __init__(self, kind: str, warps: int, gpw: int, floor: bool = False):
+        import cupy
+        self.cupy, self.kind, self.warps, self.gpw, self.floor = cupy, kind, warps, gpw, floor
+        lk = layout_kind(kind)
+        defines = {"BITS": lk.bits, "MULT": lk.mult, "OFFSET": lk.offset, "GROUP": 128, "WARPS": warps,
+                   "GPW": gpw, "FLOOR": int(floor)}
+        options = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in defines.items())
+        self.fn = cupy.RawModule(code=SOURCE, options=options).get_function("gemv_row")
+
+    def bind(self, xq, pw, out):
+        """A closure launching y += x Wᵀ into out on torch's current stream (capturable)."""
+        cp = self.cupy
+        x8, sx, sumx = xq
+        args = (cp.asarray(x8.view(torch.int32)), cp.asarray(sx), cp.asarray(sumx), cp.asarray(pw.words),
+                cp.asarray(pw.scales), cp.asarray(out.view(-1)))
+        ng = pw.in_features // 128
+        grid = ((pw.out_features + 127) // 128, -(-ng // (self.warps * self.gpw)))
+        import numpy as np
+        scalars = (np.int32(pw.out_features), np.int32(ng))
+
+        def call():
+            with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                self.fn(grid, (self.warps * 32,), args + scalars)
+        return call
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path)
+    p.add_argument("--kinds", default="tri,bin")
+    p.add_argument("--shapes", default=",".join(s for s in SHAPES if "21504" not in s))
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=300.0)
+    a = p.parse_args(argv)
+    a.tiny, a.sections = False, ["copy"]
+    return a
+
+
+def triton_call(xq, pw, out, pdl: bool):
+    def call():
+        os.environ["BONSAI_PDL"] = "1" if pdl else "0"
+        packed_gemv(*xq, pw, out=out, accumulate=True)
+    return call
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run = Run(args)
+    run.section("copy", section_copy)
+    copy = run.results["copy_gb_per_s"]
+    rows, checks = [], []
+    compiled: dict = {}
+    for kind in args.kinds.split(","):
+        for i, shape in enumerate(args.shapes.split(",")):
+            if run.out_of_time(f"{kind} {shape}"):
+                break
+            pw = run.weights(kind, shape, seed=i)
+            xq = run.activations(1, pw.in_features, seed=i)
+            want = packed_gemv_reference(*xq, pw)
+            mats = rotated(run, pw)
+            out = torch.zeros(1, pw.out_features, device=run.dev)
+            variants = [("triton pdl", None), ("triton", None)] + [
+                (f"cuda w{w} g{g}", (w, g, False)) for w, g in CONFIGS] + [("cuda floor w8 g1", (8, 1, True))]
+            for name, cfg in variants:
+                try:
+                    if cfg is None:
+                        calls = [triton_call(xq, m, out, name.endswith("pdl")) for m in mats]
+                    else:
+                        key = (kind,) + cfg
+                        if key not in compiled:
+                            compiled[key] = CudaGemv(kind, *cfg)
+                        calls = [compiled[key].bind(xq, m, out) for m in mats]
+                    if not name.startswith("cuda floor"):
+                        out.zero_()
+                        calls[0]()
+                        torch.cuda.synchronize()
+                        err = relative_error(out, want)
+                        checks.append({"name": f"{kind} {shape} {name}", "ok": err < 1e-5, "err": err})
+                        if err >= 1e-5:
+                            print(f"[FAIL] {kind} {shape} {name}: {err:.1e}", flush=True)
+                            continue
+                    t = time_calls(run, calls)
+                except Exception as error:  # noqa: BLE001 - recorded, the next variant runs
+                    run.results["errors"][f"{kind} {shape} {name}"] = f"{type(error).__name__}: {error}"[:300]
+                    print(f"ERROR {kind} {shape} {name}: {error}", flush=True)
+                    continue
+                gbs = pw.nbytes / (t["us"] * 1e-6) / 1e9
+                rows.append({"kind": kind, "shape": shape, "variant": name, "mb": pw.nbytes / 1e6,
+                             "share_of_copy": gbs / copy if copy else None, **t})
+                print(f"{kind:4} {shape:14} {name:18} {t['us']:7.2f} us ({t['us_min']:.2f}-{t['us_max']:.2f})  "
+                      f"{pw.nbytes / 1e6:6.1f} MB  {gbs / copy if copy else 0:5.0%} of copy", flush=True)
+            os.environ["BONSAI_PDL"] = "1"
+            del mats
+    run.results.update(gemv=rows, checks=checks, seconds=time.perf_counter() - run.start)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(run.results, indent=1))
+    failed = [c for c in checks if not c["ok"]]
+    print(f"copy {copy or 0:.0f} GB/s; {len(checks)} checks, {len(failed)} failed; errors: {run.results['errors'] or 'none'}")
+    return 1 if failed or run.results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
