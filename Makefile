@@ -7,6 +7,8 @@ BONSAI := $(VENV)/bin/bonsai
 TORCH ?= torch==2.13.0
 # A second Triton for the kernel compile check (tests/test_kernel_compile.py): the one torch 2.11 pins (our H200's stack)
 COMPAT_TRITON ?= triton==3.6.0
+# NVRTC for the CUDA C++ compile check without a GPU (tests/test_cuda_rt.py; torch's CUDA wheels carry their own)
+NVRTC ?= nvidia-cuda-nvrtc-cu12==12.9.86
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast clean
@@ -18,6 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --disable-pip-version-check -q "$(TORCH)"
 	$(PY) -m pip install --disable-pip-version-check -q -e ".[test]"
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps --target $(VENV)/triton-3.6 "$(COMPAT_TRITON)"
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps --target $(VENV)/nvrtc "$(NVRTC)"
 	touch $@
 
 demo: install

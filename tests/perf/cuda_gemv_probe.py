@@ -9,8 +9,9 @@ across steps), how close to the bytes' time does a small product get, against Tr
 
     python3 tests/perf/cuda_gemv_probe.py --json $OUT/cuda_probe.json [--kinds tri,bin] [--reps 30]
 
-Needs a CUDA GPU and CuPy (its NVRTC compiles the kernel at run time; the lent machines' image has both). The
-kernel reads the layout packed_gemv reads (words [K·BITS/32, N] int32, scales [K/G, N] float16, int8
+Needs a CUDA GPU. The kernel is compiled by NVRTC and launched through quant.kernels.cuda_rt (ctypes; with PDL
+as the engine's Triton kernels launch, and without), and once through CuPy where it is installed (a second,
+independent launcher: if ours is wrong, CuPy's number still answers). The kernel reads the layout packed_gemv reads (words [K·BITS/32, N] int32, scales [K/G, N] float16, int8
 activations with per-group scale and code sum) and computes the same sums; each config is checked against
 packed_gemv_reference before it is timed as tests/perf/gpu_kern.py times (graph replays over rotated copies).
 Configs: WARPS warps a block, each warp GPW whole groups of 128 columns (a thread: 4 neighbouring columns,
@@ -61,6 +62,10 @@ gemv_row(const int* __restrict__ xq, const float* __restrict__ sx, const int* __
             wv[gg][r] = (col_ok && g0 + gg < NG)
                 ? __ldcs(reinterpret_cast<const int4*>(w + (size_t)((g0 + gg) * GW + r) * N + col))
                 : make_int4(0, 0, 0, 0);
+#if USE_PDL  // the weights are in flight; the activations and the output are the previous kernel's
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int gg = 0; gg < GPW; ++gg) {
@@ -119,32 +124,45 @@ gemv_row(const int* __restrict__ xq, const float* __restrict__ sx, const int* __
 CONFIGS = ((4, 1), (8, 1), (4, 2), (8, 2))  # (WARPS, GPW)
 
 
-class CudaGemv:
-    """The CUDA C++ one-row product for one (kind, WARPS, GPW, FLOOR): compiled once through CuPy's NVRTC."""
+def defines(kind: str, warps: int, gpw: int, floor: bool = False, pdl: bool = False) -> dict[str, int]:
+    lk = layout_kind(kind)
+    return {"BITS": lk.bits, "MULT": lk.mult, "OFFSET": lk.offset, "GROUP": 128, "WARPS": warps, "GPW": gpw,
+            "FLOOR": int(floor), "USE_PDL": int(pdl)}
 
-    def __init__(self, kind: str, warps: int, gpw: int, floor: bool = False):
-        import cupy
-        self.cupy, self.kind, self.warps, self.gpw, self.floor = cupy, kind, warps, gpw, floor
-        lk = layout_kind(kind)
-        defines = {"BITS": lk.bits, "MULT": lk.mult, "OFFSET": lk.offset, "GROUP": 128, "WARPS": warps,
-                   "GPW": gpw, "FLOOR": int(floor)}
-        options = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in defines.items())
-        self.fn = cupy.RawModule(code=SOURCE, options=options).get_function("gemv_row")
+
+class CudaGemv:
+    """The CUDA C++ one-row product for one config: compiled by NVRTC and launched through quant.kernels.cuda_rt
+    (ctypes, PDL when asked), or through CuPy (`cupy=True`: CuPy's own NVRTC and launch, without PDL)."""
+
+    def __init__(self, kind: str, warps: int, gpw: int, floor: bool = False, pdl: bool = False, cupy: bool = False):
+        self.warps, self.gpw, self.pdl, self.cupy = warps, gpw, pdl, cupy
+        flags = defines(kind, warps, gpw, floor, pdl and not cupy)
+        if cupy:
+            import cupy as cp
+            options = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in flags.items())
+            self.fn = cp.RawModule(code=SOURCE, options=options).get_function("gemv_row")
+        else:
+            from quant.kernels.cuda_rt import CudaKernel, compile_cubin
+            major, minor = torch.cuda.get_device_capability()
+            self.kernel = CudaKernel(compile_cubin(SOURCE, 10 * major + minor, flags), "gemv_row")
 
     def bind(self, xq, pw, out):
         """A closure launching y += x Wᵀ into out on torch's current stream (capturable)."""
-        cp = self.cupy
-        x8, sx, sumx = xq
-        args = (cp.asarray(x8.view(torch.int32)), cp.asarray(sx), cp.asarray(sumx), cp.asarray(pw.words),
-                cp.asarray(pw.scales), cp.asarray(out.view(-1)))
         ng = pw.in_features // 128
         grid = ((pw.out_features + 127) // 128, -(-ng // (self.warps * self.gpw)))
+        x8, sx, sumx = xq
+        tensors = (x8.view(torch.int32), sx, sumx, pw.words, pw.scales, out.view(-1))
+        if not self.cupy:
+            from quant.kernels.cuda_rt import i32, ptr
+            args = [ptr(t) for t in tensors] + [i32(pw.out_features), i32(ng)]
+            return lambda: self.kernel.launch(grid, (self.warps * 32,), args, pdl=self.pdl)
+        import cupy as cp
         import numpy as np
-        scalars = (np.int32(pw.out_features), np.int32(ng))
+        cargs = tuple(cp.asarray(t) for t in tensors) + (np.int32(pw.out_features), np.int32(ng))
 
         def call():
             with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-                self.fn(grid, (self.warps * 32,), args + scalars)
+                self.fn(grid, (self.warps * 32,), cargs)
         return call
 
 
@@ -185,7 +203,8 @@ def main(argv=None) -> int:
             mats = rotated(run, pw)
             out = torch.zeros(1, pw.out_features, device=run.dev)
             variants = [("triton pdl", None), ("triton", None)] + [
-                (f"cuda w{w} g{g}", (w, g, False)) for w, g in CONFIGS] + [("cuda floor w8 g1", (8, 1, True))]
+                (f"cuda{' pdl' * pdl} w{w} g{g}", (w, g, False, pdl, False)) for w, g in CONFIGS for pdl in (True, False)
+            ] + [("cuda floor pdl w8 g1", (8, 1, True, True, False)), ("cupy w8 g1", (8, 1, False, False, True))]
             for name, cfg in variants:
                 try:
                     if cfg is None:
@@ -195,7 +214,7 @@ def main(argv=None) -> int:
                         if key not in compiled:
                             compiled[key] = CudaGemv(kind, *cfg)
                         calls = [compiled[key].bind(xq, m, out) for m in mats]
-                    if not name.startswith("cuda floor"):
+                    if " floor" not in name:
                         out.zero_()
                         calls[0]()
                         torch.cuda.synchronize()
