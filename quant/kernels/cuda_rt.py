@@ -23,6 +23,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
 
 
@@ -132,7 +134,6 @@ class CudaKernel:
     """One __global__ function of a cubin, loaded into torch's CUDA context on the current device."""
 
     def __init__(self, cubin: bytes, function: str):
-        import torch
         torch.zeros(1, device="cuda")  # torch's (primary) context made current on this thread
         self._image = ctypes.create_string_buffer(cubin, len(cubin))
         self._module, self._function = ctypes.c_void_p(), ctypes.c_void_p()
@@ -144,7 +145,6 @@ class CudaKernel:
     def launch(self, grid: tuple[int, ...], block: tuple[int, ...], args: list, pdl: bool = False,
                shared: int = 0, stream: int | None = None) -> None:
         """Run it on torch's current stream (or `stream`, a CUstream address); args: ctypes values (ptr, i32…)."""
-        import torch
         config = _LaunchConfig()
         config.grid[:] = (tuple(grid) + (1, 1))[:3]
         config.block[:] = (tuple(block) + (1, 1))[:3]
