@@ -60,6 +60,7 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
         "parameters": loaded.summary.num_parameters, "file_bytes": loaded.summary.file_bytes,
         "bits_per_weight": loaded.summary.bits_per_weight, "dtype": str(loaded.dtype).replace("torch.", ""),
         "weight_dtype": str(loaded.weight_dtype).replace("torch.", ""), "int4_layers": loaded.int4_layers,
+        "cpu_kernels": loaded.cpu_kernels,
         "output_layer": _output_layer(loaded.model),
         "weights": loaded.weight_format.quant_type, "head_weights": loaded.weight_format.head_type,
         "group_size": loaded.weight_format.group_size, "load_format": loaded.summary.format,

@@ -28,7 +28,9 @@ def _weights(m: dict[str, Any]) -> str:
     packed = m.get("weights", "bf16")
     if packed == "bf16" and m.get("head_weights", "bf16") == "bf16":
         int4, head = m.get("int4_layers", 0), m.get("output_layer")
-        return (m["weight_dtype"] + (f" + {int4} int4 as stored" if int4 else "")
+        kernels = m.get("cpu_kernels") or "torch"
+        stored = f"{int4} int4 as stored" if kernels == "torch" else f"{int4} as stored (native CPU kernels)"
+        return (m["weight_dtype"] + (f" + {stored}" if int4 else "")
                 + (f", output layer {head} (top logits exact)" if head else ""))
     return f"{packed} g{m.get('group_size')} (head {m.get('head_weights')})"
 

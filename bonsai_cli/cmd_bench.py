@@ -13,7 +13,7 @@ from bonsai_cli.common import err_console
 from bonsai_cli.run_options import (CONFIG_HELP, DEVICE_HELP, DRAFT_TOKENS_HELP, EMBEDDING_ON_HOST_HELP,
                                     HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, KV_TYPE_HELP, LOAD_FORMAT_HELP,
                                     MAX_GPU_MEMORY_HELP, PIPELINE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP, WEIGHTS_HELP,
-                                    CPU_INT4_HELP, OUTPUT_DTYPE_HELP)
+                                    CPU_INT4_HELP, CPU_KERNELS_HELP, OUTPUT_DTYPE_HELP)
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -43,6 +43,7 @@ def bench(
     pipeline_parallel: bool = typer.Option(False, "--pipeline-parallel", help=PIPELINE_HELP),
     weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help=WEIGHT_DTYPE_HELP + " (default auto)"),
     cpu_int4: Optional[bool] = typer.Option(None, "--cpu-int4/--no-cpu-int4", help=CPU_INT4_HELP),
+    cpu_kernels: Optional[str] = typer.Option(None, "--cpu-kernels", help=CPU_KERNELS_HELP),
     output_dtype: Optional[str] = typer.Option(None, "--output-dtype", help=OUTPUT_DTYPE_HELP),
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP + " (default bf16)"),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="inputs per scale group of packed weights "
@@ -95,7 +96,7 @@ def bench(
     if repetitions < 1:
         raise BonsaiError("-r (repetitions) must be >= 1")
     local = {"--device": device, "--pipeline-parallel": pipeline_parallel, "--weight-dtype": weight_dtype,
-             "--cpu-int4": cpu_int4, "--output-dtype": output_dtype,
+             "--cpu-int4": cpu_int4, "--cpu-kernels": cpu_kernels, "--output-dtype": output_dtype,
              "--weights": weights, "--group-size": group_size, "--head-weights": head_weights,
              "--load-format": load_format, "--ternary-layout": ternary_layout, "--max-seq-len": max_seq_len,
              "--kv-type": kv_type,

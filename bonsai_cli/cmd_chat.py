@@ -11,7 +11,7 @@ import typer
 from bonsai_cli.cmd_generate import sampling_from_options
 from bonsai_cli.common import spec_summary
 from bonsai_cli.run_options import (CONFIG_HELP, DEVICE_HELP, DRAFT_TOKENS_HELP, KV_TYPE_HELP, SPEC_HELP,
-                                    WEIGHT_DTYPE_HELP, CPU_INT4_HELP, OUTPUT_DTYPE_HELP, open_cli_run, run_config)
+                                    WEIGHT_DTYPE_HELP, CPU_INT4_HELP, CPU_KERNELS_HELP, OUTPUT_DTYPE_HELP, open_cli_run, run_config)
 
 HELP_TEXT = ("commands: /reset (forget the conversation), /system TEXT (set the system message; "
              "/system alone clears it), /stats (speed of the last answer), /exit")
@@ -30,6 +30,7 @@ def chat(
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help=WEIGHT_DTYPE_HELP + " (default auto)"),
     cpu_int4: Optional[bool] = typer.Option(None, "--cpu-int4/--no-cpu-int4", help=CPU_INT4_HELP),
+    cpu_kernels: Optional[str] = typer.Option(None, "--cpu-kernels", help=CPU_KERNELS_HELP),
     output_dtype: Optional[str] = typer.Option(None, "--output-dtype", help=OUTPUT_DTYPE_HELP),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="context length to allocate "
                                               "(default 4096, or the model's positions if fewer)"),
@@ -49,7 +50,7 @@ def chat(
     console = Console()
     sampling = sampling_from_options(temperature, top_p, top_k, min_p, repeat_penalty, 0.0, 0.0, seed)
     cfg = run_config(model, {"--device": device, "--weight-dtype": weight_dtype,
-                             "--cpu-int4": cpu_int4, "--output-dtype": output_dtype, "--max-seq-len": max_seq_len,
+                             "--cpu-int4": cpu_int4, "--cpu-kernels": cpu_kernels, "--output-dtype": output_dtype, "--max-seq-len": max_seq_len,
                              "--kv-type": kv_type, "--spec": spec, "--draft-tokens": draft_tokens}, config)
     with contextlib.closing(open_cli_run(cfg, auto_pull=model is None and config is None,
                                          from_flags=config is None)) as run:

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from bonsai_cli.common import err_console, print_json
-from bonsai_cli.run_options import CPU_INT4_HELP, OUTPUT_DTYPE_HELP, WEIGHT_DTYPE_HELP, open_cli_run, run_config
+from bonsai_cli.run_options import CPU_INT4_HELP, CPU_KERNELS_HELP, OUTPUT_DTYPE_HELP, WEIGHT_DTYPE_HELP, open_cli_run, run_config
 
 
 def eval_command(
@@ -21,6 +21,7 @@ def eval_command(
     ref_weight_dtype: str = typer.Option("float32", "--ref-weight-dtype", help="the same, for the reference"),
     cpu_int4: bool = typer.Option(False, "--cpu-int4/--no-cpu-int4", help=CPU_INT4_HELP + " (default off here: "
                                   "the judged model's matrices exact as --weight-dtype says)"),
+    cpu_kernels: str = typer.Option("auto", "--cpu-kernels", help=CPU_KERNELS_HELP),
     output_dtype: str = typer.Option("float32", "--output-dtype", help=OUTPUT_DTYPE_HELP),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
 ) -> None:
@@ -38,7 +39,7 @@ def eval_command(
     for spec, wdtype, int4, head in ((model, weight_dtype, cpu_int4, output_dtype),
                                      (ref, ref_weight_dtype, False, "float32")):
         cfg = run_config(spec, {"--device": device, "--weight-dtype": wdtype, "--max-seq-len": context,
-                                "--cpu-int4": int4, "--output-dtype": head})
+                                "--cpu-int4": int4, "--cpu-kernels": cpu_kernels, "--output-dtype": head})
         runners.append(open_cli_run(cfg, quiet=json_out).runner)
     ours, reference = runners
     check_same_tokenizer(ours, reference, source_text[:2000])

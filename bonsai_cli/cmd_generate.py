@@ -11,7 +11,7 @@ from bonsai_cli.common import err_console, print_json, spec_summary
 from bonsai_cli.run_options import (CONFIG_HELP, DEVICE_HELP, DRAFT_TOKENS_HELP, EMBEDDING_ON_HOST_HELP,
                                     HOST_KV_MIB_HELP, KV_OFFLOAD_HELP, KV_TYPE_HELP, MAX_GPU_MEMORY_HELP,
                                     PIPELINE_HELP, SPEC_HELP, WEIGHT_DTYPE_HELP,
-                                    CPU_INT4_HELP, OUTPUT_DTYPE_HELP, open_cli_run, run_config)
+                                    CPU_INT4_HELP, CPU_KERNELS_HELP, OUTPUT_DTYPE_HELP, open_cli_run, run_config)
 
 
 def sampling_from_options(temperature: float, top_p: float, top_k: int, min_p: float,
@@ -44,6 +44,7 @@ def generate(
     pipeline_parallel: bool = typer.Option(False, "--pipeline-parallel", help=PIPELINE_HELP),
     weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help=WEIGHT_DTYPE_HELP + " (default auto)"),
     cpu_int4: Optional[bool] = typer.Option(None, "--cpu-int4/--no-cpu-int4", help=CPU_INT4_HELP),
+    cpu_kernels: Optional[str] = typer.Option(None, "--cpu-kernels", help=CPU_KERNELS_HELP),
     output_dtype: Optional[str] = typer.Option(None, "--output-dtype", help=OUTPUT_DTYPE_HELP),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="context length to allocate "
                                               "(default 4096, or the model's positions if fewer)"),
@@ -72,7 +73,7 @@ def generate(
                                      frequency_penalty, seed)
     cfg = run_config(model, {"--device": device, "--pipeline-parallel": pipeline_parallel,
                              "--weight-dtype": weight_dtype,
-                             "--cpu-int4": cpu_int4, "--output-dtype": output_dtype, "--max-seq-len": max_seq_len, "--kv-type": kv_type,
+                             "--cpu-int4": cpu_int4, "--cpu-kernels": cpu_kernels, "--output-dtype": output_dtype, "--max-seq-len": max_seq_len, "--kv-type": kv_type,
                              "--kv-offload": kv_offload, "--host-kv-mib": host_kv_mib, "--spec": spec,
                              "--draft-tokens": draft_tokens, "--max-gpu-memory": max_gpu_memory,
                              "--embedding-on-host": embedding_on_host}, config)

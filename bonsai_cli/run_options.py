@@ -15,7 +15,7 @@ from bonsai_cli.common import err_console
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
 FLAG_KEYS = {  # flag → the config key it sets
     "--device": "runtime.device", "--slots": "runtime.max_batch_size", "--weight-dtype": "runtime.weight_dtype",
-    "--cpu-int4": "runtime.cpu_int4", "--output-dtype": "runtime.output_dtype",
+    "--cpu-int4": "runtime.cpu_int4", "--cpu-kernels": "runtime.cpu_kernels", "--output-dtype": "runtime.output_dtype",
     "--max-seq-len": "runtime.max_seq_len", "--kv-type": "model.kv_type", "--weights": "model.quant_type",
     "--group-size": "model.group_size", "--head-weights": "model.head_type", "--load-format": "model.load_format",
     "--ternary-layout": "model.ternary_layout",
@@ -43,10 +43,14 @@ WEIGHT_DTYPE_HELP = ("matrix storage: auto (on CPU float16 matrices: half float3
                      "float32 (exact), float16, bfloat16 (on a CPU with AVX512-BF16: one bf16 GEMM at every row "
                      "count, so a speculative verify pass costs about one decode step and prompts run 2-7x "
                      "faster; plain decode 0.8-1.15x float16's, docs/perf.md)")
-CPU_INT4_HELP = ("on the CPU, run a GGUF's Q4_0/Q4_1/Q4_K block matrices as stored with torch's int4 kernel (4.5 "
-                 "bits a weight read per token instead of float16's 16; Q5_0/Q5_1/Q8_0 as two 4-bit halves, 9 "
-                 "bits; Q6_K stays float: bfloat16 with AVX512-BF16, else float16; bfloat16 activations, quality in "
-                 "docs/quality.md). Default: on when --weight-dtype is auto and the weights are as loaded")
+CPU_INT4_HELP = ("on the CPU, run a GGUF's block matrices as stored (by --cpu-kernels: native reads every K-quant "
+                 "and legacy type at its size; torch reads Q4_0/Q4_1/Q4_K, Q5_0/Q5_1/Q8_0 as two 4-bit halves and "
+                 "keeps Q6_K as bfloat16; quality in docs/quality.md). Default: on when --weight-dtype is auto and "
+                 "the weights are as loaded")
+CPU_KERNELS_HELP = ("which kernels run the block matrices on the CPU: native (bonsai's own, compiled on first use "
+                    "with the machine's C compiler: Q4_K/Q6_K/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 at their stored size, int8 "
+                    "activations as llama.cpp), torch (torch's int4 kernel, bfloat16 activations, Q6_K as floats) "
+                    "or auto (native where the CPU has AVX512-VNNI and a compiler works, else torch)")
 OUTPUT_DTYPE_HELP = ("the CPU output layer: float32 (exact), float16 (one float16 GEMM, the logits near each row's "
                      "largest recomputed in float32: the same greedy choice, 2x fewer bytes a token), int8 (one "
                      "int8-weight GEMM, the same recomputation, 4x fewer bytes; the other logits within ~0.02: "

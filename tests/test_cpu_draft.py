@@ -101,15 +101,27 @@ def test_the_draft_weights_setting_is_checked_and_reaches_the_config():
 
 
 @needs_int4
+@pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("weights", ["auto", "stored"])
-def test_a_draft_model_file_loads_as_the_setting_says(weights, tiny_q4_gguf):
+def test_a_draft_model_file_loads_as_the_setting_says(weights, kernels, tiny_q4_gguf):
+    """The drafter follows the target's CPU kernels: torch's int4 layers, or the native kernels' 4-bit form."""
+    from engine.runtime.cpu_kquant import KQuantCpuLinear
     from engine.speculative.config import build_drafter
     from engine.weights.loader import load_model
-    target = load_model(tiny_q4_gguf, cpu_int4=True, narrow_head="int8")
+    from quant.kernels import cpu_rt
+    if kernels == "native" and cpu_rt.library() is None:
+        pytest.skip("no C compiler for the native kernels")
+    target = load_model(tiny_q4_gguf, cpu_int4=True, narrow_head="int8", cpu_kernels=kernels)
     config = SpeculativeConfig.from_spec(f"draft:{tiny_q4_gguf}", draft_weights=weights, adaptive=False)
     drafter = build_drafter(config, target, 64)
+    assert drafter.loaded.cpu_kernels == kernels
     head = drafter.loaded.model.lm_head
-    assert isinstance(head, Int4CpuLinear) == (weights == "auto")
+    four_bit = KQuantCpuLinear if kernels == "native" else Int4CpuLinear
+    assert isinstance(head, four_bit) == (weights == "auto")
+    if kernels == "native" and weights == "auto":
+        assert head.kinds == ["a4"]
+        assert all(set(m.kinds) <= {"a4", "q4k"} for m in drafter.loaded.model.modules()
+                   if isinstance(m, KQuantCpuLinear))
     if weights == "stored":  # the output layer narrowed as before: int8 codes, or float16
         assert head.weight.dtype in (torch.int8, torch.float16)
 

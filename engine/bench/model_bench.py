@@ -24,6 +24,7 @@ from engine.runtime.narrow_head import Int8Head
 from engine.runtime.runner import Runner
 from engine.speculative.stats import SpecStats
 from engine.runtime.cpu_int4 import Int4CpuLinear
+from engine.runtime.cpu_kquant import KQuantCpuLinear
 from engine.weights.packed_linear import PackedLinear
 
 
@@ -125,7 +126,7 @@ def decode_bytes_per_token(runner: Runner, context: int) -> int:
     and conv window, engine.runtime.hybrid_state) is read and written back: counted twice."""
     model = runner.model
     weights = sum(_matrix_bytes(m) for m in model.modules() if isinstance(m, Linear))
-    weights += sum(m.nbytes for m in model.modules() if isinstance(m, (PackedLinear, Int4CpuLinear)))
+    weights += sum(m.nbytes for m in model.modules() if isinstance(m, (PackedLinear, Int4CpuLinear, KQuantCpuLinear)))
     emb = model.embed.weight
     if model.lm_head is None:
         weights += emb.numel() * emb.element_size()  # tied: the embedding is the output matrix

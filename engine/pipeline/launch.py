@@ -47,7 +47,8 @@ class ModelSource:
     weight_dtype: torch.dtype | None = None
     weight_format: object = None  # engine.weights.formats.WeightFormat
     seed: int = 0
-    cpu_int4: bool = False  # a CPU stage runs a GGUF's 4-bit matrices as stored (load_model)
+    cpu_int4: bool = False  # a CPU stage runs a GGUF's block matrices as stored (load_model)
+    cpu_kernels: str = "auto"  # by which kernels (load_model)
     narrow_head: str | None = None  # a CPU stage's output layer: float16 / int8, top logits exact (load_model)
     unpack_slice_bytes: int = 0  # prefill's unpacked Wᵀ whole or in slices, as the plan chose (packed_linear)
 
@@ -60,7 +61,7 @@ class ModelSource:
         else:
             loaded = load_model(self.path, device=device, weight_dtype=self.weight_dtype,
                                 weight_format=self.weight_format, stage=stage, cpu_int4=self.cpu_int4,
-                                narrow_head=self.narrow_head)
+                                narrow_head=self.narrow_head, cpu_kernels=self.cpu_kernels)
         set_unpack_slice(loaded.model, self.unpack_slice_bytes)
         return loaded
 

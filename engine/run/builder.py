@@ -125,7 +125,7 @@ def load_run_model(config: RunConfig, architecture: ModelConfig | None = None, e
     progress(f"loading {path.name} on {device}", 0.05)
     loaded = load_model(path, device=device, weight_dtype=config.weight_dtype, weight_format=fmt,
                         embedding_on_host=embedding_on_host, host_layers=host_layers, cpu_int4=config.cpu_int4,
-                        narrow_head=config.narrow_head)
+                        narrow_head=config.narrow_head, cpu_kernels=config.runtime.cpu_kernels)
     return loaded, _with_template(config, loaded.tokenizer)
 
 
@@ -181,7 +181,7 @@ def _open_pipeline(config: RunConfig, planned: RunPlan, architecture, progress: 
     else:
         source = ModelSource(path=str(model_path(config)), weight_dtype=config.weight_dtype,
                              weight_format=planned.weight_format, cpu_int4=config.cpu_int4,
-                             narrow_head=config.narrow_head, unpack_slice_bytes=planned.settings.unpack_slice_bytes)
+                             cpu_kernels=config.runtime.cpu_kernels, narrow_head=config.narrow_head, unpack_slice_bytes=planned.settings.unpack_slice_bytes)
     split = ", ".join(f"{s.device}: {s.label}" for s in pp.stages)
     progress(f"loading {Path(m.path).name} in {len(pp.stages)} pipeline stages ({split})", 0.05)
     runner = open_pipeline(source, pp, planned.settings.max_seq_len, rt.max_batch_size,

@@ -27,6 +27,7 @@ from quant.kv_format import KV_TYPES
 
 WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16")
 OUTPUT_DTYPES = ("auto", "float32", "float16", "int8")
+CPU_KERNELS = ("auto", "native", "torch")
 DECODE_ALGORITHMS = ("standard", "speculative")
 
 
@@ -126,6 +127,10 @@ class RuntimeSection:
     # engine.runtime.narrow_head), int8 (one int8-weight GEMM, the same recomputation; float16 on CPUs without
     # AVX512); auto: int8 when weight_dtype is auto and the device the CPU
     output_dtype: str = "auto"
+    # which kernels run the block matrices on the CPU: native (bonsai's, compiled with the machine's C compiler:
+    # every GGUF block type at its stored size, int8 activations), torch (torch's int4 kernel, bfloat16
+    # activations), auto (native where its AVX512-VNNI bodies compile, else torch; engine.weights.cpu_int4_load)
+    cpu_kernels: str = "auto"
 
     @property
     def devices(self) -> list[str]:
@@ -153,6 +158,8 @@ class RuntimeSection:
             fail("runtime.weight_dtype", f"'{self.weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
         if self.cpu_int4 and any(d != "cpu" for d in devices):
             fail("runtime.cpu_int4", f"applies to the CPU only, the device is {self.device}; remove it")
+        if self.cpu_kernels not in CPU_KERNELS:
+            fail("runtime.cpu_kernels", f"'{self.cpu_kernels}' is not one of {', '.join(CPU_KERNELS)}")
         if self.output_dtype not in OUTPUT_DTYPES:
             fail("runtime.output_dtype", f"'{self.output_dtype}' is not one of {', '.join(OUTPUT_DTYPES)}")
         if self.output_dtype in ("float16", "int8") and any(d != "cpu" for d in devices):

@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from engine.errors import ModelFileError, UnsupportedModelError
@@ -22,7 +23,7 @@ from engine.sources.model_config import ModelConfig
 from engine.sources import prism_rotation
 from engine.sources.prism_rotation import InputRotationSpec
 from engine.sources.tokenizer import Tokenizer
-from quant import gguf_codec, gguf_int4, gguf_types
+from quant import gguf_codec, gguf_int4, gguf_types, kquant_pack
 from quant.rotation import block_hadamard_factors, signed_block_hadamard
 
 _GGUF_MAGIC = b"GGUF"
@@ -105,6 +106,10 @@ class GGUFFile:
     @property
     def tensor_names(self) -> set[str]:
         return set(self._tensors)
+
+    def canonical_names(self) -> set[str]:
+        """Our names of its tensors (those we read)."""
+        return {name for t in self._tensors.values() if (name := self.canonical(t.name)) is not None}
 
     @property
     def _qwen35(self) -> bool:
@@ -216,6 +221,26 @@ class GGUFFile:
         if config.architecture == "llama" and heads is not None:
             codes, s, z = (_unpermute_rotary(x, heads) for x in (codes, s, z))
         return codes, s, z
+
+    def block_type(self, name: str) -> int | None:
+        """The GGUF type id of a 2-D tensor `read_packed` can read, else None (a hybrid or rotated file: its
+        tensors are transformed as read)."""
+        t = self._tensors.get(self.stored_name(name))
+        if t is None or self._qwen35 or self.prism is not None or len(t.shape) != 2:
+            return None
+        return t.type_id
+
+    def read_packed(self, name: str, config: ModelConfig) -> kquant_pack.Packed | None:
+        """One tensor's blocks repacked for the CPU kernels (quant.kquant_pack), llama q/k rows un-permuted as
+        read_tensor does; None where its type or values do not fit them."""
+        t = self._tensors[self.stored_name(name)]
+        raw = tensor_bytes(self._data, t)
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+        if config.architecture == "llama" and heads is not None:
+            raw = _unpermute_rotary(torch.from_numpy(np.array(raw)), heads).numpy()  # a copy: the map is read-only
+        packed = kquant_pack.pack(raw, t.type_id, t.shape[-1])
+        release_pages(self._data, t)
+        return packed
 
     def iter_quantized_tensors(self, config: ModelConfig
                                ) -> Iterator[tuple[str, str, int, torch.Tensor, torch.Tensor]]:

@@ -208,7 +208,7 @@ def _draft_model(path: str, target: LoadedModel, max_seq_len: int, loaded_drafts
     loaded = loaded_drafts.get(path)
     if loaded is None:
         loaded = load_model(resolve_draft_model(path), device=target.device, dtype=target.dtype,
-                            cpu_int4=target.cpu_int4)
+                            cpu_int4=target.cpu_int4, cpu_kernels=target.cpu_kernels or "auto")
         check_same_tokenizer(loaded.tokenizer, target.tokenizer, path)
         if weights == "stored" or not four_bit_drafter(loaded):
             narrow_output_layer(loaded)

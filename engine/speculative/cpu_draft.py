@@ -9,15 +9,19 @@ agreement with the 1.5B on the coder suite 0.917 → 0.896).
 
 Matrices already stored in a 4-bit type stay as they are; the wider ones (two-half codes, float matrices, the
 output layer, tied or not) are rounded to the kernel's form, one affine pair per 32 weights
-(quant.gguf_int4.affine_rtn). Packed (bonsai-quantized) layers are left alone.
+(quant.gguf_int4.affine_rtn). Packed (bonsai-quantized) layers are left alone. A drafter loaded for the native
+CPU kernels (engine.runtime.cpu_kquant) is rounded the same way into their 4-bit form (a4: 5 bits a weight), its
+Q4_K matrices kept as stored.
 """
 from __future__ import annotations
 
 import torch
 
 from engine.runtime.cpu_int4 import Int4CpuLinear, int4_kernel_available
+from engine.runtime.cpu_kquant import KQuantCpuLinear
 from engine.runtime.linear import Linear
 from engine.weights.loader import LoadedModel
+from quant import kquant_pack
 from quant.gguf_int4 import GROUP, affine_rtn
 
 ROW_MULTIPLE = 16  # the int4 kernel packs rows in sixteens
@@ -42,11 +46,43 @@ def _as_int4(module: torch.nn.Module) -> Int4CpuLinear:
     return Int4CpuLinear(codes, s, z, bias, weight.shape[1])
 
 
+def _as_a4(weight: torch.Tensor, bias: torch.Tensor | None) -> KQuantCpuLinear:
+    codes, s, z = affine_rtn(weight.float())  # [N, K], [N, K/32] x 2
+    return KQuantCpuLinear([kquant_pack.from_affine(codes.numpy(), s.numpy(), z.numpy())], bias)
+
+
+@torch.no_grad()
+def _native_drafter(model) -> int:
+    """four_bit_drafter for a model on the native CPU kernels: every matrix not already 4-bit becomes a4."""
+    done = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, KQuantCpuLinear):
+            if set(module.kinds) <= {"a4", "q4k"}:
+                continue
+            weight = module.dequantized()  # [N, K]
+        elif _convertible(module) and module.weight.shape[1] % GROUP == 0:
+            weight = module.weight.data  # [N, K]
+        else:
+            continue
+        parent, _, attr = name.rpartition(".")
+        bias = module.bias.data if module.bias is not None else None
+        setattr(model.get_submodule(parent) if parent else model, attr, _as_a4(weight, bias))
+        done += 1
+    if model.lm_head is None and model.embed.weight.shape[1] % GROUP == 0:  # tied: the embedding stays for lookups
+        model.lm_head = _as_a4(model.embed.weight.data, None)
+        done += 1
+    return done
+
+
 @torch.no_grad()
 def four_bit_drafter(loaded: LoadedModel) -> int:
     """Round `loaded`'s (a draft model's) matrices to 4-bit codes in place, where it runs on a CPU with torch's
-    int4 kernel; the number of matrices rounded (0: nothing to do here)."""
-    if loaded.device.type != "cpu" or not int4_kernel_available():
+    int4 kernel or the native kernels (as it was loaded); the number of matrices rounded (0: nothing to do here)."""
+    if loaded.device.type != "cpu":
+        return 0
+    if loaded.cpu_kernels == "native":
+        return _native_drafter(loaded.model)
+    if not int4_kernel_available():
         return 0
     model = loaded.model
     done = 0

@@ -23,7 +23,7 @@ from engine.sources.model_check import expected_shapes
 from engine.sources.model_config import ModelConfig
 from engine.sources.prism_rotation import InputRotationSpec
 from engine.sources.tokenizer import Tokenizer
-from engine.weights.cpu_int4_load import cpu_int4_layers, pack_cpu_int4
+from engine.weights.cpu_int4_load import cpu_int4_layers, pack_cpu_int4, resolve_cpu_kernels
 from engine.weights.formats import WeightFormat, linear_formats, linear_modules, stored_formats
 from engine.weights.packed_linear import PackedLinear, empty_packed, pack_linears, quantize_rows, tensor_generator
 from engine.weights.packed_load import pack_stored_codes
@@ -58,7 +58,8 @@ class LoadedModel:
     load_seconds: float = 0.0
     weight_format: WeightFormat = field(default_factory=WeightFormat)
     cpu_int4: bool = False  # loaded with cpu_int4 (a draft model follows it)
-    int4_layers: int = 0  # block matrices run as their stored 4-bit codes (engine.weights.cpu_int4_load)
+    int4_layers: int = 0  # block matrices run as stored (engine.weights.cpu_int4_load)
+    cpu_kernels: str = ""  # the CPU kernel set for them: "native" or "torch" ("" when not asked for)
 
     def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -278,19 +279,17 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                weight_dtype: torch.dtype | None = None, weight_format: WeightFormat | None = None,
                keep_codes: bool | None = None, embedding_on_host: bool = False, stage=None,
                host_layers: frozenset[int] = frozenset(), cpu_int4: bool = False,
-               narrow_head: str | None = None) -> LoadedModel:
+               narrow_head: str | None = None, cpu_kernels: str = "auto") -> LoadedModel:
     """Load a GGUF file or a HF directory; weights are materialized one tensor at a time.
 
-    dtype: activations and norms (float32 on CPU, bfloat16 on CUDA by default); weight_dtype: the matrices
-    (default_weight_dtype); weight_format: pack the matrices at load (round-to-nearest onto the ternary / 1-bit /
-    int grids) for the packed kernels; keep_codes: tensors stored quantized (bonsai checkpoints,
-    TQ1_0/TQ2_0/Q1_0/Q2_0 GGUFs) run packed as stored (default on CUDA, where the packed kernels are fast; on the
-    CPU floats decode faster); embedding_on_host: the embedding table stays in host memory
-    (engine.memory.host_embedding); stage: a pipeline stage (engine.pipeline.split.Stage): only its layers (and the
-    embedding / output layer it holds) are read and allocated; host_layers: these blocks are read and packed in host
-    memory, never allocated on the device (the blocks a WeightStreamer streams). cpu_int4: on the CPU, the block
-    matrices a GGUF stores in 4-bit types run as stored (engine.weights.cpu_int4_load); narrow_head: on the CPU, a
-    float32 output layer runs as one "float16" or "int8" GEMM with its top logits exact (engine.runtime.narrow_head)."""
+    dtype: activations and norms (float32 on CPU, bfloat16 on CUDA); weight_dtype: the matrices
+    (default_weight_dtype); weight_format: pack the matrices at load (round-to-nearest) for the packed kernels;
+    keep_codes: tensors stored quantized (checkpoints, TQ1_0/TQ2_0/Q1_0/Q2_0) run packed (default on CUDA);
+    embedding_on_host: the embedding table stays in host memory; stage: a pipeline stage (its layers, embedding and
+    output layer only are read); host_layers: these blocks are packed in host memory (a WeightStreamer streams
+    them). cpu_int4: on the CPU, a GGUF's block matrices run as stored by the `cpu_kernels` set (auto, native or
+    torch: engine.weights.cpu_int4_load); narrow_head: on the CPU, a float32 output layer runs as one "float16" or
+    "int8" GEMM with its top logits exact (engine.runtime.narrow_head)."""
     start = time.perf_counter()
     dev = resolve_device(device)
     source = open_model_source(Path(path))
@@ -302,12 +301,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     dtype = dtype or default_dtype(dev)
     rotation = getattr(source, "rotation", None) or {}
     keep = keep_codes if keep_codes is not None else dev.type == "cuda"
-    # layers packed from stored codes are never materialized as floats (a 27B model's float copy
-    # would not fit the GPU its packed form is meant for)
-    stored = stored_packed_layers(source, config) if keep else {}
-    stored = {name: parts for name, parts in stored.items() if stage_holds(stage, config, name)}
-    int4 = (cpu_int4_layers(source, config, stage) if cpu_int4 and dev.type == "cpu" and not weight_format.packed
-            and not keep else {})
+    # layers packed from stored codes are never materialized as floats (a 27B float copy would not fit its GPU)
+    stored = {name: parts for name, parts in (stored_packed_layers(source, config) if keep else {}).items()
+              if stage_holds(stage, config, name)}
+    as_stored = cpu_int4 and dev.type == "cpu" and not weight_format.packed and not keep
+    kernels = resolve_cpu_kernels(cpu_kernels) if as_stored else ""
+    int4 = cpu_int4_layers(source, config, stage, kernels) if kernels else {}
     weight_dtype = weight_dtype or default_weight_dtype(dev, dtype, int4=bool(int4))
     skip = frozenset(n for names in [*stored.values(), *int4.values()] for n in names)
     if stage is not None and not isinstance(source, HFModelDir):  # other stages' tensors are not even read
@@ -323,7 +322,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                                    ternary=weight_format.ternary_kind)
         packed = {global_name(name, model.first_layer) for name in packed}
         assert set(stored) <= packed, f"planned packed layers were not packed: {sorted(set(stored) - packed)[:3]}"
-    pack_cpu_int4(model, source, config, int4)
+    pack_cpu_int4(model, source, config, int4, kernels)
     if weight_format.packed:
         pack_linears(model, weight_format, device=dev, host_layers=host_layers)  # what is left: a tied output layer's own packed copy
     _drop_unused_embedding(model)
@@ -334,7 +333,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),
                        summary=summarize(source), device=dev, dtype=dtype, weight_dtype=weight_dtype,
                        load_seconds=time.perf_counter() - start, weight_format=weight_format,
-                       cpu_int4=cpu_int4 and dev.type == "cpu", int4_layers=len(int4))
+                       cpu_int4=cpu_int4 and dev.type == "cpu", int4_layers=len(int4), cpu_kernels=kernels)
 
 
 def stored_packed_layers(source, config: ModelConfig) -> dict[str, list[str]]:

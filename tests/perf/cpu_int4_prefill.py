@@ -6,7 +6,9 @@ Run: .venv/bin/python tests/perf/cpu_int4_prefill.py [--threads 1,2] [--rows 17,
 Each cell: the mean over --repeats of each repeat's median of --calls calls, ± half the spread of those repeats.
 
 End to end, before/after in one tree: `... cpu_int4_prefill.py --prefill-rows N bonsai bench|eval MODEL [flags]` runs
-that bonsai command with engine.runtime.cpu_int4.PREFILL_ROWS = N (1000000: every call on the int4 kernel, as before).
+that bonsai command with engine.runtime.cpu_int4.PREFILL_ROWS = N (1000000: every call on the int4 kernel, as before),
+and the native kernels' (engine.runtime.cpu_kquant) the same: `--prefill-rows 1000000 bonsai eval …` scores the rows
+a decode step computes.
 `... cpu_int4_prefill.py prompt MODEL [--draft] [--category summarization] [--threads 1]`: one model's prefill of a
 coder-suite prompt, kernel only and with the GEMM path alternated in one process (--draft: the model rounded to 4-bit
 codes as a CPU draft model is, engine.speculative.cpu_draft)."""
@@ -62,7 +64,8 @@ def errors(lin: Int4CpuLinear, rows: int) -> str:
 def cli(argv: list[str], prefill_rows: int) -> None:
     """A bonsai command (argv: its arguments) with this threshold."""
     from bonsai_cli.main import main as bonsai
-    cpu_int4.PREFILL_ROWS = prefill_rows
+    from engine.runtime import cpu_kquant
+    cpu_int4.PREFILL_ROWS = cpu_kquant.PREFILL_ROWS = prefill_rows  # either kernel set
     sys.argv = ["bonsai", *argv]
     bonsai()
 

@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
     ap.add_argument("--cpu-int4", choices=["auto", "on", "off"], default="auto",
                     help="runtime.cpu_int4 (auto: as `bonsai bench` runs the model)")
+    ap.add_argument("--cpu-kernels", default="auto", help="runtime.cpu_kernels, or a comma list (auto, native, "
+                    "torch): each loaded once and run in every round beside llama.cpp")
     ap.add_argument("--output-dtype", choices=["auto", "float32", "float16"], default="auto", help="runtime.output_dtype")
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--json", type=Path)
@@ -74,7 +76,7 @@ def main() -> None:
     binary = build(args.llama_dir) / "llama-bench"
     wdtype = None if args.weight_dtype == "auto" else getattr(torch, args.weight_dtype)
     report = {"threads": args.threads, "rounds": args.rounds, "weight_dtype": args.weight_dtype,
-              "cpu_int4": args.cpu_int4, "output_dtype": args.output_dtype,
+              "cpu_int4": args.cpu_int4, "output_dtype": args.output_dtype, "cpu_kernels": args.cpu_kernels,
               "torch": torch.__version__, "models": {}}
     print(f"threads {args.threads}, {args.rounds} rounds interleaved, weights {args.weight_dtype}, "
           f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
@@ -88,29 +90,38 @@ def main() -> None:
         if args.cpu_int4 != "auto":
             runtime["cpu_int4"] = args.cpu_int4 == "on"
         cfg = RunConfig.from_dict({"model": {"path": str(path)}, "runtime": runtime})
-        loaded = load_model(path, "cpu", weight_dtype=wdtype, cpu_int4=cfg.cpu_int4, narrow_head=cfg.narrow_head)
-        print(f"{name}: {loaded.int4_layers} int4 matrices, output layer "
-              f"{getattr(loaded.model.lm_head, 'weight', loaded.model.embed.weight).dtype}", flush=True)
         from engine.decoding.engine import Engine
-        runner = Engine(ModelRunner(loaded, max_seq_len=N_PROMPT + N_GEN + 8), None)  # run_test drives an engine
-        special = frozenset(loaded.tokenizer.special_ids)
-        ours_bench(runner, special, 10_000)  # warm-up (llama-bench warms up inside each call)
-        samples = {"bonsai": {}, "llama.cpp": {}}
+        engines = {}
+        for kernels in args.cpu_kernels.split(","):
+            loaded = load_model(path, "cpu", weight_dtype=wdtype, cpu_int4=cfg.cpu_int4, narrow_head=cfg.narrow_head,
+                                cpu_kernels=kernels)
+            label = f"bonsai-{loaded.cpu_kernels or 'float'}"
+            print(f"{name}: {label}: {loaded.int4_layers} matrices as stored, output layer "
+                  f"{type(loaded.model.lm_head).__name__}", flush=True)
+            engine = Engine(ModelRunner(loaded, max_seq_len=N_PROMPT + N_GEN + 8), None)  # run_test drives an engine
+            special = frozenset(loaded.tokenizer.special_ids)
+            ours_bench(engine, special, 10_000)  # warm-up (llama-bench warms up inside each call)
+            engines[label] = (engine, special)
+        samples = {"llama.cpp": {}, **{label: {} for label in engines}}
         for r in range(args.rounds):
-            runs = [("llama.cpp", lambda: llama_bench(binary, path, args.threads, args.repack)),
-                    ("bonsai", lambda: ours_bench(runner, special, r + 1))]
+            runs = [("llama.cpp", lambda: llama_bench(binary, path, args.threads, args.repack))]
+            runs += [(label, lambda e=e, s=s: ours_bench(e, s, r + 1)) for label, (e, s) in engines.items()]
             for engine, run in (runs if r % 2 == 0 else runs[::-1]):
                 for test, tps in run().items():
                     samples[engine].setdefault(test, []).append(tps)
         entry = {}
         for test in (f"pp{N_PROMPT}", f"tg{N_GEN}"):
-            ours, theirs = samples["bonsai"][test], samples["llama.cpp"][test]
-            ratio = statistics.mean(ours) / statistics.mean(theirs)
-            entry[test] = {"bonsai": ours, "llama.cpp": theirs, "ratio": ratio}
-            print(f"{name:20} {test:5} bonsai {fmt(ours)}  llama.cpp {fmt(theirs)}  tok/s  "
-                  f"ratio {ratio:.2f}x", flush=True)
+            theirs = samples["llama.cpp"][test]
+            entry[test] = {"llama.cpp": theirs}
+            for label in engines:
+                ours = samples[label][test]
+                ratio = statistics.mean(ours) / statistics.mean(theirs)
+                entry[test][label] = ours
+                entry[test][f"ratio_{label}"] = ratio
+                print(f"{name:20} {test:5} {label:14} {fmt(ours)}  llama.cpp {fmt(theirs)}  tok/s  "
+                      f"ratio {ratio:.2f}x", flush=True)
         report["models"][name] = entry
-        del runner, loaded
+        del engines, loaded
     report["load_average_end"] = os.getloadavg()[0]
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

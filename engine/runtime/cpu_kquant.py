@@ -1,0 +1,91 @@
+"""A GGUF block matrix run on the CPU as stored by bonsai's own kernels (quant/kernels/cpu_kquant.c): every
+block type a llama.cpp Q4_K_M / Q5_0 / Q8_0 file uses (Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) read at its
+stored size (Q6_K 6.56 bits a weight where torch's kernels need bfloat16's 16; Q4_K 4.6 where torch's int4
+layout takes 5), the activations rounded to int8 per block as llama.cpp does (Q8_K / Q8_0 style: one float
+scale a 256 or 32 values), integer dot products (AVX512-VNNI), and one pass over the weight bytes for all of
+a call's rows — a verify pass of 5 rows costs ~2x one row, not 5x.
+
+A fused layer (q/k/v, gate/up) keeps one packed matrix per stored part (each of its own type) and writes each
+part's columns of one output. A row's result does not depend on how many rows share the call or on the thread
+count (fixed operations per output), so a speculative verify pass gives the decode step's values bit for bit.
+Prompt chunks of PREFILL_ROWS rows or more (where the CPU multiplies bfloat16 natively) decode the matrix to
+bfloat16 a chunk of rows at a time and run GEMMs, as engine.runtime.cpu_int4_prefill does for torch's layout.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.runtime.linear import cpu_bf16_gemm
+from quant import kquant_pack
+from quant.kernels import cpu_rt
+
+PREFILL_ROWS = 48  # as engine.runtime.cpu_int4: decode + bfloat16 GEMM from here on (prompt chunks)
+CHUNK = 1 << 21  # weights decoded to bfloat16 at a time for a prompt chunk's GEMMs
+
+
+class KQuantCpuLinear(nn.Module):
+    """y = x Wᵀ (+ b), W the row-wise stack of packed parts (kquant_pack.Packed), each its own GGUF type."""
+
+    def __init__(self, parts: list[kquant_pack.Packed], bias: torch.Tensor | None = None):
+        super().__init__()
+        if len({p.k for p in parts}) != 1:
+            raise ValueError(f"parts of different widths: {[p.k for p in parts]}")
+        self.in_features, self.out_features = parts[0].k, sum(p.n for p in parts)
+        self.parts = [(p.fmt, p.n, p.kp) for p in parts]
+        for i, p in enumerate(parts):
+            for name in ("qs", "qh", "meta"):
+                self.register_buffer(f"{name}{i}", torch.from_numpy(np.ascontiguousarray(getattr(p, name))))
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.kinds = sorted({fmt for fmt, _, _ in self.parts})
+        self._layer: cpu_rt.Layer | None = None  # the C call's arguments, built on first use from the buffers
+
+    def _planes(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return getattr(self, f"qs{i}"), getattr(self, f"qh{i}"), getattr(self, f"meta{i}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for i in range(len(self.parts)) for t in self._planes(i))
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [N, K] matrix this layer multiplies by, for references."""
+        rows = []
+        for i, (fmt, n, kp) in enumerate(self.parts):
+            qs, qh, meta = (t.numpy() for t in self._planes(i))
+            rows.append(kquant_pack.dequantize(kquant_pack.Packed(fmt, n, self.in_features, kp, qs, qh, meta)))
+        return torch.from_numpy(np.concatenate(rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features).float()  # [M, K]
+        if rows >= PREFILL_ROWS and cpu_bf16_gemm():
+            y = self._prefill(flat.to(torch.bfloat16)).float()  # [M, N]
+        else:
+            y = self._call().run(flat.contiguous())  # [M, N]
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def _call(self) -> cpu_rt.Layer:
+        """The C call's arguments for the current buffers (rebuilt if they were replaced, e.g. by a load)."""
+        if self._layer is None or self._layer.keep[0].data_ptr() != self.qs0.data_ptr():
+            self._layer = cpu_rt.Layer([(fmt, *self._planes(i), n, kp) for i, (fmt, n, kp) in enumerate(self.parts)],
+                                       self.in_features)
+        return self._layer
+
+    def _prefill(self, xb: torch.Tensor) -> torch.Tensor:
+        """bfloat16 x [M, K] → bfloat16 [M, N]: each part decoded CHUNK weights at a time, one GEMM a chunk."""
+        outs = []
+        for i, (fmt, n, kp) in enumerate(self.parts):
+            step = max(1, CHUNK // kp)
+            for r in range(0, n, step):
+                w = cpu_rt.dequant_bf16(fmt, *self._planes(i), r, min(n, r + step), kp)[:, :self.in_features]
+                outs.append(F.linear(xb, w))  # [M, rows of this chunk]
+        return torch.cat(outs, dim=-1)
+
+
+def layer_types(source, parts: list[str]) -> list[int] | None:
+    """The GGUF types of a layer's stored parts if the kernels take every one, else None."""
+    types = [source.block_type(name) for name in parts] if hasattr(source, "block_type") else [None]
+    return types if all(t in kquant_pack.PACKABLE for t in types) else None

@@ -1,0 +1,151 @@
+/* AVX512-VNNI bodies of cpu_kquant.c (included there when the compiler targets a CPU that has them).
+ * Each weight block is expanded to unsigned byte codes once and multiplied with up to MT rows' int8 codes
+ * (vpdpbusd: 4 products a 32-bit lane); each lane's integer sum is scaled in float by its weight scale times its
+ * 32 activations' scale. Q4K / Q6K lanes hold one sub-block in all four vectors of a block (the layout's order),
+ * so a row costs 4 vpdpbusd, one conversion and one multiply-add a block. */
+#define MT 16
+
+static inline __m512i idx8(int a, int b) {
+    return _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m512 twice8(__m256 v) {  /* [v0..v7, v0..v7] */
+    const __m512 w = _mm512_castps256_ps512(v);
+    return _mm512_shuffle_f32x4(w, w, 0x44);
+}
+
+static void q4k_rows_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
+                            const float* xd, const float* xs, int M, float* y, int ldy) {
+    const int nb = K / 256;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int n = n0; n < n1; n++)
+    for (int mt = 0; mt < M; mt += MT) {
+        const int mr = M - mt < MT ? M - mt : MT;
+        __m512 acc[MT];
+        __m256 macc[MT];
+        for (int m = 0; m < mr; m++) { acc[m] = _mm512_setzero_ps(); macc[m] = _mm256_setzero_ps(); }
+        const uint8_t* q = qs + (size_t)n * (K / 2);
+        const uint8_t* mt0 = meta + (size_t)n * nb * 20;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t* bm = mt0 + b * 20;
+            const float d = _cvtsh_ss(*(const uint16_t*)bm), dmin = _cvtsh_ss(*(const uint16_t*)(bm + 2));
+            const __m512i v0 = _mm512_loadu_si512(q + b * 128), v1 = _mm512_loadu_si512(q + b * 128 + 64);
+            const __m512i w0 = _mm512_and_si512(v0, lo4), w1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), lo4);
+            const __m512i w2 = _mm512_and_si512(v1, lo4), w3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), lo4);
+            const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(d),   // d * sc[j], one a 32-weight sub-block
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bm + 4)))));
+            const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(dmin),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bm + 12)))));
+            for (int m = 0; m < mr; m++) {
+                const size_t row = (size_t)(mt + m);
+                const int8_t* xr = xq + row * K + b * 256;
+                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(xr));
+                t = _mm512_dpbusd_epi32(t, w1, _mm512_loadu_si512(xr + 64));  // lane l: sub-block l % 8 in all four
+                t = _mm512_dpbusd_epi32(t, w2, _mm512_loadu_si512(xr + 128));
+                t = _mm512_dpbusd_epi32(t, w3, _mm512_loadu_si512(xr + 192));
+                const __m256 f = _mm256_mul_ps(sc, _mm256_loadu_ps(xd + row * (K / 32) + b * 8));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), twice8(f), acc[m]);
+                macc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + row * (K / 32) + b * 8), mn, macc[m]);
+            }
+        }
+        for (int m = 0; m < mr; m++) y[(size_t)(mt + m) * ldy + n] = _mm512_reduce_add_ps(acc[m]) - hsum256(macc[m]);
+    }
+}
+
+static void q6k_rows_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+                            const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
+    const int nb = K / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    for (int n = n0; n < n1; n++)
+    for (int mt = 0; mt < M; mt += MT) {
+        const int mr = M - mt < MT ? M - mt : MT;
+        __m512 acc[MT], oacc[MT];
+        for (int m = 0; m < mr; m++) { acc[m] = _mm512_setzero_ps(); oacc[m] = _mm512_setzero_ps(); }
+        const uint8_t* pl = qs + (size_t)n * (K / 2);
+        const uint8_t* ph = qh + (size_t)n * (K / 4);
+        const uint8_t* mt0 = meta + (size_t)n * nb * 18;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t* bm = mt0 + b * 18;
+            const float d = _cvtsh_ss(*(const uint16_t*)bm);
+            const __m512i v0 = _mm512_loadu_si512(pl + b * 128), v1 = _mm512_loadu_si512(pl + b * 128 + 64);
+            const __m512i h = _mm512_loadu_si512(ph + b * 64);
+            const __m512i c0 = _mm512_or_si512(_mm512_and_si512(v0, m4), _mm512_slli_epi16(_mm512_and_si512(h, m2), 4));
+            const __m512i c1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v0, 4), m4),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), m2), 4));
+            const __m512i c2 = _mm512_or_si512(_mm512_and_si512(v1, m4),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 4), m2), 4));
+            const __m512i c3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v1, 4), m4),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 6), m2), 4));
+            const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(d),  // d * sc[l], lane l: sub-block l of 16
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(bm + 2)))));
+            for (int m = 0; m < mr; m++) {
+                const size_t row = (size_t)(mt + m);
+                const int8_t* xr = xq + row * K + b * 256;
+                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(xr));
+                t = _mm512_dpbusd_epi32(t, c1, _mm512_loadu_si512(xr + 64));
+                t = _mm512_dpbusd_epi32(t, c2, _mm512_loadu_si512(xr + 128));
+                t = _mm512_dpbusd_epi32(t, c3, _mm512_loadu_si512(xr + 192));
+                const __m512 dx = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(
+                    _mm256_loadu_ps(xd + row * (K / 32) + b * 8)));  // lane l: its 32 activations' scale
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sc, dx), acc[m]);
+                oacc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs + row * (K / 16) + b * 16), sc, oacc[m]);
+            }
+        }
+        for (int m = 0; m < mr; m++)
+            y[(size_t)(mt + m) * ldy + n] = _mm512_reduce_add_ps(acc[m]) - 32.f * _mm512_reduce_add_ps(oacc[m]);
+    }
+}
+
+static void a_rows_avx512(int bits, const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
+                          const float* xd, const float* xs, int M, float* y, int ldy) {
+    const int nb = K / 32, nc = K / 128;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    const __m512i i01 = idx8(0, 1), i23 = idx8(2, 3);
+    for (int n = n0; n < n1; n++)
+    for (int mt = 0; mt < M; mt += MT) {
+        const int mr = M - mt < MT ? M - mt : MT;
+        __m512 acc[MT];
+        __m128 oacc[MT];
+        for (int m = 0; m < mr; m++) { acc[m] = _mm512_setzero_ps(); oacc[m] = _mm_setzero_ps(); }
+        for (int c = 0; c < nc; c++) {
+            __m512i w0, w1;
+            if (bits == 4) {
+                const __m512i v = _mm512_loadu_si512(qs + (size_t)n * (K / 2) + c * 64);
+                w0 = _mm512_and_si512(v, lo4);
+                w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+            } else {
+                w0 = _mm512_loadu_si512(qs + (size_t)n * K + c * 128);
+                w1 = _mm512_loadu_si512(qs + (size_t)n * K + c * 128 + 64);
+            }
+            const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + ((size_t)n * nb + c * 4) * 4)));
+            const __m128 lo = _mm256_castps256_ps128(dm), hi = _mm256_extractf128_ps(dm, 1);
+            const __m128 d4 = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)), m4 = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+            const __m512 d4w = _mm512_castps128_ps512(d4);
+            const __m512 dv0 = _mm512_permutexvar_ps(i01, d4w), dv1 = _mm512_permutexvar_ps(i23, d4w);
+            for (int m = 0; m < mr; m++) {
+                const size_t row = (size_t)(mt + m);
+                const int8_t* xr = xq + row * K + c * 128;
+                const __m128 dx4 = _mm_loadu_ps(xd + row * nb + c * 4);
+                const __m512 dx4w = _mm512_castps128_ps512(dx4);
+                const __m512i z = _mm512_setzero_si512();
+                const __m512i p0 = _mm512_dpbusd_epi32(z, w0, _mm512_loadu_si512(xr));
+                const __m512i p1 = _mm512_dpbusd_epi32(z, w1, _mm512_loadu_si512(xr + 64));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(dv0, _mm512_permutexvar_ps(i01, dx4w)), acc[m]);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_mul_ps(dv1, _mm512_permutexvar_ps(i23, dx4w)), acc[m]);
+                oacc[m] = _mm_fmadd_ps(_mm_loadu_ps(xs + row * nb + c * 4), m4, oacc[m]);  // m * d_x * sum(codes)
+            }
+        }
+        for (int m = 0; m < mr; m++) {
+            __m128 s = _mm_add_ps(oacc[m], _mm_movehl_ps(oacc[m], oacc[m]));
+            s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            y[(size_t)(mt + m) * ldy + n] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(s);
+        }
+    }
+}

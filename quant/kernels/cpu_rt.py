@@ -1,0 +1,174 @@
+"""The CPU kernels of cpu_kquant.c compiled on first use with the machine's C compiler, called by ctypes.
+
+    lib = library()                      # None where no compiler works (the caller keeps torch's kernels)
+    acts = quantize_rows(x, kp, group)   # float32 [M, K] → int8 codes, scales, sums per 16
+    matmul(packed_tensors, acts, y, n0)  # y[:, n0:n0 + N] = x @ Wᵀ for one packed matrix
+
+The compiler is `cc` (BONSAI_CC names another) with -O3 -march=native -fopenmp: the library is built for the
+CPU it runs on, cached under ~/.cache/bonsai/kernels (BONSAI_KERNEL_CACHE) by a hash of the source, flags and
+compiler, written under a temporary name and renamed. Its OpenMP runtime is torch's: both name libgomp.so.1,
+which torch has loaded by then, so the two share one pool of threads. `vector()` says whether the AVX512-VNNI
+bodies were compiled in (else every call runs the portable C loops: right, but slower than torch's kernels).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kquant.c")
+HEADERS = (Path(__file__).with_name("cpu_kquant_avx512.h"),)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FORMAT_IDS = {"q4k": 0, "q6k": 1, "a4": 2, "a8": 3}
+
+
+class CpuCompileError(RuntimeError):
+    """The C compiler is missing or refused the kernels (the message carries its output)."""
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("BONSAI_CC", "cc"))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BONSAI_KERNEL_CACHE") or Path.home() / ".cache" / "bonsai" / "kernels")
+
+
+def build(flags: tuple[str, ...] = FLAGS, out: Path | None = None) -> Path:
+    """Compile the kernels (cached by content); the path of the shared library. CpuCompileError on failure."""
+    cc = compiler()
+    if cc is None:
+        raise CpuCompileError(f"no C compiler ({os.environ.get('BONSAI_CC', 'cc')}) on PATH: install gcc or clang, "
+                              "or set BONSAI_CC")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CpuCompileError(f"{cc} does not run: {e}") from None
+    text = SOURCE.read_text() + "".join(h.read_text() for h in HEADERS)
+    key = hashlib.sha256("\0".join([text, version, *flags]).encode()).hexdigest()[:16]
+    target = out or cache_dir() / f"cpu_kquant-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        run = subprocess.run([cc, *flags, "-I", str(SOURCE.parent), str(SOURCE), "-o", tmp, "-lm"],
+                             capture_output=True, text=True, timeout=300)
+        if run.returncode != 0:
+            raise CpuCompileError(f"{cc} could not compile {SOURCE.name}:\n{(run.stderr or run.stdout).strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.kq_vector.restype = i
+    lib.kq_quantize.argtypes = [p, i, i, i, i, p, p, p]
+    lib.kq_natural.argtypes = [i, i]
+    lib.kq_natural.restype = i
+    lib.kq_matmul.argtypes = [i, p, p, p, i, i, p, p, p, i, p, i, i, i]
+    lib.kq_dequant_bf16.argtypes = [i, p, p, p, i, i, i, p, i]
+    lib.kq_linear.argtypes = [i, p, p, p, p, p, p, i, p, i, p, i]
+    lib.kq_linear.restype = i
+    for fn in (lib.kq_quantize, lib.kq_matmul, lib.kq_dequant_bf16):
+        fn.restype = None
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels for this CPU, or None where they cannot be built (the reason: `build_error`)."""
+    try:
+        return load(build())
+    except (CpuCompileError, OSError):
+        return None
+
+
+@functools.cache
+def build_error() -> str | None:
+    """Why `library()` is None (one line), else None."""
+    try:
+        load(build())
+        return None
+    except (CpuCompileError, OSError) as e:
+        return str(e).splitlines()[0]
+
+
+def vector() -> bool:
+    lib = library()
+    return lib is not None and bool(lib.kq_vector())
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def quantize_rows(x: torch.Tensor, kp: int, order: int, lib: ctypes.CDLL | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 [M, K] → (codes int8 [M, kp] in the `order` a format's kernel reads (kquant_pack.ACT_ORDER),
+    scales float32 [M, kp/32], scale times code sum float32 [M, kp/S]: S = 16 for order 2, else 32)."""
+    lib = lib or library()
+    x = x.contiguous().float()
+    m, k = x.shape
+    xq = torch.empty(m, kp, dtype=torch.int8)
+    xd = torch.empty(m, kp // 32, dtype=torch.float32)
+    xs = torch.empty(m, kp // (16 if order == 2 else 32), dtype=torch.float32)
+    lib.kq_quantize(_ptr(x), m, k, kp, order, _ptr(xq), _ptr(xd), _ptr(xs))
+    return xq, xd, xs
+
+
+def matmul(fmt: str, qs: torch.Tensor, qh: torch.Tensor, meta: torch.Tensor, n: int, kp: int,
+           acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], y: torch.Tensor, n0: int = 0,
+           threads: int | None = None, scalar: bool = False, lib: ctypes.CDLL | None = None) -> None:
+    """y[:, n0:n0 + n] (float32 [M, ldy], contiguous) = activations @ Wᵀ for one packed matrix."""
+    lib = lib or library()
+    xq, xd, xs = acts
+    assert y.dtype == torch.float32 and y.is_contiguous() and y.shape[0] == xq.shape[0] and xq.shape[1] == kp
+    out = y.data_ptr() + n0 * y.element_size()
+    lib.kq_matmul(FORMAT_IDS[fmt], _ptr(qs), _ptr(qh), _ptr(meta), n, kp, _ptr(xq), _ptr(xd), _ptr(xs),
+                  xq.shape[0], out, y.shape[1], threads or torch.get_num_threads(), int(scalar))
+
+
+class Layer:
+    """A layer's parts as kq_linear takes them (arrays of formats, plane pointers, rows and widths), built once:
+    `run` is then one C call a layer (quantize the input, every part's rows in one parallel loop)."""
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, int, int]], k: int):
+        self.k, self.n = k, sum(p[4] for p in parts)
+        self.keep = [t for p in parts for t in p[1:4]]  # the planes stay alive as long as their pointers
+        count = len(parts)
+        self.args = ((ctypes.c_int * count)(*[FORMAT_IDS[p[0]] for p in parts]),
+                     *[(ctypes.c_void_p * count)(*[_ptr(p[j]) for p in parts]) for j in (1, 2, 3)],
+                     (ctypes.c_int * count)(*[p[4] for p in parts]), (ctypes.c_int * count)(*[p[5] for p in parts]))
+        self.count = count
+
+    def run(self, x: torch.Tensor, threads: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+        """x float32 [M, K] (contiguous) → float32 [M, N]."""
+        lib = lib or library()
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        if lib.kq_linear(self.count, *self.args, self.k, x.data_ptr(), x.shape[0], y.data_ptr(),
+                         threads or torch.get_num_threads()):
+            raise MemoryError("the CPU kernels could not allocate the activations' codes")
+        return y
+
+
+def dequant_bf16(fmt: str, qs: torch.Tensor, qh: torch.Tensor, meta: torch.Tensor, n0: int, n1: int, kp: int,
+                 threads: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Rows n0..n1 of a packed matrix as bfloat16 [n1 − n0, kp]."""
+    lib = lib or library()
+    out = torch.empty(n1 - n0, kp, dtype=torch.bfloat16)
+    lib.kq_dequant_bf16(FORMAT_IDS[fmt], _ptr(qs), _ptr(qh), _ptr(meta), n0, n1, kp, _ptr(out),
+                        threads or torch.get_num_threads())
+    return out
