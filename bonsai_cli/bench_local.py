@@ -87,9 +87,13 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
 
 
 def _output_layer(model) -> str:
-    """How the CPU output layer runs: "int8" / "float16" (one fast GEMM, top logits exact), or "" (as loaded)."""
+    """How the CPU output layer runs: "int8" / "float16" (one fast GEMM, top logits exact), "as stored" (the native
+    kernels, top logits exact) or "" (as loaded)."""
+    from engine.runtime.cpu_kquant import KQuantHead
     from engine.runtime.narrow_head import Int8Head, NarrowHead
     head = model.lm_head
+    if isinstance(head, KQuantHead):
+        return "as stored"
     return "int8" if isinstance(head, Int8Head) else "float16" if isinstance(head, NarrowHead) else ""
 
 

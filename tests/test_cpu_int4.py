@@ -187,9 +187,9 @@ def test_the_int8_head_gives_each_row_the_same_top_in_a_verify_pass():
 
 
 def test_the_output_dtype_setting_picks_the_head(tiny_q4):
-    int8 = load_model(tiny_q4, cpu_int4=True, narrow_head="int8")
-    half = load_model(tiny_q4, cpu_int4=True, narrow_head="float16")
-    exact = load_model(tiny_q4, cpu_int4=True)
+    int8 = load_model(tiny_q4, cpu_int4=True, narrow_head="int8", cpu_kernels="torch")
+    half = load_model(tiny_q4, cpu_int4=True, narrow_head="float16", cpu_kernels="torch")
+    exact = load_model(tiny_q4, cpu_int4=True, cpu_kernels="torch")
     assert type(int8.model.lm_head) is (Int8Head if int8_head_usable() else NarrowHead)
     assert type(half.model.lm_head) is NarrowHead and type(exact.model.lm_head).__name__ == "Linear"
     x = torch.randn(6, exact.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3  # [M, H]

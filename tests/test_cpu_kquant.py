@@ -16,7 +16,7 @@ from gguf import quants as gguf_quants
 from engine.errors import BonsaiError
 from engine.run.config import RunConfig
 from engine.runtime import cpu_kquant
-from engine.runtime.cpu_kquant import KQuantCpuLinear
+from engine.runtime.cpu_kquant import KQuantCpuLinear, KQuantHead
 from engine.runtime.runner import ModelRunner
 from engine.weights.cpu_int4_load import resolve_cpu_kernels
 from engine.weights.loader import load_model
@@ -226,3 +226,26 @@ def test_a_gguf_loads_its_block_matrices_into_the_native_kernels(tiny_q4):
     assert float((got - want).norm() / want.norm()) < 0.03
     torch_run = load_model(tiny_q4, cpu_int4=True, cpu_kernels="torch")
     assert torch_run.cpu_kernels == "torch" and not any(isinstance(m, KQuantCpuLinear) for m in torch_run.model.modules())
+
+
+@needs_cc
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_stored_output_layer_runs_native_with_its_top_logits_exact(tied, smollm2_gguf, tmp_path):
+    """The head's one kernel pass is within its bound everywhere, the greedy token and the logits that could be the
+    largest are the float32 product of the stored weights, and a verify pass's rows equal the one-row calls'."""
+    path = write_tiny_gguf(tmp_path / "head.gguf", smollm2_gguf, T.Q8_0, tied=tied)
+    loaded = load_model(path, cpu_int4=True, cpu_kernels="native", narrow_head="int8")
+    head = loaded.model.lm_head
+    assert isinstance(head, KQuantHead) and head.kinds == ["a8"]
+    assert not isinstance(load_model(path, cpu_int4=True, cpu_kernels="torch", narrow_head="int8").model.lm_head,
+                          KQuantHead)
+    x = torch.randn(7, head.in_features, generator=torch.Generator().manual_seed(0)) * 3  # [M, H]
+    x[2, 5] = 400.0  # an outlier: its block's step is coarse, the bound says so
+    want = x.double() @ head.dequantized().double().t()  # [M, V]
+    got = head(x)
+    top = want.argmax(-1)
+    assert torch.equal(got.argmax(-1), top)
+    assert torch.allclose(got.gather(1, top[:, None]).double(), want.gather(1, top[:, None]), rtol=1e-5, atol=1e-5)
+    alone = torch.cat([head(x[i:i + 1]) for i in range(7)])
+    assert torch.equal(alone, got)
+

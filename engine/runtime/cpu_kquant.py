@@ -89,3 +89,37 @@ def layer_types(source, parts: list[str]) -> list[int] | None:
     """The GGUF types of a layer's stored parts if the kernels take every one, else None."""
     types = [source.block_type(name) for name in parts] if hasattr(source, "block_type") else [None]
     return types if all(t in kquant_pack.PACKABLE for t in types) else None
+
+
+class KQuantHead(KQuantCpuLinear):
+    """An output layer stored in a block type, run by the native kernels with its top logits exact: one kernel
+    pass gives every logit with int8 activations, then per row the logits within a bound of that pass's error
+    of the row's largest are recomputed in float32 from the stored values (kq_dequant_rows), as
+    engine.runtime.narrow_head does for float weights. The bound: |Σ w·(x̂ − x)| ≤ ‖w_v‖·‖x̂ − x‖, each activation
+    within half its 32-block's step of x, plus float32 rounding; so the greedy choice and the top logits are the
+    float32 product's with the file's weights, and a row's values do not depend on the call (verify = decode)."""
+
+    def __init__(self, part: kquant_pack.Packed, bias: torch.Tensor | None = None):
+        super().__init__([part], bias)
+        norms = torch.empty(part.n)  # [V]: ‖w_v‖ of the stored rows
+        for start in range(0, part.n, 8192):
+            rows = torch.arange(start, min(part.n, start + 8192))
+            norms[start:start + len(rows)] = cpu_rt.dequant_rows(part.fmt, *self._planes(0), rows, part.kp).norm(dim=1)
+        self.register_buffer("row_norms", norms, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, hidden = x.numel() // self.in_features, self.in_features
+        flat = x.reshape(rows, hidden).float()  # [M, H]
+        logits = self._call().run(flat.contiguous())  # [M, V]
+        step = flat.view(rows, -1, 32).abs().amax(-1) / 127  # [M, H/32]: each block's rounding step
+        x_err = (step.square().sum(-1, keepdim=True) * 8).sqrt()  # [M, 1]: ‖x̂ − x‖ ≤ sqrt(Σ 32·(step/2)²)
+        err = self.row_norms * (x_err * (1 + 1e-3) + flat.norm(dim=-1, keepdim=True) * hidden * 2.0 ** -22) + 1e-5
+        fmt, _, kp = self.parts[0]
+        floor = (logits - err).amax(-1, keepdim=True)  # [M, 1]: the true maximum is at least this
+        for i, near in enumerate(logits + err >= floor):  # [V] bool: the tokens that may be the maximum
+            idx = torch.nonzero(near).squeeze(1)  # [C]
+            w = cpu_rt.dequant_rows(fmt, *self._planes(0), idx, kp)[:, :hidden]  # [C, H]
+            logits[i, idx] = (w * flat[i]).sum(-1)  # [C]
+        if self.bias is not None:
+            logits = logits + self.bias
+        return logits.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -16,7 +16,7 @@ import torch
 from engine.pipeline.naming import global_name, local_name, stage_holds
 from engine.errors import BonsaiError, UnsupportedModelError
 from engine.runtime.cpu_int4 import Int4CpuLinear, int4_kernel_available
-from engine.runtime.cpu_kquant import KQuantCpuLinear
+from engine.runtime.cpu_kquant import KQuantCpuLinear, KQuantHead
 from engine.sources.model_config import ModelConfig
 from engine.weights.formats import linear_modules
 from quant import kquant_pack
@@ -85,3 +85,21 @@ def pack_cpu_int4(model, source, config: ModelConfig, layers: dict[str, list[str
         setattr(model.get_submodule(parent) if parent else model, attr, Int4CpuLinear(codes, s, z, bias, k))
     if layers:
         log.info("%d matrices run as stored (%s CPU kernels)", len(layers), kernels)
+
+
+@torch.no_grad()
+def native_head(model, source, config: ModelConfig) -> bool:
+    """On the native kernels, an output layer (or tied embedding) stored in a block type runs as stored with its top
+    logits exact (engine.runtime.cpu_kquant.KQuantHead) instead of a float one narrowed; False where it is not."""
+    name = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    if not hasattr(source, "block_type") or source.block_type(name) not in kquant_pack.PACKABLE:
+        return False
+    if model.lm_head is not None and (type(model.lm_head).__name__ != "Linear" or model.lm_head.weight.is_meta):
+        return False
+    packed = source.read_packed(name, config)
+    if packed is None or packed.k % 32:
+        return False
+    bias = None if model.lm_head is None or model.lm_head.bias is None else model.lm_head.bias.data
+    model.lm_head = KQuantHead(packed, bias)
+    return True
+

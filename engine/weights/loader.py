@@ -23,7 +23,7 @@ from engine.sources.model_check import expected_shapes
 from engine.sources.model_config import ModelConfig
 from engine.sources.prism_rotation import InputRotationSpec
 from engine.sources.tokenizer import Tokenizer
-from engine.weights.cpu_int4_load import cpu_int4_layers, pack_cpu_int4, resolve_cpu_kernels
+from engine.weights.cpu_int4_load import cpu_int4_layers, native_head, pack_cpu_int4, resolve_cpu_kernels
 from engine.weights.formats import WeightFormat, linear_formats, linear_modules, stored_formats
 from engine.weights.packed_linear import PackedLinear, empty_packed, pack_linears, quantize_rows, tensor_generator
 from engine.weights.packed_load import pack_stored_codes
@@ -327,7 +327,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         pack_linears(model, weight_format, device=dev, host_layers=host_layers)  # what is left: a tied output layer's own packed copy
     _drop_unused_embedding(model)
     _finish_embedding(model, dev, embedding_on_host)
-    if narrow_head and dev.type == "cpu" and model.gives_logits:
+    if narrow_head and dev.type == "cpu" and model.gives_logits and not (kernels == "native"
+                                                                         and native_head(model, source, config)):
         narrow_output_layer(model, narrow_head)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=Path(path),

@@ -299,3 +299,9 @@ void kq_dequant_bf16(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_
         free(w);
     }
 }
+
+/* Rows idx[0..count) of the matrix as float32 [count, K] (the stored values exactly: a head's top candidates). */
+void kq_dequant_rows(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, const int64_t* idx,
+                     int count, int K, float* out) {
+    for (int i = 0; i < count; i++) dequant_row(fmt, qs, qh, meta, (int)idx[i], K, out + (size_t)i * K);
+}

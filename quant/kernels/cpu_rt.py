@@ -82,6 +82,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kq_dequant_bf16.argtypes = [i, p, p, p, i, i, i, p, i]
     lib.kq_linear.argtypes = [i, p, p, p, p, p, p, i, p, i, p, i]
     lib.kq_linear.restype = i
+    lib.kq_dequant_rows.argtypes = [i, p, p, p, p, i, i, p]
+    lib.kq_dequant_rows.restype = None
     for fn in (lib.kq_quantize, lib.kq_matmul, lib.kq_dequant_bf16):
         fn.restype = None
     return lib
@@ -171,4 +173,15 @@ def dequant_bf16(fmt: str, qs: torch.Tensor, qh: torch.Tensor, meta: torch.Tenso
     out = torch.empty(n1 - n0, kp, dtype=torch.bfloat16)
     lib.kq_dequant_bf16(FORMAT_IDS[fmt], _ptr(qs), _ptr(qh), _ptr(meta), n0, n1, kp, _ptr(out),
                         threads or torch.get_num_threads())
+    return out
+
+
+def dequant_rows(fmt: str, qs: torch.Tensor, qh: torch.Tensor, meta: torch.Tensor, idx: torch.Tensor, kp: int,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Rows `idx` (int64 [C]) of a packed matrix as float32 [C, kp]: its stored values exactly."""
+    lib = lib or library()
+    idx = idx.to(torch.int64).contiguous()
+    out = torch.empty(idx.numel(), kp, dtype=torch.float32)
+    if idx.numel():
+        lib.kq_dequant_rows(FORMAT_IDS[fmt], _ptr(qs), _ptr(qh), _ptr(meta), _ptr(idx), idx.numel(), kp, _ptr(out))
     return out
