@@ -13,6 +13,8 @@ bfloat16 a chunk of rows at a time and run GEMMs, as engine.runtime.cpu_int4_pre
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -22,8 +24,17 @@ from engine.runtime.linear import cpu_bf16_gemm
 from quant import kquant_pack
 from quant.kernels import cpu_rt
 
-PREFILL_ROWS = 48  # as engine.runtime.cpu_int4: decode + bfloat16 GEMM from here on (prompt chunks)
+# From this many rows on (prompt chunks), decode + bfloat16 GEMMs: below it the kernel is faster (measured on an
+# AVX512-BF16 CPU without AMX, the 1.5B's matrices: break-even 64-128 rows; docs/perf.md session 31)
+PREFILL_ROWS = 96
 CHUNK = 1 << 21  # weights decoded to bfloat16 at a time for a prompt chunk's GEMMs
+
+
+@functools.cache
+def _positions(fmt: str, kp: int) -> torch.Tensor:
+    """[kp]: the input column each kernel position of a Q4_K / Q6_K matrix multiplies."""
+    natural = torch.from_numpy(kquant_pack.NATURAL[fmt].astype(np.int64))  # [256]
+    return (torch.arange(0, kp, 256)[:, None] + natural).reshape(-1)  # [kp]
 
 
 class KQuantCpuLinear(nn.Module):
@@ -75,13 +86,16 @@ class KQuantCpuLinear(nn.Module):
         return self._layer
 
     def _prefill(self, xb: torch.Tensor) -> torch.Tensor:
-        """bfloat16 x [M, K] → bfloat16 [M, N]: each part decoded CHUNK weights at a time, one GEMM a chunk."""
-        outs = []
+        """bfloat16 x [M, K] → bfloat16 [M, N]: each part decoded CHUNK weights at a time, one GEMM a chunk (Q4_K /
+        Q6_K columns come in the kernel's positions within each 256-block: the input is permuted to match)."""
+        outs, inputs = [], {}
         for i, (fmt, n, kp) in enumerate(self.parts):
+            if fmt not in inputs:
+                inputs[fmt] = xb[:, _positions(fmt, kp)] if fmt in kquant_pack.NATURAL else xb  # [M, K]
             step = max(1, CHUNK // kp)
             for r in range(0, n, step):
                 w = cpu_rt.dequant_bf16(fmt, *self._planes(i), r, min(n, r + step), kp)[:, :self.in_features]
-                outs.append(F.linear(xb, w))  # [M, rows of this chunk]
+                outs.append(F.linear(inputs[fmt], w))  # [M, rows of this chunk]
         return torch.cat(outs, dim=-1)
 
 

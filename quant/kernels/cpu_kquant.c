@@ -222,49 +222,54 @@ int kq_linear(int nparts, const int* fmts, const uint8_t* const* qs, const uint8
     return failed ? -1 : 0;
 }
 
-/* Rows n0..n1 of the matrix as bfloat16 [n1 - n0, K] (round to nearest even), for prompt chunks' GEMMs: per
- * block the scales once, then plain loops over codes the compiler vectorizes. */
+/* Rows n0..n1 of the matrix as bfloat16 [n1 - n0, K] (round to nearest even), for prompt chunks' GEMMs, Q4K / Q6K
+ * columns in the kernel's positions (quant.kquant_pack.NATURAL: the caller permutes its input to match). */
 static short NAT1[256], NAT2[256];  /* natural() of each position, filled when the library loads */
 
 __attribute__((constructor)) static void kq_init(void) {
     for (int p = 0; p < 256; p++) { NAT1[p] = (short)natural(1, p); NAT2[p] = (short)natural(2, p); }
 }
 
-static void dequant_row(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n, int K, float* w) {
+static void dequant_row(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n, int K,
+                        int natural_order, float* w) {
+    /* Q4K / Q6K: natural_order 0 writes the kernel's positions (a prompt chunk's GEMM takes its input permuted
+     * the same way), 1 the weights' own order (references, a head's recomputed rows). */
     if (fmt == 0 || fmt == 1) {
         const int nb = K / 256;
         for (int b = 0; b < nb; b++) {
             const uint8_t* q = qs + (size_t)n * (K / 2) + b * 128;
-            uint8_t pos[256], codes[256];  /* codes by kernel position, then by natural index */
+            uint8_t pos[256];  /* codes by kernel position */
+            float A[256], C[256], out[256];
             for (int i = 0; i < 64; i++) {
                 pos[i] = q[i] & 15; pos[64 + i] = q[i] >> 4;
                 pos[128 + i] = q[64 + i] & 15; pos[192 + i] = q[64 + i] >> 4;
             }
-            float* o = w + b * 256;
-            if (fmt == 1) {
+            if (fmt == 0) {
+                const uint8_t* bm = meta + ((size_t)n * nb + b) * 20;
+                const float d = fp16_to_float(bm), dmin = fp16_to_float(bm + 2);
+                for (int l = 0; l < 64; l++) {  /* the 4 positions of lane l % 16 of vector l / 16: sub-block l % 8 */
+                    const float a = d * bm[4 + (l & 7)], c = dmin * bm[12 + (l & 7)];
+                    for (int j = 0; j < 4; j++) { A[4 * l + j] = a; C[4 * l + j] = c; }
+                }
+            } else {
                 const uint8_t* h = qh + (size_t)n * (K / 4) + b * 64;
                 for (int i = 0; i < 64; i++) {
                     pos[i] |= (h[i] & 3) << 4; pos[64 + i] |= ((h[i] >> 2) & 3) << 4;
                     pos[128 + i] |= ((h[i] >> 4) & 3) << 4; pos[192 + i] |= ((h[i] >> 6) & 3) << 4;
                 }
-            }
-            const short* nat = fmt == 0 ? NAT1 : NAT2;
-            for (int p = 0; p < 256; p++) codes[nat[p]] = pos[p];
-            if (fmt == 0) {
-                const uint8_t* bm = meta + ((size_t)n * nb + b) * 20;
-                const float d = fp16_to_float(bm), dmin = fp16_to_float(bm + 2);
-                for (int s = 0; s < 8; s++) {
-                    const float a = d * bm[4 + s], c = dmin * bm[12 + s];
-                    for (int i = 0; i < 32; i++) o[s * 32 + i] = a * codes[s * 32 + i] - c;
-                }
-            } else {
                 const uint8_t* bm = meta + ((size_t)n * nb + b) * 18;
                 const float d = fp16_to_float(bm);
-                for (int s = 0; s < 16; s++) {
-                    const float a = d * (int8_t)bm[2 + s];
-                    for (int i = 0; i < 16; i++) o[s * 16 + i] = a * ((int)codes[s * 16 + i] - 32);
+                for (int l = 0; l < 64; l++) {  /* lane l % 16: sub-block l % 16 */
+                    const float a = d * (int8_t)bm[2 + (l & 15)];
+                    for (int j = 0; j < 4; j++) { A[4 * l + j] = a; C[4 * l + j] = 32.f * a; }
                 }
             }
+            for (int p = 0; p < 256; p++) out[p] = A[p] * pos[p] - C[p];
+            float* o = w + b * 256;
+            if (natural_order) {
+                const short* nat = fmt == 0 ? NAT1 : NAT2;
+                for (int p = 0; p < 256; p++) o[nat[p]] = out[p];
+            } else memcpy(o, out, sizeof(out));
         }
         return;
     }
@@ -291,7 +296,7 @@ void kq_dequant_bf16(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_
         float* w = (float*)malloc(sizeof(float) * (size_t)K);
         #pragma omp for schedule(static)
         for (int n = n0; n < n1; n++) {
-            dequant_row(fmt, qs, qh, meta, n, K, w);
+            dequant_row(fmt, qs, qh, meta, n, K, 0, w);
             uint16_t* o = out + (size_t)(n - n0) * K;
             const uint32_t* bits = (const uint32_t*)w;
             for (int k = 0; k < K; k++) o[k] = (uint16_t)((bits[k] + 0x7FFFu + ((bits[k] >> 16) & 1u)) >> 16);
@@ -303,5 +308,5 @@ void kq_dequant_bf16(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_
 /* Rows idx[0..count) of the matrix as float32 [count, K] (the stored values exactly: a head's top candidates). */
 void kq_dequant_rows(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, const int64_t* idx,
                      int count, int K, float* out) {
-    for (int i = 0; i < count; i++) dequant_row(fmt, qs, qh, meta, (int)idx[i], K, out + (size_t)i * K);
+    for (int i = 0; i < count; i++) dequant_row(fmt, qs, qh, meta, (int)idx[i], K, 1, out + (size_t)i * K);
 }
