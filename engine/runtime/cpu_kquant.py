@@ -109,8 +109,8 @@ class KQuantHead(KQuantCpuLinear):
     """An output layer stored in a block type, run by the native kernels with its top logits exact: one kernel
     pass gives every logit with int8 activations, then per row the logits within a bound of that pass's error
     of the row's largest are recomputed in float32 from the stored values (kq_dequant_rows), as
-    engine.runtime.narrow_head does for float weights. The bound: |Σ w·(x̂ − x)| ≤ ‖w_v‖·‖x̂ − x‖, each activation
-    within half its 32-block's step of x, plus float32 rounding; so the greedy choice and the top logits are the
+    engine.runtime.narrow_head does for float weights. The bound: |Σ w·(x̂ − x)| ≤ ‖w_v‖·‖x̂ − x‖, each
+    activation within half its 32-block's step of x, plus float32 rounding; so the greedy choice and the top logits are the
     float32 product's with the file's weights, and a row's values do not depend on the call (verify = decode)."""
 
     def __init__(self, part: kquant_pack.Packed, bias: torch.Tensor | None = None):
