@@ -125,7 +125,7 @@ class KQuantHead(KQuantCpuLinear):
         rows, hidden = x.numel() // self.in_features, self.in_features
         flat = x.reshape(rows, hidden).float()  # [M, H]
         logits = self._call().run(flat.contiguous())  # [M, V]
-        step = flat.view(rows, -1, 32).abs().amax(-1) / 127  # [M, H/32]: each block's rounding step
+        step = flat.view(rows, -1, 32).abs().amax(-1) / (127 * 254)  # [M, H/32]: each block's unit (cpu_kquant.c)
         x_err = (step.square().sum(-1, keepdim=True) * 8).sqrt()  # [M, 1]: ‖x̂ − x‖ ≤ sqrt(Σ 32·(step/2)²)
         err = self.row_norms * (x_err * (1 + 1e-3) + flat.norm(dim=-1, keepdim=True) * hidden * 2.0 ** -22) + 1e-5
         fmt, _, kp = self.parts[0]

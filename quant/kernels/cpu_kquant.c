@@ -51,31 +51,47 @@ static int natural(int order, int p) {
 
 int kq_natural(int order, int p) { return natural(order, p); }
 
-/* x float32 [M, K] -> xq int8 [M, Kp] (order: 0 natural, 1 Q4K, 2 Q6K), xd float32 [M, Kp/32],
- * xs float32 [M, Kp/S] (S = 16 for order 2, else 32): d times the sum of the codes of each S values */
+/* x float32 [M, K] -> xq int8 [M, 2, Kp]: per row the codes q1 then the residual's q2 (order: 0 natural, 1 Q4K,
+ * 2 Q6K), xd float32 [M, Kp/32]: the unit u of each 32 values, x ≈ u·(254·q1 + q2); xs float32 [M, Kp/S] (S = 16 for
+ * order 2, else 32): u times the sum of (254·q1 + q2) over each S values. q1 = round(x / (127u·... )) as follows:
+ * d = amax / 127, q1 = round(x / d), q2 = round((x − q1·d) / u) with u = d / 254, so |q2| ≤ 127 and every value is
+ * within u / 2 = amax / 64,516 of x: ~16 bits against the block's largest (one int8 pass would be 8: its KL was 5x
+ * bfloat16's and flipped SmolLM2's greedy answers at near-ties; docs/quality.md session 31). */
 void kq_quantize(const float* x, int M, int K, int Kp, int order, int8_t* xq, float* xd, float* xs) {
-    int8_t* nat = (int8_t*)malloc((size_t)Kp);
+    int8_t* nat = (int8_t*)malloc((size_t)Kp * 2);
+    int* comb = (int*)malloc(sizeof(int) * (size_t)Kp);
     const int S = order == 2 ? 16 : 32;
     for (int m = 0; m < M; m++) {
         const float* v = x + (size_t)m * K;
         for (int b = 0; b < Kp / 32; b++) {
             float amax = 0.f;
             for (int i = b * 32; i < b * 32 + 32 && i < K; i++) { float a = fabsf(v[i]); amax = a > amax ? a : amax; }
-            const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-            xd[(size_t)m * (Kp / 32) + b] = d;
-            for (int i = b * 32; i < b * 32 + 32; i++) nat[i] = i < K ? (int8_t)lrintf(v[i] * id) : 0;
+            const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f, u = d / 254.f, iu = u > 0.f ? 1.f / u : 0.f;
+            xd[(size_t)m * (Kp / 32) + b] = u;
+            for (int i = b * 32; i < b * 32 + 32; i++) {
+                const float xi = i < K ? v[i] : 0.f;
+                const long q1 = lrintf(xi * id);
+                long q2 = lrintf((xi - (float)q1 * d) * iu);
+                q2 = q2 > 127 ? 127 : q2 < -127 ? -127 : q2;
+                nat[i] = (int8_t)q1; nat[Kp + i] = (int8_t)q2;
+                comb[i] = 254 * (int)q1 + (int)q2;
+            }
         }
         for (int j = 0; j < Kp / S; j++) {
             int s = 0;
-            for (int i = j * S; i < j * S + S; i++) s += nat[i];
+            for (int i = j * S; i < j * S + S; i++) s += comb[i];
             xs[(size_t)m * (Kp / S) + j] = (float)s * xd[(size_t)m * (Kp / 32) + j * S / 32];
         }
-        int8_t* q = xq + (size_t)m * Kp;
-        if (order == 0) memcpy(q, nat, (size_t)Kp);
-        else for (int b = 0; b < Kp / 256; b++)
-            for (int p = 0; p < 256; p++) q[b * 256 + p] = nat[b * 256 + natural(order, p)];
+        for (int half = 0; half < 2; half++) {
+            int8_t* q = xq + ((size_t)m * 2 + half) * Kp;
+            const int8_t* src = nat + (size_t)half * Kp;
+            if (order == 0) memcpy(q, src, (size_t)Kp);
+            else for (int b = 0; b < Kp / 256; b++)
+                for (int p = 0; p < 256; p++) q[b * 256 + p] = src[b * 256 + natural(order, p)];
+        }
     }
     free(nat);
+    free(comb);
 }
 
 /* The code of weight i (0..255) of a Q4K / Q6K block, and of weight i (0..127) of an A4 chunk. */
@@ -94,10 +110,10 @@ static void q4k_rows_scalar(const uint8_t* qs, const uint8_t* meta, int n0, int 
         for (int b = 0; b < nb; b++) {
             const uint8_t* bm = meta + ((size_t)n * nb + b) * 20;
             const uint8_t* q = qs + (size_t)n * (K / 2) + b * 128;
-            const int8_t* x = xq + (size_t)m * K + b * 256;
+            const int8_t* x = xq + (size_t)m * 2 * K + b * 256;  /* q1; q2 at x + K */
             const float d = fp16_to_float(bm), dmin = fp16_to_float(bm + 2);
             int dot[8] = {0};
-            for (int p = 0; p < 256; p++) dot[natural(1, p) / 32] += nib256(q, p) * x[p];
+            for (int p = 0; p < 256; p++) dot[natural(1, p) / 32] += nib256(q, p) * (254 * x[p] + x[K + p]);
             for (int s = 0; s < 8; s++) {
                 acc += (float)dot[s] * (d * bm[4 + s] * xd[(size_t)m * (K / 32) + b * 8 + s]);
                 mins += xs[(size_t)m * (K / 32) + b * 8 + s] * (dmin * bm[12 + s]);
@@ -116,11 +132,12 @@ static void q6k_rows_scalar(const uint8_t* qs, const uint8_t* qh, const uint8_t*
             const uint8_t* bm = meta + ((size_t)n * nb + b) * 18;
             const uint8_t* l = qs + (size_t)n * (K / 2) + b * 128;
             const uint8_t* h = qh + (size_t)n * (K / 4) + b * 64;
-            const int8_t* x = xq + (size_t)m * K + b * 256;
+            const int8_t* x = xq + (size_t)m * 2 * K + b * 256;
             const float d = fp16_to_float(bm);
             int dot[16] = {0};
             for (int p = 0; p < 256; p++)
-                dot[natural(2, p) / 16] += (nib256(l, p) | (((h[p & 63] >> (2 * (p >> 6))) & 3) << 4)) * x[p];
+                dot[natural(2, p) / 16] += (nib256(l, p) | (((h[p & 63] >> (2 * (p >> 6))) & 3) << 4))
+                                           * (254 * x[p] + x[K + p]);
             for (int s = 0; s < 16; s++) {
                 const float f = d * (int8_t)bm[2 + s];
                 acc += (float)dot[s] * (f * xd[(size_t)m * (K / 32) + b * 8 + s / 2]);
@@ -138,14 +155,14 @@ static void a_rows_scalar(int bits, const uint8_t* qs, const uint8_t* meta, int 
         float acc = 0.f, off = 0.f;
         for (int b = 0; b < nb; b++) {
             const uint8_t* bm = meta + ((size_t)n * nb + b) * 4;
-            const int8_t* x = xq + (size_t)m * K + b * 32;
+            const int8_t* x = xq + (size_t)m * 2 * K + b * 32;
             int dot = 0;
             for (int i = 0; i < 32; i++) {
                 int k = b * 32 + i, q;
                 if (bits == 8) q = qs[(size_t)n * K + k];
                 else { int c = k & 127; uint8_t byte = qs[(size_t)n * (K / 2) + (k >> 7) * 64 + (c & 63)];
                        q = c < 64 ? byte & 15 : byte >> 4; }
-                dot += q * x[i];
+                dot += q * (254 * x[i] + x[K + i]);
             }
             acc += (float)dot * (fp16_to_float(bm) * xd[(size_t)m * nb + b]);
             off += xs[(size_t)m * nb + b] * fp16_to_float(bm + 2);
@@ -201,7 +218,7 @@ int kq_linear(int nparts, const int* fmts, const uint8_t* const* qs, const uint8
         nchunks += (ns[i] + CHUNK - 1) / CHUNK;
         if (xq[order]) continue;
         kp_of[order] = kps[i];
-        xq[order] = (int8_t*)malloc((size_t)M * kps[i]);
+        xq[order] = (int8_t*)malloc((size_t)M * 2 * kps[i]);
         xd[order] = (float*)malloc(sizeof(float) * (size_t)M * (kps[i] / 32));
         xs[order] = (float*)malloc(sizeof(float) * (size_t)M * (kps[i] / 16));
         if (!xq[order] || !xd[order] || !xs[order]) { failed = 1; break; }

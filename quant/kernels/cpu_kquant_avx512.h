@@ -4,6 +4,8 @@
  * 32 activations' scale. Q4K / Q6K lanes hold one sub-block in all four vectors of a block (the layout's order),
  * so a row costs 4 vpdpbusd, one conversion and one multiply-add a block. */
 #define MT 16
+static const int V254 = 254;  /* x ≈ u·(254·q1 + q2): the two passes' integer sums combine exactly in int32 */
+#define v254 _mm512_set1_epi32(V254)
 
 static inline __m512i idx8(int a, int b) {
     return _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
@@ -44,11 +46,16 @@ static void q4k_rows_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int 
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bm + 12)))));
             for (int m = 0; m < mr; m++) {
                 const size_t row = (size_t)(mt + m);
-                const int8_t* xr = xq + row * K + b * 256;
+                const int8_t* xr = xq + row * 2 * K + b * 256;  // q1; the residual's q2 at xr + K
                 __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(xr));
                 t = _mm512_dpbusd_epi32(t, w1, _mm512_loadu_si512(xr + 64));  // lane l: sub-block l % 8 in all four
                 t = _mm512_dpbusd_epi32(t, w2, _mm512_loadu_si512(xr + 128));
                 t = _mm512_dpbusd_epi32(t, w3, _mm512_loadu_si512(xr + 192));
+                __m512i r = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(xr + K));
+                r = _mm512_dpbusd_epi32(r, w1, _mm512_loadu_si512(xr + K + 64));
+                r = _mm512_dpbusd_epi32(r, w2, _mm512_loadu_si512(xr + K + 128));
+                r = _mm512_dpbusd_epi32(r, w3, _mm512_loadu_si512(xr + K + 192));
+                t = _mm512_add_epi32(_mm512_mullo_epi32(t, v254), r);
                 const __m256 f = _mm256_mul_ps(sc, _mm256_loadu_ps(xd + row * (K / 32) + b * 8));
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), twice8(f), acc[m]);
                 macc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + row * (K / 32) + b * 8), mn, macc[m]);
@@ -87,11 +94,16 @@ static void q6k_rows_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t*
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(bm + 2)))));
             for (int m = 0; m < mr; m++) {
                 const size_t row = (size_t)(mt + m);
-                const int8_t* xr = xq + row * K + b * 256;
+                const int8_t* xr = xq + row * 2 * K + b * 256;
                 __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(xr));
                 t = _mm512_dpbusd_epi32(t, c1, _mm512_loadu_si512(xr + 64));
                 t = _mm512_dpbusd_epi32(t, c2, _mm512_loadu_si512(xr + 128));
                 t = _mm512_dpbusd_epi32(t, c3, _mm512_loadu_si512(xr + 192));
+                __m512i r = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(xr + K));
+                r = _mm512_dpbusd_epi32(r, c1, _mm512_loadu_si512(xr + K + 64));
+                r = _mm512_dpbusd_epi32(r, c2, _mm512_loadu_si512(xr + K + 128));
+                r = _mm512_dpbusd_epi32(r, c3, _mm512_loadu_si512(xr + K + 192));
+                t = _mm512_add_epi32(_mm512_mullo_epi32(t, v254), r);
                 const __m512 dx = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(
                     _mm256_loadu_ps(xd + row * (K / 32) + b * 8)));  // lane l: its 32 activations' scale
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sc, dx), acc[m]);
@@ -131,12 +143,14 @@ static void a_rows_avx512(int bits, const uint8_t* qs, const uint8_t* meta, int 
             const __m512 dv0 = _mm512_permutexvar_ps(i01, d4w), dv1 = _mm512_permutexvar_ps(i23, d4w);
             for (int m = 0; m < mr; m++) {
                 const size_t row = (size_t)(mt + m);
-                const int8_t* xr = xq + row * K + c * 128;
+                const int8_t* xr = xq + row * 2 * K + c * 128;
                 const __m128 dx4 = _mm_loadu_ps(xd + row * nb + c * 4);
                 const __m512 dx4w = _mm512_castps128_ps512(dx4);
                 const __m512i z = _mm512_setzero_si512();
-                const __m512i p0 = _mm512_dpbusd_epi32(z, w0, _mm512_loadu_si512(xr));
-                const __m512i p1 = _mm512_dpbusd_epi32(z, w1, _mm512_loadu_si512(xr + 64));
+                const __m512i p0 = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_dpbusd_epi32(z, w0, _mm512_loadu_si512(xr)),
+                    v254), _mm512_dpbusd_epi32(z, w0, _mm512_loadu_si512(xr + K)));
+                const __m512i p1 = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_dpbusd_epi32(z, w1, _mm512_loadu_si512(xr + 64)),
+                    v254), _mm512_dpbusd_epi32(z, w1, _mm512_loadu_si512(xr + K + 64)));
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(dv0, _mm512_permutexvar_ps(i01, dx4w)), acc[m]);
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_mul_ps(dv1, _mm512_permutexvar_ps(i23, dx4w)), acc[m]);
                 oacc[m] = _mm_fmadd_ps(_mm_loadu_ps(xs + row * nb + c * 4), m4, oacc[m]);  // m * d_x * sum(codes)

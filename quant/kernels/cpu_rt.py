@@ -119,12 +119,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def quantize_rows(x: torch.Tensor, kp: int, order: int, lib: ctypes.CDLL | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x float32 [M, K] → (codes int8 [M, kp] in the `order` a format's kernel reads (kquant_pack.ACT_ORDER),
-    scales float32 [M, kp/32], scale times code sum float32 [M, kp/S]: S = 16 for order 2, else 32)."""
+    """x float32 [M, K] → (codes int8 [M, 2·kp]: per row q1 then the residual's q2, in the `order` a format's kernel
+    reads (kquant_pack.ACT_ORDER); units u float32 [M, kp/32] (x ≈ u·(254·q1 + q2)); u times the sums of
+    254·q1 + q2 float32 [M, kp/S]: S = 16 for order 2, else 32)."""
     lib = lib or library()
     x = x.contiguous().float()
     m, k = x.shape
-    xq = torch.empty(m, kp, dtype=torch.int8)
+    xq = torch.empty(m, 2 * kp, dtype=torch.int8)
     xd = torch.empty(m, kp // 32, dtype=torch.float32)
     xs = torch.empty(m, kp // (16 if order == 2 else 32), dtype=torch.float32)
     lib.kq_quantize(_ptr(x), m, k, kp, order, _ptr(xq), _ptr(xd), _ptr(xs))
@@ -137,7 +138,7 @@ def matmul(fmt: str, qs: torch.Tensor, qh: torch.Tensor, meta: torch.Tensor, n: 
     """y[:, n0:n0 + n] (float32 [M, ldy], contiguous) = activations @ Wᵀ for one packed matrix."""
     lib = lib or library()
     xq, xd, xs = acts
-    assert y.dtype == torch.float32 and y.is_contiguous() and y.shape[0] == xq.shape[0] and xq.shape[1] == kp
+    assert y.dtype == torch.float32 and y.is_contiguous() and y.shape[0] == xq.shape[0] and xq.shape[1] == 2 * kp
     out = y.data_ptr() + n0 * y.element_size()
     lib.kq_matmul(FORMAT_IDS[fmt], _ptr(qs), _ptr(qh), _ptr(meta), n, kp, _ptr(xq), _ptr(xd), _ptr(xs),
                   xq.shape[0], out, y.shape[1], threads or torch.get_num_threads(), int(scalar))
