@@ -57,41 +57,40 @@ int kq_natural(int order, int p) { return natural(order, p); }
  * d = amax / 127, q1 = round(x / d), q2 = round((x − q1·d) / u) with u = d / 254, so |q2| ≤ 127 and every value is
  * within u / 2 = amax / 64,516 of x: ~16 bits against the block's largest (one int8 pass would be 8: its KL was 5x
  * bfloat16's and flipped SmolLM2's greedy answers at near-ties; docs/quality.md session 31). */
-void kq_quantize(const float* x, int M, int K, int Kp, int order, int8_t* xq, float* xd, float* xs) {
-    int8_t* nat = (int8_t*)malloc((size_t)Kp * 2);
-    int* comb = (int*)malloc(sizeof(int) * (size_t)Kp);
-    const int S = order == 2 ? 16 : 32;
-    for (int m = 0; m < M; m++) {
+void kq_quantize(const float* x, int M, int K, int Kp, int order, int8_t* xq, float* xd, float* xs, int nthreads) {
+    const int S = order == 2 ? 16 : 32, C = order ? 256 : 128;  /* C: values a task (one block of the order) */
+    const int tasks = Kp / C;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * Kp >= 4096)
+    for (int t = 0; t < M * tasks; t++) {
+        const int m = t / tasks, c0 = (t % tasks) * C;
         const float* v = x + (size_t)m * K;
-        for (int b = 0; b < Kp / 32; b++) {
+        int8_t nat1[256], nat2[256];
+        int comb[256];
+        for (int b = 0; b < C / 32; b++) {
             float amax = 0.f;
-            for (int i = b * 32; i < b * 32 + 32 && i < K; i++) { float a = fabsf(v[i]); amax = a > amax ? a : amax; }
+            const int k0 = c0 + b * 32;
+            for (int i = 0; i < 32; i++) { float a = k0 + i < K ? fabsf(v[k0 + i]) : 0.f; amax = a > amax ? a : amax; }
             const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f, u = d / 254.f, iu = u > 0.f ? 1.f / u : 0.f;
-            xd[(size_t)m * (Kp / 32) + b] = u;
-            for (int i = b * 32; i < b * 32 + 32; i++) {
-                const float xi = i < K ? v[i] : 0.f;
-                const long q1 = lrintf(xi * id);
-                long q2 = lrintf((xi - (float)q1 * d) * iu);
-                q2 = q2 > 127 ? 127 : q2 < -127 ? -127 : q2;
-                nat[i] = (int8_t)q1; nat[Kp + i] = (int8_t)q2;
-                comb[i] = 254 * (int)q1 + (int)q2;
+            xd[(size_t)m * (Kp / 32) + k0 / 32] = u;
+            for (int i = 0; i < 32; i++) {
+                const float xi = k0 + i < K ? v[k0 + i] : 0.f;
+                const float q1 = rintf(xi * id);
+                float q2 = rintf((xi - q1 * d) * iu);
+                q2 = q2 > 127.f ? 127.f : q2 < -127.f ? -127.f : q2;
+                nat1[b * 32 + i] = (int8_t)q1; nat2[b * 32 + i] = (int8_t)q2;
+                comb[b * 32 + i] = 254 * (int)q1 + (int)q2;
             }
         }
-        for (int j = 0; j < Kp / S; j++) {
-            int s = 0;
-            for (int i = j * S; i < j * S + S; i++) s += comb[i];
-            xs[(size_t)m * (Kp / S) + j] = (float)s * xd[(size_t)m * (Kp / 32) + j * S / 32];
+        for (int j = 0; j < C / S; j++) {
+            int sum = 0;
+            for (int i = j * S; i < j * S + S; i++) sum += comb[i];
+            xs[(size_t)m * (Kp / S) + c0 / S + j] = (float)sum * xd[(size_t)m * (Kp / 32) + (c0 + j * S) / 32];
         }
-        for (int half = 0; half < 2; half++) {
-            int8_t* q = xq + ((size_t)m * 2 + half) * Kp;
-            const int8_t* src = nat + (size_t)half * Kp;
-            if (order == 0) memcpy(q, src, (size_t)Kp);
-            else for (int b = 0; b < Kp / 256; b++)
-                for (int p = 0; p < 256; p++) q[b * 256 + p] = src[b * 256 + natural(order, p)];
-        }
+        int8_t* q1 = xq + (size_t)m * 2 * Kp + c0;
+        int8_t* q2 = q1 + Kp;
+        if (order == 0) { memcpy(q1, nat1, (size_t)C); memcpy(q2, nat2, (size_t)C); }
+        else for (int p = 0; p < 256; p++) { const int n = natural(order, p); q1[p] = nat1[n]; q2[p] = nat2[n]; }
     }
-    free(nat);
-    free(comb);
 }
 
 /* The code of weight i (0..255) of a Q4K / Q6K block, and of weight i (0..127) of an A4 chunk. */
@@ -222,7 +221,7 @@ int kq_linear(int nparts, const int* fmts, const uint8_t* const* qs, const uint8
         xd[order] = (float*)malloc(sizeof(float) * (size_t)M * (kps[i] / 32));
         xs[order] = (float*)malloc(sizeof(float) * (size_t)M * (kps[i] / 16));
         if (!xq[order] || !xd[order] || !xs[order]) { failed = 1; break; }
-        kq_quantize(x, M, K, kps[i], order, xq[order], xd[order], xs[order]);
+        kq_quantize(x, M, K, kps[i], order, xq[order], xd[order], xs[order], nthreads);
     }
     if (!failed) {
         #pragma omp parallel for num_threads(nthreads) schedule(static)

@@ -25,7 +25,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kquant.c")
 HEADERS = (Path(__file__).with_name("cpu_kquant_avx512.h"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 FORMAT_IDS = {"q4k": 0, "q6k": 1, "a4": 2, "a8": 3}
 
 
@@ -75,7 +75,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.kq_vector.restype = i
-    lib.kq_quantize.argtypes = [p, i, i, i, i, p, p, p]
+    lib.kq_quantize.argtypes = [p, i, i, i, i, p, p, p, i]
     lib.kq_natural.argtypes = [i, i]
     lib.kq_natural.restype = i
     lib.kq_matmul.argtypes = [i, p, p, p, i, i, p, p, p, i, p, i, i, i]
@@ -128,7 +128,7 @@ def quantize_rows(x: torch.Tensor, kp: int, order: int, lib: ctypes.CDLL | None 
     xq = torch.empty(m, 2 * kp, dtype=torch.int8)
     xd = torch.empty(m, kp // 32, dtype=torch.float32)
     xs = torch.empty(m, kp // (16 if order == 2 else 32), dtype=torch.float32)
-    lib.kq_quantize(_ptr(x), m, k, kp, order, _ptr(xq), _ptr(xd), _ptr(xs))
+    lib.kq_quantize(_ptr(x), m, k, kp, order, _ptr(xq), _ptr(xd), _ptr(xs), torch.get_num_threads())
     return xq, xd, xs
 
 
