@@ -1,9 +1,9 @@
 """A GGUF block matrix run on the CPU as stored by bonsai's own kernels (quant/kernels/cpu_kquant.c): every
 block type a llama.cpp Q4_K_M / Q5_0 / Q8_0 file uses (Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) read at its
 stored size (Q6_K 6.56 bits a weight where torch's kernels need bfloat16's 16; Q4_K 4.6 where torch's int4
-layout takes 5), the activations rounded to int8 per block as llama.cpp does (Q8_K / Q8_0 style: one float
-scale a 256 or 32 values), integer dot products (AVX512-VNNI), and one pass over the weight bytes for all of
-a call's rows — a verify pass of 5 rows costs ~2x one row, not 5x.
+layout takes 5), the activations rounded twice to int8 per 32 values (x ≈ u·(254·q1 + q2): ~16 bits, outputs equal
+the float32 model's; one int8 pass as llama.cpp's flipped near-ties: docs/quality.md session 31), integer dot
+products (AVX512-VNNI), and one pass over the weight bytes for all of a call's rows.
 
 A fused layer (q/k/v, gate/up) keeps one packed matrix per stored part (each of its own type) and writes each
 part's columns of one output. A row's result does not depend on how many rows share the call or on the thread
@@ -107,10 +107,10 @@ def layer_types(source, parts: list[str]) -> list[int] | None:
 
 class KQuantHead(KQuantCpuLinear):
     """An output layer stored in a block type, run by the native kernels with its top logits exact: one kernel
-    pass gives every logit with int8 activations, then per row the logits within a bound of that pass's error
+    pass gives every logit (two-pass int8 activations), then per row the logits within a bound of that pass's error
     of the row's largest are recomputed in float32 from the stored values (kq_dequant_rows), as
     engine.runtime.narrow_head does for float weights. The bound: |Σ w·(x̂ − x)| ≤ ‖w_v‖·‖x̂ − x‖, each
-    activation within half its 32-block's step of x, plus float32 rounding; so the greedy choice and the top logits are the
+    activation within half its 32-block's unit u of x, plus float32 rounding; so the greedy choice and the top logits are the
     float32 product's with the file's weights, and a row's values do not depend on the call (verify = decode)."""
 
     def __init__(self, part: kquant_pack.Packed, bias: torch.Tensor | None = None):

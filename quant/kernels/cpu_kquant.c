@@ -13,10 +13,10 @@
  *        fp16 d, fp16 m. w = d*q + m (Q4_0, Q4_1).
  *   A8   qs [N, K] u8 codes. meta as A4 (Q5_0, Q5_1, Q8_0 with q + 128).
  *
- * Activations (kq_quantize): per 32 consecutive values one float scale d = amax / 127 and int8 codes round(x / d)
- * (llama.cpp's Q8_0; its K-quant products use one scale per 256, which loses the small values beside an outlier:
- * the first token of a Qwen2.5 prompt, KL 5.6 there), the codes in the order of the weights they meet (order 1:
- * Q4K's, 2: Q6K's, 0: natural), and per 32 (order 2: per 16) values d times their codes' sum, as float. Padded
+ * Activations (kq_quantize): per 32 consecutive values two int8 codes, x ≈ u·(254·q1 + q2) (see kq_quantize; one
+ * scale per 256 as llama.cpp's K-quant products lost the first token of a Qwen2.5 prompt, KL 5.6 there), the codes in
+ * the order of the weights they meet (order 1: Q4K's, 2: Q6K's, 0: natural), and per 32 (order 2: per 16) values u
+ * times their combined codes' sum, as float. Padded
  * columns are zeros. A row's result does not depend on M or on the thread count: every output is one fixed
  * sequence of operations. */
 #include <stdint.h>
