@@ -76,7 +76,8 @@ def test_a_type_the_kernels_do_not_take_is_not_packed():
 @needs_cc
 @pytest.mark.parametrize("order", [0, 1, 2])
 def test_activations_are_rounded_per_32_in_two_passes_and_ordered_as_the_format_reads_them(order):
-    x = torch.randn(3, 200) * torch.tensor([[1.0], [0.01], [100.0]])  # [M, K]
+    gen = torch.Generator().manual_seed(order)
+    x = torch.randn(3, 200, generator=gen) * torch.tensor([[1.0], [0.01], [100.0]])  # [M, K]
     x[1, :32] = 0.0  # an all-zero block: unit 0, codes 0
     x[2, 40] = 5e4  # an outlier: its own 32 values get a coarse unit, no others
     xq, xd, xs = cpu_rt.quantize_rows(x, 256, order)
@@ -93,7 +94,8 @@ def test_activations_are_rounded_per_32_in_two_passes_and_ordered_as_the_format_
     assert int(q2.abs().max()) <= 127
     codes = 254 * q1.int() + q2.int()  # [M, Kp]
     back = codes.view(3, 8, 32).double() * xd.double()[..., None]
-    assert bool(((back - blocks.double()).abs() <= xd.double()[..., None] * (0.5 + 1e-3) + 1e-30).all())
+    # within half a unit, plus float32's rounding of x − q1·d (|x| ≤ 127·254 units: ~0.002 of one)
+    assert bool(((back - blocks.double()).abs() <= xd.double()[..., None] * (0.5 + 1e-2) + 1e-30).all())
     sums = codes.view(3, 256 // per, per).sum(-1).float() * xd.repeat_interleave(32 // per, dim=1)
     assert torch.allclose(xs, sums, rtol=1e-6) and not bool(codes[:, 200:].any())
 
