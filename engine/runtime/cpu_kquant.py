@@ -126,8 +126,8 @@ class KQuantHead(KQuantCpuLinear):
         flat = x.reshape(rows, hidden).float()  # [M, H]
         logits = self._call().run(flat.contiguous())  # [M, V]
         step = flat.view(rows, -1, 32).abs().amax(-1) / (127 * 254)  # [M, H/32]: each block's unit (cpu_kquant.c)
-        x_err = (step.square().sum(-1, keepdim=True) * 8).sqrt()  # [M, 1]: ‖x̂ − x‖ ≤ sqrt(Σ 32·(step/2)²)
-        err = self.row_norms * (x_err * (1 + 1e-3) + flat.norm(dim=-1, keepdim=True) * hidden * 2.0 ** -22) + 1e-5
+        x_err = (step.square().sum(-1, keepdim=True) * 8).sqrt()  # [M, 1]: ‖x̂ − x‖ ≤ 1.02·sqrt(Σ 32·(u/2)²)
+        err = self.row_norms * (x_err * 1.02 + flat.norm(dim=-1, keepdim=True) * hidden * 2.0 ** -22) + 1e-5
         fmt, _, kp = self.parts[0]
         floor = (logits - err).amax(-1, keepdim=True)  # [M, 1]: the true maximum is at least this
         for i, near in enumerate(logits + err >= floor):  # [V] bool: the tokens that may be the maximum
