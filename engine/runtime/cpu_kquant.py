@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.runtime.linear import cpu_bf16_gemm
+from engine.runtime.narrow_head import recompute_near_top
 from quant import kquant_pack
 from quant.kernels import cpu_rt
 
@@ -129,11 +130,8 @@ class KQuantHead(KQuantCpuLinear):
         x_err = (step.square().sum(-1, keepdim=True) * 8).sqrt()  # [M, 1]: ‖x̂ − x‖ ≤ 1.02·sqrt(Σ 32·(u/2)²)
         err = self.row_norms * (x_err * 1.02 + flat.norm(dim=-1, keepdim=True) * hidden * 2.0 ** -22) + 1e-5
         fmt, _, kp = self.parts[0]
-        floor = (logits - err).amax(-1, keepdim=True)  # [M, 1]: the true maximum is at least this
-        for i, near in enumerate(logits + err >= floor):  # [V] bool: the tokens that may be the maximum
-            idx = torch.nonzero(near).squeeze(1)  # [C]
-            w = cpu_rt.dequant_rows(fmt, *self._planes(0), idx, kp)[:, :hidden]  # [C, H]
-            logits[i, idx] = (w * flat[i]).sum(-1)  # [C]
+        recompute_near_top(logits, err, flat,
+                           lambda idx: cpu_rt.dequant_rows(fmt, *self._planes(0), idx, kp)[:, :hidden])  # [C, H]
         if self.bias is not None:
             logits = logits + self.bias
         return logits.view(*x.shape[:-1], self.out_features).to(x.dtype)

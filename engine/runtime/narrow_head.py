@@ -71,13 +71,19 @@ class NarrowHead(Linear):
         if not bool(torch.isfinite(logits).all()):  # an activation beyond the fast type's range: exact, slowly
             logits = flat @ self.weight.float().t()  # [M, V]
         else:
-            floor = (logits - err).amax(-1, keepdim=True)  # [M, 1]: the true maximum is at least this
-            for i, near in enumerate(logits + err >= floor):  # [V] bool: the tokens that may be the maximum
-                idx = torch.nonzero(near).squeeze(1)  # [C]
-                logits[i, idx] = (self.weight[idx].float() * flat[i]).sum(-1)  # [C]
+            recompute_near_top(logits, err, flat, lambda idx: self.weight[idx].float())
         if self.bias is not None:
             logits = logits + self.bias
         return logits.view(*x.shape[:-1], vocab).to(x.dtype)
+
+
+def recompute_near_top(logits: torch.Tensor, err: torch.Tensor, flat: torch.Tensor, rows) -> None:
+    """In place: per row of logits [M, V] (error bound err [M, V]), the logits that may be the row's largest
+    recomputed in float32 from the weight rows `rows(idx)` gives (float32 [C, H]) and flat [M, H]."""
+    floor = (logits - err).amax(-1, keepdim=True)  # [M, 1]: the true maximum is at least this
+    for i, near in enumerate(logits + err >= floor):  # [V] bool: the tokens that may be the maximum
+        idx = torch.nonzero(near).squeeze(1)  # [C]
+        logits[i, idx] = (rows(idx) * flat[i]).sum(-1)  # [C]
 
 
 def int8_error_bound(logits: torch.Tensor, x: torch.Tensor, row_norms: torch.Tensor,

@@ -17,6 +17,20 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* The four code vectors of a 256-block against a row's two activation passes (q1 at xr, q2 at xr + K), combined
+ * exactly: lane l holds sum(code * (254·q1 + q2)) over its 16 products. */
+static inline __m512i dot_two_pass(__m512i c0, __m512i c1, __m512i c2, __m512i c3, const int8_t* xr, int K) {
+    __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(xr));
+    t = _mm512_dpbusd_epi32(t, c1, _mm512_loadu_si512(xr + 64));
+    t = _mm512_dpbusd_epi32(t, c2, _mm512_loadu_si512(xr + 128));
+    t = _mm512_dpbusd_epi32(t, c3, _mm512_loadu_si512(xr + 192));
+    __m512i r = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(xr + K));
+    r = _mm512_dpbusd_epi32(r, c1, _mm512_loadu_si512(xr + K + 64));
+    r = _mm512_dpbusd_epi32(r, c2, _mm512_loadu_si512(xr + K + 128));
+    r = _mm512_dpbusd_epi32(r, c3, _mm512_loadu_si512(xr + K + 192));
+    return _mm512_add_epi32(_mm512_mullo_epi32(t, v254), r);
+}
+
 static inline __m512 twice8(__m256 v) {  /* [v0..v7, v0..v7] */
     const __m512 w = _mm512_castps256_ps512(v);
     return _mm512_shuffle_f32x4(w, w, 0x44);
@@ -46,16 +60,8 @@ static void q4k_rows_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int 
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bm + 12)))));
             for (int m = 0; m < mr; m++) {
                 const size_t row = (size_t)(mt + m);
-                const int8_t* xr = xq + row * 2 * K + b * 256;  // q1; the residual's q2 at xr + K
-                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(xr));
-                t = _mm512_dpbusd_epi32(t, w1, _mm512_loadu_si512(xr + 64));  // lane l: sub-block l % 8 in all four
-                t = _mm512_dpbusd_epi32(t, w2, _mm512_loadu_si512(xr + 128));
-                t = _mm512_dpbusd_epi32(t, w3, _mm512_loadu_si512(xr + 192));
-                __m512i r = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(xr + K));
-                r = _mm512_dpbusd_epi32(r, w1, _mm512_loadu_si512(xr + K + 64));
-                r = _mm512_dpbusd_epi32(r, w2, _mm512_loadu_si512(xr + K + 128));
-                r = _mm512_dpbusd_epi32(r, w3, _mm512_loadu_si512(xr + K + 192));
-                t = _mm512_add_epi32(_mm512_mullo_epi32(t, v254), r);
+                // lane l: sub-block l % 8 in all four vectors
+                const __m512i t = dot_two_pass(w0, w1, w2, w3, xq + row * 2 * K + b * 256, K);
                 const __m256 f = _mm256_mul_ps(sc, _mm256_loadu_ps(xd + row * (K / 32) + b * 8));
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), twice8(f), acc[m]);
                 macc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + row * (K / 32) + b * 8), mn, macc[m]);
@@ -94,16 +100,7 @@ static void q6k_rows_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t*
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(bm + 2)))));
             for (int m = 0; m < mr; m++) {
                 const size_t row = (size_t)(mt + m);
-                const int8_t* xr = xq + row * 2 * K + b * 256;
-                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(xr));
-                t = _mm512_dpbusd_epi32(t, c1, _mm512_loadu_si512(xr + 64));
-                t = _mm512_dpbusd_epi32(t, c2, _mm512_loadu_si512(xr + 128));
-                t = _mm512_dpbusd_epi32(t, c3, _mm512_loadu_si512(xr + 192));
-                __m512i r = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(xr + K));
-                r = _mm512_dpbusd_epi32(r, c1, _mm512_loadu_si512(xr + K + 64));
-                r = _mm512_dpbusd_epi32(r, c2, _mm512_loadu_si512(xr + K + 128));
-                r = _mm512_dpbusd_epi32(r, c3, _mm512_loadu_si512(xr + K + 192));
-                t = _mm512_add_epi32(_mm512_mullo_epi32(t, v254), r);
+                const __m512i t = dot_two_pass(c0, c1, c2, c3, xq + row * 2 * K + b * 256, K);
                 const __m512 dx = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(
                     _mm256_loadu_ps(xd + row * (K / 32) + b * 8)));  // lane l: its 32 activations' scale
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sc, dx), acc[m]);
