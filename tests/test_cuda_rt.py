@@ -1,5 +1,5 @@
-"""quant.kernels.cuda_rt: CUDA C++ compiled by NVRTC without a GPU (sm_90 and sm_86, every variant the issue-19
-probe launches), NVRTC's log in the error, the driver structs' layout against cuda.h; on a GPU, launches (with and
+"""quant.kernels.cuda_rt: CUDA C++ compiled by NVRTC without a GPU (sm_90 and sm_86, every variant the engine and
+the issue-19 probe launch), NVRTC's log in the error, the driver structs' layout against cuda.h; on a GPU, launches (with and
 without PDL, inside a CUDA graph) against the exact reference."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from quant.kernels import cuda_rt
-from tests.perf.cuda_gemv_probe import CONFIGS, SOURCE, defines
+from quant.kernels.cuda_gemv import SOURCE, defines, engine_variants
+from tests.perf.cuda_gemv_probe import CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_NVRTC = ROOT / ".venv" / "nvrtc" / "nvidia" / "cuda_nvrtc" / "lib" / "libnvrtc.so.12"  # make install's
@@ -32,13 +33,17 @@ def nvrtc_lib(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", [90, 86])
-def test_the_probe_kernel_compiles_in_every_variant(nvrtc_lib, arch):
+def test_the_one_row_kernel_compiles_in_every_variant_the_engine_and_the_probe_launch(nvrtc_lib, arch):
+    variants = engine_variants(arch)
+    assert {(v["BITS"], v["USE_PDL"]) for v in variants} == ({(2, 0), (1, 0), (2, 1), (1, 1)} if arch >= 90
+                                                              else {(2, 0), (1, 0)})  # griddepcontrol is sm_90's
     for kind in ("tri", "bin"):
         for warps, gpw in CONFIGS:
-            for floor in (False, True):
-                for pdl in ((False, True) if arch >= 90 else (False,)):  # griddepcontrol is sm_90's
-                    cubin = cuda_rt.compile_cubin(SOURCE, arch, defines(kind, warps, gpw, floor, pdl))
-                    assert cubin[:4] == b"\x7fELF", (kind, warps, gpw, floor, pdl)
+            for pdl in ((False, True) if arch >= 90 else (False,)):
+                variants.append(defines(kind, warps, gpw, pdl, floor=True))
+    for flags in variants:
+        cubin = cuda_rt.compile_cubin(SOURCE, arch, flags)
+        assert cubin[:4] == b"\x7fELF", flags
 
 
 def test_pdl_instructions_need_sm_90(nvrtc_lib):

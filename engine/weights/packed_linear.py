@@ -231,11 +231,13 @@ def pack_linears(model: nn.Module, fmt: WeightFormat, dummy: bool = False, seed:
 
 def decode_paths(model: nn.Module) -> dict[str, str]:
     """{"kind N×K gG": kernel} of every packed matrix shape of the model: the one-row kernel the CUDA decode step
-    runs for it (quant.kernels.packed_gemv.one_row_path)."""
+    runs for it (quant.kernels.packed_gemv.one_row_path; "cuda …" where the CUDA C++ kernel takes it)."""
+    from quant.kernels.cuda_gemv import enabled
     from quant.kernels.packed_gemv import one_row_path
     paths = {}
     for module in model.modules():
         if isinstance(module, PackedLinear):
             key = f"{module.kind} {module.out_features}×{module.in_features} g{module.group_size}"
-            paths[key] = one_row_path(module.kind, module.group_size, module.out_features, module.in_features)
+            cuda = enabled(module.packed.words.device)
+            paths[key] = one_row_path(module.kind, module.group_size, module.out_features, module.in_features, cuda)
     return dict(sorted(paths.items()))

@@ -46,9 +46,14 @@ KWARPS = {"tri": (128, 80_000_000)}  # kind: (group size, least weights N·K)
 KWARPS_GROUPS = 3
 
 
-def default_variant(kind: str, group_size: int, rows: int, in_features: int, out_features: int = 0) -> str:
-    """The kernel packed_gemv runs for `rows` rows of a layout when the caller names none."""
+def default_variant(kind: str, group_size: int, rows: int, in_features: int, out_features: int = 0,
+                    cuda: bool = False) -> str:
+    """The kernel packed_gemv runs for `rows` rows of a layout when the caller names none; cuda: the CUDA C++
+    one-row kernel may run (quant.kernels.cuda_gemv.enabled), taken for the shapes it was measured faster on."""
+    from quant.kernels.cuda_gemv import config_for
     from quant.kernels.packed_mma import mma_supported
+    if rows == 1 and cuda and config_for(kind, group_size, out_features, in_features) is not None:
+        return "cuda"
     if rows >= MMA_FROM_ROWS.get(kind, 17) and mma_supported(kind, group_size, in_features):
         return "mma"
     if rows == 1 and kind in KWARPS:
@@ -58,13 +63,16 @@ def default_variant(kind: str, group_size: int, rows: int, in_features: int, out
     return "2d" if rows <= ROWS_2D_MAX else "rows" if rows >= ROW_LOOP_FROM else "3d"
 
 
-def one_row_path(kind: str, group_size: int, out_features: int, in_features: int) -> str:
+def one_row_path(kind: str, group_size: int, out_features: int, in_features: int, cuda: bool = False) -> str:
     """The kernel and split-K a one-row (decode) product of this matrix runs by default, e.g. "kwarps split 8"
-    (what `bonsai bench` reports per shape)."""
+    (what `bonsai bench` reports per shape); cuda: as default_variant's."""
     if kind == "tri5":
         from quant.kernels.tri5_gemv import tri5_launch_config
         return f"tri5 split {tri5_launch_config(out_features, in_features // 256)[1]}"
-    variant = default_variant(kind, group_size, 1, in_features, out_features)
+    variant = default_variant(kind, group_size, 1, in_features, out_features, cuda)
+    if variant == "cuda":
+        from quant.kernels.cuda_gemv import describe
+        return describe(kind, group_size, out_features, in_features)
     ng = in_features // group_size
     split = (kwarps_launch_config(out_features, ng) if variant == "kwarps"
              else gemv_launch_config(out_features, ng, kind))[1]
@@ -295,7 +303,8 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
                 config: tuple[int, int, int] | None = None, num_sms: int = 132, variant: str | None = None
                 ) -> torch.Tensor:
     """y = x Wᵀ for M ≤ 16 rows of int8 activations → float32 [M, N]; with accumulate, out += y.
-    variant (default by row count and size: default_variant): "2d" (the M = 1 tiles once per row), "3d"
+    variant (default by row count and size: default_variant): "cuda" (one row of a tri / bin matrix in CUDA C++:
+    quant.kernels.cuda_gemv, config (warps, groups a warp)), "2d" (the M = 1 tiles once per row), "3d"
     (broadcast over rows), "rows" (the word-row loop, from ROW_LOOP_FROM rows), "mma" (tensor cores:
     quant.kernels.packed_mma, its own config), "kwarps" (one row of a ≤ 2-bit layout: warps split K in a
     program; config (BLOCK_N, split_k, warps)). A tri5 matrix runs quant.kernels.tri5_gemv (its config)."""
@@ -303,7 +312,13 @@ def packed_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Pack
         from quant.kernels.tri5_gemv import tri5_gemv
         return tri5_gemv(xq, sx, sumx, pw, out, accumulate, config)
     m, k = xq.shape
-    variant = variant or default_variant(pw.kind, pw.group_size, m, k, pw.out_features)
+    if variant is None:
+        from quant.kernels.cuda_gemv import enabled
+        variant = default_variant(pw.kind, pw.group_size, m, k, pw.out_features,
+                                  m == 1 and config is None and enabled(xq.device))
+    if variant == "cuda":
+        from quant.kernels.cuda_gemv import cuda_gemv
+        return cuda_gemv(xq, sx, sumx, pw, out, accumulate, config)
     if variant == "mma":
         from quant.kernels.packed_mma import packed_mma
         return packed_mma(xq, sx, sumx, pw, out, accumulate, config)

@@ -21,7 +21,9 @@ def summary_lines(folder: Path) -> list[str]:
                      f"ceiling {bw['ceiling_tokens_per_second']:,.0f})" if bw else "")
             cells.append(f"{t['name']} {t['tokens_per_second']:,.1f} ± {t.get('stddev', 0):.1f}{extra}")
         s = r.get("settings", {})
-        lines.append(f"{path.stem} | " + " | ".join(cells) + f" | graph {s.get('cuda_graph')} | complete {r.get('complete')}")
+        kernels = sorted({p.split(" split")[0] for p in (s.get("decode_gemv") or {}).values()})
+        lines.append(f"{path.stem} | " + " | ".join(cells) + f" | graph {s.get('cuda_graph')} | complete {r.get('complete')}"
+                     + (f" | one-row kernels {', '.join(kernels)}" if kernels else ""))
     return lines
 
 

@@ -11,7 +11,8 @@ across steps), how close to the bytes' time does a small product get, against Tr
 
 Needs a CUDA GPU. The kernel is compiled by NVRTC and launched through quant.kernels.cuda_rt (ctypes; with PDL
 as the engine's Triton kernels launch, and without), and once through CuPy where it is installed (a second,
-independent launcher: if ours is wrong, CuPy's number still answers). The kernel reads the layout packed_gemv reads (words [K·BITS/32, N] int32, scales [K/G, N] float16, int8
+independent launcher: if ours is wrong, CuPy's number still answers). The kernel (quant.kernels.cuda_gemv, the engine's) reads
+the layout packed_gemv reads (words [K·BITS/32, N] int32, scales [K/G, N] float16, int8
 activations with per-group scale and code sum) and computes the same sums; each config is checked against
 packed_gemv_reference before it is timed as tests/perf/gpu_kern.py times (graph replays over rotated copies).
 Configs: WARPS warps a block, each warp GPW whole groups of 128 columns (a thread: 4 neighbouring columns,
@@ -31,103 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from quant.kernels.cuda_gemv import SOURCE, defines  # noqa: E402  (the engine's kernel)
 from quant.kernels.packed_gemv import packed_gemv, packed_gemv_reference  # noqa: E402
-from quant.packed_layout import layout_kind  # noqa: E402
 from tests.perf.gpu_kern import SHAPES, Run, relative_error, rotated, section_copy, time_calls  # noqa: E402
 
-SOURCE = r"""
-__device__ __forceinline__ float half_bits_to_float(unsigned short h)
-{
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-gemv_row(const int* __restrict__ xq, const float* __restrict__ sx, const int* __restrict__ sumx,
-         const int* __restrict__ w, const unsigned short* __restrict__ s, float* __restrict__ out, int N, int NG)
-{
-    constexpr int STEPS = 8 / BITS;              // shift steps a word (four codes a byte lane each)
-    constexpr int GW = GROUP * BITS / 32;        // word rows a group
-    constexpr unsigned MASK = BITS == 2 ? 0x03030303u : 0x01010101u;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int col = (blockIdx.x * 32 + lane) * 4;              // this thread's first of 4 columns
-    const int g0 = (blockIdx.y * WARPS + warp) * GPW;          // this warp's first group
-    const bool col_ok = col < N;
-    int4 wv[GPW][GW];                                          // every word this thread needs, requested first
-#pragma unroll
-    for (int gg = 0; gg < GPW; ++gg)
-#pragma unroll
-        for (int r = 0; r < GW; ++r)
-            wv[gg][r] = (col_ok && g0 + gg < NG)
-                ? __ldcs(reinterpret_cast<const int4*>(w + (size_t)((g0 + gg) * GW + r) * N + col))
-                : make_int4(0, 0, 0, 0);
-#if USE_PDL  // the weights are in flight; the activations and the output are the previous kernel's
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int gg = 0; gg < GPW; ++gg) {
-        const int g = g0 + gg;
-        if (g < NG) {
-            int is[4] = {0, 0, 0, 0};
-#if FLOOR
-#pragma unroll
-            for (int r = 0; r < GW; ++r) {
-                is[0] ^= wv[gg][r].x; is[1] ^= wv[gg][r].y; is[2] ^= wv[gg][r].z; is[3] ^= wv[gg][r].w;
-            }
-            for (int c = 0; c < 4; ++c) acc[c] += (float)is[c];
-#else
-            const int* xg = xq + g * (GROUP / 4);              // the group's activation words (4 int8 each)
-#pragma unroll
-            for (int r = 0; r < GW; ++r) {
-#pragma unroll
-                for (int j = 0; j < STEPS; ++j) {
-                    const int xw = __ldg(xg + r * STEPS + j);
-                    is[0] = __dp4a((int)(((unsigned)wv[gg][r].x >> (BITS * j)) & MASK), xw, is[0]);
-                    is[1] = __dp4a((int)(((unsigned)wv[gg][r].y >> (BITS * j)) & MASK), xw, is[1]);
-                    is[2] = __dp4a((int)(((unsigned)wv[gg][r].z >> (BITS * j)) & MASK), xw, is[2]);
-                    is[3] = __dp4a((int)(((unsigned)wv[gg][r].w >> (BITS * j)) & MASK), xw, is[3]);
-                }
-            }
-            const float scale = __ldg(sx + g);
-            const int codes_sum = __ldg(sumx + g);
-            if (col_ok) {
-                const uint2 raw = __ldg(reinterpret_cast<const uint2*>(s + (size_t)g * N + col));
-                const float sw[4] = {half_bits_to_float(raw.x & 0xffffu), half_bits_to_float(raw.x >> 16),
-                                     half_bits_to_float(raw.y & 0xffffu), half_bits_to_float(raw.y >> 16)};
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    acc[c] += (float)(is[c] * MULT - OFFSET * codes_sum) * scale * sw[c];
-            }
-#endif
-        }
-    }
-    __shared__ float part[WARPS][128];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) part[warp][lane * 4 + c] = acc[c];
-    __syncthreads();
-    if (threadIdx.x < 128) {
-        float total = 0.f;
-#pragma unroll
-        for (int k = 0; k < WARPS; ++k) total += part[k][threadIdx.x];
-        const int n = blockIdx.x * 128 + threadIdx.x;
-        if (n < N) {
-            if (gridDim.y > 1) atomicAdd(out + n, total);
-            else out[n] += total;
-        }
-    }
-}
-"""
-
 CONFIGS = ((4, 1), (8, 1), (4, 2), (8, 2))  # (WARPS, GPW)
-
-
-def defines(kind: str, warps: int, gpw: int, floor: bool = False, pdl: bool = False) -> dict[str, int]:
-    lk = layout_kind(kind)
-    return {"BITS": lk.bits, "MULT": lk.mult, "OFFSET": lk.offset, "GROUP": 128, "WARPS": warps, "GPW": gpw,
-            "FLOOR": int(floor), "USE_PDL": int(pdl)}
 
 
 class CudaGemv:
@@ -136,7 +45,7 @@ class CudaGemv:
 
     def __init__(self, kind: str, warps: int, gpw: int, floor: bool = False, pdl: bool = False, cupy: bool = False):
         self.warps, self.gpw, self.pdl, self.cupy = warps, gpw, pdl, cupy
-        flags = defines(kind, warps, gpw, floor, pdl and not cupy)
+        flags = defines(kind, warps, gpw, pdl and not cupy, floor)
         if cupy:
             import cupy as cp
             options = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in flags.items())
@@ -154,11 +63,11 @@ class CudaGemv:
         tensors = (x8.view(torch.int32), sx, sumx, pw.words, pw.scales, out.view(-1))
         if not self.cupy:
             from quant.kernels.cuda_rt import i32, ptr
-            args = [ptr(t) for t in tensors] + [i32(pw.out_features), i32(ng)]
+            args = [ptr(t) for t in tensors] + [i32(pw.out_features), i32(ng), i32(1)]
             return lambda: self.kernel.launch(grid, (self.warps * 32,), args, pdl=self.pdl)
         import cupy as cp
         import numpy as np
-        cargs = tuple(cp.asarray(t) for t in tensors) + (np.int32(pw.out_features), np.int32(ng))
+        cargs = tuple(cp.asarray(t) for t in tensors) + (np.int32(pw.out_features), np.int32(ng), np.int32(1))
 
         def call():
             with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
@@ -182,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def triton_call(xq, pw, out, pdl: bool):
     def call():
         os.environ["BONSAI_PDL"] = "1" if pdl else "0"
+        os.environ["BONSAI_CUDA_GEMV"] = "0"  # Triton's kernel, as the engine ran it before
         packed_gemv(*xq, pw, out=out, accumulate=True)
     return call
 

@@ -1,0 +1,139 @@
+"""quant.kernels.cuda_gemv, the CUDA C++ one-row product in the engine: which matrices take it (pure functions, on
+the CPU), that it is off where it cannot run, and on a GPU: every engine variant against packed_gemv_reference
+(split K and not, accumulated and not, a column tail, inside a CUDA graph) and a decode step's logits with it on
+and off. Its compilation for sm_90 / sm_86 is tests/test_cuda_rt.py's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quant.kernels import cuda_gemv
+from quant.kernels.cuda_gemv import DEFAULT_CONFIG, MEASURED, config_for, describe
+from quant.kernels.packed_gemv import default_variant, one_row_path
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_the_measured_shapes_take_their_config_and_others_the_default():
+    assert config_for("tri", 128, 6144, 4096) == (4, 1) and config_for("tri", 128, 7168, 5120) == (8, 1)
+    assert config_for("bin", 128, 24576, 4096) == (8, 1) and config_for("tri", 128, 34816, 5120) == (4, 2)
+    assert config_for("tri", 128, 2048, 2048) == DEFAULT_CONFIG  # a shape never measured
+    assert all(c is None or len(c) == 2 for c in MEASURED.values())
+
+
+def test_what_it_does_not_run():
+    assert config_for("tri", 128, 5120, 17408) is None  # measured slower than Triton's kwarps kernel
+    assert config_for("int4", 128, 4096, 4096) is None and config_for("tri5", 128, 4096, 4096) is None
+    assert config_for("tri", 64, 4096, 4096) is None  # another group size
+    assert config_for("tri", 128, 4098, 4096) is None  # columns not a multiple of 4 (16-byte loads)
+    assert config_for("bin", 128, 4096, 4000) is None  # K not whole groups
+
+
+def test_the_default_variant_takes_it_only_for_one_row_where_enabled():
+    assert default_variant("tri", 128, 1, 4096, 6144, cuda=True) == "cuda"
+    assert default_variant("tri", 128, 1, 4096, 6144, cuda=False) == "2d"  # today's Triton kernel
+    assert default_variant("tri", 128, 2, 4096, 6144, cuda=True) == "2d"  # verify widths: Triton
+    assert default_variant("tri", 128, 1, 17408, 5120, cuda=True) == "kwarps"  # where Triton measured faster
+    assert default_variant("int4", 128, 1, 4096, 6144, cuda=True) == "2d"
+
+
+def test_bench_reports_the_path_and_its_split():
+    assert one_row_path("tri", 128, 6144, 4096, cuda=True) == "cuda w4 g1 split 8" == describe("tri", 128, 6144, 4096)
+    assert one_row_path("tri", 128, 34816, 5120, cuda=True) == "cuda w4 g2 split 5"
+    assert one_row_path("tri", 128, 6144, 4096) == "2d split 16"
+    assert one_row_path("tri", 128, 5120, 17408, cuda=True).startswith("kwarps")
+
+
+def test_it_is_off_on_the_cpu_under_the_interpreter_and_when_turned_off(monkeypatch):
+    assert not cuda_gemv.enabled(torch.device("cpu"))
+    monkeypatch.setenv("BONSAI_CUDA_GEMV", "0")
+    assert not cuda_gemv.enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("BONSAI_CUDA_GEMV", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not cuda_gemv.enabled(torch.device("cuda", 0))
+
+
+def test_without_nvrtc_the_triton_kernels_run(monkeypatch):
+    from quant.kernels import cuda_rt
+
+    def missing():
+        raise cuda_rt.CudaCompileError("NVRTC (libnvrtc) was not found")
+    monkeypatch.setattr(cuda_rt, "nvrtc", missing)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("BONSAI_CUDA_GEMV", raising=False)
+    cuda_gemv._nvrtc_ready.cache_clear()
+    try:
+        assert not cuda_gemv.enabled(torch.device("cuda", 0))
+    finally:
+        cuda_gemv._nvrtc_ready.cache_clear()
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("kind", ["tri", "bin"])
+def test_every_engine_variant_equals_the_reference(kind):
+    from quant.kernels.act_quant import quantize_activations
+    from quant.kernels.packed_gemv import packed_gemv_reference
+    from quant.packed_layout import random_packed
+    dev = torch.device("cuda")
+    configs = sorted({c for c in MEASURED.values() if c is not None} | {DEFAULT_CONFIG})
+    gen = torch.Generator(dev).manual_seed(0)
+    for n, k in ((640, 1024), (100, 256), (1536, 4096)):  # split K 2-8 and 1; a column tail (100 = 0 mod 4)
+        pw = random_packed(kind, n, k, 128, device=dev, generator=gen)
+        pw.scales.uniform_(0.5, 1.5)
+        xq = quantize_activations(torch.randn(1, k, device=dev, generator=gen), 128)
+        want = packed_gemv_reference(*xq, pw)  # [1, N]
+        tol = 1e-4 * want.abs().max().item()
+        for config in configs:
+            got = cuda_gemv.cuda_gemv(*xq, pw, config=config)
+            assert torch.allclose(got, want, rtol=1e-5, atol=tol), (kind, n, k, config)
+            out = torch.full((1, n), float("nan"), device=dev)  # poisoned: a plain product overwrites it
+            cuda_gemv.cuda_gemv(*xq, pw, out=out, config=config)
+            assert torch.allclose(out, want, rtol=1e-5, atol=tol), (kind, n, k, config, "overwrite")
+            base = torch.randn(1, n, device=dev, generator=gen)
+            out = base.clone()
+            graph = torch.cuda.CUDAGraph()
+            cuda_gemv.cuda_gemv(*xq, pw, out=out, accumulate=True, config=config)  # warm (loads the module)
+            out.copy_(base)
+            with torch.cuda.graph(graph):
+                cuda_gemv.cuda_gemv(*xq, pw, out=out, accumulate=True, config=config)
+            out.copy_(base)
+            graph.replay()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.allclose(out, base + 2 * want, rtol=1e-5, atol=2 * tol), (kind, n, k, config, "graph")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("weights", ["tri", "bin"])
+def test_a_graphed_decode_step_on_it_matches_the_model(monkeypatch, weights):
+    from engine.runtime.cuda_graphs import DecodeStepRunner
+    from engine.runtime.runner import ModelRunner
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.formats import WeightFormat
+    from engine.weights.loader import load_dummy
+    from engine.weights.packed_linear import decode_paths
+    monkeypatch.setenv("BONSAI_CUDA_GEMV", "1")
+    cfg = ModelConfig("qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=128, qk_norm=True)
+    loaded = load_dummy(cfg, "tiny", device="cuda", weight_format=WeightFormat(weights, 128, "int4"),
+                        dtype=torch.float32)
+    assert all(p.startswith("cuda") for k, p in decode_paths(loaded.model).items() if k.startswith(weights)), \
+        decode_paths(loaded.model)
+    tokens = list(range(3, 19))
+    plain = ModelRunner(loaded, max_seq_len=64, fast_decode=False)  # the per-op path (Triton, no graph)
+    slot = plain.slot(0)
+    plain.prefill(slot, tokens[:10])
+    monkeypatch.setenv("BONSAI_CUDA_GEMV", "0")
+    want = [plain.forward(slot, [t])[0] for t in tokens[10:]]
+    monkeypatch.setenv("BONSAI_CUDA_GEMV", "1")
+    runner = ModelRunner(loaded, max_seq_len=64, fast_decode=False)
+    slot = runner.slot(0)
+    runner.prefill(slot, tokens[:10])
+    step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=True)
+    assert step.graph is not None
+    for i, (token, ref) in enumerate(zip(tokens[10:], want)):
+        got = step.run([token], [10 + i], [0])[0]
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
+        assert got.argmax() == ref.argmax()
