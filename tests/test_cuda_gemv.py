@@ -53,6 +53,22 @@ def test_it_is_off_on_the_cpu_under_the_interpreter_and_when_turned_off(monkeypa
     assert not cuda_gemv.enabled(torch.device("cuda", 0))
 
 
+def test_the_norm_fusion_is_off_on_the_cpu_and_for_what_it_cannot_read():
+    from quant.packed_layout import random_packed
+    pw = random_packed("tri", 256, 512, 128)
+    x, nw = torch.randn(1, 512), torch.ones(512)
+    assert not cuda_gemv.norm_input_taken(x, nw, pw)  # a CPU tensor
+    assert not cuda_gemv.norm_input_taken(torch.randn(2, 512), nw, pw)  # two rows
+    assert not cuda_gemv.norm_input_taken(x.double(), nw, pw)
+    assert not cuda_gemv.norm_input_taken(x, nw.to(torch.int32), pw)
+
+
+def test_ci_compiles_every_norm_weight_dtype_and_the_int8_input():
+    variants = cuda_gemv.engine_variants(90)
+    assert {(v["NORM_INPUT"], v["NW_KIND"]) for v in variants} == {(0, 0), (1, 0), (1, 1), (1, 2)}
+    assert len(variants) == len(cuda_gemv.KINDS) * 3 * 2 * 4  # kinds × configs (w4 g1, w4 g2, w8 g1) × PDL × inputs
+
+
 def test_without_nvrtc_the_triton_kernels_run(monkeypatch):
     from quant.kernels import cuda_rt
 
@@ -102,6 +118,32 @@ def test_every_engine_variant_equals_the_reference(kind):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.allclose(out, base + 2 * want, rtol=1e-5, atol=2 * tol), (kind, n, k, config, "graph")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("kind", ["tri", "bin"])
+def test_the_norm_fused_product_equals_norm_quantize_and_product(kind):
+    from quant.kernels.act_quant import quantize_activations_reference
+    from quant.kernels.packed_gemv import packed_gemv_reference
+    from quant.packed_layout import random_packed
+    dev = torch.device("cuda")
+    configs = sorted({c for c in MEASURED.values() if c is not None} | {DEFAULT_CONFIG})
+    gen = torch.Generator(dev).manual_seed(1)
+    for n, k in ((640, 1024), (100, 256), (1536, 4096)):
+        pw = random_packed(kind, n, k, 128, device=dev, generator=gen)
+        pw.scales.uniform_(0.5, 1.5)
+        x = torch.randn(1, k, device=dev, generator=gen) * 3  # [1, K] a residual row
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            nw = (torch.rand(k, device=dev, generator=gen) + 0.5).to(dtype)  # [K]
+            want = packed_gemv_reference(*quantize_activations_reference(x, 128, nw, 1e-6), pw)  # [1, N]
+            tol = 3e-3 * want.abs().max().item()  # a code one int8 step off where the sum of squares rounds apart
+            for config in configs:
+                got = cuda_gemv.cuda_norm_gemv(x, nw, 1e-6, pw, config=config)
+                assert torch.allclose(got, want, rtol=1e-3, atol=tol), (kind, n, k, dtype, config)
+                out = torch.ones(1, n, device=dev)
+                cuda_gemv.cuda_norm_gemv(x, nw, 1e-6, pw, out=out, accumulate=True, config=config)
+                assert torch.allclose(out, want + 1, rtol=1e-3, atol=tol), (kind, n, k, dtype, config, "accumulate")
 
 
 @pytest.mark.gpu

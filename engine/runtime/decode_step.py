@@ -89,6 +89,9 @@ class _Ops:
         self.attention, self.rope_write = decode_attention, qk_norm_rope_write
         self.attention_int8 = decode_attention_int8  # attention → int8 per head, for a packed o_proj
         self.quantize, self.gemv = quantize_activations, packed_gemv
+        from quant.kernels.cuda_gemv import cuda_norm_gemv, norm_input_taken
+        self.norm_gemv = cuda_norm_gemv  # one row of a norm's input into a tri / bin product, where taken:
+        self.norm_gemv_takes = norm_input_taken if fast else lambda x, w, pw: False
         if fast:  # a hybrid's DeltaNet and gated attention layers (engine.runtime.hybrid_step)
             from engine.kernels.deltanet_decode import conv_update, recurrent_update
             from engine.kernels.deltanet_gates import gate_project
@@ -116,12 +119,15 @@ def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_we
             x = F.rms_norm(x.float(), norm_weight.shape, norm_weight.float(), eps)  # [M, K]
         x, norm_weight = rotation(x), None  # [M, K]
     if isinstance(layer, PackedLinear):
+        target = residual if residual is not None else into
         if isinstance(x, tuple):  # already int8 activations (xq, sx, sumx)
-            xq = x
+            y = ops.gemv(*x, layer.packed, out=target, accumulate=target is not None)
+        elif norm_weight is not None and not gated and ops.norm_gemv_takes(x, norm_weight, layer.packed):
+            # one launch: the CUDA C++ product normalizes and quantizes its own groups (quant.kernels.cuda_gemv)
+            y = ops.norm_gemv(x, norm_weight, eps, layer.packed, out=target, accumulate=target is not None)
         else:
             xq = ops.quantize(x, layer.group_size, norm_weight, eps, gated=gated, zero_input=gated)
-        target = residual if residual is not None else into
-        y = ops.gemv(*xq, layer.packed, out=target, accumulate=target is not None)
+            y = ops.gemv(*xq, layer.packed, out=target, accumulate=target is not None)
         if layer.bias is not None:
             y += layer.bias.float()
         return y

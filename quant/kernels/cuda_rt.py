@@ -130,6 +130,10 @@ def i32(value: int) -> ctypes.c_int:
     return ctypes.c_int(int(value))
 
 
+def f32(value: float) -> ctypes.c_float:
+    return ctypes.c_float(float(value))
+
+
 class CudaKernel:
     """One __global__ function of a cubin, loaded into torch's CUDA context on the current device."""
 

@@ -3,10 +3,12 @@ the same step on Triton's kernels, in one process on the same generated weights,
 
     python3 tests/perf/cuda_gemv_step.py --models qwen3-8b:tri:int4,qwen3-8b:bin:int4 --json $OUT/cuda_step.json
 
-Per model (name:weights:head, configs/models/NAME.yaml, group 128): the model is generated once; two DecodeStepRunner
-(rows 1) are captured, one with BONSAI_CUDA_GEMV=0 (Triton, as before) and one with it on; first a check — both
-steps on the same token and position give logits within a last-int8-step tolerance and the same argmax — then
-`--rounds` rounds of `--replays` graph replays of each, alternating (A B A B …: the machine's drift falls on both).
+Per model (name:weights:head, configs/models/NAME.yaml, group 128): the model is generated once; three DecodeStepRunner
+(rows 1) are captured: "triton" (BONSAI_CUDA_GEMV=0, as before), "cuda" (the CUDA C++ products, int8 activations
+from the quantization kernels: BONSAI_CUDA_NORM_GEMV=0) and "fused" (the products after a norm normalize and quantize
+their own groups); first a check — each step on the same token and position gives logits within a last-int8-step
+tolerance of Triton's and the same argmax — then `--rounds` rounds of `--replays` graph replays of each, alternating
+(A B C A B C …: the machine's drift falls on all).
 Reported: µs a step (mean ± std over rounds, min), the ratio, the tok/s it implies, and which kernel each shape ran.
 """
 from __future__ import annotations
@@ -48,37 +50,41 @@ def measure(spec: str, rounds: int, replays: int, context: int) -> dict:
     dev = torch.device("cuda")
     loaded = load_dummy(cfg, name, dev, WeightFormat(weights, 128, head))
     cache = KVCache(cfg, context + 64, 1, dtype=torch.bfloat16, device=dev)
+    variants = {"triton": {"BONSAI_CUDA_GEMV": "0"}, "cuda": {"BONSAI_CUDA_GEMV": "1", "BONSAI_CUDA_NORM_GEMV": "0"},
+                "fused": {"BONSAI_CUDA_GEMV": "1", "BONSAI_CUDA_NORM_GEMV": "1"}}
     steps, logits, paths = {}, {}, {}
-    for flag in ("0", "1"):
-        os.environ["BONSAI_CUDA_GEMV"] = flag
-        steps[flag] = DecodeStepRunner(loaded.model, cache, 1, 4)
-        logits[flag] = steps[flag].run([7], [context], [0]).float().clone()  # [1, V]
-        paths[flag] = decode_paths(loaded.model)
-    os.environ["BONSAI_CUDA_GEMV"] = "1"
-    a, b = logits["0"], logits["1"]
-    diff = (a - b).abs().max().item() / max(a.abs().max().item(), 1e-9)
-    same_top = bool(a.argmax() == b.argmax())
-    ok = diff < 2e-2 and same_top and bool(torch.isfinite(b).all())
-    print(f"[{'ok' if ok else 'FAIL'}] {spec}: CUDA C++ vs Triton logits max |Δ| {diff:.1e} of the scale, "
-          f"same argmax {same_top}", flush=True)
-    times: dict[str, list[float]] = {"0": [], "1": []}
-    for flag in ("0", "1"):  # warm
-        step_timing(steps[flag].graph, 20)
+    for label, env in variants.items():
+        os.environ.update(env)
+        steps[label] = DecodeStepRunner(loaded.model, cache, 1, 4)
+        logits[label] = steps[label].run([7], [context], [0]).float().clone()  # [1, V]
+        paths[label] = decode_paths(loaded.model)
+    os.environ.update(variants["fused"])
+    row = {"model": spec, "paths_cuda": paths["cuda"], "paths_triton": paths["triton"], "check_ok": True}
+    a = logits["triton"]
+    for label in ("cuda", "fused"):
+        b = logits[label]
+        diff = (a - b).abs().max().item() / max(a.abs().max().item(), 1e-9)
+        same_top = bool(a.argmax() == b.argmax())
+        ok = diff < 2e-2 and same_top and bool(torch.isfinite(b).all())
+        row["check_ok"] &= ok
+        row[f"{label}_rel_diff"], row[f"{label}_same_top"] = diff, same_top
+        print(f"[{'ok' if ok else 'FAIL'}] {spec} {label}: logits max |Δ| {diff:.1e} of the scale against Triton's, "
+              f"same argmax {same_top}", flush=True)
+    times: dict[str, list[float]] = {label: [] for label in variants}
+    for label in variants:  # warm
+        step_timing(steps[label].graph, 20)
     for _ in range(rounds):
-        for flag in ("0", "1"):
-            times[flag].append(step_timing(steps[flag].graph, replays))
-    row = {"model": spec, "check_ok": ok, "rel_diff": diff, "same_top": same_top, "paths_cuda": paths["1"],
-           "paths_triton": paths["0"]}
-    for flag, label in (("0", "triton"), ("1", "cuda")):
-        t = times[flag]
+        for label in variants:
+            times[label].append(step_timing(steps[label].graph, replays))
+    for label, t in times.items():
         row[label] = {"us_mean": statistics.mean(t), "us_std": statistics.stdev(t) if len(t) > 1 else 0.0,
                       "us_min": min(t), "tok_s": 1e6 / statistics.mean(t)}
-    row["ratio"] = row["cuda"]["us_mean"] / row["triton"]["us_mean"]
-    print(f"{spec:24} triton {row['triton']['us_mean']:8.1f} ± {row['triton']['us_std']:.1f} us "
-          f"({row['triton']['tok_s']:.0f} tok/s)  cuda {row['cuda']['us_mean']:8.1f} ± {row['cuda']['us_std']:.1f} us "
-          f"({row['cuda']['tok_s']:.0f} tok/s)  ratio {row['ratio']:.3f}", flush=True)
-    for shape, path in paths["1"].items():
-        print(f"    {shape:28} {paths['0'][shape]:18} -> {path}", flush=True)
+    base = row["triton"]["us_mean"]
+    print(f"{spec:24} " + "  ".join(f"{label} {row[label]['us_mean']:7.1f} ± {row[label]['us_std']:.1f} us "
+                                     f"({row[label]['tok_s']:.0f} tok/s, {row[label]['us_mean'] / base:.3f}x)"
+                                     for label in variants), flush=True)
+    for shape, path in paths["cuda"].items():
+        print(f"    {shape:28} {paths['triton'][shape]:18} -> {path}", flush=True)
     del steps, loaded, cache
     torch.cuda.empty_cache()
     return row
