@@ -63,10 +63,30 @@ def test_the_norm_fusion_is_off_on_the_cpu_and_for_what_it_cannot_read():
     assert not cuda_gemv.norm_input_taken(x, nw.to(torch.int32), pw)
 
 
-def test_ci_compiles_every_norm_weight_dtype_and_the_int8_input():
+def test_ci_compiles_every_input_the_engine_gives():
     variants = cuda_gemv.engine_variants(90)
-    assert {(v["NORM_INPUT"], v["NW_KIND"]) for v in variants} == {(0, 0), (1, 0), (1, 1), (1, 2)}
-    assert len(variants) == len(cuda_gemv.KINDS) * 3 * 2 * 4  # kinds × configs (w4 g1, w4 g2, w8 g1) × PDL × inputs
+    assert {(v["INPUT"], v["NW_KIND"]) for v in variants} == {(0, 0), (1, 0), (1, 1), (1, 2), (2, 0)}
+    assert len(variants) == len(cuda_gemv.KINDS) * 3 * 2 * 5  # kinds × configs (w4 g1, w4 g2, w8 g1) × PDL × inputs
+
+
+def test_the_fusions_setting(monkeypatch):
+    assert cuda_gemv.fused_inputs() == "all"
+    monkeypatch.setenv("BONSAI_CUDA_GEMV_INPUT", "norm")
+    assert cuda_gemv.fused_inputs() == "norm"
+    monkeypatch.setenv("BONSAI_CUDA_GEMV_INPUT", "fused")
+    with pytest.raises(ValueError, match="use all, norm or int8"):
+        cuda_gemv.fused_inputs()
+
+
+def test_a_cpu_step_never_fuses_swiglu():
+    from engine.runtime.decode_step import Workspace
+    from engine.sources.model_config import ModelConfig
+    from engine.weights.formats import WeightFormat
+    from engine.weights.loader import load_dummy
+    cfg = ModelConfig("qwen3", vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=128, qk_norm=True)
+    loaded = load_dummy(cfg, "tiny", weight_format=WeightFormat("tri", 128, "int4"), dtype=torch.float32)
+    assert not Workspace.make(loaded.model, 1, torch.device("cpu")).swiglu_in_down
 
 
 def test_without_nvrtc_the_triton_kernels_run(monkeypatch):
@@ -123,7 +143,7 @@ def test_every_engine_variant_equals_the_reference(kind):
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("kind", ["tri", "bin"])
-def test_the_norm_fused_product_equals_norm_quantize_and_product(kind):
+def test_the_fused_input_products_equal_quantize_then_product(kind):
     from quant.kernels.act_quant import quantize_activations_reference
     from quant.kernels.packed_gemv import packed_gemv_reference
     from quant.packed_layout import random_packed
@@ -141,9 +161,17 @@ def test_the_norm_fused_product_equals_norm_quantize_and_product(kind):
             for config in configs:
                 got = cuda_gemv.cuda_norm_gemv(x, nw, 1e-6, pw, config=config)
                 assert torch.allclose(got, want, rtol=1e-3, atol=tol), (kind, n, k, dtype, config)
-                out = torch.ones(1, n, device=dev)
-                cuda_gemv.cuda_norm_gemv(x, nw, 1e-6, pw, out=out, accumulate=True, config=config)
+                out, zero = torch.ones(1, n, device=dev), torch.ones(3, 1000, device=dev)
+                cuda_gemv.cuda_norm_gemv(x, nw, 1e-6, pw, out=out, accumulate=True, config=config, zero=zero)
                 assert torch.allclose(out, want + 1, rtol=1e-3, atol=tol), (kind, n, k, dtype, config, "accumulate")
+                assert not zero.any(), "the buffer to zero"
+        gu = torch.randn(1, 2 * k, device=dev, generator=gen) * 2  # [1, 2K] gate | up
+        want = packed_gemv_reference(*quantize_activations_reference(gu, 128, gated=True), pw)  # [1, N]
+        before = gu.clone()
+        for config in configs:
+            got = cuda_gemv.cuda_swiglu_gemv(gu, pw, config=config)
+            assert torch.allclose(got, want, rtol=1e-3, atol=3e-3 * want.abs().max().item()), (kind, n, k, config)
+        assert torch.equal(gu, before)  # left as it is: the decode step's q/k/v product zeroes it
 
 
 @pytest.mark.gpu
@@ -157,6 +185,7 @@ def test_a_graphed_decode_step_on_it_matches_the_model(monkeypatch, weights):
     from engine.weights.loader import load_dummy
     from engine.weights.packed_linear import decode_paths
     monkeypatch.setenv("BONSAI_CUDA_GEMV", "1")
+    monkeypatch.delenv("BONSAI_CUDA_GEMV_INPUT", raising=False)
     cfg = ModelConfig("qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=128, qk_norm=True)
     loaded = load_dummy(cfg, "tiny", device="cuda", weight_format=WeightFormat(weights, 128, "int4"),
@@ -174,7 +203,7 @@ def test_a_graphed_decode_step_on_it_matches_the_model(monkeypatch, weights):
     slot = runner.slot(0)
     runner.prefill(slot, tokens[:10])
     step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=True)
-    assert step.graph is not None
+    assert step.graph is not None and step.workspace.swiglu_in_down  # norm and SwiGLU fused, gate/up zeroed by q/k/v
     for i, (token, ref) in enumerate(zip(tokens[10:], want)):
         got = step.run([token], [10 + i], [0])[0]
         torch.testing.assert_close(got, ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())

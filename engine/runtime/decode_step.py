@@ -53,6 +53,9 @@ class Workspace:
     # hidden state take (engine.speculative.hidden_drafter); copied there by each step (valid until the next)
     hidden: torch.Tensor  # [M, H]
     ffn: object | None = None  # quant.kernels.persistent_ffn.FfnBuffers: the one-launch FFN's scratch (one row)
+    # one row on the CUDA C++ products: down takes the [gate | up] rows itself (SwiGLU and int8 in its kernel), so
+    # gate_up is not zeroed as it is read; each block's q/k/v product zeroes it instead (quant.kernels.cuda_gemv)
+    swiglu_in_down: bool = False
 
     @staticmethod
     def make(model: Transformer, rows: int, device: torch.device, persistent_ffn: bool = False) -> "Workspace":
@@ -66,7 +69,23 @@ class Workspace:
             if group is not None:
                 from quant.kernels.persistent_ffn import FfnBuffers
                 ws.ffn = FfnBuffers.make(cfg.hidden_size, cfg.intermediate_size, group, device, gu=ws.gate_up[0])
+        ws.swiglu_in_down = rows == 1 and ws.ffn is None and _swiglu_in_down(model, device)
         return ws
+
+
+def _swiglu_in_down(model: Transformer, device: torch.device) -> bool:
+    """Whether every block's down product can take its SwiGLU input itself (not a hybrid; packed gate/up and down
+    without rotations, down on the CUDA C++ path)."""
+    from quant.kernels.cuda_gemv import swiglu_input_taken
+    if model.config.hybrid is not None or not model.layers:
+        return False
+    for block in model.layers:
+        ffn = block.feed_forward
+        if not (isinstance(ffn.w13, PackedLinear) and isinstance(ffn.w2, PackedLinear)):
+            return False
+        if ffn.w13_rotation is not None or ffn.w2_rotation is not None or not swiglu_input_taken(device, ffn.w2.packed):
+            return False
+    return True
 
 
 class _Ops:
@@ -89,8 +108,8 @@ class _Ops:
         self.attention, self.rope_write = decode_attention, qk_norm_rope_write
         self.attention_int8 = decode_attention_int8  # attention → int8 per head, for a packed o_proj
         self.quantize, self.gemv = quantize_activations, packed_gemv
-        from quant.kernels.cuda_gemv import cuda_norm_gemv, norm_input_taken
-        self.norm_gemv = cuda_norm_gemv  # one row of a norm's input into a tri / bin product, where taken:
+        from quant.kernels.cuda_gemv import cuda_norm_gemv, cuda_swiglu_gemv, norm_input_taken
+        self.norm_gemv, self.swiglu_gemv = cuda_norm_gemv, cuda_swiglu_gemv  # one row, CUDA C++, where taken:
         self.norm_gemv_takes = norm_input_taken if fast else lambda x, w, pw: False
         if fast:  # a hybrid's DeltaNet and gated attention layers (engine.runtime.hybrid_step)
             from engine.kernels.deltanet_decode import conv_update, recurrent_update
@@ -108,11 +127,14 @@ class _Ops:
 def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_weight: torch.Tensor | None = None,
              eps: float = 1e-6, gated: bool = False, residual: torch.Tensor | None = None,
              tied_weight: torch.Tensor | None = None, into: torch.Tensor | None = None,
-             rotation: InputRotation | None = None) -> torch.Tensor:
+             rotation: InputRotation | None = None, zero: torch.Tensor | None = None,
+             swiglu_in_product: bool = False) -> torch.Tensor:
     """norm/SwiGLU (optional) → rotation (optional) → projection, added into `residual` (or a zeroed
     workspace buffer `into`) in place when given. Returns the float32 result [M, N]. A gated input of a
     packed layer is the gate/up workspace buffer: it is zeroed as it is read (not with a rotation: the
-    caller zeroes it)."""
+    caller zeroes it). zero: a buffer to zero once the kernels before are done (in the product's kernel where it
+    takes its float row); swiglu_in_product: a gated input goes to the product as it is (cuda_swiglu_gemv), not
+    zeroed."""
     if rotation is not None:  # the norm in torch, then the rotation: never quantize the unrotated input
         assert not gated and not isinstance(x, tuple), "a rotated input is made by the caller"
         if norm_weight is not None:
@@ -124,8 +146,12 @@ def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_we
             y = ops.gemv(*x, layer.packed, out=target, accumulate=target is not None)
         elif norm_weight is not None and not gated and ops.norm_gemv_takes(x, norm_weight, layer.packed):
             # one launch: the CUDA C++ product normalizes and quantizes its own groups (quant.kernels.cuda_gemv)
-            y = ops.norm_gemv(x, norm_weight, eps, layer.packed, out=target, accumulate=target is not None)
+            y = ops.norm_gemv(x, norm_weight, eps, layer.packed, out=target, accumulate=target is not None, zero=zero)
+        elif gated and swiglu_in_product:
+            y = ops.swiglu_gemv(x, layer.packed, out=target, accumulate=target is not None)
         else:
+            if zero is not None:
+                zero.zero_()
             xq = ops.quantize(x, layer.group_size, norm_weight, eps, gated=gated, zero_input=gated)
             y = ops.gemv(*xq, layer.packed, out=target, accumulate=target is not None)
         if layer.bias is not None:
@@ -160,6 +186,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
         rows = inputs.embedded if inputs.embedded is not None else model.embed(inputs.tokens)  # [M, H]
         x = rows.to(torch.float32, copy=True)  # [M, H] residual stream (never the static input buffer itself)
     scale = cfg.head_dim ** -0.5
+    fused_swiglu = ws.swiglu_in_down and ops.fast
     for i, block in enumerate(model.layers):
         if stream is not None:
             stream.enter(i)
@@ -172,8 +199,8 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
             _feed_forward(ops, block, x, ws, eps)
             continue
         scales = cache.layer_read_args(i)  # a quantized cache's scale / min tensors, v_rotate (none for bf16)
-        qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv,
-                       rotation=att.wqkv_rotation)  # [M, Q + 2KV]
+        qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv, rotation=att.wqkv_rotation,
+                       zero=ws.gate_up if fused_swiglu else None)  # [M, Q + 2KV]
         kv = cache.layer(i)  # {name: [slots, KV, S, D]} (KV offload: the layer's streamed-in rows)
         q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, kv["k"], kv["v"],
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -215,7 +242,7 @@ def _feed_forward(ops: _Ops, block, x: torch.Tensor, ws: Workspace, eps: float) 
             gu.zero_()  # the split-K workspace starts the next step at zero
         _project(ops, z, ffn.w2, residual=x)
     else:
-        _project(ops, gu, ffn.w2, gated=True, residual=x)
+        _project(ops, gu, ffn.w2, gated=True, residual=x, swiglu_in_product=ws.swiglu_in_down and ops.fast)
 
 
 def _one_launch_ffn(ffn, x: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -24,183 +25,7 @@ from quant.packed_layout import PackedWeight, layout_kind
 
 log = logging.getLogger(__name__)
 
-SOURCE = r"""
-#ifndef NORM_INPUT
-#define NORM_INPUT 0
-#define NW_KIND 0
-#endif
-#if NW_KIND == 0
-typedef float NW_T;
-#else
-typedef unsigned short NW_T;
-#endif
-
-__device__ __forceinline__ float half_bits_to_float(unsigned short h)
-{
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ float norm_weight(const NW_T* nw, int i)
-{
-#if NW_KIND == 0
-    return nw[i];
-#elif NW_KIND == 1  // bfloat16: the high half of a float
-    return __int_as_float(((int)nw[i]) << 16);
-#else
-    return half_bits_to_float(nw[i]);
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-gemv_row(
-#if NORM_INPUT  // the float row itself: RMSNorm and int8 quantization of the block's own groups in here
-         const float* __restrict__ x, const NW_T* __restrict__ nw, float eps, int K,
-#else
-         const int* __restrict__ xq, const float* __restrict__ sx, const int* __restrict__ sumx,
-#endif
-         const int* __restrict__ w, const unsigned short* __restrict__ s, float* __restrict__ out, int N, int NG,
-         int accumulate)
-{
-    constexpr int STEPS = 8 / BITS;              // shift steps a word (four codes a byte lane each)
-    constexpr int GW = GROUP * BITS / 32;        // word rows a group
-    constexpr unsigned MASK = BITS == 2 ? 0x03030303u : 0x01010101u;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int col = (blockIdx.x * 32 + lane) * 4;              // this thread's first of 4 columns
-    const int g0 = (blockIdx.y * WARPS + warp) * GPW;          // this warp's first group
-    const bool col_ok = col < N;
-    int4 wv[GPW][GW];                                          // every word this thread needs, requested first
-#pragma unroll
-    for (int gg = 0; gg < GPW; ++gg)
-#pragma unroll
-        for (int r = 0; r < GW; ++r)
-            wv[gg][r] = (col_ok && g0 + gg < NG)
-                ? __ldcs(reinterpret_cast<const int4*>(w + (size_t)((g0 + gg) * GW + r) * N + col))
-                : make_int4(0, 0, 0, 0);
-#if USE_PDL  // the weights are in flight; the activations and the output are the previous kernel's
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-#if NORM_INPUT
-    static_assert(GROUP == 128, "a lane quantizes 4 values of a group");
-    __shared__ int xs[WARPS][GPW][GROUP / 4];                 // the warp's groups as int8 words
-    __shared__ float red[WARPS];
-    float gscale[GPW];
-    int gsum[GPW];
-    {
-        float ss = 0.f;                                        // the row's sum of squares (every block: rows are short)
-        for (int i = threadIdx.x * 4; i < K; i += WARPS * 128) {
-            const float4 v = *reinterpret_cast<const float4*>(x + i);
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) red[warp] = ss;
-        __syncthreads();
-        float total = 0.f;
-#pragma unroll
-        for (int k = 0; k < WARPS; ++k) total += red[k];
-        const float rstd = 1.f / sqrtf(total / (float)K + eps);
-#pragma unroll
-        for (int gg = 0; gg < GPW; ++gg) {
-            gscale[gg] = 0.f;
-            gsum[gg] = 0;
-            const int g = g0 + gg;
-            if (g < NG) {                                      // warp-uniform
-                const int base = g * GROUP + lane * 4;
-                const float4 v = *reinterpret_cast<const float4*>(x + base);
-                const float y[4] = {v.x * rstd * norm_weight(nw, base), v.y * rstd * norm_weight(nw, base + 1),
-                                    v.z * rstd * norm_weight(nw, base + 2), v.w * rstd * norm_weight(nw, base + 3)};
-                float amax = fmaxf(fmaxf(fabsf(y[0]), fabsf(y[1])), fmaxf(fabsf(y[2]), fabsf(y[3])));
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-                const float scale = amax / 127.f;
-                const float inv = scale > 0.f ? 1.f / scale : 0.f;
-                int q[4], qs = 0;
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    q[c] = (int)fminf(fmaxf(floorf(y[c] * inv + 0.5f), -127.f), 127.f);
-                    qs += q[c];
-                }
-                xs[warp][gg][lane] = (q[0] & 255) | ((q[1] & 255) << 8) | ((q[2] & 255) << 16) | ((q[3] & 255) << 24);
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, o);
-                gscale[gg] = scale;
-                gsum[gg] = qs;
-            }
-        }
-        __syncwarp();
-    }
-#endif
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int gg = 0; gg < GPW; ++gg) {
-        const int g = g0 + gg;
-        if (g < NG) {
-            int is[4] = {0, 0, 0, 0};
-#if FLOOR  // the probe's loads-only variant: the arithmetic replaced by an xor
-#pragma unroll
-            for (int r = 0; r < GW; ++r) {
-                is[0] ^= wv[gg][r].x; is[1] ^= wv[gg][r].y; is[2] ^= wv[gg][r].z; is[3] ^= wv[gg][r].w;
-            }
-            for (int c = 0; c < 4; ++c) acc[c] += (float)is[c];
-#else
-#if NORM_INPUT
-            const int* xg = xs[warp][gg];
-#else
-            const int* xg = xq + g * (GROUP / 4);              // the group's activation words (4 int8 each)
-#endif
-#pragma unroll
-            for (int r = 0; r < GW; ++r) {
-#pragma unroll
-                for (int j = 0; j < STEPS; ++j) {
-#if NORM_INPUT
-                    const int xw = xg[r * STEPS + j];
-#else
-                    const int xw = __ldg(xg + r * STEPS + j);
-#endif
-                    is[0] = __dp4a((int)(((unsigned)wv[gg][r].x >> (BITS * j)) & MASK), xw, is[0]);
-                    is[1] = __dp4a((int)(((unsigned)wv[gg][r].y >> (BITS * j)) & MASK), xw, is[1]);
-                    is[2] = __dp4a((int)(((unsigned)wv[gg][r].z >> (BITS * j)) & MASK), xw, is[2]);
-                    is[3] = __dp4a((int)(((unsigned)wv[gg][r].w >> (BITS * j)) & MASK), xw, is[3]);
-                }
-            }
-#if NORM_INPUT
-            const float scale = gscale[gg];
-            const int codes_sum = gsum[gg];
-#else
-            const float scale = __ldg(sx + g);
-            const int codes_sum = __ldg(sumx + g);
-#endif
-            if (col_ok) {
-                const uint2 raw = __ldg(reinterpret_cast<const uint2*>(s + (size_t)g * N + col));
-                const float sw[4] = {half_bits_to_float(raw.x & 0xffffu), half_bits_to_float(raw.x >> 16),
-                                     half_bits_to_float(raw.y & 0xffffu), half_bits_to_float(raw.y >> 16)};
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    acc[c] += (float)(is[c] * MULT - OFFSET * codes_sum) * scale * sw[c];
-            }
-#endif
-        }
-    }
-    __shared__ float part[WARPS][128];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) part[warp][lane * 4 + c] = acc[c];
-    __syncthreads();
-    if (threadIdx.x < 128) {
-        float total = 0.f;
-#pragma unroll
-        for (int k = 0; k < WARPS; ++k) total += part[k][threadIdx.x];
-        const int n = blockIdx.x * 128 + threadIdx.x;
-        if (n < N) {
-            if (gridDim.y > 1) atomicAdd(out + n, total);   // split K: out zeroed or accumulated into
-            else if (accumulate) out[n] += total;
-            else out[n] = total;
-        }
-    }
-}
-"""
+SOURCE = (Path(__file__).resolve().parent / "cuda_gemv_row.cu").read_text()  # the kernel: gemv_row
 
 GROUP = 128
 KINDS = ("tri", "bin")
@@ -237,24 +62,35 @@ def config_for(kind: str, group_size: int, out_features: int, in_features: int) 
 
 
 NORM_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # NW_KIND: the RMSNorm weight's dtype
+INPUTS = {"int8": 0, "norm": 1, "swiglu": 2}  # INPUT: what the kernel is given (see SOURCE)
 
 
-def defines(kind: str, warps: int, gpw: int, pdl: bool, floor: bool = False, norm: int | None = None
-            ) -> dict[str, int]:
-    """The -D values of one compiled variant; norm: NW_KIND of a variant that takes the float row and normalizes
-    and quantizes it itself (None: int8 activations given)."""
+def defines(kind: str, warps: int, gpw: int, pdl: bool, floor: bool = False, norm: int | None = None,
+            swiglu: bool = False) -> dict[str, int]:
+    """The -D values of one compiled variant: int8 activations given, or (norm: NW_KIND) the float row it
+    normalizes and quantizes itself, or (swiglu) the [gate | up] rows it takes SwiGLU of and quantizes."""
     lk = layout_kind(kind)
+    given = "swiglu" if swiglu else "int8" if norm is None else "norm"
     return {"BITS": lk.bits, "MULT": lk.mult, "OFFSET": lk.offset, "GROUP": GROUP, "WARPS": warps, "GPW": gpw,
-            "FLOOR": int(floor), "USE_PDL": int(pdl), "NORM_INPUT": int(norm is not None), "NW_KIND": norm or 0}
+            "FLOOR": int(floor), "USE_PDL": int(pdl), "INPUT": INPUTS[given], "NW_KIND": norm or 0}
 
 
 def engine_variants(arch: int) -> list[dict[str, int]]:
-    """Every variant the engine may launch on sm_`arch` (what CI compiles): each kind × config × input (int8, or
-    the float row with each norm weight dtype), with PDL on sm_90+."""
+    """Every variant the engine may launch on sm_`arch` (what CI compiles): each kind × config × input (int8, the
+    float row with each norm weight dtype, SwiGLU rows), with PDL on sm_90+."""
     configs = sorted({c for c in MEASURED.values() if c is not None} | {DEFAULT_CONFIG})
     pdls = (False, True) if arch >= 90 else (False,)
-    norms = (None, *NORM_KINDS.values())
-    return [defines(kind, w, g, pdl, norm=n) for kind in KINDS for w, g in configs for pdl in pdls for n in norms]
+    inputs = [{}] + [{"norm": n} for n in NORM_KINDS.values()] + [{"swiglu": True}]
+    return [defines(kind, w, g, pdl, **i) for kind in KINDS for w, g in configs for pdl in pdls for i in inputs]
+
+
+def fused_inputs() -> str:
+    """Which products make their own int8 activations (BONSAI_CUDA_GEMV_INPUT): "all" (default: those after an
+    RMSNorm and the SwiGLU one), "norm" (after an RMSNorm only) or "int8" (none: a quantization kernel first)."""
+    mode = os.environ.get("BONSAI_CUDA_GEMV_INPUT", "all")
+    if mode not in ("all", "norm", "int8"):
+        raise ValueError(f"BONSAI_CUDA_GEMV_INPUT={mode!r}: use all, norm or int8")
+    return mode
 
 
 def enabled(device: torch.device) -> bool:
@@ -280,14 +116,23 @@ def _nvrtc_ready() -> bool:
 def norm_input_taken(x: torch.Tensor, norm_weight: torch.Tensor, pw: PackedWeight) -> bool:
     """Whether the decode step hands this product its float row with the norm (cuda_norm_gemv) instead of int8
     activations from a quantization kernel: one row on the CUDA C++ path of this matrix, the fusion not turned off
-    (BONSAI_CUDA_NORM_GEMV=0), a float32 row aligned for 16-byte loads."""
+    (BONSAI_CUDA_GEMV_INPUT=int8), a float32 row aligned for 16-byte loads."""
     if x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_contiguous() or x.data_ptr() % 16:
         return False
     if norm_weight.dtype not in NORM_KINDS or not norm_weight.is_contiguous():
         return False
-    if os.environ.get("BONSAI_CUDA_NORM_GEMV", "1") == "0" or not enabled(x.device):
+    if fused_inputs() == "int8" or not enabled(x.device):
         return False
     return config_for(pw.kind, pw.group_size, pw.out_features, pw.in_features) is not None
+
+
+def swiglu_input_taken(device: torch.device, down: PackedWeight) -> bool:
+    """Whether a one-row step may hand the down product its [gate | up] rows (cuda_swiglu_gemv): the CUDA C++ path
+    of this matrix and the fusion on (BONSAI_CUDA_GEMV_INPUT=all). The caller must then zero the gate/up buffer
+    before the next gate/up product adds into it (the decode step has the next q/k/v product do it)."""
+    if fused_inputs() != "all" or not enabled(device):
+        return False
+    return config_for(down.kind, down.group_size, down.out_features, down.in_features) is not None
 
 
 def describe(kind: str, group_size: int, out_features: int, in_features: int) -> str | None:
@@ -303,13 +148,16 @@ def _splits(num_groups: int, warps: int, gpw: int) -> int:
 
 
 @functools.cache
-def _kernel(device_index: int, kind: str, warps: int, gpw: int, pdl: bool, norm: int | None = None):
+def _compiled(device_index: int, flags: tuple[tuple[str, int], ...]):
     from quant.kernels.cuda_rt import CudaKernel, compile_cubin
     with torch.cuda.device(device_index):
         major, minor = torch.cuda.get_device_capability(device_index)
-        cubin = compile_cubin(SOURCE, 10 * major + minor, defines(kind, warps, gpw, pdl, norm=norm),
-                              name=f"gemv_row_{kind}.cu")
-        return CudaKernel(cubin, "gemv_row")
+        return CudaKernel(compile_cubin(SOURCE, 10 * major + minor, dict(flags), name="gemv_row.cu"), "gemv_row")
+
+
+def _kernel(device_index: int, flags: dict[str, int]):
+    """The loaded kernel of one variant on one device (compiled and loaded once)."""
+    return _compiled(device_index, tuple(sorted(flags.items())))
 
 
 def cuda_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: PackedWeight,
@@ -319,28 +167,40 @@ def cuda_gemv(xq: torch.Tensor, sx: torch.Tensor, sumx: torch.Tensor, pw: Packed
     out += y. Launched on torch's current stream of xq's device (captured into graphs), with PDL where the Triton
     kernels use it. config: (warps, groups a warp), else config_for's."""
     assert xq.shape[0] == 1 and xq.dtype == torch.int8 and sx.dtype == torch.float32 and sumx.dtype == torch.int32
-    return _launch(xq, pw, out, accumulate, config, None, [xq, sx, sumx], [])
+    return _launch(xq, xq.shape[1], pw, out, accumulate, config, defines_input={}, head=[xq, sx, sumx])
 
 
 def cuda_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, pw: PackedWeight,
                    out: torch.Tensor | None = None, accumulate: bool = False,
-                   config: tuple[int, int] | None = None) -> torch.Tensor:
+                   config: tuple[int, int] | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
     """y [1, N] float32 = RMSNorm(x)·w quantized to int8 per group, times Wᵀ, in one launch (no activation
     quantization kernel before it): x float32 [1, K] contiguous, norm_weight [K] float32 / bfloat16 / float16.
     Equal to packed_gemv_reference(*quantize_activations_reference(x, 128, norm_weight, eps), pw) up to the
-    float rounding of the row's sum of squares."""
+    float rounding of the row's sum of squares. zero: a float32 buffer the kernel sets to 0 once the kernels
+    before it are done (PDL), e.g. a split-K target read by the kernel before."""
     from quant.kernels.cuda_rt import f32
-    assert x.shape[0] == 1 and x.dtype == torch.float32 and x.is_contiguous() and x.data_ptr() % 16 == 0
+    assert x.shape[0] == 1 and x.dtype == torch.float32 and x.data_ptr() % 16 == 0
     assert norm_weight.is_contiguous() and norm_weight.numel() == x.shape[1]
-    return _launch(x, pw, out, accumulate, config, NORM_KINDS[norm_weight.dtype], [x, norm_weight], [f32(eps)])
+    return _launch(x, x.shape[1], pw, out, accumulate, config, defines_input={"norm": NORM_KINDS[norm_weight.dtype]},
+                   head=[x, norm_weight], eps=f32(eps), zero=zero)
 
 
-def _launch(x: torch.Tensor, pw: PackedWeight, out, accumulate: bool, config, norm: int | None,
-            tensors: list[torch.Tensor], scalars: list) -> torch.Tensor:
+def cuda_swiglu_gemv(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, accumulate: bool = False,
+                     config: tuple[int, int] | None = None) -> torch.Tensor:
+    """y [1, N] float32 = (silu(gate)·up quantized to int8 per group) Wᵀ, in one launch: x float32 [1, 2K] holds
+    gate and up. Equal to packed_gemv_reference(*quantize_activations_reference(x, 128, gated=True), pw) up to
+    exp's rounding. x is left as it is (the caller zeroes a split-K buffer)."""
+    assert x.shape[0] == 1 and x.dtype == torch.float32 and x.data_ptr() % 16 == 0 and x.shape[1] % 2 == 0
+    return _launch(x, x.shape[1] // 2, pw, out, accumulate, config, defines_input={"swiglu": True}, head=[x])
+
+
+def _launch(x: torch.Tensor, k: int, pw: PackedWeight, out, accumulate: bool, config, defines_input: dict,
+            head: list[torch.Tensor], eps=None, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch of gemv_row: head are the input tensors (xq, sx, sumx; or x and the norm weight; or x)."""
     from quant.kernels import pdl_enabled
-    from quant.kernels.cuda_rt import i32, ptr
+    from quant.kernels.cuda_rt import f32, i32, ptr
     from quant.kernels.gemv_parts import result_buffer
-    k = x.shape[1]
+    import ctypes
     warps, gpw = config or config_for(pw.kind, pw.group_size, pw.out_features, pw.in_features) or DEFAULT_CONFIG
     assert k == pw.in_features and pw.group_size == GROUP and x.is_contiguous() and pw.words.is_contiguous()
     assert pw.words.data_ptr() % 16 == 0 and pw.scales.data_ptr() % 8 == 0 and pw.out_features % 4 == 0
@@ -351,8 +211,15 @@ def _launch(x: torch.Tensor, pw: PackedWeight, out, accumulate: bool, config, no
     assert out.is_contiguous() and out.dtype == torch.float32
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     pdl = pdl_enabled(x.device)
-    kernel = _kernel(device, pw.kind, warps, gpw, pdl, norm)
-    args = ([ptr(t) for t in tensors] + scalars + ([i32(k)] if norm is not None else [])
-            + [ptr(pw.words), ptr(pw.scales), ptr(out), i32(n), i32(ng), i32(accumulate)])
+    flags = defines(pw.kind, warps, gpw, pdl, **defines_input)
+    kernel = _kernel(device, flags)
+    if flags["INPUT"]:
+        assert zero is None or (zero.is_contiguous() and zero.dtype == torch.float32 and zero.device == x.device)
+        nw = ptr(head[1]) if len(head) > 1 else ctypes.c_void_p(0)
+        args = [ptr(x), nw, eps if eps is not None else f32(0.0), i32(k),
+                ptr(zero) if zero is not None else ctypes.c_void_p(0), i32(zero.numel() if zero is not None else 0)]
+    else:
+        args = [ptr(t) for t in head]
+    args += [ptr(pw.words), ptr(pw.scales), ptr(out), i32(n), i32(ng), i32(accumulate)]
     kernel.launch(grid, (warps * 32,), args, pdl=pdl, stream=torch.cuda.current_stream(x.device).cuda_stream)
     return out

@@ -5,10 +5,10 @@ the same step on Triton's kernels, in one process on the same generated weights,
 
 Per model (name:weights:head, configs/models/NAME.yaml, group 128): the model is generated once; three DecodeStepRunner
 (rows 1) are captured: "triton" (BONSAI_CUDA_GEMV=0, as before), "cuda" (the CUDA C++ products, int8 activations
-from the quantization kernels: BONSAI_CUDA_NORM_GEMV=0) and "fused" (the products after a norm normalize and quantize
-their own groups); first a check — each step on the same token and position gives logits within a last-int8-step
+from the quantization kernels: BONSAI_CUDA_GEMV_INPUT=int8), "norm" (the products after a norm normalize and quantize
+their own groups) and "fused" (also down takes SwiGLU's rows: the default); first a check — each step on the same token and position gives logits within a last-int8-step
 tolerance of Triton's and the same argmax — then `--rounds` rounds of `--replays` graph replays of each, alternating
-(A B C A B C …: the machine's drift falls on all).
+(A B C D A B C D …: the machine's drift falls on all).
 Reported: µs a step (mean ± std over rounds, min), the ratio, the tok/s it implies, and which kernel each shape ran.
 """
 from __future__ import annotations
@@ -50,8 +50,10 @@ def measure(spec: str, rounds: int, replays: int, context: int) -> dict:
     dev = torch.device("cuda")
     loaded = load_dummy(cfg, name, dev, WeightFormat(weights, 128, head))
     cache = KVCache(cfg, context + 64, 1, dtype=torch.bfloat16, device=dev)
-    variants = {"triton": {"BONSAI_CUDA_GEMV": "0"}, "cuda": {"BONSAI_CUDA_GEMV": "1", "BONSAI_CUDA_NORM_GEMV": "0"},
-                "fused": {"BONSAI_CUDA_GEMV": "1", "BONSAI_CUDA_NORM_GEMV": "1"}}
+    variants = {"triton": {"BONSAI_CUDA_GEMV": "0"},
+                "cuda": {"BONSAI_CUDA_GEMV": "1", "BONSAI_CUDA_GEMV_INPUT": "int8"},
+                "norm": {"BONSAI_CUDA_GEMV": "1", "BONSAI_CUDA_GEMV_INPUT": "norm"},
+                "fused": {"BONSAI_CUDA_GEMV": "1", "BONSAI_CUDA_GEMV_INPUT": "all"}}
     steps, logits, paths = {}, {}, {}
     for label, env in variants.items():
         os.environ.update(env)
@@ -61,7 +63,7 @@ def measure(spec: str, rounds: int, replays: int, context: int) -> dict:
     os.environ.update(variants["fused"])
     row = {"model": spec, "paths_cuda": paths["cuda"], "paths_triton": paths["triton"], "check_ok": True}
     a = logits["triton"]
-    for label in ("cuda", "fused"):
+    for label in ("cuda", "norm", "fused"):
         b = logits[label]
         diff = (a - b).abs().max().item() / max(a.abs().max().item(), 1e-9)
         same_top = bool(a.argmax() == b.argmax())
