@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [[ ,$PARTS, == *,tests,* ]]; then
     echo "== GPU tests"
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_gemv.py tests/test_cuda_rt.py \
-        tests/test_decode_step.py tests/test_packed_kernels.py 2>&1 | tail -6
+        tests/test_decode_step.py ${MORE_TESTS-tests/test_packed_kernels.py} 2>&1 | tail -8
 fi
 if [[ ,$PARTS, == *,cuda,* ]]; then
     echo "== graphed step, CUDA C++ vs Triton one-row products"
