@@ -206,9 +206,9 @@ void kq_matmul(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* met
 /* A whole layer in one call: x float32 [M, K] → y float32 [M, sum of ns], the parts (each its own format, padded
  * width kps[i] and ns[i] output rows) side by side; the activations quantized once per order the parts need, and
  * every part's row chunks in one parallel loop (one fork and join a layer). 0 on success, -1 out of memory. */
-int kq_linear(int nparts, const int* fmts, const uint8_t* const* qs, const uint8_t* const* qh,
-              const uint8_t* const* meta, const int* ns, const int* kps, int K, const float* x, int M, float* y,
-              int nthreads) {
+static int linear_run(int nparts, const int* fmts, const uint8_t* const* qs, const uint8_t* const* qh,
+                      const uint8_t* const* meta, const int* ns, const int* kps, int K, const float* x, int M,
+                      float* y, int nthreads, int scalar) {
     int8_t* xq[3] = {0}; float* xd[3] = {0}; float* xs[3] = {0};
     int kp_of[3] = {0}, ldy = 0, nchunks = 0, failed = 0;
     for (int i = 0; i < nparts; i++) {
@@ -231,12 +231,20 @@ int kq_linear(int nparts, const int* fmts, const uint8_t* const* qs, const uint8
             const int order = fmts[i] == 0 ? 1 : fmts[i] == 1 ? 2 : 0;
             const int n0 = left * CHUNK, n1 = n0 + CHUNK < ns[i] ? n0 + CHUNK : ns[i];
             rows(fmts[i], qs[i], qh[i], meta[i], n0, n1, kp_of[order], xq[order], xd[order], xs[order], M, y + col,
-                 ldy, 0);
+                 ldy, scalar);
         }
     }
     for (int o = 0; o < 3; o++) { free(xq[o]); free(xd[o]); free(xs[o]); }
     return failed ? -1 : 0;
 }
+
+int kq_linear(int nparts, const int* fmts, const uint8_t* const* qs, const uint8_t* const* qh,
+              const uint8_t* const* meta, const int* ns, const int* kps, int K, const float* x, int M, float* y,
+              int nthreads) {
+    return linear_run(nparts, fmts, qs, qh, meta, ns, kps, K, x, M, y, nthreads, 0);
+}
+
+#include "cpu_kquant_step.h"
 
 /* Rows n0..n1 of the matrix as bfloat16 [n1 - n0, K] (round to nearest even), for prompt chunks' GEMMs, Q4K / Q6K
  * columns in the kernel's positions (quant.kquant_pack.NATURAL: the caller permutes its input to match). */
