@@ -171,3 +171,19 @@ def test_a_gguf_decodes_the_same_greedy_tokens_either_way(smollm2_gguf, tmp_path
     (got_tokens, got), (want_tokens, want) = greedy(True), greedy(False)
     assert all(s.step is not None for s in steps)
     assert got_tokens == want_tokens and float((got - want).abs().max()) < 1e-3 * float(want.abs().max())
+
+
+@needs_cc
+def test_the_heads_candidates_are_those_torch_selects():
+    """cpu_rt.near_top (KQuantHead's C pass) against narrow_head.recompute_near_top's selection in torch."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5000, generator=g) * 4  # [M, V]
+    logits[1, 17] = logits[1, 4000] = 30.0  # a tie at the top
+    norms = torch.rand(5000, generator=g) + 0.5  # [V]
+    scale = torch.tensor([1e-3, 0.05, 4.0])  # [M]: one row with many candidates
+    err = norms * scale[:, None] + 1e-5  # [M, V]
+    floor = (logits - err).amax(-1, keepdim=True)  # [M, 1]
+    want = [torch.nonzero(row).squeeze(1) for row in logits + err >= floor]
+    got = cpu_rt.near_top(logits, norms, scale, 1e-5, cap=5000)
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want)) and len(want[2]) > 20
+    assert cpu_rt.near_top(logits, norms, scale, 1e-5, cap=len(want[2]) - 1) is None  # too many: the caller's torch

@@ -334,3 +334,36 @@ void kq_dequant_rows(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_
                      int count, int K, float* out) {
     for (int i = 0; i < count; i++) dequant_row(fmt, qs, qh, meta, (int)idx[i], K, 1, out + (size_t)i * K);
 }
+
+/* A head's candidates for the largest logit, per row m of logits [M, V]: with the bound err_v = norms[v]·a[m] + b,
+ * floor = max_v(logits − err) (the true maximum is at least this) and every v with logits[v] + err_v ≥ floor
+ * written to idx [M, cap] (in order), their count to count[m] (more than cap: counted, not written). One pass
+ * over V for the floor and one for the candidates (engine.runtime.narrow_head.recompute_near_top's selection). */
+void kq_near_top(const float* logits, const float* norms, const float* a, float b, int M, int V, int cap,
+                 int64_t* idx, int64_t* count) {
+    for (int m = 0; m < M; m++) {  /* in 16 lanes, so both passes vectorize (a float max needs no order) */
+        const float* l = logits + (size_t)m * V;
+        const float am = a[m];
+        float lane[16];
+        for (int j = 0; j < 16; j++) lane[j] = -INFINITY;
+        int v = 0;
+        for (; v + 16 <= V; v += 16)
+            for (int j = 0; j < 16; j++) {
+                const float lo = l[v + j] - (norms[v + j] * am + b);
+                lane[j] = lo > lane[j] ? lo : lane[j];
+            }
+        for (; v < V; v++) { const float lo = l[v] - (norms[v] * am + b); lane[0] = lo > lane[0] ? lo : lane[0]; }
+        float floor = lane[0];
+        for (int j = 1; j < 16; j++) floor = lane[j] > floor ? lane[j] : floor;
+        int64_t c = 0;
+        for (int v0 = 0; v0 < V; v0 += 16) {
+            const int n = v0 + 16 <= V ? 16 : V - v0;
+            int any = 0;
+            for (int j = 0; j < n; j++) any |= l[v0 + j] + (norms[v0 + j] * am + b) >= floor;
+            if (!any) continue;
+            for (int j = 0; j < n; j++)
+                if (l[v0 + j] + (norms[v0 + j] * am + b) >= floor) { if (c < cap) idx[(size_t)m * cap + c] = v0 + j; c++; }
+        }
+        count[m] = c;
+    }
+}

@@ -87,6 +87,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kq_dequant_rows.argtypes = [i, p, p, p, p, i, i, p]
     lib.kq_dequant_rows.restype = None
     lib.kq_block.argtypes = [p, p, p, i, p, p, i, i, p, p, p, p, i, i]
+    lib.kq_near_top.argtypes = [p, p, p, ctypes.c_float, i, i, i, p, p]
+    lib.kq_near_top.restype = None
     lib.kq_block.restype = i
     for fn in (lib.kq_quantize, lib.kq_matmul, lib.kq_dequant_bf16):
         fn.restype = None
@@ -194,6 +196,19 @@ def dequant_rows(fmt: str, qs: torch.Tensor, qh: torch.Tensor, meta: torch.Tenso
     if idx.numel():
         lib.kq_dequant_rows(FORMAT_IDS[fmt], _ptr(qs), _ptr(qh), _ptr(meta), _ptr(idx), idx.numel(), kp, _ptr(out))
     return out
+
+
+def near_top(logits: torch.Tensor, norms: torch.Tensor, a: torch.Tensor, b: float, cap: int = 256,
+             lib: ctypes.CDLL | None = None) -> list[torch.Tensor] | None:
+    """Per row of logits float32 [M, V] the indices (int64 [C]) that may be its largest under the bound
+    norms [V] · a [M] + b (narrow_head.recompute_near_top's selection, one C pass); None if a row has more than cap."""
+    lib = lib or library()
+    m, v = logits.shape
+    idx = torch.empty(m, cap, dtype=torch.int64)
+    count = torch.empty(m, dtype=torch.int64)
+    lib.kq_near_top(logits.data_ptr(), norms.data_ptr(), a.data_ptr(), b, m, v, cap, idx.data_ptr(), count.data_ptr())
+    counts = count.tolist()
+    return None if max(counts) > cap else [idx[i, :c] for i, c in enumerate(counts)]
 
 
 class KqLin(ctypes.Structure):  # cpu_kquant_step.h's kq_lin
