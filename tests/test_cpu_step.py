@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.runtime.cpu_kquant import KQuantCpuLinear
-from engine.runtime.cpu_step import NativeBlockStep
+from engine.runtime.cpu_step import NativeBlockStep, StepRows
 from engine.runtime.kv_cache import CacheBatch, KVCache
 from engine.runtime.model import Block, rotary_inverse_frequencies
 from engine.runtime.runner import ModelRunner
@@ -53,7 +53,7 @@ def _block(cfg: ModelConfig | None = None) -> Block:
     with torch.no_grad():
         for norm in (block.attention_norm, block.ffn_norm):
             norm.weight.copy_(1 + 0.1 * torch.randn(H, generator=g))
-    block.native = NativeBlockStep(block)
+    block.native = NativeBlockStep(block, StepRows(D // 2))
     return block
 
 

@@ -242,11 +242,26 @@ class BlockStep:
         """x float32 [B, T, H] → the block's output [B, T, H]; K/V written into k_cache / v_cache float32
         [slots, KV, S, D] at positions int64 [B, T] of slots int64 [B]; cos / sin float32 [B, T, .., rot_half].
         Every tensor contiguous (the caller checks)."""
-        lib = lib or library()
+        return self.run_on(x, cache_args(k_cache, v_cache), rows_args(positions, slots, cos, sin, threads, scalar),
+                           lib or library())
+
+    def run_on(self, x: torch.Tensor, kv: tuple, rows: tuple, lib: ctypes.CDLL) -> torch.Tensor:
+        """`run` with its pointers made beforehand (kv: `cache_args`, rows: `rows_args`; their tensors alive):
+        the decode step's call, made once a layer."""
         out = torch.empty_like(x)  # [B, T, H]
-        b, t = positions.shape
-        if lib.kq_block(self.ref, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], x.data_ptr(),
-                        out.data_ptr(), b, t, positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                        threads or torch.get_num_threads(), int(scalar)):
+        if lib.kq_block(self.ref, *kv, x.data_ptr(), out.data_ptr(), *rows):
             raise MemoryError("the CPU kernels could not allocate a block's buffers")
         return out
+
+
+def cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """A layer's K/V cache [slots, KV, S, D] as kq_block takes it: the two pointers and S."""
+    return k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2]
+
+
+def rows_args(positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              threads: int | None = None, scalar: bool = False) -> tuple:
+    """A pass's rows as kq_block takes them (the same for every layer): B, T, the pointers, threads, body."""
+    b, t = positions.shape
+    return (b, t, positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            threads or torch.get_num_threads(), int(scalar))
