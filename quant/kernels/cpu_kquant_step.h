@@ -74,20 +74,33 @@ static void rope_head(float* v, const float* c, const float* s, int h) {
     }
 }
 
-/* softmax(q·Kᵀ·scale) V over n keys of stride D: out [D]; sc: n floats of scratch */
-static void attend(const float* q, const float* K, const float* V, int n, int D, float scale, float* sc, float* out) {
-    float mx = -INFINITY, sum = 0.f;
-    for (int j = 0; j < n; j++) { sc[j] = dot16(q, K + (size_t)j * D, D) * scale; mx = sc[j] > mx ? sc[j] : mx; }
-    for (int j = 0; j < n; j++) sc[j] = exp_approx(sc[j] - mx);
-    for (int j = 0; j < n; j++) sum += sc[j];
-    for (int d = 0; d < D; d++) out[d] = 0.f;
-    for (int j = 0; j < n; j++) {
-        const float p = sc[j];
-        const float* v = V + (size_t)j * D;
-        for (int d = 0; d < D; d++) out[d] += p * v[d];
+/* softmax(q·Kᵀ·scale) V over n keys of stride D for the G query heads q [G, D] that share one K/V head: out [G, D];
+ * sc: G·(n + 1) floats of scratch. Each key and value row is read once for the G heads (grouped-query attention: a
+ * 2,000-key cache of the 1.5B is 1 MB a KV head); every head's values are one fixed sequence of operations. */
+static void attend(const float* q, int G, const float* K, const float* V, int n, int D, float scale, float* sc,
+                   float* out) {
+    float* inv = sc + (size_t)G * n;  /* [G]: 1 / each head's sum of exponentials */
+    for (int j = 0; j < n; j++)
+        for (int g = 0; g < G; g++) sc[(size_t)g * n + j] = dot16(q + (size_t)g * D, K + (size_t)j * D, D) * scale;
+    for (int g = 0; g < G; g++) {
+        float* s = sc + (size_t)g * n;
+        float mx = -INFINITY, sum = 0.f;
+        for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+        for (int j = 0; j < n; j++) s[j] = exp_approx(s[j] - mx);
+        for (int j = 0; j < n; j++) sum += s[j];
+        inv[g] = 1.f / sum;
+        for (int d = 0; d < D; d++) out[(size_t)g * D + d] = 0.f;
     }
-    const float inv = 1.f / sum;
-    for (int d = 0; d < D; d++) out[d] *= inv;
+    for (int j = 0; j < n; j++) {
+        const float* v = V + (size_t)j * D;
+        for (int g = 0; g < G; g++) {
+            const float p = sc[(size_t)g * n + j];
+            float* o = out + (size_t)g * D;
+            for (int d = 0; d < D; d++) o[d] += p * v[d];
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) out[(size_t)g * D + d] *= inv[g];
 }
 
 /* One block for M = B·T rows: out [M, hidden] = the block applied to x [M, hidden] (row b·T + t: batch row b, token
@@ -126,15 +139,15 @@ int kq_block(const kq_block_t* b, float* k_cache, float* v_cache, int max_seq, c
         {
             int longest = 0;
             for (int m = 0; m < M; m++) longest = pos[m] + 1 > longest ? (int)pos[m] + 1 : longest;
-            float* sc = (float*)malloc(sizeof(float) * (size_t)longest);
+            float* sc = (float*)malloc(sizeof(float) * (size_t)group * (longest + 1));
             if (!sc) { _Pragma("omp atomic write") failed = 1; }
             #pragma omp for schedule(static)
-            for (int t = 0; t < M * NH; t++) {
+            for (int t = 0; t < M * KV; t++) {  /* a row's K/V head and the query heads it serves */
                 if (!sc) continue;
-                const int m = t / NH, hh = t % NH, g = hh / group;
+                const int m = t / KV, g = t % KV;
                 const size_t base = ((size_t)slot[m / T] * KV + g) * max_seq * D;
-                attend(big + (size_t)m * W + (size_t)hh * D, k_cache + base, v_cache + base, (int)pos[m] + 1, D,
-                       scale, sc, h + (size_t)m * Q + (size_t)hh * D);
+                attend(big + (size_t)m * W + (size_t)g * group * D, group, k_cache + base, v_cache + base,
+                       (int)pos[m] + 1, D, scale, sc, h + (size_t)m * Q + (size_t)g * group * D);
             }
             free(sc);
         }
