@@ -362,7 +362,10 @@ void kq_near_top(const float* logits, const float* norms, const float* a, float 
             for (int j = 0; j < n; j++) any |= l[v0 + j] + (norms[v0 + j] * am + b) >= floor;
             if (!any) continue;
             for (int j = 0; j < n; j++)
-                if (l[v0 + j] + (norms[v0 + j] * am + b) >= floor) { if (c < cap) idx[(size_t)m * cap + c] = v0 + j; c++; }
+                if (l[v0 + j] + (norms[v0 + j] * am + b) >= floor) {
+                    if (c < cap) idx[(size_t)m * cap + c] = v0 + j;
+                    c++;
+                }
         }
         count[m] = c;
     }
