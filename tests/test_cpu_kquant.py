@@ -183,7 +183,7 @@ def test_each_variant_compiles_on_any_build_machine(flags, tmp_path):
     out = cpu_rt.build(("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", *flags), out=tmp_path / "k.so")
     assert out.stat().st_size > 0
     symbols = subprocess.run(["nm", "-D", str(out)], capture_output=True, text=True).stdout
-    assert all(name in symbols for name in ("kq_matmul", "kq_quantize", "kq_dequant_bf16", "kq_vector"))
+    assert all(name in symbols for name in ("kq_matmul", "kq_quantize", "kq_dequant_bf16", "kq_vector", "kq_block"))
 
 
 def test_no_compiler_leaves_torch_or_says_how_to_fix_it(monkeypatch, tmp_path):

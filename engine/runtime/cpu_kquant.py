@@ -128,10 +128,14 @@ class KQuantHead(KQuantCpuLinear):
         logits = self._call().run(flat.contiguous())  # [M, V]
         step = flat.view(rows, -1, 32).abs().amax(-1) / (127 * 254)  # [M, H/32]: each block's unit (cpu_kquant.c)
         x_err = (step.square().sum(-1, keepdim=True) * 8).sqrt()  # [M, 1]: ‖x̂ − x‖ ≤ 1.02·sqrt(Σ 32·(u/2)²)
-        err = self.row_norms * (x_err * 1.02 + flat.norm(dim=-1, keepdim=True) * hidden * 2.0 ** -22) + 1e-5
+        scale = x_err * 1.02 + flat.norm(dim=-1, keepdim=True) * hidden * 2.0 ** -22  # [M, 1]
         fmt, _, kp = self.parts[0]
-        recompute_near_top(logits, err, flat,
-                           lambda idx: cpu_rt.dequant_rows(fmt, *self._planes(0), idx, kp)[:, :hidden])  # [C, H]
+        rows_of = lambda idx: cpu_rt.dequant_rows(fmt, *self._planes(0), idx, kp)[:, :hidden]  # noqa: E731 [C, H]
+        near = cpu_rt.near_top(logits, self.row_norms, scale.reshape(-1).contiguous(), 1e-5)  # C: one pass over V
+        if near is None:  # a row with many candidates (an outlier's coarse unit): torch's selection, the reference
+            recompute_near_top(logits, self.row_norms * scale + 1e-5, flat, rows_of)  # err [M, V]
+        for i, idx in enumerate(near or ()):  # recompute_near_top's recomputation of the C pass's candidates
+            logits[i, idx] = (rows_of(idx) * flat[i]).sum(-1)  # [C]
         if self.bias is not None:
             logits = logits + self.bias
         return logits.view(*x.shape[:-1], self.out_features).to(x.dtype)

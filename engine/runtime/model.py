@@ -88,7 +88,6 @@ class Attention(nn.Module):
             out = out * torch.sigmoid(gate.float()).to(out.dtype)
         return self.wo(rotated(self.wo_rotation, out))
 
-
     def _fused_prologue(self, x: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
         """The projection, then one kernel for q/k norms, rotary and the K/V write (fewer launches
         than `project` + `cache.write`: prefill on a GPU is otherwise bound by the host)."""
@@ -138,6 +137,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.native = None  # on the native CPU kernels, the block's rows in one C call (engine.runtime.cpu_step)
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         index = cfg.hybrid.state_index(layer) if cfg.hybrid else layer  # its KV layer, or DeltaNet state
         self.attention = GatedDeltaNet(cfg, index) if cfg.is_linear(layer) else Attention(cfg, index)
@@ -145,6 +145,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x, cos, sin, cache, batch, kv_len, mask):
+        if self.native is not None and (out := self.native(x, cos, sin, cache, batch)) is not None:
+            return out
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, batch, kv_len, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 

@@ -17,6 +17,7 @@ from engine.pipeline.naming import global_name, local_name, stage_holds
 from engine.errors import BonsaiError, UnsupportedModelError
 from engine.runtime.cpu_int4 import Int4CpuLinear, int4_kernel_available
 from engine.runtime.cpu_kquant import KQuantCpuLinear, KQuantHead
+from engine.runtime.cpu_step import attach_native_steps
 from engine.sources.model_config import ModelConfig
 from engine.weights.formats import linear_modules
 from quant import kquant_pack
@@ -83,6 +84,8 @@ def pack_cpu_int4(model, source, config: ModelConfig, layers: dict[str, list[str
         assert codes.shape[0] == n and codes.shape[1] in (k, 2 * k), \
             f"{global_name(local, model.first_layer)}: stored {tuple(codes.shape)}, module {(n, k)}"
         setattr(model.get_submodule(parent) if parent else model, attr, Int4CpuLinear(codes, s, z, bias, k))
+    if kernels == "native":  # each block's decode rows in one C call where it can (engine.runtime.cpu_step)
+        attach_native_steps(model)
     if layers:
         log.info("%d matrices run as stored (%s CPU kernels)", len(layers), kernels)
 

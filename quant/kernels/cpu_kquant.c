@@ -206,9 +206,9 @@ void kq_matmul(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* met
 /* A whole layer in one call: x float32 [M, K] → y float32 [M, sum of ns], the parts (each its own format, padded
  * width kps[i] and ns[i] output rows) side by side; the activations quantized once per order the parts need, and
  * every part's row chunks in one parallel loop (one fork and join a layer). 0 on success, -1 out of memory. */
-int kq_linear(int nparts, const int* fmts, const uint8_t* const* qs, const uint8_t* const* qh,
-              const uint8_t* const* meta, const int* ns, const int* kps, int K, const float* x, int M, float* y,
-              int nthreads) {
+static int linear_run(int nparts, const int* fmts, const uint8_t* const* qs, const uint8_t* const* qh,
+                      const uint8_t* const* meta, const int* ns, const int* kps, int K, const float* x, int M,
+                      float* y, int nthreads, int scalar) {
     int8_t* xq[3] = {0}; float* xd[3] = {0}; float* xs[3] = {0};
     int kp_of[3] = {0}, ldy = 0, nchunks = 0, failed = 0;
     for (int i = 0; i < nparts; i++) {
@@ -231,12 +231,20 @@ int kq_linear(int nparts, const int* fmts, const uint8_t* const* qs, const uint8
             const int order = fmts[i] == 0 ? 1 : fmts[i] == 1 ? 2 : 0;
             const int n0 = left * CHUNK, n1 = n0 + CHUNK < ns[i] ? n0 + CHUNK : ns[i];
             rows(fmts[i], qs[i], qh[i], meta[i], n0, n1, kp_of[order], xq[order], xd[order], xs[order], M, y + col,
-                 ldy, 0);
+                 ldy, scalar);
         }
     }
     for (int o = 0; o < 3; o++) { free(xq[o]); free(xd[o]); free(xs[o]); }
     return failed ? -1 : 0;
 }
+
+int kq_linear(int nparts, const int* fmts, const uint8_t* const* qs, const uint8_t* const* qh,
+              const uint8_t* const* meta, const int* ns, const int* kps, int K, const float* x, int M, float* y,
+              int nthreads) {
+    return linear_run(nparts, fmts, qs, qh, meta, ns, kps, K, x, M, y, nthreads, 0);
+}
+
+#include "cpu_kquant_step.h"
 
 /* Rows n0..n1 of the matrix as bfloat16 [n1 - n0, K] (round to nearest even), for prompt chunks' GEMMs, Q4K / Q6K
  * columns in the kernel's positions (quant.kquant_pack.NATURAL: the caller permutes its input to match). */
@@ -325,4 +333,40 @@ void kq_dequant_bf16(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_
 void kq_dequant_rows(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, const int64_t* idx,
                      int count, int K, float* out) {
     for (int i = 0; i < count; i++) dequant_row(fmt, qs, qh, meta, (int)idx[i], K, 1, out + (size_t)i * K);
+}
+
+/* A head's candidates for the largest logit, per row m of logits [M, V]: with the bound err_v = norms[v]·a[m] + b,
+ * floor = max_v(logits − err) (the true maximum is at least this) and every v with logits[v] + err_v ≥ floor
+ * written to idx [M, cap] (in order), their count to count[m] (more than cap: counted, not written). One pass
+ * over V for the floor and one for the candidates (engine.runtime.narrow_head.recompute_near_top's selection). */
+void kq_near_top(const float* logits, const float* norms, const float* a, float b, int M, int V, int cap,
+                 int64_t* idx, int64_t* count) {
+    for (int m = 0; m < M; m++) {  /* in 16 lanes, so both passes vectorize (a float max needs no order) */
+        const float* l = logits + (size_t)m * V;
+        const float am = a[m];
+        float lane[16];
+        for (int j = 0; j < 16; j++) lane[j] = -INFINITY;
+        int v = 0;
+        for (; v + 16 <= V; v += 16)
+            for (int j = 0; j < 16; j++) {
+                const float lo = l[v + j] - (norms[v + j] * am + b);
+                lane[j] = lo > lane[j] ? lo : lane[j];
+            }
+        for (; v < V; v++) { const float lo = l[v] - (norms[v] * am + b); lane[0] = lo > lane[0] ? lo : lane[0]; }
+        float floor = lane[0];
+        for (int j = 1; j < 16; j++) floor = lane[j] > floor ? lane[j] : floor;
+        int64_t c = 0;
+        for (int v0 = 0; v0 < V; v0 += 16) {
+            const int n = v0 + 16 <= V ? 16 : V - v0;
+            int any = 0;
+            for (int j = 0; j < n; j++) any |= l[v0 + j] + (norms[v0 + j] * am + b) >= floor;
+            if (!any) continue;
+            for (int j = 0; j < n; j++)
+                if (l[v0 + j] + (norms[v0 + j] * am + b) >= floor) {
+                    if (c < cap) idx[(size_t)m * cap + c] = v0 + j;
+                    c++;
+                }
+        }
+        count[m] = c;
+    }
 }

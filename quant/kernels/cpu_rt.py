@@ -3,6 +3,8 @@
     lib = library()                      # None where no compiler works (the caller keeps torch's kernels)
     acts = quantize_rows(x, kp, group)   # float32 [M, K] → int8 codes, scales, sums per 16
     matmul(packed_tensors, acts, y, n0)  # y[:, n0:n0 + N] = x @ Wᵀ for one packed matrix
+    Layer(parts, k).run(x)               # a layer of parts in one call (kq_linear)
+    BlockStep(...).run(...)              # a whole transformer block's rows in one call (kq_block)
 
 The compiler is `cc` (BONSAI_CC names another) with -O3 -march=native -fopenmp: the library is built for the
 CPU it runs on, cached under ~/.cache/bonsai/kernels (BONSAI_KERNEL_CACHE) by a hash of the source, flags and
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kquant.c")
-HEADERS = (Path(__file__).with_name("cpu_kquant_avx512.h"),)
+HEADERS = (Path(__file__).with_name("cpu_kquant_avx512.h"), Path(__file__).with_name("cpu_kquant_step.h"))
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 FORMAT_IDS = {"q4k": 0, "q6k": 1, "a4": 2, "a8": 3}
 
@@ -84,6 +86,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kq_linear.restype = i
     lib.kq_dequant_rows.argtypes = [i, p, p, p, p, i, i, p]
     lib.kq_dequant_rows.restype = None
+    lib.kq_block.argtypes = [p, p, p, i, p, p, i, i, p, p, p, p, i, i]
+    lib.kq_near_top.argtypes = [p, p, p, ctypes.c_float, i, i, i, p, p]
+    lib.kq_near_top.restype = None
+    lib.kq_block.restype = i
     for fn in (lib.kq_quantize, lib.kq_matmul, lib.kq_dequant_bf16):
         fn.restype = None
     return lib
@@ -157,6 +163,10 @@ class Layer:
                      (ctypes.c_int * count)(*[p[4] for p in parts]), (ctypes.c_int * count)(*[p[5] for p in parts]))
         self.count = count
 
+    def lin(self) -> "KqLin":
+        """These arguments as kq_block takes a product (the Layer must outlive it)."""
+        return KqLin(self.count, self.k, *[ctypes.addressof(a) for a in self.args])
+
     def run(self, x: torch.Tensor, threads: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
         """x float32 [M, K] (contiguous) → float32 [M, N]."""
         lib = lib or library()
@@ -186,3 +196,72 @@ def dequant_rows(fmt: str, qs: torch.Tensor, qh: torch.Tensor, meta: torch.Tenso
     if idx.numel():
         lib.kq_dequant_rows(FORMAT_IDS[fmt], _ptr(qs), _ptr(qh), _ptr(meta), _ptr(idx), idx.numel(), kp, _ptr(out))
     return out
+
+
+def near_top(logits: torch.Tensor, norms: torch.Tensor, a: torch.Tensor, b: float, cap: int = 256,
+             lib: ctypes.CDLL | None = None) -> list[torch.Tensor] | None:
+    """Per row of logits float32 [M, V] the indices (int64 [C]) that may be its largest under the bound
+    norms [V] · a [M] + b (narrow_head.recompute_near_top's selection, one C pass); None if a row has more than cap."""
+    lib = lib or library()
+    m, v = logits.shape
+    idx = torch.empty(m, cap, dtype=torch.int64)
+    count = torch.empty(m, dtype=torch.int64)
+    lib.kq_near_top(logits.data_ptr(), norms.data_ptr(), a.data_ptr(), b, m, v, cap, idx.data_ptr(), count.data_ptr())
+    counts = count.tolist()
+    return None if max(counts) > cap else [idx[i, :c] for i, c in enumerate(counts)]
+
+
+class KqLin(ctypes.Structure):  # cpu_kquant_step.h's kq_lin
+    _fields_ = [("nparts", ctypes.c_int), ("k", ctypes.c_int)] + [
+        (name, ctypes.c_void_p) for name in ("fmts", "qs", "qh", "meta", "ns", "kps")]
+
+
+class KqBlock(ctypes.Structure):  # cpu_kquant_step.h's kq_block_t
+    _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "rot_half", "inter")] + [
+        ("eps", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in ("attn_norm", "ffn_norm", "qkv_bias")] + [
+        (name, KqLin) for name in ("qkv", "o", "gate_up", "down")]
+
+
+class BlockStep:
+    """One transformer block's rows in one C call (kq_block): RMSNorm, q/k/v (+ bias), rotary, the K/V write, one-query
+    attention per row over its slot's keys 0..position, o_proj + residual, RMSNorm, gate/up, SwiGLU, down + residual.
+    `layers`: the Layers of q/k/v, o, gate/up, down; the norms' weights and the bias float32, contiguous (kept alive
+    here with the Layers)."""
+
+    def __init__(self, shape: dict, eps: float, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
+                 qkv_bias: torch.Tensor | None, layers: list[Layer]):
+        self.keep = (attn_norm, ffn_norm, qkv_bias, layers)
+        self.spec = KqBlock(**shape, eps=eps, attn_norm=_ptr(attn_norm), ffn_norm=_ptr(ffn_norm),
+                            qkv_bias=_ptr(qkv_bias), **dict(zip(("qkv", "o", "gate_up", "down"),
+                                                               [layer.lin() for layer in layers])))
+        self.ref = ctypes.byref(self.spec)
+
+    def run(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+            slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, threads: int | None = None,
+            scalar: bool = False, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+        """x float32 [B, T, H] → the block's output [B, T, H]; K/V written into k_cache / v_cache float32
+        [slots, KV, S, D] at positions int64 [B, T] of slots int64 [B]; cos / sin float32 [B, T, .., rot_half].
+        Every tensor contiguous (the caller checks)."""
+        return self.run_on(x, cache_args(k_cache, v_cache), rows_args(positions, slots, cos, sin, threads, scalar),
+                           lib or library())
+
+    def run_on(self, x: torch.Tensor, kv: tuple, rows: tuple, lib: ctypes.CDLL) -> torch.Tensor:
+        """`run` with its pointers made beforehand (kv: `cache_args`, rows: `rows_args`; their tensors alive):
+        the decode step's call, made once a layer."""
+        out = torch.empty_like(x)  # [B, T, H]
+        if lib.kq_block(self.ref, *kv, x.data_ptr(), out.data_ptr(), *rows):
+            raise MemoryError("the CPU kernels could not allocate a block's buffers")
+        return out
+
+
+def cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """A layer's K/V cache [slots, KV, S, D] as kq_block takes it: the two pointers and S."""
+    return k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2]
+
+
+def rows_args(positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              threads: int | None = None, scalar: bool = False) -> tuple:
+    """A pass's rows as kq_block takes them (the same for every layer): B, T, the pointers, threads, body."""
+    b, t = positions.shape
+    return (b, t, positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            threads or torch.get_num_threads(), int(scalar))
