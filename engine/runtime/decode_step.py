@@ -140,18 +140,19 @@ def _project(ops: _Ops, x: torch.Tensor | tuple, layer: torch.nn.Module, norm_we
         if norm_weight is not None:
             x = F.rms_norm(x.float(), norm_weight.shape, norm_weight.float(), eps)  # [M, K]
         x, norm_weight = rotation(x), None  # [M, K]
+    fused_norm = (isinstance(layer, PackedLinear) and not isinstance(x, tuple) and norm_weight is not None
+                  and not gated and ops.norm_gemv_takes(x, norm_weight, layer.packed))
+    if zero is not None and not fused_norm:
+        zero.zero_()  # a memset in stream order where no fused kernel does it
     if isinstance(layer, PackedLinear):
         target = residual if residual is not None else into
         if isinstance(x, tuple):  # already int8 activations (xq, sx, sumx)
             y = ops.gemv(*x, layer.packed, out=target, accumulate=target is not None)
-        elif norm_weight is not None and not gated and ops.norm_gemv_takes(x, norm_weight, layer.packed):
-            # one launch: the CUDA C++ product normalizes and quantizes its own groups (quant.kernels.cuda_gemv)
+        elif fused_norm:  # one launch: the CUDA C++ product normalizes, quantizes its groups (quant.kernels.cuda_gemv)
             y = ops.norm_gemv(x, norm_weight, eps, layer.packed, out=target, accumulate=target is not None, zero=zero)
         elif gated and swiglu_in_product:
             y = ops.swiglu_gemv(x, layer.packed, out=target, accumulate=target is not None)
         else:
-            if zero is not None:
-                zero.zero_()
             xq = ops.quantize(x, layer.group_size, norm_weight, eps, gated=gated, zero_input=gated)
             y = ops.gemv(*xq, layer.packed, out=target, accumulate=target is not None)
         if layer.bias is not None:

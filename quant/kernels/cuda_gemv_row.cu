@@ -1,5 +1,6 @@
-// The one-row packed GEMV of quant/kernels/cuda_gemv.py (compiled by NVRTC at run time, specialised by -D defines:
-// BITS MULT OFFSET GROUP WARPS GPW FLOOR USE_PDL INPUT NW_KIND; see cuda_gemv.defines). No #include: NVRTC has no system headers.
+// The one-row packed GEMV of quant/kernels/cuda_gemv.py, compiled by NVRTC at run time and specialised by -D
+// defines (BITS MULT OFFSET GROUP WARPS GPW FLOOR USE_PDL INPUT NW_KIND: cuda_gemv.defines).
+// No #include: NVRTC has no system headers.
 #ifndef INPUT
 #define INPUT 0     // 0: int8 activations given; 1: the float row, RMSNorm'd here; 2: [gate | up] rows, SwiGLU here
 #endif

@@ -3,12 +3,12 @@ the same step on Triton's kernels, in one process on the same generated weights,
 
     python3 tests/perf/cuda_gemv_step.py --models qwen3-8b:tri:int4,qwen3-8b:bin:int4 --json $OUT/cuda_step.json
 
-Per model (name:weights:head, configs/models/NAME.yaml, group 128): the model is generated once; three DecodeStepRunner
+Per model (name:weights:head, configs/models/NAME.yaml, group 128): the model is generated once; four DecodeStepRunner
 (rows 1) are captured: "triton" (BONSAI_CUDA_GEMV=0, as before), "cuda" (the CUDA C++ products, int8 activations
 from the quantization kernels: BONSAI_CUDA_GEMV_INPUT=int8), "norm" (the products after a norm normalize and quantize
-their own groups) and "fused" (also down takes SwiGLU's rows: the default); first a check — each step on the same token and position gives logits within a last-int8-step
-tolerance of Triton's and the same argmax — then `--rounds` rounds of `--replays` graph replays of each, alternating
-(A B C D A B C D …: the machine's drift falls on all).
+their own groups) and "fused" (down also takes SwiGLU's rows: the default). First a check: each step on the same
+token and position gives logits within a last-int8-step tolerance of Triton's and the same argmax. Then `--rounds`
+rounds of `--replays` graph replays of each, alternating (A B C D A B C D …: the machine's drift falls on all).
 Reported: µs a step (mean ± std over rounds, min), the ratio, the tok/s it implies, and which kernel each shape ran.
 """
 from __future__ import annotations
