@@ -70,12 +70,23 @@ def test_ci_compiles_every_input_the_engine_gives():
 
 
 def test_the_fusions_setting(monkeypatch):
-    assert cuda_gemv.fused_inputs() == "all"
+    monkeypatch.delenv("BONSAI_CUDA_GEMV_INPUT", raising=False)
+    assert cuda_gemv.fused_inputs() == "auto"
     monkeypatch.setenv("BONSAI_CUDA_GEMV_INPUT", "norm")
     assert cuda_gemv.fused_inputs() == "norm"
     monkeypatch.setenv("BONSAI_CUDA_GEMV_INPUT", "fused")
-    with pytest.raises(ValueError, match="use all, norm or int8"):
+    with pytest.raises(ValueError, match="use auto, all, norm or int8"):
         cuda_gemv.fused_inputs()
+
+
+def test_auto_fuses_swiglu_only_into_the_long_down_products(monkeypatch):
+    from quant.packed_layout import random_packed
+    monkeypatch.setattr(cuda_gemv, "enabled", lambda device: True)  # as on a GPU with NVRTC
+    short, long = random_packed("tri", 128, 12288, 128), random_packed("tri", 128, 21504, 128)
+    for mode, want in (("auto", (False, True)), ("all", (True, True)), ("norm", (False, False)),
+                       ("int8", (False, False))):
+        monkeypatch.setenv("BONSAI_CUDA_GEMV_INPUT", mode)
+        assert (cuda_gemv.swiglu_input_taken(None, short), cuda_gemv.swiglu_input_taken(None, long)) == want, mode
 
 
 def test_a_cpu_step_never_fuses_swiglu():
@@ -177,7 +188,8 @@ def test_the_fused_input_products_equal_quantize_then_product(kind):
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("weights", ["tri", "bin"])
-def test_a_graphed_decode_step_on_it_matches_the_model(monkeypatch, weights):
+@pytest.mark.parametrize("inputs", ["all", "norm"])
+def test_a_graphed_decode_step_on_it_matches_the_model(monkeypatch, weights, inputs):
     from engine.runtime.cuda_graphs import DecodeStepRunner
     from engine.runtime.runner import ModelRunner
     from engine.sources.model_config import ModelConfig
@@ -185,7 +197,7 @@ def test_a_graphed_decode_step_on_it_matches_the_model(monkeypatch, weights):
     from engine.weights.loader import load_dummy
     from engine.weights.packed_linear import decode_paths
     monkeypatch.setenv("BONSAI_CUDA_GEMV", "1")
-    monkeypatch.delenv("BONSAI_CUDA_GEMV_INPUT", raising=False)
+    monkeypatch.setenv("BONSAI_CUDA_GEMV_INPUT", inputs)
     cfg = ModelConfig("qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=128, qk_norm=True)
     loaded = load_dummy(cfg, "tiny", device="cuda", weight_format=WeightFormat(weights, 128, "int4"),
@@ -203,7 +215,8 @@ def test_a_graphed_decode_step_on_it_matches_the_model(monkeypatch, weights):
     slot = runner.slot(0)
     runner.prefill(slot, tokens[:10])
     step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=True)
-    assert step.graph is not None and step.workspace.swiglu_in_down  # norm and SwiGLU fused, gate/up zeroed by q/k/v
+    assert step.graph is not None  # all: norm and SwiGLU fused, the gate/up buffer zeroed by q/k/v
+    assert step.workspace.swiglu_in_down == (inputs == "all")
     for i, (token, ref) in enumerate(zip(tokens[10:], want)):
         got = step.run([token], [10 + i], [0])[0]
         torch.testing.assert_close(got, ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())

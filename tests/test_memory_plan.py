@@ -180,7 +180,8 @@ def test_decode_static_buffers_match_the_step_runner(hybrid, one_thread):
     if hybrid:
         attach_states(cache, cfg)
     step = DecodeStepRunner(loaded.model, cache, rows=3, num_splits=1, use_graph=False, kernels=False)
-    tensors = [t for t in (*vars(step.inputs).values(), *vars(step.workspace).values()) if t is not None]
+    fields = (*vars(step.inputs).values(), *vars(step.workspace).values())
+    tensors = [t for t in fields if isinstance(t, torch.Tensor)]  # the buffers (not the workspace's flags)
     s = RunSettings(max_seq_len=32, **CPU)
     static, live = decode_step_bytes(cfg, linear_formats(cfg, WeightFormat("tri", 32)), 3, s)
     assert static == sum(t.numel() * t.element_size() for t in tensors)

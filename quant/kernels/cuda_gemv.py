@@ -84,12 +84,19 @@ def engine_variants(arch: int) -> list[dict[str, int]]:
     return [defines(kind, w, g, pdl, **i) for kind in KINDS for w, g in configs for pdl in pdls for i in inputs]
 
 
+# The down product takes its SwiGLU input itself (BONSAI_CUDA_GEMV_INPUT=auto) from this many inputs. Measured on an
+# H100 (tests/perf/cuda_gemv_step.py, 2026-12-07, the graphed one-row step, µs): dense 27B-class ternary (down
+# 5120×21504) 4,097 → 3,972; Qwen3-8B (down 4096×12288) ternary 1,534 → 1,551, 1-bit 1,299 → 1,314.
+SWIGLU_FROM_IN_FEATURES = 16384
+
+
 def fused_inputs() -> str:
-    """Which products make their own int8 activations (BONSAI_CUDA_GEMV_INPUT): "all" (default: those after an
-    RMSNorm and the SwiGLU one), "norm" (after an RMSNorm only) or "int8" (none: a quantization kernel first)."""
-    mode = os.environ.get("BONSAI_CUDA_GEMV_INPUT", "all")
-    if mode not in ("all", "norm", "int8"):
-        raise ValueError(f"BONSAI_CUDA_GEMV_INPUT={mode!r}: use all, norm or int8")
+    """Which products make their own int8 activations (BONSAI_CUDA_GEMV_INPUT): "auto" (the default: those after
+    an RMSNorm, and down where it has ≥ SWIGLU_FROM_IN_FEATURES inputs), "all" (every down too), "norm" (after
+    an RMSNorm only) or "int8" (none: a quantization kernel first)."""
+    mode = os.environ.get("BONSAI_CUDA_GEMV_INPUT", "auto")
+    if mode not in ("auto", "all", "norm", "int8"):
+        raise ValueError(f"BONSAI_CUDA_GEMV_INPUT={mode!r}: use auto, all, norm or int8")
     return mode
 
 
@@ -128,9 +135,12 @@ def norm_input_taken(x: torch.Tensor, norm_weight: torch.Tensor, pw: PackedWeigh
 
 def swiglu_input_taken(device: torch.device, down: PackedWeight) -> bool:
     """Whether a one-row step may hand the down product its [gate | up] rows (cuda_swiglu_gemv): the CUDA C++ path
-    of this matrix and the fusion on (BONSAI_CUDA_GEMV_INPUT=all). The caller must then zero the gate/up buffer
+    of this matrix and the fusion on for it (fused_inputs). The caller must then zero the gate/up buffer
     before the next gate/up product adds into it (the decode step has the next q/k/v product do it)."""
-    if fused_inputs() != "all" or not enabled(device):
+    mode = fused_inputs()
+    if mode not in ("auto", "all") or not enabled(device):
+        return False
+    if mode == "auto" and down.in_features < SWIGLU_FROM_IN_FEATURES:
         return False
     return config_for(down.kind, down.group_size, down.out_features, down.in_features) is not None
 
