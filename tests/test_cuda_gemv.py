@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quant.kernels import cuda_gemv
-from quant.kernels.cuda_gemv import DEFAULT_CONFIG, MEASURED, config_for, describe
+from quant.kernels.cuda_gemv import DEFAULT_CONFIG, MEASURED, config_for, describe, engine_configs
 from quant.kernels.packed_gemv import default_variant, one_row_path
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -115,19 +115,24 @@ def test_without_nvrtc_the_triton_kernels_run(monkeypatch):
         cuda_gemv._nvrtc_ready.cache_clear()
 
 
+def _gpu_cases(kind: str, gen: torch.Generator):
+    """(N, K, a random packed matrix on the GPU with scales in 0.5-1.5): split K 2-8 and 1, a column tail (100)."""
+    from quant.packed_layout import random_packed
+    for n, k in ((640, 1024), (100, 256), (1536, 4096)):
+        pw = random_packed(kind, n, k, 128, device=gen.device, generator=gen)
+        pw.scales.uniform_(0.5, 1.5)
+        yield n, k, pw
+
+
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("kind", ["tri", "bin"])
 def test_every_engine_variant_equals_the_reference(kind):
     from quant.kernels.act_quant import quantize_activations
     from quant.kernels.packed_gemv import packed_gemv_reference
-    from quant.packed_layout import random_packed
-    dev = torch.device("cuda")
-    configs = sorted({c for c in MEASURED.values() if c is not None} | {DEFAULT_CONFIG})
+    dev, configs = torch.device("cuda"), engine_configs()
     gen = torch.Generator(dev).manual_seed(0)
-    for n, k in ((640, 1024), (100, 256), (1536, 4096)):  # split K 2-8 and 1; a column tail (100 = 0 mod 4)
-        pw = random_packed(kind, n, k, 128, device=dev, generator=gen)
-        pw.scales.uniform_(0.5, 1.5)
+    for n, k, pw in _gpu_cases(kind, gen):
         xq = quantize_activations(torch.randn(1, k, device=dev, generator=gen), 128)
         want = packed_gemv_reference(*xq, pw)  # [1, N]
         tol = 1e-4 * want.abs().max().item()
@@ -157,13 +162,9 @@ def test_every_engine_variant_equals_the_reference(kind):
 def test_the_fused_input_products_equal_quantize_then_product(kind):
     from quant.kernels.act_quant import quantize_activations_reference
     from quant.kernels.packed_gemv import packed_gemv_reference
-    from quant.packed_layout import random_packed
-    dev = torch.device("cuda")
-    configs = sorted({c for c in MEASURED.values() if c is not None} | {DEFAULT_CONFIG})
+    dev, configs = torch.device("cuda"), engine_configs()
     gen = torch.Generator(dev).manual_seed(1)
-    for n, k in ((640, 1024), (100, 256), (1536, 4096)):
-        pw = random_packed(kind, n, k, 128, device=dev, generator=gen)
-        pw.scales.uniform_(0.5, 1.5)
+    for n, k, pw in _gpu_cases(kind, gen):
         x = torch.randn(1, k, device=dev, generator=gen) * 3  # [1, K] a residual row
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             nw = (torch.rand(k, device=dev, generator=gen) + 0.5).to(dtype)  # [K]

@@ -75,10 +75,15 @@ def defines(kind: str, warps: int, gpw: int, pdl: bool, floor: bool = False, nor
             "FLOOR": int(floor), "USE_PDL": int(pdl), "INPUT": INPUTS[given], "NW_KIND": norm or 0}
 
 
+def engine_configs() -> list[tuple[int, int]]:
+    """Every (warps, groups a warp) the engine may launch: the measured ones and the default."""
+    return sorted({c for c in MEASURED.values() if c is not None} | {DEFAULT_CONFIG})
+
+
 def engine_variants(arch: int) -> list[dict[str, int]]:
     """Every variant the engine may launch on sm_`arch` (what CI compiles): each kind × config × input (int8, the
     float row with each norm weight dtype, SwiGLU rows), with PDL on sm_90+."""
-    configs = sorted({c for c in MEASURED.values() if c is not None} | {DEFAULT_CONFIG})
+    configs = engine_configs()
     pdls = (False, True) if arch >= 90 else (False,)
     inputs = [{}] + [{"norm": n} for n in NORM_KINDS.values()] + [{"swiglu": True}]
     return [defines(kind, w, g, pdl, **i) for kind in KINDS for w, g in configs for pdl in pdls for i in inputs]

@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,14 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-
-def step_timing(graph, replays: int) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / replays * 1e6
+from tests.perf.gpu_kern import replay_us  # noqa: E402  (µs a replay, back to back)
 
 
 def measure(spec: str, rounds: int, replays: int, context: int) -> dict:
@@ -74,10 +66,10 @@ def measure(spec: str, rounds: int, replays: int, context: int) -> dict:
               f"same argmax {same_top}", flush=True)
     times: dict[str, list[float]] = {label: [] for label in variants}
     for label in variants:  # warm
-        step_timing(steps[label].graph, 20)
+        replay_us(steps[label].graph, 20)
     for _ in range(rounds):
         for label in variants:
-            times[label].append(step_timing(steps[label].graph, replays))
+            times[label].append(replay_us(steps[label].graph, replays))
     for label, t in times.items():
         row[label] = {"us_mean": statistics.mean(t), "us_std": statistics.stdev(t) if len(t) > 1 else 0.0,
                       "us_min": min(t), "tok_s": 1e6 / statistics.mean(t)}
