@@ -75,7 +75,7 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
                           "cuda_graph": getattr(runner.decoder, "graph", None) is not None,
                           "kv_offload": runner.cache.streamed, "prefill_chunk_size": runner.prefill_chunk_size,
                           "pipeline_stages": len(getattr(runner, "stages", ())) or 1,
-                          "decode_gemv": _decode_gemv(loaded, runner)}
+                          "decode_gemv": _decode_gemv(loaded, runner), "decode_attention": _decode_attention(runner)}
     save()
     try:
         with within_limit(budget.limit, "benchmarking"):
@@ -103,6 +103,16 @@ def _decode_gemv(loaded, runner) -> dict[str, str]:
         return {}
     from engine.weights.packed_linear import decode_paths
     return decode_paths(loaded.model)
+
+
+def _decode_attention(runner) -> str:
+    """How a one-row CUDA decode step runs attention: "cuda rope+attention, N splits" (one launch a layer,
+    engine.kernels.cuda_attention), "triton" (rope / KV write, split attention, combine), or "" (no fused step)."""
+    decoder = runner.decoder
+    if decoder is None or not decoder.ops.fast or decoder.workspace is None:
+        return ""
+    buffers = decoder.workspace.attention
+    return f"cuda rope+attention, {buffers.splits} splits" if buffers is not None else "triton"
 
 
 def memory_report(budget, device) -> dict[str, Any]:

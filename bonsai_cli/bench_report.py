@@ -149,6 +149,9 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     gemv = (report.get("settings") or {}).get("decode_gemv")
     if gemv:
         console.print("decode GEMV: " + "; ".join(f"{shape} {path}" for shape, path in gemv.items()))
+    attention = (report.get("settings") or {}).get("decode_attention")
+    if attention:
+        console.print(f"decode attention: {attention}")
     memory = report.get("memory")
     if memory:
         peak = memory.get("peak_allocated_bytes")

@@ -108,11 +108,11 @@ def test_without_nvrtc_the_triton_kernels_run(monkeypatch):
     monkeypatch.setattr(cuda_rt, "nvrtc", missing)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("BONSAI_CUDA_GEMV", raising=False)
-    cuda_gemv._nvrtc_ready.cache_clear()
+    cuda_gemv.nvrtc_ready.cache_clear()
     try:
         assert not cuda_gemv.enabled(torch.device("cuda", 0))
     finally:
-        cuda_gemv._nvrtc_ready.cache_clear()
+        cuda_gemv.nvrtc_ready.cache_clear()
 
 
 def _gpu_cases(kind: str, gen: torch.Generator):

@@ -78,6 +78,8 @@ def test_launch_structs_match_cuda_h():
     """CUlaunchAttribute {id; pad[4]; union of 64 bytes} and CUlaunchConfig {7 unsigned; CUstream; attrs; numAttrs}
     on a 64-bit host, as cuda.h (CUDA 12 and 13) lays them out."""
     assert ctypes.sizeof(cuda_rt._LaunchAttribute) == 72 and cuda_rt._LaunchAttribute.value.offset == 8
+    cluster = cuda_rt._cluster_attribute((1, 16, 1))  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: {x, y, z} unsigned
+    assert cluster.id == 4 and bytes(cluster)[8:20] == bytes((ctypes.c_uint * 3)(1, 16, 1))
     config = cuda_rt._LaunchConfig
     assert (config.shared.offset, config.stream.offset, config.attrs.offset, config.num_attrs.offset) == (24, 32, 40, 48)
     assert ctypes.sizeof(config) == 56

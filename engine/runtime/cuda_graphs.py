@@ -56,7 +56,8 @@ class DecodeStepRunner:
         if self.host_embedding is not None and model.takes_tokens:  # the graph reads the rows from here
             table = self.host_embedding.weight
             self.inputs.embedded = torch.zeros(rows, table.shape[1], dtype=table.dtype, device=device)  # [M, H]
-        self.workspace = Workspace.make(model, rows, device, persistent_ffn)  # persistent_ffn: one launch an FFN
+        # persistent_ffn: one launch an FFN
+        self.workspace = Workspace.make(model, rows, device, persistent_ffn, cache=cache)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         # offloaded KV: eager; streamed weights: graphed with their copies where every host buffer is pinned

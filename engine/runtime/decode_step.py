@@ -56,9 +56,13 @@ class Workspace:
     # one row on the CUDA C++ products: down takes the [gate | up] rows itself (SwiGLU and int8 in its kernel), so
     # gate_up is not zeroed as it is read; each block's q/k/v product zeroes it instead (quant.kernels.cuda_gemv)
     swiglu_in_down: bool = False
+    # one row: q/k norm, rotary, K/V write, attention and o_proj's int8 input in one CUDA C++ launch a layer
+    # (engine.kernels.cuda_attention): its split partials and counters
+    attention: object | None = None
 
     @staticmethod
-    def make(model: Transformer, rows: int, device: torch.device, persistent_ffn: bool = False) -> "Workspace":
+    def make(model: Transformer, rows: int, device: torch.device, persistent_ffn: bool = False,
+             cache: KVCache | None = None) -> "Workspace":
         cfg = model.config
         ws = Workspace(torch.zeros(rows, cfg.q_size + 2 * cfg.kv_size, device=device),
                        torch.zeros(rows, 2 * cfg.intermediate_size, device=device),
@@ -70,7 +74,35 @@ class Workspace:
                 from quant.kernels.persistent_ffn import FfnBuffers
                 ws.ffn = FfnBuffers.make(cfg.hidden_size, cfg.intermediate_size, group, device, gu=ws.gate_up[0])
         ws.swiglu_in_down = rows == 1 and ws.ffn is None and _swiglu_in_down(model, device)
+        if rows == 1 and cache is not None and fused_attention_taken(model, cache):
+            from engine.kernels.cuda_attention import AttentionBuffers
+            ws.attention = AttentionBuffers.make(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.max_seq_len,
+                                                 device)
         return ws
+
+
+def fused_attention_taken(model: Transformer, cache: KVCache) -> bool:
+    """Whether a one-row step runs each block's attention in one CUDA C++ launch (engine.kernels.cuda_attention):
+    on (BONSAI_CUDA_ATTN), not a hybrid, a float cache of 16-bit rows in the GPU's memory, every o_proj packed at
+    group = head_dim without a rotation, q/k norms (if any) in the cache's dtype."""
+    from engine.kernels import cuda_attention as ca
+    cfg = model.config
+    if not ca.enabled(cache.device) or cfg.hybrid is not None or not model.layers or cache.streamed:
+        return False
+    if not ca.shape_supported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) or cache.layer_scales(0) \
+            or cache.key_offset is not None or model.inv_freq.dtype != torch.float32:
+        return False
+    kv = cache.layer(0)
+    if not ca.cache_taken(kv["k"], kv["v"], cfg.head_dim):
+        return False
+    for block in model.layers:
+        att = block.attention
+        if not isinstance(att.wo, PackedLinear) or att.wo.group_size != cfg.head_dim or att.wo_rotation is not None:
+            return False
+        norms = [n.weight for n in (att.q_norm, att.k_norm) if n is not None]
+        if len(norms) == 1 or any(w.dtype != cache.dtype or not w.is_contiguous() for w in norms):
+            return False
+    return True
 
 
 def _swiglu_in_down(model: Transformer, device: torch.device) -> bool:
@@ -111,6 +143,11 @@ class _Ops:
         from quant.kernels.cuda_gemv import cuda_norm_gemv, cuda_swiglu_gemv, norm_input_taken
         self.norm_gemv, self.swiglu_gemv = cuda_norm_gemv, cuda_swiglu_gemv  # one row, CUDA C++, where taken:
         self.norm_gemv_takes = norm_input_taken if fast else lambda x, w, pw: False
+        if fast:  # one row's attention block in one launch, where the workspace has its buffers
+            from engine.kernels.cuda_attention import rope_attention
+        else:
+            from engine.kernels.cuda_attention import rope_attention_reference as rope_attention
+        self.rope_attention = rope_attention
         if fast:  # a hybrid's DeltaNet and gated attention layers (engine.runtime.hybrid_step)
             from engine.kernels.deltanet_decode import conv_update, recurrent_update
             from engine.kernels.deltanet_gates import gate_project
@@ -203,10 +240,17 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
         qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv, rotation=att.wqkv_rotation,
                        zero=ws.gate_up if fused_swiglu else None)  # [M, Q + 2KV]
         kv = cache.layer(i)  # {name: [slots, KV, S, D]} (KV offload: the layer's streamed-in rows)
+        q_norm = att.q_norm.weight if att.q_norm is not None else None
+        k_norm = att.k_norm.weight if att.k_norm is not None else None
+        if ws.attention is not None and ops.fast:  # norm, rotary, K/V write, attention, int8: one launch
+            aq = ops.rope_attention(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, kv["k"], kv["v"],
+                                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, q_norm, k_norm, eps, scale,
+                                    ws.attention, zero_input=qkv is ws.qkv)  # int8 [1, H * D], [1, H], [1, H]
+            _project(ops, aq, att.wo, residual=x)
+            _feed_forward(ops, block, x, ws, eps)
+            continue
         q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, kv["k"], kv["v"],
-                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           att.q_norm.weight if att.q_norm is not None else None,
-                           att.k_norm.weight if att.k_norm is not None else None, eps,
+                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, q_norm, k_norm, eps,
                            out_dtype=cache.dtype, zero_input=qkv is ws.qkv,
                            **cache.layer_write_args(i))  # [M, H, D]
         if isinstance(att.wo, PackedLinear) and att.wo.group_size == cfg.head_dim and att.wo_rotation is None:

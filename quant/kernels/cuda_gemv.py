@@ -111,17 +111,17 @@ def enabled(device: torch.device) -> bool:
     if getattr(device, "type", None) != "cuda" or os.environ.get("BONSAI_CUDA_GEMV", "1") == "0":
         return False
     from quant.kernels import interpreting
-    return not interpreting() and _nvrtc_ready()
+    return not interpreting() and nvrtc_ready()
 
 
 @functools.cache
-def _nvrtc_ready() -> bool:
+def nvrtc_ready() -> bool:
     from quant.kernels.cuda_rt import CudaCompileError, nvrtc
     try:
         nvrtc()
         return True
     except CudaCompileError as e:
-        log.warning("one-row products run on Triton: %s", str(e).splitlines()[0])
+        log.warning("the CUDA C++ decode kernels are off (Triton runs instead): %s", str(e).splitlines()[0])
         return False
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID: value = {x, y, z} unsigned
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute: clusters of more than 8 blocks (H100: up to 16)
 
 
 class CudaCompileError(RuntimeError):
@@ -121,6 +123,13 @@ def _pdl_attribute() -> _LaunchAttribute:
     return attr
 
 
+def _cluster_attribute(dims: tuple[int, int, int]) -> _LaunchAttribute:
+    attr = _LaunchAttribute()
+    attr.id = _CLUSTER_DIMENSION
+    ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, (ctypes.c_uint * 3)(*dims), 12)
+    return attr
+
+
 def ptr(tensor) -> ctypes.c_void_p:
     """A kernel argument: the device address of a torch tensor."""
     return ctypes.c_void_p(tensor.data_ptr())
@@ -145,16 +154,26 @@ class CudaKernel:
         _check_cu(_driver().cuModuleGetFunction(ctypes.byref(self._function), self._module, function.encode()),
                   f"cuModuleGetFunction({function})")
         self._pdl = (_LaunchAttribute * 1)(_pdl_attribute())
+        self._non_portable = False  # clusters of more than 8 blocks allowed (set at the first such launch)
 
     def launch(self, grid: tuple[int, ...], block: tuple[int, ...], args: list, pdl: bool = False,
-               shared: int = 0, stream: int | None = None) -> None:
-        """Run it on torch's current stream (or `stream`, a CUstream address); args: ctypes values (ptr, i32…)."""
+               shared: int = 0, stream: int | None = None, cluster: tuple[int, int, int] | None = None) -> None:
+        """Run it on torch's current stream (or `stream`, a CUstream address); args: ctypes values (ptr, i32…);
+        cluster: thread-block cluster dimensions (sm_90; more than 8 blocks, the portable size, allowed first)."""
         config = _LaunchConfig()
         config.grid[:] = (tuple(grid) + (1, 1))[:3]
         config.block[:] = (tuple(block) + (1, 1))[:3]
         config.shared = shared
         config.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream if stream is None else stream)
-        if pdl:
+        if cluster:
+            if cluster[0] * cluster[1] * cluster[2] > 8 and not self._non_portable:
+                _check_cu(_driver().cuFuncSetAttribute(self._function, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                          "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)")
+                self._non_portable = True
+            attrs = [_pdl_attribute()] * pdl + [_cluster_attribute(cluster)]
+            table = (_LaunchAttribute * len(attrs))(*attrs)  # alive until the launch returns
+            config.attrs, config.num_attrs = ctypes.cast(table, ctypes.POINTER(_LaunchAttribute)), len(attrs)
+        elif pdl:
             config.attrs, config.num_attrs = ctypes.cast(self._pdl, ctypes.POINTER(_LaunchAttribute)), 1
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         _check_cu(_driver().cuLaunchKernelEx(ctypes.byref(config), self._function, params, None), "cuLaunchKernelEx")

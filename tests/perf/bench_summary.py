@@ -23,7 +23,8 @@ def summary_lines(folder: Path) -> list[str]:
         s = r.get("settings", {})
         kernels = sorted({p.split(" split")[0] for p in (s.get("decode_gemv") or {}).values()})
         lines.append(f"{path.stem} | " + " | ".join(cells) + f" | graph {s.get('cuda_graph')} | complete {r.get('complete')}"
-                     + (f" | one-row kernels {', '.join(kernels)}" if kernels else ""))
+                     + (f" | one-row kernels {', '.join(kernels)}" if kernels else "")
+                     + (f" | attention {s['decode_attention']}" if s.get("decode_attention") else ""))
     return lines
 
 

@@ -5,21 +5,21 @@
 #          (tests/perf/cuda_gemv_step.py; STEP_MODELS)
 #   phases where the graphed step's time goes phase by phase (tests/perf/gpu_phases.py: each phase left out or
 #          doubled, the attention at other split counts)
-#   bench  `bonsai bench` tg128 / pp512 of the dummy shapes (BENCH), the CUDA C++ products on, and off for the
-#          first model (BONSAI_CUDA_GEMV=0: the in-run baseline)
+#   bench  `bonsai bench` tg128 / pp512 of the dummy shapes (BENCH) as the engine runs them ("new"), and the first
+#          model also with BASELINE's switches ("base"; default BONSAI_CUDA_ATTN=0: the in-run baseline)
 #   OUT=out PARTS=tests,cuda,bench bash tests/perf/gpu_issue19.sh   # MODELS=… PHASES=… MODES=skip,double SPLITS=4
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; PARTS=${PARTS:-tests,cuda,bench}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [[ ,$PARTS, == *,tests,* ]]; then
     echo "== GPU tests"
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_gemv.py tests/test_cuda_rt.py \
-        tests/test_decode_step.py ${MORE_TESTS-tests/test_packed_kernels.py} 2>&1 | tail -8
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py tests/test_cuda_gemv.py \
+        tests/test_cuda_rt.py tests/test_decode_step.py ${MORE_TESTS-tests/test_packed_kernels.py} 2>&1 | tail -8
 fi
 if [[ ,$PARTS, == *,cuda,* ]]; then
     echo "== graphed step, CUDA C++ vs Triton one-row products"
     timeout 300 python3 tests/perf/cuda_gemv_step.py --json "$OUT/cuda_step.json" \
-        ${STEP_MODELS:+--models $STEP_MODELS} 2>&1 | grep -v Warning | tee "$OUT/cuda_step.txt"
+        ${STEP_MODELS:+--models $STEP_MODELS} ${VARIANTS:+--variants $VARIANTS} ${ROUNDS:+--rounds $ROUNDS} 2>&1 | grep -v Warning | tee "$OUT/cuda_step.txt"
 fi
 if [[ ,$PARTS, == *,phases,* ]]; then
     MODELS=${MODELS:-qwen3-8b:tri:int4,dense-27b:tri:int4,qwen3.6-27b:tri:int4}
@@ -31,11 +31,12 @@ if [[ ,$PARTS, == *,bench,* ]]; then
     first=1
     for model in ${BENCH-qwen3-8b:tri dense-27b:tri qwen3-8b:bin}; do
         name=${model%%:*}; weights=${model##*:}
-        for flag in $([ $first = 1 ] && echo "0 1" || echo 1); do
-            tag="$name-$weights-cuda$flag"
-            BONSAI_CUDA_GEMV=$flag timeout 170 python3 -m bonsai_cli bench "configs/models/$name.yaml" --load-format dummy \
-                --device cuda --weights "$weights" --head-weights int4 -p 512 -n 128 -r 3 --no-pg --json "$OUT/bench-$tag.json" \
-                > "$OUT/bench-$tag.log" 2>&1 || { echo "FAILED bench $tag"; tail -3 "$OUT/bench-$tag.log"; }
+        for tag in $([ $first = 1 ] && echo "base new" || echo new); do
+            switches=$([ $tag = base ] && echo "${BASELINE:-BONSAI_CUDA_ATTN=0}" || echo "BONSAI_BENCH_TAG=new")
+            env $switches timeout 170 python3 -m bonsai_cli bench "configs/models/$name.yaml" --load-format dummy \
+                --device cuda --weights "$weights" --head-weights int4 -p 512 -n 128 -r 3 --no-pg \
+                --json "$OUT/bench-$name-$weights-$tag.json" > "$OUT/bench-$name-$weights-$tag.log" 2>&1 \
+                || { echo "FAILED bench $name-$weights-$tag"; tail -3 "$OUT/bench-$name-$weights-$tag.log"; }
         done
         first=0
     done
