@@ -50,6 +50,42 @@ def test_a_try_that_finds_the_other_way_faster_switches_and_resets_the_wait():
     assert all(chosen[first + 12:first + 32]) and gate.period[4] == 20  # that try found plain slower: twice as long
 
 
+def _noisy(gate: SpecGate, rates: dict[bool, float], steps: int, noise: float, seed: int) -> list[bool]:
+    """One slot; each step's time off its way's rate by a uniform factor in [1 - noise, 1 + noise] (made-up)."""
+    rng = random.Random(seed)
+    generated, now, chosen = 0, 0.0, []
+    for _ in range(steps):
+        spec = gate.speculate(1)
+        gate.begin(spec, 1, generated, 0, now)
+        chosen.append(spec)
+        generated += 1
+        now += (1 + rng.uniform(-noise, noise)) / rates[spec]
+    return chosen
+
+
+def test_on_a_cpu_noise_does_not_keep_a_slower_speculation_on():
+    """A loaded 2-core machine: steps ±30%, speculation 10% slower. One-step tries (the GPU's settings) let noise
+    pick speculation for long stretches; four-step measurements and a 5% margin keep it to the tries."""
+    rates = {True: 18.0, False: 20.0}
+    gpu = [sum(_noisy(SpecGate(), rates, 2000, 0.3, seed)) for seed in range(5)]
+    cpu = [sum(_noisy(SpecGate.for_device("cpu"), rates, 2000, 0.3, seed)) for seed in range(5)]
+    assert max(cpu) < 0.05 * 2000 and sum(cpu) < sum(gpu) / 2, (cpu, gpu)
+    # and where speculation is 30% faster it is kept (the plain tries aside)
+    chosen = _noisy(SpecGate.for_device("cpu"), {True: 26.0, False: 20.0}, 2000, 0.3, 1)
+    assert sum(chosen) > 0.93 * 2000
+
+
+def test_within_the_margin_a_cpu_stays_plain():
+    gate = SpecGate.for_device("cpu")
+    assert (gate.try_steps, gate.margin) == (4, 0.05)
+    assert (SpecGate.for_device("cuda").try_steps, SpecGate.for_device("cuda").margin) == (1, 0.0)
+    chosen = _feed(gate, {True: 103.0, False: 100.0}, batch=1, steps=400)
+    assert chosen[:5] == [True] * 5 and not any(chosen[10:31])  # each way measured over 4 steps, then plain
+    tries = [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
+    assert all(chosen[i:i + 4] == [True] * 4 and not chosen[i + 4] for i in tries[1:])  # each try: 4 steps
+    assert sum(chosen) < 0.15 * 400
+
+
 def test_peek_says_what_the_next_step_will_choose_without_counting_it():
     gate = SpecGate(every=10)
     _feed(gate, {True: 100.0, False: 300.0}, batch=8, steps=8)
@@ -136,6 +172,7 @@ def test_a_run_gates_adaptive_speculation_on_the_cpu_too(one_thread, smollm2_ggu
     try:
         engine = run.engine()
         assert (engine.gate is not None) == adaptive and engine.spec is not None
+        assert engine.gate is None or engine.gate.try_steps == 4  # the CPU's settings (SpecGate.for_device)
         assert run.loaded.int4_layers > 0  # the CPU default: the Q4_0 matrices as stored
     finally:
         run.close()

@@ -93,11 +93,11 @@ class Engine:
         self.wake = threading.Condition(self.lock)  # notified on submit / cancel (a thread driving step() waits)
         self.closed, self.failure = False, None  # failure: why the server's engine thread ended on its own (a str)
         self._to_begin: list[int] = []  # slots whose new request's drafter is not begun yet
-        on = lookahead if lookahead is not None else runner.device.type == "cuda"
+        kind = runner.device.type
+        on = lookahead if lookahead is not None else kind == "cuda"
         self.ahead = Lookahead(runner) if on and getattr(runner, "rewinds_for_free", True) else None
-        # speculate only while faster than not (spec_gate); drafters reading hidden states need every step
-        gate = spec_gate if spec_gate is not None else runner.device.type == "cuda"
-        self.gate = SpecGate() if gate and self.spec is not None and not any(d.hidden_layers for d in drafters) else None
+        gate = (spec_gate if spec_gate is not None else kind == "cuda") and self.spec is not None  # spec_gate.py
+        self.gate = SpecGate.for_device(kind) if gate and not any(d.hidden_layers for d in drafters) else None
 
     @property
     def has_work(self) -> bool:

@@ -16,11 +16,20 @@ the next one ahead when that one will speculate. A class is the batch sizes up t
 each new size was tried both ways again (at 8 slots that kept speculation on though it lost: 0.93x plain on the
 H200). Plain bookkeeping, no tensors: the choice changes speed only, never the output (greedy output is the same
 either way).
+
+On a CPU (`for_device`) single steps vary by ±30% on a loaded machine while the two ways differ by ~10% (a 1.5B
+target, its 0.5B drafter: docs/perf.md session 32; the bench lost 7-13% to one-step tries that noise made look
+faster): there a measurement is `try_steps` steps of a way (their tokens over their seconds), a try runs that many
+steps, tries come rarer (CPU_EVERY) and speculation must be `margin` faster to be chosen. On a GPU a measurement is
+one step, no margin.
 """
 from __future__ import annotations
 
 EMA = 0.3  # weight of a new measurement
 MAX_EVERY = 1024  # the longest wait between two tries of the slower way
+# a CPU's first wait: a try there also feeds a draft model the request's prompt (~0.5 s for the 0.5B drafter on two
+# cores), a cost the steady-state rate leaves out
+CPU_EVERY = 256
 
 
 def size_class(batch: int) -> int:
@@ -29,24 +38,39 @@ def size_class(batch: int) -> int:
 
 
 class SpecGate:
-    def __init__(self, every: int = 32, max_every: int = MAX_EVERY):
+    def __init__(self, every: int = 32, max_every: int = MAX_EVERY, try_steps: int = 1, margin: float = 0.0):
         self.every, self.max_every = every, max_every
+        self.try_steps, self.margin = try_steps, margin
         self.rates: dict[tuple[bool, int], float] = {}  # (speculated, size_class(batch)) → tokens per second
+        self._pending: dict[tuple[bool, int], tuple[int, float, int]] = {}  # a measurement's (tokens, seconds, steps)
+        self._scored: dict[tuple[bool, int], int] = {}  # steps scored of each way and class
         self.steps = 0
         # per class: steps between two tries of the slower way (doubled each time a try confirms it slower, so
         # a way that keeps losing costs ever less; back to `every` when a try finds it faster) and the next try
         self.period: dict[int, int] = {}
         self.retry_at: dict[int, int] = {}
+        self._trying: dict[int, tuple[bool, int]] = {}  # class → (the way tried, its steps still to run)
         self._open: tuple[bool, int, int, int, float, bool, bool] | None = None  # the step being timed
         self._prefills = 0  # the engine's count of prompt chunks run when the last step began
-        self._trial = False  # the step just chosen is a try of the slower way
+        self._trial = False  # the step just chosen ends a try of the slower way
+
+    @staticmethod
+    def for_device(device_type: str) -> SpecGate:
+        """The gate's settings for a device: as measured on GPUs (one-step tries, no margin), or a CPU's."""
+        return SpecGate() if device_type == "cuda" else SpecGate(every=CPU_EVERY, try_steps=4, margin=0.05)
+
+    def _spec_faster(self, c: int) -> bool:
+        return self.rates[(True, c)] >= self.rates[(False, c)] * (1 + self.margin)
 
     def _choice(self, c: int, step: int) -> tuple[bool, bool]:
         """(speculate, a try of the slower way) for a step of class c at step number `step`."""
-        spec, plain = self.rates.get((True, c)), self.rates.get((False, c))
-        if spec is None or plain is None:
-            return spec is None, False
-        better = spec >= plain
+        if self._scored.get((True, c), 0) < self.try_steps:  # each way measured first, speculation first
+            return True, False
+        if self._scored.get((False, c), 0) < self.try_steps:
+            return False, False
+        if c in self._trying:
+            return self._trying[c][0], True
+        better = self._spec_faster(c)
         due = self.retry_at.get(c, self._first_retry(step))
         return (not better, True) if step >= due else (better, False)
 
@@ -55,16 +79,24 @@ class SpecGate:
         return step - step % self.every + self.every
 
     def speculate(self, batch: int) -> bool:
-        """Whether the step of `batch` slots speculates: each way measured once first (speculating
-        first), then the faster, and now and then the other (`period`)."""
+        """Whether the step of `batch` slots speculates: each way measured first (speculating first), then
+        the faster, and now and then the other for `try_steps` steps (`period`)."""
         self.steps += 1
         c = size_class(batch)
         choice, trial = self._choice(c, self.steps)
+        self._trial = False
         if trial:
-            self.retry_at[c] = self.steps + self.period.get(c, self.every)
-        elif (True, c) in self.rates and (False, c) in self.rates:
+            way, left = self._trying.get(c, (choice, self.try_steps))
+            if left == self.try_steps:  # a try begins: its steps are one measurement
+                self.retry_at[c] = self.steps + self.period.get(c, self.every)
+                self._pending.pop((way, c), None)
+            if left > 1:
+                self._trying[c] = (way, left - 1)
+            else:
+                self._trying.pop(c, None)
+                self._trial = True  # its last step: judged once scored
+        elif self._scored.get((True, c), 0) >= self.try_steps and self._scored.get((False, c), 0) >= self.try_steps:
             self.retry_at.setdefault(c, self._first_retry(self.steps))
-        self._trial = trial
         return choice
 
     def peek(self, batch: int) -> bool:
@@ -80,10 +112,16 @@ class SpecGate:
         if self._open is not None:
             was, b, g0, p0, t0, trial, clean = self._open
             if clean and prefills == p0 and generated > g0 and now > t0:
-                rate = (generated - g0) / (now - t0)
-                old = self.rates.get((was, b))
-                self.rates[(was, b)] = rate if old is None else (1 - EMA) * old + EMA * rate
-                if trial:
+                tokens, seconds, steps = self._pending.pop((was, b), (0, 0.0, 0))
+                tokens, seconds, steps = tokens + generated - g0, seconds + now - t0, steps + 1
+                if steps < self.try_steps:
+                    self._pending[(was, b)] = (tokens, seconds, steps)
+                else:  # a measurement: its steps' tokens over their seconds
+                    old = self.rates.get((was, b))
+                    rate = tokens / seconds
+                    self.rates[(was, b)] = rate if old is None else (1 - EMA) * old + EMA * rate
+                self._scored[(was, b)] = self._scored.get((was, b), 0) + 1
+                if trial and (True, b) in self.rates and (False, b) in self.rates:
                     self._after_try(was, b)
         clean = prefills == self._prefills  # no prompt chunk since the last step began
         self._open = (speculated, size_class(batch), generated, prefills, now, self._trial, clean)
@@ -99,6 +137,6 @@ class SpecGate:
     def _after_try(self, tried: bool, c: int) -> None:
         """A try of the slower way was scored: still slower, wait twice as long before the next; faster now,
         the other way is the slower one and is tried after `every` steps."""
-        still_slower = tried != (self.rates[(True, c)] >= self.rates[(False, c)])  # the tie rule of _choice
+        still_slower = tried != self._spec_faster(c)  # the rule of _choice
         self.period[c] = min(2 * self.period.get(c, self.every), self.max_every) if still_slower else self.every
         self.retry_at[c] = self.steps + self.period[c]

@@ -90,7 +90,8 @@ def fused_attention_taken(model: Transformer, cache: KVCache) -> bool:
     if not ca.enabled(cache.device) or cfg.hybrid is not None or not model.layers or cache.streamed:
         return False
     if not ca.shape_supported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) or cache.layer_scales(0) \
-            or cache.key_offset is not None or model.inv_freq.dtype != torch.float32:
+            or cache.key_offset is not None or model.inv_freq.dtype != torch.float32 \
+            or model.inv_freq.numel() != cfg.head_dim // 2:
         return False
     kv = cache.layer(0)
     if not ca.cache_taken(kv["k"], kv["v"], cfg.head_dim):
