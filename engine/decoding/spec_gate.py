@@ -59,15 +59,17 @@ class SpecGate:
         """The gate's settings for a device: as measured on GPUs (one-step tries, no margin), or a CPU's."""
         return SpecGate() if device_type == "cuda" else SpecGate(every=CPU_EVERY, try_steps=4, margin=0.05)
 
+    def _measured(self, way: bool, c: int) -> bool:
+        return self._scored.get((way, c), 0) >= self.try_steps
+
     def _spec_faster(self, c: int) -> bool:
         return self.rates[(True, c)] >= self.rates[(False, c)] * (1 + self.margin)
 
     def _choice(self, c: int, step: int) -> tuple[bool, bool]:
         """(speculate, a try of the slower way) for a step of class c at step number `step`."""
-        if self._scored.get((True, c), 0) < self.try_steps:  # each way measured first, speculation first
-            return True, False
-        if self._scored.get((False, c), 0) < self.try_steps:
-            return False, False
+        for way in (True, False):  # each way measured first, speculation first
+            if not self._measured(way, c):
+                return way, False
         if c in self._trying:
             return self._trying[c][0], True
         better = self._spec_faster(c)
@@ -95,7 +97,7 @@ class SpecGate:
             else:
                 self._trying.pop(c, None)
                 self._trial = True  # its last step: judged once scored
-        elif self._scored.get((True, c), 0) >= self.try_steps and self._scored.get((False, c), 0) >= self.try_steps:
+        elif self._measured(True, c) and self._measured(False, c):
             self.retry_at.setdefault(c, self._first_retry(self.steps))
         return choice
 

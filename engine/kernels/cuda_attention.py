@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels import next_power_of_2
+
 _HERE = Path(__file__).resolve().parent
 # the kernel (rope_attention_row) after its defines and helpers: one NVRTC source
 SOURCE = (_HERE / "cuda_attention_parts.cuh").read_text() + (_HERE / "cuda_attention_row.cu").read_text()
@@ -47,14 +49,10 @@ CLUSTER_SIZES = (8, 16)  # blocks a cluster: the portable size, and H100's large
 KEYS_A_BLOCK = 32  # a short cache's keys per split: a block's 8 warps score 4 keys each at once
 
 
-def padded_group(group: int) -> int:
-    return 1 << max(0, group - 1).bit_length()
-
-
 def shape_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     group = num_heads // num_kv_heads if num_kv_heads else 0
     return (head_dim in HEAD_DIMS and num_kv_heads > 0 and num_heads % num_kv_heads == 0
-            and 1 <= group <= MAX_GROUP and padded_group(group) * head_dim <= 1024)
+            and 1 <= group <= MAX_GROUP and next_power_of_2(group) * head_dim <= 1024)
 
 
 def enabled(device: torch.device) -> bool:
@@ -83,7 +81,7 @@ def defines(head_dim: int, group: int, norm: int | None, cache_kind: int, pdl: b
             trigger: int = TRIGGER, cluster: bool = False) -> dict[str, int]:
     """-D values of one variant: norm = the q/k norm weight's NW_KIND, or None for a model without q/k norms;
     cluster: the splits of a kv head are one thread-block cluster (sm_90)."""
-    return {"D": head_dim, "GP": padded_group(group), "HAS_NORM": int(norm is not None), "NW_KIND": norm or 0,
+    return {"D": head_dim, "GP": next_power_of_2(group), "HAS_NORM": int(norm is not None), "NW_KIND": norm or 0,
             "CACHE_KIND": cache_kind, "USE_PDL": int(pdl), "FENCE": fence, "TRIGGER": trigger,
             "CLUSTER": int(cluster)}
 
@@ -126,7 +124,7 @@ class AttentionBuffers:
              ) -> "AttentionBuffers":
         props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
         ns = num_splits(max_seq, num_kv_heads, props.multi_processor_count if props else 132)
-        gp = padded_group(num_heads // num_kv_heads)
+        gp = next_power_of_2(num_heads // num_kv_heads)
         size = int(os.environ.get("BONSAI_CUDA_ATTN_CLUSTER") or 0)
         if size and size not in CLUSTER_SIZES:
             raise ValueError(f"BONSAI_CUDA_ATTN_CLUSTER={size}: use 0, 8 or 16")

@@ -237,7 +237,6 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
                 gated_attention_step(ops, _project, model, block, cache, x, inputs, num_splits, eps)
             _feed_forward(ops, block, x, ws, eps)
             continue
-        scales = cache.layer_read_args(i)  # a quantized cache's scale / min tensors, v_rotate (none for bf16)
         qkv = _project(ops, x, att.wqkv, block.attention_norm.weight, eps, into=ws.qkv, rotation=att.wqkv_rotation,
                        zero=ws.gate_up if fused_swiglu else None)  # [M, Q + 2KV]
         kv = cache.layer(i)  # {name: [slots, KV, S, D]} (KV offload: the layer's streamed-in rows)
@@ -250,6 +249,7 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
             _project(ops, aq, att.wo, residual=x)
             _feed_forward(ops, block, x, ws, eps)
             continue
+        scales = cache.layer_read_args(i)  # a quantized cache's scale / min tensors, v_rotate (none for bf16)
         q = ops.rope_write(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, kv["k"], kv["v"],
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, q_norm, k_norm, eps,
                            out_dtype=cache.dtype, zero_input=qkv is ws.qkv,
