@@ -107,12 +107,15 @@ def _decode_gemv(loaded, runner) -> dict[str, str]:
 
 def _decode_attention(runner) -> str:
     """How a one-row CUDA decode step runs attention: "cuda rope+attention, N splits" (one launch a layer,
-    engine.kernels.cuda_attention), "triton" (rope / KV write, split attention, combine), or "" (no fused step)."""
+    engine.kernels.cuda_attention; ", combined in o_proj" where o_proj's product combines the splits), "triton"
+    (rope / KV write, split attention, combine), or "" (no fused step)."""
     decoder = runner.decoder
     if decoder is None or not decoder.ops.fast or decoder.workspace is None:
         return ""
     buffers = decoder.workspace.attention
-    return f"cuda rope+attention, {buffers.splits} splits" if buffers is not None else "triton"
+    if buffers is None:
+        return "triton"
+    return f"cuda rope+attention, {buffers.splits} splits" + ("" if buffers.combine else ", combined in o_proj")
 
 
 def memory_report(budget, device) -> dict[str, Any]:

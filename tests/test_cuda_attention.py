@@ -1,8 +1,9 @@
 """engine.kernels.cuda_attention, one decode row's attention block in one CUDA C++ launch: which models and caches
 take it and that it is off where it cannot run (on the CPU), that NVRTC compiles every variant the engine launches
 for sm_90 and sm_86 (CI, no GPU), and on a GPU: the kernel against the reference (the rope / KV-write reference,
-then attention quantized per head) over shapes, positions, splits and cache dtypes, inside a CUDA graph, and a
-graphed decode step with it against the per-op path."""
+then attention quantized per head) over shapes, positions, splits and cache dtypes — also the partials-only kernel
+whose splits o_proj combines —, inside a CUDA graph, and a graphed decode step with it (either combine) against the
+per-op path."""
 from __future__ import annotations
 
 import pytest
@@ -68,12 +69,17 @@ def test_ci_compiles_every_variant_the_engine_launches():
     assert not any(v["GP"] * v["D"] > 1024 for v in variants)
     assert {v["CLUSTER"] for v in variants} == {0, 1}
     assert {(v["USE_PDL"], v["CLUSTER"]) for v in ca.engine_variants(86)} == {(0, 0)}  # both are sm_90's
+    assert {(v["D"], v["CLUSTER"]) for v in variants if not v["COMBINE"]} == {(128, 0)}  # o_proj combines: 128 dims
     # what decode_step passes: the padded group of every shape it takes, the norm in the cache's dtype or none
     for heads, kv, d in ((32, 8, 128), (40, 8, 128), (12, 2, 128), (14, 2, 64), (9, 9, 64)):
         for cache_kind in ca.CACHE_KINDS.values():
             for norm in (None, cache_kind):
                 for cluster in (False, True):
                     assert ca.defines(d, heads // kv, norm, cache_kind, True, cluster=cluster) in variants
+                if d == 128:
+                    for arch in (90, 86):
+                        assert ca.defines(d, heads // kv, norm, cache_kind, arch >= 90, combine=False) \
+                            in ca.engine_variants(arch)
 
 
 @pytest.mark.parametrize("arch", [90, 86])
@@ -108,6 +114,22 @@ def test_which_steps_take_it(monkeypatch):
     assert not decode_step.fused_attention_taken(model, KVCache(model.config, 64, 1, dtype=torch.float32))
     ws = decode_step.Workspace.make(model, 1, torch.device("cpu"), cache=cache)
     assert ws.attention is not None and ws.attention.splits == ca.num_splits(64, 2)
+    assert ws.attention.combine  # o_proj cannot combine on the CPU: the attention kernel's last block does
+    from quant.kernels import cuda_gemv
+    monkeypatch.setattr(cuda_gemv, "enabled", lambda device: True)  # o_proj on the CUDA C++ product
+    assert decode_step.Workspace.make(model, 1, torch.device("cpu"), cache=cache).attention.combine  # auto: 4 heads
+    monkeypatch.setattr(ca, "PRODUCT_FROM_HEADS", 4)
+    assert not decode_step.Workspace.make(model, 1, torch.device("cpu"), cache=cache).attention.combine
+    monkeypatch.setattr(ca, "PRODUCT_FROM_HEADS", 5)
+    assert decode_step.Workspace.make(model, 1, torch.device("cpu"), cache=cache).attention.combine
+    monkeypatch.setenv("BONSAI_CUDA_ATTN_COMBINE", "product")
+    assert not decode_step.Workspace.make(model, 1, torch.device("cpu"), cache=cache).attention.combine
+    monkeypatch.setenv("BONSAI_CUDA_ATTN_COMBINE", "attention")
+    assert decode_step.Workspace.make(model, 1, torch.device("cpu"), cache=cache).attention.combine
+    monkeypatch.setenv("BONSAI_CUDA_ATTN_COMBINE", "o_proj")
+    with pytest.raises(ValueError, match="use auto, product or attention"):
+        decode_step.Workspace.make(model, 1, torch.device("cpu"), cache=cache)
+    monkeypatch.delenv("BONSAI_CUDA_ATTN_COMBINE")
     assert decode_step.Workspace.make(model, 2, torch.device("cpu"), cache=cache).attention is None  # one row only
     model.layers[1].attention.q_norm.weight.data = model.layers[1].attention.q_norm.weight.data.float()
     assert not decode_step.fused_attention_taken(model, cache)  # a norm weight in another dtype
@@ -170,12 +192,27 @@ def test_the_kernel_equals_the_reference(heads, kv, d, norm, dtype):
             got = ca.rope_attention(qkv.clone(), *args, k_cache, v_cache, heads, kv, d, qn, kn, 1e-6, d ** -0.5,
                                     buffers)  # again on the reset counters (the same row written again)
             _check(got, want, where)
+            if d == 128 and not cluster:  # the partials-only kernel, combined as o_proj's product does
+                _check_partials(qkv, args, (k_cache, v_cache), heads, kv, d, qn, kn, dtype, buffers, want, where)
             for mine_c, ref_c in zip((k_cache, v_cache), caches):  # the row written, nothing else touched
                 torch.testing.assert_close(mine_c.float(), ref_c.float(), rtol=0.01, atol=0.02, msg=where)
                 if pos < seq:
                     mask = torch.ones_like(mine_c, dtype=torch.bool)
                     mask[slot, :, pos] = False
                     assert torch.equal(mine_c[mask], ref_c[mask]), where
+
+
+def _check_partials(qkv, args, caches, heads, kv, d, qn, kn, dtype, buffers, want, where):
+    from quant.kernels.act_quant import quantize_activations_reference
+    from quant.kernels.cuda_gemv import combine_splits_reference
+    mine = qkv.clone()
+    split_buffers = ca.AttentionBuffers(torch.full_like(buffers.part, float("nan")),
+                                        torch.full_like(buffers.ml, float("nan")), buffers.counter, combine=False)
+    part, ml = ca.rope_attention_partials(mine, *args, *caches, heads, kv, d, qn, kn, 1e-6, d ** -0.5, split_buffers)
+    heads_out = combine_splits_reference(part, ml, heads // kv, dtype)  # [1, H·D]
+    _check(quantize_activations_reference(heads_out, d), want, where + " (partials)")
+    torch.cuda.synchronize()
+    assert torch.equal(mine, qkv) and not buffers.counter.any(), where  # input left for o_proj to zero
 
 
 @pytest.mark.gpu
@@ -209,7 +246,8 @@ def test_inside_a_graph_at_any_position():
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("shape", [dict(num_heads=4, num_kv_heads=2), dict(num_heads=6, num_kv_heads=2)])
-def test_a_graphed_decode_step_with_it_matches_the_per_op_path(monkeypatch, shape):
+@pytest.mark.parametrize("combine", ["product", "attention", "auto"])
+def test_a_graphed_decode_step_with_it_matches_the_per_op_path(monkeypatch, shape, combine):
     from engine.runtime.cuda_graphs import DecodeStepRunner
     from engine.runtime.runner import ModelRunner
     loaded = _tiny(device="cuda", **shape)
@@ -222,8 +260,10 @@ def test_a_graphed_decode_step_with_it_matches_the_per_op_path(monkeypatch, shap
     slot = runner.slot(0)
     runner.prefill(slot, tokens[:10])
     monkeypatch.setenv("BONSAI_CUDA_ATTN", "1")
+    monkeypatch.setenv("BONSAI_CUDA_ATTN_COMBINE", combine)
     step = DecodeStepRunner(loaded.model, runner.cache, rows=1, num_splits=2, kernels=True)
     assert step.graph is not None and step.workspace.attention is not None
+    assert step.workspace.attention.combine == (combine != "product")  # auto: 4-6 heads, the last block
     for i, (token, ref) in enumerate(zip(tokens[10:], want)):
         got = step.run([token], [10 + i], [0])[0]
         torch.testing.assert_close(got, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())

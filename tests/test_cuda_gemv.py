@@ -1,7 +1,8 @@
 """quant.kernels.cuda_gemv, the CUDA C++ one-row product in the engine: which matrices take it (pure functions, on
-the CPU), that it is off where it cannot run, and on a GPU: every engine variant against packed_gemv_reference
-(split K and not, accumulated and not, a column tail, inside a CUDA graph) and a decode step's logits with it on
-and off. Its compilation for sm_90 / sm_86 is tests/test_cuda_rt.py's."""
+the CPU), that it is off where it cannot run, that combining split attention partials is softmax attention (CPU),
+and on a GPU: every engine variant against packed_gemv_reference (split K and not, accumulated and not, a column
+tail, inside a CUDA graph), the fused inputs (norm, SwiGLU, attention splits) against their references, and a decode
+step's logits with it on and off. Its compilation for sm_90 / sm_86 is tests/test_cuda_rt.py's."""
 from __future__ import annotations
 
 import pytest
@@ -65,8 +66,58 @@ def test_the_norm_fusion_is_off_on_the_cpu_and_for_what_it_cannot_read():
 
 def test_ci_compiles_every_input_the_engine_gives():
     variants = cuda_gemv.engine_variants(90)
-    assert {(v["INPUT"], v["NW_KIND"]) for v in variants} == {(0, 0), (1, 0), (1, 1), (1, 2), (2, 0)}
-    assert len(variants) == len(cuda_gemv.KINDS) * 3 * 2 * 5  # kinds × configs (w4 g1, w4 g2, w8 g1) × PDL × inputs
+    assert {(v["INPUT"], v["NW_KIND"]) for v in variants} == {(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (3, 1), (3, 2)}
+    assert len(variants) == len(cuda_gemv.KINDS) * 3 * 2 * 7  # kinds × configs (w4 g1, w4 g2, w8 g1) × PDL × inputs
+
+
+def _splits_of(q, k, v, ns, scale):
+    """Flash-decoding partials of one kv head, as the attention kernel writes them: q [G, D], k / v [T, D], the keys
+    cut into ns ranges of ceil(T / ns) (the last ones may be empty). part [ns, G, D], ml [ns, G, 2] (log2 units)."""
+    g, d = q.shape
+    per = -(-k.shape[0] // ns)
+    part, ml = torch.zeros(ns, g, d), torch.zeros(ns, g, 2)
+    ml[..., 0] = float("-inf")
+    for s in range(ns):
+        ks, vs = k[s * per:(s + 1) * per], v[s * per:(s + 1) * per]
+        if ks.shape[0] == 0:
+            continue
+        sc = q @ ks.T * scale * 1.4426950408889634  # [G, T_s] scores in log2 units
+        m = sc.amax(dim=1)  # [G]
+        p = torch.exp2(sc - m[:, None])  # [G, T_s]
+        part[s], ml[s, :, 0], ml[s, :, 1] = p @ vs, m, p.sum(dim=1)
+    return part, ml
+
+
+@pytest.mark.parametrize("ns", [1, 3, 7, 32])
+def test_combining_split_partials_is_softmax_attention(ns):
+    """Pure maths, on the CPU: the splits combined (what o_proj's kernel does with INPUT 3) equal softmax
+    attention over all the keys, for padded groups and splits left empty."""
+    gen = torch.Generator().manual_seed(ns)
+    kv, group, gp, d, t = 2, 3, 4, 128, 20
+    q, k, v = (torch.randn(kv, n, d, generator=gen) for n in (group, t, t))  # [KV, G, D], [KV, T, D] x2
+    parts = [_splits_of(q[h], k[h], v[h], ns, d ** -0.5) for h in range(kv)]
+    part = torch.zeros(kv, ns, gp, d)
+    ml = torch.zeros(kv, ns, gp, 2)
+    for h, (pt, m) in enumerate(parts):
+        part[h, :, :group], ml[h, :, :group] = pt, m
+    ml[:, :, group:, 0] = float("nan")  # padded heads are never read
+    want = torch.softmax(q @ k.transpose(1, 2) * d ** -0.5, dim=-1) @ v  # [KV, G, D]
+    for dtype in (torch.float32, torch.bfloat16):
+        got = cuda_gemv.combine_splits_reference(part, ml, group, dtype)  # [1, KV·G·D]
+        torch.testing.assert_close(got, want.to(dtype).float().reshape(1, -1), rtol=1e-2 if dtype != torch.float32
+                                   else 1e-5, atol=1e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_o_proj_takes_the_splits_only_on_the_cuda_path_at_128_dims(monkeypatch):
+    from quant.packed_layout import random_packed
+    pw = random_packed("tri", 256, 512, 128)
+    assert not cuda_gemv.splits_input_taken(torch.device("cpu"), pw, 128)  # no GPU
+    monkeypatch.setattr(cuda_gemv, "enabled", lambda device: True)  # as on a GPU with NVRTC
+    assert cuda_gemv.splits_input_taken(None, pw, 128)
+    assert not cuda_gemv.splits_input_taken(None, pw, 64)  # a group would hold two heads
+    assert not cuda_gemv.splits_input_taken(None, random_packed("int4", 256, 512, 128), 128)
+    monkeypatch.setenv("BONSAI_CUDA_GEMV_INPUT", "int8")
+    assert not cuda_gemv.splits_input_taken(None, pw, 128)
 
 
 def test_the_fusions_setting(monkeypatch):
@@ -184,6 +235,35 @@ def test_the_fused_input_products_equal_quantize_then_product(kind):
             got = cuda_gemv.cuda_swiglu_gemv(gu, pw, config=config)
             assert torch.allclose(got, want, rtol=1e-3, atol=3e-3 * want.abs().max().item()), (kind, n, k, config)
         assert torch.equal(gu, before)  # left as it is: the decode step's q/k/v product zeroes it
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("kind", ["tri", "bin"])
+def test_the_splits_input_product_equals_combine_then_product(kind):
+    """cuda_splits_gemv (o_proj combining its attention's splits) against splits_gemv_reference: random partials
+    with empty splits, 1-32 splits, a padded group, both rounding dtypes, every config, the buffer to zero."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(dev).manual_seed(3)
+    from quant.packed_layout import random_packed
+    for kv, group, gp, n in ((2, 4, 4, 640), (4, 5, 8, 256), (1, 1, 1, 100)):
+        pw = random_packed(kind, n, kv * group * 128, 128, device=dev, generator=gen)
+        pw.scales.uniform_(0.5, 1.5)
+        for ns in (1, 3, 16, 17, 32):
+            part = torch.randn(kv, ns, gp, 128, device=dev, generator=gen) * 3  # [KV, S, GP, D]
+            ml = torch.stack([torch.randn(kv, ns, gp, device=dev, generator=gen) * 4,
+                              torch.rand(kv, ns, gp, device=dev, generator=gen) * 5 + 0.5], dim=-1)  # [KV, S, GP, 2]
+            if ns > 2:  # the last split empty (no keys)
+                ml[:, -1, :, 0], ml[:, -1, :, 1], part[:, -1] = float("-inf"), 0.0, 0.0
+            for dtype in (torch.bfloat16, torch.float16):
+                want = cuda_gemv.splits_gemv_reference(part, ml, group, dtype, pw)  # [1, N]
+                tol = 3e-3 * want.abs().max().item()
+                for config in engine_configs():
+                    out, zero = torch.ones(1, n, device=dev), torch.ones(5, 77, device=dev)
+                    cuda_gemv.cuda_splits_gemv(part, ml, group, dtype, pw, out=out, accumulate=True, config=config,
+                                               zero=zero)
+                    assert torch.allclose(out, want + 1, rtol=1e-3, atol=tol), (kind, kv, group, ns, dtype, config)
+                    assert not zero.any(), "the buffer to zero"
 
 
 @pytest.mark.gpu

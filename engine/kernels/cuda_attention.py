@@ -14,7 +14,11 @@ went to those three hand-offs; docs/perf.md). Grid (kv heads, splits), 8 warps a
 - the block scores its keys with an online softmax (p rounded to the values' dtype for p·v, as the Triton
   kernel), merges its warps and writes one partial; the last block of a kv head to finish (a counter, reset by it)
   combines the splits, rounds the output to the cache's dtype and quantizes it per head (group = head_dim) into
-  what o_proj's product takes, then zeroes the q/k/v buffer for the next step's split-K product.
+  what o_proj's product takes, then zeroes the q/k/v buffer for the next step's split-K product;
+- or (rope_attention_partials, COMBINE 0: where o_proj runs on the CUDA C++ product, heads of 128, and the model
+  has enough query heads to gain: combine_in_product)
+  every block ends with its partial and o_proj's product combines the splits itself after its PDL wait
+  (quant.kernels.cuda_gemv.cuda_splits_gemv): no counter, no last block, no int8 round trip through L2.
 
 One row only (a verify's rows read each other's keys); float (bf16 / fp16) caches; head_dim 64, 128, 256; at most
 8 query heads a kv head (padded to 1, 2, 4 or 8). The reference everywhere is `rope_attention_reference`: the
@@ -78,17 +82,34 @@ def num_splits(max_seq: int, num_kv_heads: int, sms: int = 132) -> int:
 
 
 def defines(head_dim: int, group: int, norm: int | None, cache_kind: int, pdl: bool, fence: int = FENCE,
-            trigger: int = TRIGGER, cluster: bool = False) -> dict[str, int]:
+            trigger: int = TRIGGER, cluster: bool = False, combine: bool = True) -> dict[str, int]:
     """-D values of one variant: norm = the q/k norm weight's NW_KIND, or None for a model without q/k norms;
-    cluster: the splits of a kv head are one thread-block cluster (sm_90)."""
+    cluster: the splits of a kv head are one thread-block cluster (sm_90); combine: the last block combines the
+    splits (else the kernel ends with the partials)."""
     return {"D": head_dim, "GP": next_power_of_2(group), "HAS_NORM": int(norm is not None), "NW_KIND": norm or 0,
             "CACHE_KIND": cache_kind, "USE_PDL": int(pdl), "FENCE": fence, "TRIGGER": trigger,
-            "CLUSTER": int(cluster)}
+            "CLUSTER": int(cluster), "COMBINE": int(combine)}
+
+
+# o_proj combines the splits (auto) from this many query heads. Measured on an H100 (session 34, the graphed one-row
+# step at 512 keys, µs, last block -> o_proj): Qwen3-8B (32 heads) 1,436.7 -> 1,401.8, dense 27B-class (40)
+# 3,837.8 -> 3,644.7, Qwen3-1.7B (16) 622.6 -> 716.8 (slower at every split count tried: 644-717).
+PRODUCT_FROM_HEADS = 32
+
+
+def combine_in_product(num_heads: int) -> bool:
+    """Where the splits are combined when o_proj can take them (BONSAI_CUDA_ATTN_COMBINE): "auto" (the default: o_proj
+    from PRODUCT_FROM_HEADS query heads, else the attention kernel's last block), "product" or "attention"."""
+    mode = os.environ.get("BONSAI_CUDA_ATTN_COMBINE", "auto")
+    if mode not in ("auto", "product", "attention"):
+        raise ValueError(f"BONSAI_CUDA_ATTN_COMBINE={mode!r}: use auto, product or attention")
+    return mode == "product" or (mode == "auto" and num_heads >= PRODUCT_FROM_HEADS)
 
 
 def engine_variants(arch: int) -> list[dict[str, int]]:
     """Every variant the engine may launch on sm_`arch` (what CI compiles): head_dim × padded group × q/k norm
-    (none, or in the cache's dtype) × cache dtype, with PDL and the cluster combine on sm_90+."""
+    (none, or in the cache's dtype) × cache dtype, with PDL and the cluster combine on sm_90+; and at head_dim 128
+    the partials-only kernel (o_proj combines)."""
     pdls = (False, True) if arch >= 90 else (False,)
     clusters = (False, True) if arch >= 90 else (False,)
     out = []
@@ -100,6 +121,8 @@ def engine_variants(arch: int) -> list[dict[str, int]]:
                 for norm in (None, cache_kind):
                     out += [defines(d, gp, norm, cache_kind, pdl, cluster=cluster) for pdl in pdls
                             for cluster in clusters]
+                    if d == 128:
+                        out += [defines(d, gp, norm, cache_kind, pdl, combine=False) for pdl in pdls]
     return out
 
 
@@ -118,17 +141,19 @@ class AttentionBuffers:
     # the splits of a kv head one thread-block cluster (sm_90; BONSAI_CUDA_ATTN_CLUSTER=8 or 16 blocks, measurement):
     # the partials combined from the blocks' shared memory, no counter
     cluster: bool = False
+    # False: the kernel ends with the partials and o_proj's product combines them (rope_attention_partials)
+    combine: bool = True
 
     @staticmethod
-    def make(num_heads: int, num_kv_heads: int, head_dim: int, max_seq: int, device: torch.device
-             ) -> "AttentionBuffers":
+    def make(num_heads: int, num_kv_heads: int, head_dim: int, max_seq: int, device: torch.device,
+             combine: bool = True) -> "AttentionBuffers":
         props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
         ns = num_splits(max_seq, num_kv_heads, props.multi_processor_count if props else 132)
         gp = next_power_of_2(num_heads // num_kv_heads)
         size = int(os.environ.get("BONSAI_CUDA_ATTN_CLUSTER") or 0)
         if size and size not in CLUSTER_SIZES:
             raise ValueError(f"BONSAI_CUDA_ATTN_CLUSTER={size}: use 0, 8 or 16")
-        cluster = bool(size) and props is not None and props.major >= 9
+        cluster = combine and bool(size) and props is not None and props.major >= 9
         ns = size if cluster else ns
         return AttentionBuffers(torch.zeros(num_kv_heads, ns, gp, head_dim, device=device),
                                 torch.zeros(num_kv_heads, ns, gp, 2, device=device),
@@ -137,7 +162,7 @@ class AttentionBuffers:
                                 torch.zeros(num_kv_heads * ns, 8, dtype=torch.int64, device=device)
                                 if os.environ.get("BONSAI_CUDA_ATTN_STAMPS") == "1" else None,
                                 int(os.environ.get("BONSAI_CUDA_ATTN_FENCE") or FENCE),
-                                int(os.environ.get("BONSAI_CUDA_ATTN_TRIGGER") or TRIGGER), cluster)
+                                int(os.environ.get("BONSAI_CUDA_ATTN_TRIGGER") or TRIGGER), cluster, combine)
 
     @property
     def splits(self) -> int:
@@ -162,6 +187,33 @@ def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: torch.T
     slot_ids int32 [1], inv_freq float32 [D/2], caches [slots, KV, S, D] bf16 or fp16 (the row's K/V written at
     its position, a position >= S not written). Returns o_proj's int8 input (xq int8 [1, H·D], sx float32 [1, H],
     sumx int32 [1, H]) as rope_attention_reference does, up to float rounding."""
+    assert buffers.combine, "buffers made for o_proj to combine: rope_attention_partials"
+    device = qkv.device
+    xq = torch.empty(1, num_heads * head_dim, dtype=torch.int8, device=device)  # [1, H·D]
+    sx = torch.empty(1, num_heads, dtype=torch.float32, device=device)  # [1, H]
+    sumx = torch.empty(1, num_heads, dtype=torch.int32, device=device)  # [1, H]
+    _launch(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
+            k_norm_weight, eps, scale, buffers, zero_input, (xq, sx, sumx))
+    return xq, sx, sumx
+
+
+def rope_attention_partials(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                            inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                            num_kv_heads: int, head_dim: int, q_norm_weight: torch.Tensor | None,
+                            k_norm_weight: torch.Tensor | None, eps: float, scale: float, buffers: AttentionBuffers
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_attention's first part: the same launch ending with each split's partial. Returns buffers.part
+    [KV, S, GP, D] and buffers.ml [KV, S, GP, 2] (max in log2 units, sum), for
+    quant.kernels.cuda_gemv.cuda_splits_gemv (o_proj), which must also zero qkv where it is a split-K buffer."""
+    assert not buffers.combine and not buffers.cluster
+    _launch(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, head_dim, q_norm_weight,
+            k_norm_weight, eps, scale, buffers, False, None)
+    return buffers.part, buffers.ml
+
+
+def _launch(qkv, positions, slot_ids, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int,
+            head_dim: int, q_norm_weight, k_norm_weight, eps: float, scale: float, buffers: AttentionBuffers,
+            zero_input: bool, outputs: tuple | None) -> None:
     import ctypes
     from quant.kernels import pdl_enabled
     from quant.kernels.cuda_rt import f32, i32, ptr
@@ -181,26 +233,23 @@ def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: torch.T
     device = qkv.device
     pdl = pdl_enabled(device)
     flags = defines(head_dim, group, norm, CACHE_KINDS[k_cache.dtype], pdl, buffers.fence, buffers.trigger,
-                    buffers.cluster)
+                    buffers.cluster, combine=outputs is not None)
     if buffers.stamps is not None:
         flags["STAMPS"] = 1
     kernel = _kernel(device.index if device.index is not None else torch.cuda.current_device(),
                      tuple(sorted(flags.items())))
-    xq = torch.empty(1, num_heads * head_dim, dtype=torch.int8, device=device)  # [1, H·D]
-    sx = torch.empty(1, num_heads, dtype=torch.float32, device=device)  # [1, H]
-    sumx = torch.empty(1, num_heads, dtype=torch.int32, device=device)  # [1, H]
     null = ctypes.c_void_p(0)
+    out_ptrs = [ptr(t) for t in outputs] if outputs is not None else [null, null, null]
     args = [ptr(qkv), ptr(positions), ptr(slot_ids), ptr(inv_freq),
             ptr(q_norm_weight) if norm is not None else null, ptr(k_norm_weight) if norm is not None else null,
             f32(eps), ptr(k_cache), ptr(v_cache), *(ctypes.c_longlong(s) for s in k_cache.stride()[:3]),
             *(ctypes.c_longlong(s) for s in v_cache.stride()[:3]), i32(k_cache.shape[2]), i32(num_heads),
             i32(group), f32(scale * math.log2(math.e)), ptr(buffers.part), ptr(buffers.ml), ptr(buffers.counter),
-            ptr(xq), ptr(sx), ptr(sumx), i32(zero_input), i32(buffers.prefetch),
+            *out_ptrs, i32(zero_input), i32(buffers.prefetch),
             ptr(buffers.stamps) if buffers.stamps is not None else null]
     kernel.launch((num_kv_heads, buffers.splits), (WARPS * 32,), args, pdl=pdl,
                   stream=torch.cuda.current_stream(device).cuda_stream,
                   cluster=(1, buffers.splits, 1) if buffers.cluster else None)
-    return xq, sx, sumx
 
 
 @functools.cache

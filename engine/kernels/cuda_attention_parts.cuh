@@ -2,8 +2,8 @@
 // it: NVRTC has no include path here). One decode row's attention block in one launch: q/k RMSNorm, rotary, the
 // row's K/V written to the cache, attention over the cache split across blocks, the splits combined by the last
 // block of each kv head, the output rounded to the cache's dtype and quantized to int8 per head for o_proj.
-// Compiled by NVRTC and specialised by -D defines (D GP HAS_NORM NW_KIND CACHE_KIND USE_PDL FENCE TRIGGER CLUSTER,
-// cuda_attention.defines; STAMPS for tests/perf).
+// Compiled by NVRTC and specialised by -D defines (D GP HAS_NORM NW_KIND CACHE_KIND USE_PDL FENCE TRIGGER CLUSTER
+// COMBINE, cuda_attention.defines; STAMPS for tests/perf).
 // No #include: NVRTC has no system headers.
 #define WARPS 8
 #define DPL (D / 32)                                     // dims of a head a lane holds
@@ -124,10 +124,14 @@ __device__ __forceinline__ void reduce_stage(float* sp, int lane)
     }
 }
 
+#ifndef COMBINE
+#define COMBINE 1  // 0: each block writes its split's partial and ends; o_proj's product combines (cuda_gemv INPUT 3)
+#endif
 #ifndef CLUSTER
 #define CLUSTER 0  // 1 (sm_90): a kv head's splits are one thread-block cluster; partials stay in shared memory
 #endif
 #if CLUSTER
+static_assert(COMBINE, "a cluster combines its splits itself");
 // another block's shared memory in the cluster (distributed shared memory)
 __device__ __forceinline__ unsigned cluster_addr(const void* local, int rank)
 {

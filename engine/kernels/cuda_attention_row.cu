@@ -253,6 +253,13 @@ rope_attention_row(float* __restrict__ qkv, const int* __restrict__ pos_ptr, con
         }
 #endif
     }
+#if !COMBINE  // o_proj's product combines the splits after its PDL wait (this grid's writes are visible then)
+#if USE_PDL && TRIGGER == 1
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    STAMP(6);
+    return;
+#endif
 #if CLUSTER
     cluster_sync();                                        // every split's partial is in its block's shared memory
     STAMP(4);

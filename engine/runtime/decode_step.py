@@ -77,7 +77,7 @@ class Workspace:
         if rows == 1 and cache is not None and fused_attention_taken(model, cache):
             from engine.kernels.cuda_attention import AttentionBuffers
             ws.attention = AttentionBuffers.make(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.max_seq_len,
-                                                 device)
+                                                 device, combine=not _splits_in_o_proj(model, device))
         return ws
 
 
@@ -104,6 +104,19 @@ def fused_attention_taken(model: Transformer, cache: KVCache) -> bool:
         if len(norms) == 1 or any(w.dtype != cache.dtype or not w.is_contiguous() for w in norms):
             return False
     return True
+
+
+def _splits_in_o_proj(model: Transformer, device: torch.device) -> bool:
+    """Whether every block's o_proj can combine its attention's splits itself (cuda_gemv.cuda_splits_gemv, on
+    where measured faster: engine.kernels.cuda_attention.combine_in_product): heads of 128, o_proj on the CUDA C++
+    path, no bias."""
+    from engine.kernels.cuda_attention import combine_in_product
+    from quant.kernels.cuda_gemv import splits_input_taken
+    if not combine_in_product(model.config.num_heads):
+        return False
+    return all(block.attention.wo.bias is None and splits_input_taken(device, block.attention.wo.packed,
+                                                                         model.config.head_dim)
+               for block in model.layers)
 
 
 def _swiglu_in_down(model: Transformer, device: torch.device) -> bool:
@@ -149,6 +162,10 @@ class _Ops:
         else:
             from engine.kernels.cuda_attention import rope_attention_reference as rope_attention
         self.rope_attention = rope_attention
+        # ... or its splits' partials, which o_proj's CUDA C++ product combines (GPU only: no reference step)
+        from engine.kernels.cuda_attention import rope_attention_partials
+        from quant.kernels.cuda_gemv import cuda_splits_gemv
+        self.rope_attention_partials, self.splits_gemv = rope_attention_partials, cuda_splits_gemv
         if fast:  # a hybrid's DeltaNet and gated attention layers (engine.runtime.hybrid_step)
             from engine.kernels.deltanet_decode import conv_update, recurrent_update
             from engine.kernels.deltanet_gates import gate_project
@@ -243,10 +260,15 @@ def decode_step(model: Transformer, cache: KVCache, inputs: StepInputs, ops: _Op
         q_norm = att.q_norm.weight if att.q_norm is not None else None
         k_norm = att.k_norm.weight if att.k_norm is not None else None
         if ws.attention is not None and ops.fast:  # norm, rotary, K/V write, attention, int8: one launch
-            aq = ops.rope_attention(qkv, inputs.positions, inputs.slot_ids, model.inv_freq, kv["k"], kv["v"],
-                                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, q_norm, k_norm, eps, scale,
-                                    ws.attention, zero_input=qkv is ws.qkv)  # int8 [1, H * D], [1, H], [1, H]
-            _project(ops, aq, att.wo, residual=x)
+            args = (qkv, inputs.positions, inputs.slot_ids, model.inv_freq, kv["k"], kv["v"], cfg.num_heads,
+                    cfg.num_kv_heads, cfg.head_dim, q_norm, k_norm, eps, scale, ws.attention)
+            if ws.attention.combine:
+                aq = ops.rope_attention(*args, zero_input=qkv is ws.qkv)  # int8 [1, H * D], [1, H], [1, H]
+                _project(ops, aq, att.wo, residual=x)
+            else:  # o_proj's product combines the splits' partials [KV, S, GP, D], [KV, S, GP, 2] and zeroes qkv
+                part, ml = ops.rope_attention_partials(*args)
+                ops.splits_gemv(part, ml, cfg.num_heads // cfg.num_kv_heads, kv["k"].dtype, att.wo.packed, out=x,
+                                accumulate=True, zero=ws.qkv if qkv is ws.qkv else None)
             _feed_forward(ops, block, x, ws, eps)
             continue
         scales = cache.layer_read_args(i)  # a quantized cache's scale / min tensors, v_rotate (none for bf16)

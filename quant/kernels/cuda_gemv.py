@@ -62,17 +62,19 @@ def config_for(kind: str, group_size: int, out_features: int, in_features: int) 
 
 
 NORM_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # NW_KIND: the RMSNorm weight's dtype
-INPUTS = {"int8": 0, "norm": 1, "swiglu": 2}  # INPUT: what the kernel is given (see SOURCE)
+ROUND_KINDS = {torch.bfloat16: 1, torch.float16: 2}  # NW_KIND of INPUT 3: the dtype combined heads are rounded to
+INPUTS = {"int8": 0, "norm": 1, "swiglu": 2, "splits": 3}  # INPUT: what the kernel is given (see SOURCE)
 
 
 def defines(kind: str, warps: int, gpw: int, pdl: bool, floor: bool = False, norm: int | None = None,
-            swiglu: bool = False) -> dict[str, int]:
+            swiglu: bool = False, splits: int | None = None) -> dict[str, int]:
     """The -D values of one compiled variant: int8 activations given, or (norm: NW_KIND) the float row it
-    normalizes and quantizes itself, or (swiglu) the [gate | up] rows it takes SwiGLU of and quantizes."""
+    normalizes and quantizes itself, or (swiglu) the [gate | up] rows it takes SwiGLU of and quantizes, or
+    (splits: ROUND_KINDS' value) a split attention's partials it combines, rounds and quantizes."""
     lk = layout_kind(kind)
-    given = "swiglu" if swiglu else "int8" if norm is None else "norm"
+    given = "splits" if splits else "swiglu" if swiglu else "int8" if norm is None else "norm"
     return {"BITS": lk.bits, "MULT": lk.mult, "OFFSET": lk.offset, "GROUP": GROUP, "WARPS": warps, "GPW": gpw,
-            "FLOOR": int(floor), "USE_PDL": int(pdl), "INPUT": INPUTS[given], "NW_KIND": norm or 0}
+            "FLOOR": int(floor), "USE_PDL": int(pdl), "INPUT": INPUTS[given], "NW_KIND": norm or splits or 0}
 
 
 def engine_configs() -> list[tuple[int, int]]:
@@ -82,10 +84,12 @@ def engine_configs() -> list[tuple[int, int]]:
 
 def engine_variants(arch: int) -> list[dict[str, int]]:
     """Every variant the engine may launch on sm_`arch` (what CI compiles): each kind × config × input (int8, the
-    float row with each norm weight dtype, SwiGLU rows), with PDL on sm_90+."""
+    float row with each norm weight dtype, SwiGLU rows, attention partials rounded to each 16-bit dtype), with PDL
+    on sm_90+."""
     configs = engine_configs()
     pdls = (False, True) if arch >= 90 else (False,)
-    inputs = [{}] + [{"norm": n} for n in NORM_KINDS.values()] + [{"swiglu": True}]
+    inputs = [{}] + [{"norm": n} for n in NORM_KINDS.values()] + [{"swiglu": True}] \
+        + [{"splits": k} for k in ROUND_KINDS.values()]
     return [defines(kind, w, g, pdl, **i) for kind in KINDS for w, g in configs for pdl in pdls for i in inputs]
 
 
@@ -150,6 +154,15 @@ def swiglu_input_taken(device: torch.device, down: PackedWeight) -> bool:
     return config_for(down.kind, down.group_size, down.out_features, down.in_features) is not None
 
 
+def splits_input_taken(device: torch.device, pw: PackedWeight, head_dim: int) -> bool:
+    """Whether a one-row step may hand this product (o_proj) its attention's split partials (cuda_splits_gemv)
+    instead of int8 activations: heads of 128 dims (a group a head), the CUDA C++ path of this matrix, the fused
+    inputs not turned off (BONSAI_CUDA_GEMV_INPUT=int8)."""
+    if head_dim != GROUP or fused_inputs() == "int8" or not enabled(device):
+        return False
+    return config_for(pw.kind, pw.group_size, pw.out_features, pw.in_features) is not None
+
+
 def describe(kind: str, group_size: int, out_features: int, in_features: int) -> str | None:
     """What `bonsai bench` reports for the CUDA C++ path of this matrix ("cuda w4 g1 split 8"), None if not taken."""
     config = config_for(kind, group_size, out_features, in_features)
@@ -209,8 +222,47 @@ def cuda_swiglu_gemv(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None
     return _launch(x, x.shape[1] // 2, pw, out, accumulate, config, defines_input={"swiglu": True}, head=[x])
 
 
+def cuda_splits_gemv(part: torch.Tensor, ml: torch.Tensor, group: int, dtype: torch.dtype, pw: PackedWeight,
+                     out: torch.Tensor | None = None, accumulate: bool = False,
+                     config: tuple[int, int] | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """y [1, N] float32 = (attention heads combined from their splits, rounded to dtype, int8 per head) Wᵀ in one
+    launch: part float32 [KV, S, GP, 128] (each split's output, GP ≥ group query heads a kv head), ml [KV, S, GP, 2]
+    (each split's max score, in log2 units, and its sum of 2^(score - max)); the product's input is the KV·group
+    heads. Equal to splits_gemv_reference up to float rounding. zero: as cuda_norm_gemv's."""
+    from quant.kernels.cuda_rt import i32
+    kv, ns, gp, d = part.shape
+    assert part.dtype == ml.dtype == torch.float32 and part.is_contiguous() and ml.is_contiguous()
+    assert ml.shape == (kv, ns, gp, 2) and d == GROUP and group <= gp and kv * group * d == pw.in_features
+    assert 1 <= ns <= 32 and part.data_ptr() % 16 == 0
+    return _launch(part, pw.in_features, pw, out, accumulate, config, defines_input={"splits": ROUND_KINDS[dtype]},
+                   head=[part], zero=zero, splits_args=[ml, i32(ns), i32(group), i32(gp)])
+
+
+def combine_splits_reference(part: torch.Tensor, ml: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The heads [1, KV·group·D] float32 from split partials (part [KV, S, GP, D], ml [KV, S, GP, 2]: max in log2
+    units, sum): Σ_s 2^(m_s − m) o_s / Σ_s 2^(m_s − m) l_s, rounded to dtype (flash-decoding's last step)."""
+    kv, _, _, d = part.shape
+    m, lsum = ml[:, :, :group, 0], ml[:, :, :group, 1]  # [KV, S, G]
+    mx = m.amax(dim=1, keepdim=True)  # [KV, 1, G]
+    f = torch.exp2(m - torch.where(mx == float("-inf"), torch.zeros_like(mx), mx))  # [KV, S, G]
+    total = (lsum * f).sum(dim=1)  # [KV, G]
+    o = (part[:, :, :group] * f[..., None]).sum(dim=1)  # [KV, G, D]
+    o = o / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return o.to(dtype).float().reshape(1, kv * group * d)
+
+
+def splits_gemv_reference(part: torch.Tensor, ml: torch.Tensor, group: int, dtype: torch.dtype,
+                          pw: PackedWeight) -> torch.Tensor:
+    """What cuda_splits_gemv computes, on any device: the combined heads quantized per head, then the product."""
+    from quant.kernels.act_quant import quantize_activations_reference
+    from quant.kernels.gemv_parts import packed_gemv_reference
+    heads = combine_splits_reference(part, ml, group, dtype)  # [1, H·D]
+    return packed_gemv_reference(*quantize_activations_reference(heads, GROUP), pw)
+
+
 def _launch(x: torch.Tensor, k: int, pw: PackedWeight, out, accumulate: bool, config, defines_input: dict,
-            head: list[torch.Tensor], eps=None, zero: torch.Tensor | None = None) -> torch.Tensor:
+            head: list[torch.Tensor], eps=None, zero: torch.Tensor | None = None,
+            splits_args: list | None = None) -> torch.Tensor:
     """One launch of gemv_row: head are the input tensors (xq, sx, sumx; or x and the norm weight; or x)."""
     from quant.kernels import pdl_enabled
     from quant.kernels.cuda_rt import f32, i32, ptr
@@ -230,9 +282,12 @@ def _launch(x: torch.Tensor, k: int, pw: PackedWeight, out, accumulate: bool, co
     kernel = _kernel(device, flags)
     if flags["INPUT"]:
         assert zero is None or (zero.is_contiguous() and zero.dtype == torch.float32 and zero.device == x.device)
-        nw = ptr(head[1]) if len(head) > 1 else ctypes.c_void_p(0)
-        args = [ptr(x), nw, eps if eps is not None else f32(0.0), i32(k),
-                ptr(zero) if zero is not None else ctypes.c_void_p(0), i32(zero.numel() if zero is not None else 0)]
+        if splits_args is not None:  # partials, (max, sum), splits, group, padded group
+            args = [ptr(x), ptr(splits_args[0]), *splits_args[1:], i32(k)]
+        else:
+            nw = ptr(head[1]) if len(head) > 1 else ctypes.c_void_p(0)
+            args = [ptr(x), nw, eps if eps is not None else f32(0.0), i32(k)]
+        args += [ptr(zero) if zero is not None else ctypes.c_void_p(0), i32(zero.numel() if zero is not None else 0)]
     else:
         args = [ptr(t) for t in head]
     args += [ptr(pw.words), ptr(pw.scales), ptr(out), i32(n), i32(ng), i32(accumulate)]

@@ -2,11 +2,13 @@
 // defines (BITS MULT OFFSET GROUP WARPS GPW FLOOR USE_PDL INPUT NW_KIND: cuda_gemv.defines).
 // No #include: NVRTC has no system headers.
 #ifndef INPUT
-#define INPUT 0     // 0: int8 activations given; 1: the float row, RMSNorm'd here; 2: [gate | up] rows, SwiGLU here
-#endif
+#define INPUT 0     // 0: int8 activations given; 1: the float row, RMSNorm'd here; 2: [gate | up] rows, SwiGLU here;
+#endif              // 3: a split attention's partials, combined here (a group is a head)
 #ifndef NW_KIND
-#define NW_KIND 0   // the norm weight: 0 float32, 1 bfloat16, 2 float16
+#define NW_KIND 0   // the norm weight: 0 float32, 1 bfloat16, 2 float16 (INPUT 3: the dtype the heads are rounded to)
 #endif
+#define NEG_INF __int_as_float(0xff800000)             // -infinity (no math.h under NVRTC)
+#define SPLITS_IN_FLIGHT 16                            // INPUT 3: partial rows a lane requests at once
 #if NW_KIND == 0
 typedef float NW_T;
 #else
@@ -20,6 +22,18 @@ __device__ __forceinline__ float half_bits_to_float(unsigned short h)
     return f;
 }
 
+__device__ __forceinline__ float round_to_kind(float f)  // to NW_KIND's dtype and back (nearest even)
+{
+    unsigned short h;
+#if NW_KIND == 2
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return half_bits_to_float(h);
+#else
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return __int_as_float(((int)h) << 16);
+#endif
+}
+
 __device__ __forceinline__ float norm_weight(const NW_T* nw, int i)
 {
 #if NW_KIND == 0
@@ -31,9 +45,61 @@ __device__ __forceinline__ float norm_weight(const NW_T* nw, int i)
 #endif
 }
 
+#if INPUT == 3
+// Query head g's output from its splits' partials (flash-decoding's last step, as engine.kernels.cuda_attention's
+// last block does it): lane s < ns reads split s's max and sum, every lane its 4 dims of each split's output (all
+// requested before the first is used), the splits weighted by 2^(max_s - max), divided by the weighted sum and
+// rounded to NW_KIND's dtype. Partial [kv head, split, head of the group (gp padded), dim].
+__device__ __forceinline__ void combine_splits(const float* __restrict__ part, const float* __restrict__ ml, int ns,
+                                               int group, int gp, int g, int lane, float y[4])
+{
+    const int kvh = g / group;
+    const long long row0 = (long long)kvh * ns * gp + (g - kvh * group);  // split s: row0 + s·gp
+    float ms = NEG_INF, ls = 0.f;
+    if (lane < ns) {
+        ms = __ldcg(ml + (row0 + (long long)lane * gp) * 2);
+        ls = __ldcg(ml + (row0 + (long long)lane * gp) * 2 + 1);
+    }
+    const float* prow = part + row0 * GROUP + lane * 4;
+    float4 r[SPLITS_IN_FLIGHT];
+#pragma unroll
+    for (int j = 0; j < SPLITS_IN_FLIGHT; ++j)
+        r[j] = j < ns ? __ldcg(reinterpret_cast<const float4*>(prow + (long long)j * gp * GROUP))
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+    float mx = ms;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float base = mx == NEG_INF ? 0.f : mx;
+    const float f = lane < ns ? exp2f(ms - base) : 0.f;
+    float total = ls * f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    float o4[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int c0 = 0; c0 < ns; c0 += SPLITS_IN_FLIGHT) {
+        if (c0) {
+#pragma unroll
+            for (int j = 0; j < SPLITS_IN_FLIGHT; ++j)
+                r[j] = c0 + j < ns ? __ldcg(reinterpret_cast<const float4*>(prow + (long long)(c0 + j) * gp * GROUP))
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < SPLITS_IN_FLIGHT; ++j) {
+            const float fs = __shfl_sync(0xffffffffu, f, (c0 + j) & 31);
+            o4[0] += r[j].x * fs; o4[1] += r[j].y * fs; o4[2] += r[j].z * fs; o4[3] += r[j].w * fs;
+        }
+    }
+    total = total > 0.f ? total : 1.f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) y[c] = round_to_kind(o4[c] / total);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 gemv_row(
-#if INPUT  // float rows: each warp makes the int8 activations of its own groups (norm or SwiGLU first)
+#if INPUT == 3  // a split attention's partials [KV, ns, gp, GROUP] and their (max, sum) [KV, ns, gp, 2]
+         const float* __restrict__ x, const float* __restrict__ ml, int ns, int group, int gp, int K,
+         float* __restrict__ zero, int zero_n,
+#elif INPUT  // float rows: each warp makes the int8 activations of its own groups (norm or SwiGLU first)
          const float* __restrict__ x, const NW_T* __restrict__ nw, float eps, int K, float* __restrict__ zero,
          int zero_n,
 #else
@@ -93,6 +159,10 @@ gemv_row(
             gsum[gg] = 0;
             const int g = g0 + gg;
             if (g < NG) {                                      // warp-uniform
+#if INPUT == 3
+                float y[4];
+                combine_splits(x, ml, ns, group, gp, g, lane, y);
+#else
                 const int base = g * GROUP + lane * 4;
                 const float4 v = *reinterpret_cast<const float4*>(x + base);
 #if INPUT == 1
@@ -102,6 +172,7 @@ gemv_row(
                 const float4 u = *reinterpret_cast<const float4*>(x + K + base);
                 const float y[4] = {v.x / (1.f + __expf(-v.x)) * u.x, v.y / (1.f + __expf(-v.y)) * u.y,
                                     v.z / (1.f + __expf(-v.z)) * u.z, v.w / (1.f + __expf(-v.w)) * u.w};
+#endif
 #endif
                 float amax = fmaxf(fmaxf(fabsf(y[0]), fabsf(y[1])), fmaxf(fabsf(y[2]), fabsf(y[3])));
 #pragma unroll

@@ -30,25 +30,34 @@ from tests.perf.gpu_kern import replay_us  # noqa: E402  (µs a replay, back to 
 # every switch a variant sets (the others' values are put back to these first)
 DEFAULTS = {"BONSAI_CUDA_GEMV": "1", "BONSAI_CUDA_GEMV_INPUT": "auto", "BONSAI_CUDA_ATTN": "1",
             "BONSAI_CUDA_ATTN_PREFETCH": "0", "BONSAI_CUDA_ATTN_SPLITS": "", "BONSAI_CUDA_ATTN_FENCE": "",
-            "BONSAI_CUDA_ATTN_TRIGGER": "", "BONSAI_CUDA_ATTN_CLUSTER": ""}
+            "BONSAI_CUDA_ATTN_TRIGGER": "", "BONSAI_CUDA_ATTN_CLUSTER": "", "BONSAI_CUDA_ATTN_COMBINE": "auto"}
+LAST = {"BONSAI_CUDA_ATTN_COMBINE": "attention"}  # session 33: the last attention block combines
+OP = {"BONSAI_CUDA_ATTN_COMBINE": "product"}  # session 34: o_proj's product combines (whatever the heads)
 VARIANTS = {
-    "triton": {"BONSAI_CUDA_GEMV": "0", "BONSAI_CUDA_ATTN": "0"},     # session 31's step
-    "cuda": {"BONSAI_CUDA_GEMV_INPUT": "int8", "BONSAI_CUDA_ATTN": "0"},  # CUDA C++ products, int8 from kernels
-    "norm": {"BONSAI_CUDA_GEMV_INPUT": "norm", "BONSAI_CUDA_ATTN": "0"},  # ... the norms fused into q/k/v, gate/up
-    "fused": {"BONSAI_CUDA_GEMV_INPUT": "all", "BONSAI_CUDA_ATTN": "0"},  # ... SwiGLU into down too
-    "before": {"BONSAI_CUDA_ATTN": "0"},                               # session 32's default
-    "attn": {},                                                        # + rope/KV/attention in one launch (default)
-    "attn-pf": {"BONSAI_CUDA_ATTN_PREFETCH": "1"},                     # ... with the L2 prefetch before the wait
-    "attn-f0": {"BONSAI_CUDA_ATTN_FENCE": "0"},                        # every thread fences (the counter hand-off)
-    "attn-f1": {"BONSAI_CUDA_ATTN_FENCE": "1"},                        # thread 0's acq_rel atomic
-    "attn-t0": {"BONSAI_CUDA_ATTN_TRIGGER": "0"},                      # PDL trigger at the start
-    "attn-t1": {"BONSAI_CUDA_ATTN_TRIGGER": "1"},                      # ... once the partial is written
-    "attn-f1t1": {"BONSAI_CUDA_ATTN_FENCE": "1", "BONSAI_CUDA_ATTN_TRIGGER": "1"},
-    "attn-cl8": {"BONSAI_CUDA_ATTN_CLUSTER": "8"},                     # a kv head's 8 splits one cluster (sm_90)
-    "attn-cl16": {"BONSAI_CUDA_ATTN_CLUSTER": "16"},                   # ... 16 (non-portable)
-    "attn-s8": {"BONSAI_CUDA_ATTN_SPLITS": "8"},
-    "attn-s16": {"BONSAI_CUDA_ATTN_SPLITS": "16"},
-    "attn-s32": {"BONSAI_CUDA_ATTN_SPLITS": "32"},
+    "triton": {"BONSAI_CUDA_GEMV": "0", "BONSAI_CUDA_ATTN": "0"}, # session 31's step
+    "cuda": {"BONSAI_CUDA_GEMV_INPUT": "int8", "BONSAI_CUDA_ATTN": "0"}, # CUDA C++ products, int8 from kernels
+    "norm": {"BONSAI_CUDA_GEMV_INPUT": "norm", "BONSAI_CUDA_ATTN": "0"}, # ... the norms fused into q/k/v, gate/up
+    "fused": {"BONSAI_CUDA_GEMV_INPUT": "all", "BONSAI_CUDA_ATTN": "0"}, # ... SwiGLU into down too
+    "before": {"BONSAI_CUDA_ATTN": "0"}, # session 32's default
+    "attn": {},                          # + rope/KV/attention in one launch (default)
+    "attn-last": {"BONSAI_CUDA_ATTN_COMBINE": "attention"}, # ... splits combined by the last block (s33)
+    "attn-op": OP,
+    "attn-op-t1": {**OP, "BONSAI_CUDA_ATTN_TRIGGER": "1"},  # o_proj launched once the partials are written
+    "attn-op-s8": {**OP, "BONSAI_CUDA_ATTN_SPLITS": "8"},   # ... 8 / 16 / 32 splits
+    "attn-op-s16": {**OP, "BONSAI_CUDA_ATTN_SPLITS": "16"},
+    "attn-op-s32": {**OP, "BONSAI_CUDA_ATTN_SPLITS": "32"},
+    # session 33's variants of the last block's combine (each with BONSAI_CUDA_ATTN_COMBINE=attention)
+    "attn-pf": {**LAST, "BONSAI_CUDA_ATTN_PREFETCH": "1"}, # ... with the L2 prefetch before the wait
+    "attn-f0": {**LAST, "BONSAI_CUDA_ATTN_FENCE": "0"}, # every thread fences (the counter hand-off)
+    "attn-f1": {**LAST, "BONSAI_CUDA_ATTN_FENCE": "1"}, # thread 0's acq_rel atomic
+    "attn-t0": {**LAST, "BONSAI_CUDA_ATTN_TRIGGER": "0"}, # PDL trigger at the start
+    "attn-t1": {**LAST, "BONSAI_CUDA_ATTN_TRIGGER": "1"}, # ... once the partial is written
+    "attn-f1t1": {**LAST, "BONSAI_CUDA_ATTN_FENCE": "1", "BONSAI_CUDA_ATTN_TRIGGER": "1"},
+    "attn-cl8": {**LAST, "BONSAI_CUDA_ATTN_CLUSTER": "8"}, # a kv head's 8 splits one cluster (sm_90)
+    "attn-cl16": {**LAST, "BONSAI_CUDA_ATTN_CLUSTER": "16"}, # ... 16 (non-portable)
+    "attn-s8": {**LAST, "BONSAI_CUDA_ATTN_SPLITS": "8"},
+    "attn-s16": {**LAST, "BONSAI_CUDA_ATTN_SPLITS": "16"},
+    "attn-s32": {**LAST, "BONSAI_CUDA_ATTN_SPLITS": "32"},
 }
 
 
@@ -112,7 +121,7 @@ def _attention(step) -> str:
     if buffers is None:
         return "triton"
     return (f"cuda {buffers.splits} splits fence {buffers.fence} trigger {buffers.trigger} cluster {buffers.cluster}"
-            + (" prefetch" if buffers.prefetch else ""))
+            + (" prefetch" if buffers.prefetch else "") + ("" if buffers.combine else " o_proj combines"))
 
 
 def main(argv=None) -> int:
