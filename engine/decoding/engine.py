@@ -8,12 +8,11 @@ leaves free (scheduler.plan_riders: short ones, or up to a chunk while slots dec
 short ones shares passes). A new request's first token comes from its last chunk. Events go back through
 each request's `emit` (sequence.py). A step that fails ends the requests it served with an error and resets their
 slots; the others go on; admission is guarded the same way, and an event callback that raises ends only its own
-request. `close` (the server's thread ending, `failure` saying why) fails every active and waiting request at once
-and refuses new ones: nothing ever waits on a dead engine.
+request. `close` (the server's thread ending, `failure` saying why) fails every active and waiting request and refuses
+new ones: nothing ever waits on a dead engine.
 
-Offline generation is `submit` + `step` until the request finished (generate.py: `bonsai chat`, `generate`, `bench`,
-the drafter trainer, one slot); the server (engine/server/engine_thread.py) drives it from its own thread with many.
-`submit` and `cancel` may be called from other threads.
+Offline generation is `submit` + `step` until done (generate.py: chat, generate, bench, the drafter trainer; one slot);
+the server (engine/server/engine_thread.py) drives it from its own thread. `submit` and `cancel`: from any thread.
 
 With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step (unless the gate
 keeps it plain, spec_gate.py, or prompts ride in it): each decoding slot's drafter proposes tokens, all slots' rows
@@ -31,9 +30,9 @@ from engine.decoding.grammar_match import mask_rows
 from engine.decoding.lookahead import Lookahead
 from engine.decoding.metrics import Metrics
 from engine.decoding.spec_gate import SpecGate
-from engine.decoding.sampling import sample_rows
+from engine.decoding.sampling import sample_rows_on_device
 from engine.decoding.scheduler import PrefillChunk, Scheduler, plan_prefill, plan_riders
-from engine.decoding.sequence import Failed, Request, Sequence, ThinkingRules
+from engine.decoding.sequence import Failed, Request, Sequence, ThinkingRules, emit_failure
 from engine.decoding.spec_step import SpeculativeStep
 from engine.errors import BonsaiError, ServiceUnavailable, error_message, first_line
 from engine.runtime.runner import Runner
@@ -54,8 +53,8 @@ class Engine:
         a step (spec_method: the name /slots shows, default the drafter's). prefill_budget: prompt
         tokens run between two decode steps while slots decode (None: one prefill chunk, or two passes
         of the runner's short prefill for a prompt that runs that way); it also caps the chunk size.
-        lookahead: launch each plain decode step before the host handles the previous one's tokens
-        (engine.decoding.lookahead; default: on a CUDA device, where the two overlap).
+        lookahead: launch each plain decode step before the host handles the previous one's tokens (lookahead.py;
+        default: on a CUDA device, where the two overlap).
         spec_gate: with drafters, speculate only while measured faster (engine.decoding.spec_gate; default:
         on a CUDA device; elsewhere the drafters' planners alone decide, by the pass costs they measure).
         mixed_prefill: short prompts ride in the rows a decode pass leaves free (or share passes) instead of
@@ -96,6 +95,7 @@ class Engine:
         kind = runner.device.type
         on = lookahead if lookahead is not None else kind == "cuda"
         self.ahead = Lookahead(runner) if on and getattr(runner, "rewinds_for_free", True) else None
+        self.feed_ahead = self.ahead is not None and self.ahead.on_device  # launched before the tokens are read back
         gate = (spec_gate if spec_gate is not None else kind == "cuda") and self.spec is not None  # spec_gate.py
         self.gate = SpecGate.for_device(kind) if gate and not any(d.hidden_layers for d in drafters) else None
 
@@ -132,7 +132,7 @@ class Engine:
         for index in list(self.active):
             self._fail(index, message, status)
         for request in waiting:
-            _emit(request, Failed(message, status))
+            emit_failure(request, Failed(message, status))
 
     def forget(self) -> None:
         """Empty the cache of every slot no request is using (the next prompts are computed afresh)."""
@@ -144,8 +144,7 @@ class Engine:
     def slots(self) -> list[dict]:
         out = []  # what /slots shows
         for slot in self.runner.cache.slots:
-            info = self.scheduler.info(slot.index)
-            seq = self.active.get(slot.index)
+            info, seq = self.scheduler.info(slot.index), self.active.get(slot.index)
             out.append({"id": slot.index, "n_ctx": self.slot_context, "is_processing": seq is not None,
                         "n_cached": slot.length, "requests_served": info.requests_served, "cache_hits": info.cache_hits,
                         "drafter": None if self.spec is None else self.spec.info(slot.index),
@@ -181,7 +180,7 @@ class Engine:
                         exc_info=not isinstance(e, BonsaiError))
                 self.scheduler.release(a.slot)  # nothing ran: its cached tokens are still valid
                 self.metrics.count_request("error")
-                _emit(a.request, Failed(error_message(e), 400 if isinstance(e, BonsaiError) else 500))
+                emit_failure(a.request, Failed(error_message(e), 400 if isinstance(e, BonsaiError) else 500))
                 continue
             self.active[a.slot.index] = seq
             self._to_begin.append(a.slot.index)
@@ -293,13 +292,21 @@ class Engine:
             if constrained:  # a grammar's rows masked (a copy); the other rows untouched, at no cost
                 cut = mask_rows(cut, [seqs[row].grammar for row in constrained], constrained)  # [B, V]
             # every row's token in one call and one read-back (greedy rows: one argmax for all)
-            choices = sample_rows(cut, [seq.request.sampling for seq in seqs], [seq.generator for seq in seqs])
+            chosen = sample_rows_on_device(cut, [seq.request.sampling for seq in seqs],
+                                           [seq.generator for seq in seqs])  # [B] on the device
+            if self.feed_ahead:  # the next step takes them on the device, launched before they are read back
+                self.ahead.readback.start(chosen)
+                self._launch_ahead(rows, seqs, chosen)
+            choices = self.ahead.readback.wait() if self.feed_ahead else chosen.tolist()
         except Exception as e:
             log.exception("sampling failed")
-            for i in rows:
+            for i in rows:  # (each row of a step launched ahead leaves with its request)
                 self._fail(i, error_message(e))
             return
-        self._launch_ahead(rows, seqs, choices)  # the next step runs while the host handles these tokens
+        if self.feed_ahead:
+            self.ahead.settle(choices)  # (if a step was launched)
+        else:
+            self._launch_ahead(rows, seqs, choices)  # the next step runs while the host handles these tokens
         for row, (i, seq) in enumerate(zip(rows, seqs)):
             try:
                 # its row only where logprobs are asked for: a view per token costs, on the fast path
@@ -348,17 +355,18 @@ class Engine:
         """Speculation on, and some row's request allows drafts (every row's `draft_tokens=0`: a plain step)."""
         return self.spec is not None and any(self.active[i].request.draft_tokens != 0 for i in rows)
 
-    def _launch_ahead(self, rows: list[int], seqs: list[Sequence], choices: list[int]) -> None:
-        """Launch the next decode step of `rows` feeding their chosen tokens, unless it will not be the next step:
-        a request waits or prefills, the gate will speculate, or a row ends now (its end-of-sequence token, its
-        last token). A row that ends another way (a stop string, a cancel) drops it again (`_end`)."""
+    def _launch_ahead(self, rows: list[int], seqs: list[Sequence], choices: list[int] | torch.Tensor) -> None:
+        """Launch the next decode step of `rows` feeding their chosen tokens (ints, or the sampler's [B] on the device)
+        unless it will not be the next step: a request waits or prefills, the gate will speculate, a row ends now (its
+        last token; its end-of-sequence token where known). A row ending another way leaves it alone (`_end`)."""
         gate_speculates = self.gate is not None and self._drafting(rows) and self.gate.peek(len(rows))
+        known = choices if isinstance(choices, list) else [None] * len(rows)
         if self.ahead is None or self.scheduler.waiting or len(rows) != len(self.active) or gate_speculates or any(
                 choice in seq.eos or seq.generated + 1 >= seq.request.max_tokens
-                for seq, choice in zip(seqs, choices)):
+                for seq, choice in zip(seqs, known)):
             return
         try:
-            self.ahead.launch(rows, list(choices))
+            self.ahead.launch(rows, choices if isinstance(choices, torch.Tensor) else list(choices))
         except Exception:  # noqa: BLE001 - the step is made again, plainly, at the next iteration
             log.exception("decode step launched ahead failed")
             self.ahead.drop_all()
@@ -384,17 +392,9 @@ class Engine:
         if self.ahead is not None:
             self.ahead.drop(index)
         self.runner.slot(index).reset()  # what its KV holds is no longer known
-        _emit(seq.request, Failed(message, status))
+        emit_failure(seq.request, Failed(message, status))
         with self.lock:
             self.scheduler.release(self.runner.slot(index))
             self.metrics.slots_busy = self.scheduler.busy
         self.metrics.count_request("error")
 
-
-def _emit(request: Request, event: Failed) -> None:
-    """Tell a request it failed; a callback that raises (its client's loop is gone) is logged, not raised."""
-    try:
-        request.emit(event)
-    except Exception as e:  # noqa: BLE001 - one broken callback never ends the others' requests
-        log.warning("request %s: its error could not be delivered (%s: %s)", request.id, type(e).__name__,
-                    first_line(e))

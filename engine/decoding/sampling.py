@@ -129,9 +129,16 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     `sample` gives row by row, read back in one transfer (one device sync for the whole batch, not
     one per row). Greedy rows take one argmax together; rows with the same filters get their
     distribution computed together; each sampled row is then drawn with its own generator."""
+    return sample_rows_on_device(logits, params, generators).tolist()
+
+
+def sample_rows_on_device(logits: torch.Tensor, params: list[SamplingParams],
+                          generators: list[torch.Generator | None]) -> torch.Tensor:
+    """`sample_rows`'s ids as a tensor [B] (int64) on the logits' device, not read back: the next decode step can
+    take them as its input before the host knows them (engine.decoding.lookahead)."""
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
     if all(p.greedy for p in params):
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)  # [B]
     groups: dict[tuple, list[int]] = {}
     for row, p in enumerate(params):
         key = ("greedy",) if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)
@@ -146,9 +153,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
             probs = probabilities(logits[index], params[rows[0]])  # [n, V]
             picks += [torch.multinomial(probs[j], 1, generator=generators[row]) for j, row in enumerate(rows)]
         order += rows
-    out = [0] * len(params)
-    for row, token in zip(order, torch.cat(picks).tolist()):
-        out[row] = token
+    picked = torch.cat(picks)  # [B] in group order
+    if order == list(range(len(params))):
+        return picked
+    out = torch.empty_like(picked)  # [B] in row order
+    out[torch.tensor(order, device=picked.device)] = picked
     return out
 
 

@@ -13,6 +13,7 @@ text, stop strings or thinking rules are made.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from engine.decoding.sampling import (SamplingParams, apply_logit_bias, apply_pe
                                      sample, top_logprobs)
 from engine.decoding.stats import GenerationStats
 from engine.decoding.stop import StopStringMatcher
-from engine.errors import BonsaiError
+from engine.errors import BonsaiError, first_line
 from engine.sources.tokenizer import Tokenizer
 from engine.speculative.stats import SpecStats
 
@@ -260,3 +261,12 @@ class Sequence:
         self.led_into_answer = True
         self._force((self.rules.end_tag if s.thinking else "") + "\n\n")
         return not self.done and bool(self.pending)
+
+
+def emit_failure(request: Request, event: Failed) -> None:
+    """Tell a request it failed; a callback that raises (its client's loop is gone) is logged, not raised."""
+    try:
+        request.emit(event)
+    except Exception as e:  # noqa: BLE001 - one broken callback never ends the others' requests
+        logging.getLogger(__name__).warning("request %s: its error could not be delivered (%s: %s)", request.id,
+                                            type(e).__name__, first_line(e))

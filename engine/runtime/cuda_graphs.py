@@ -103,7 +103,7 @@ class DecodeStepRunner:
             stream.end_capture()
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], slots: list[int],
+    def run(self, tokens: list[int] | torch.Tensor, positions: list[int], slots: list[int],
             hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits float32 [rows, V]; the rows' K/V are written at their positions. A pipeline stage
         (engine.pipeline) after the first takes `hidden` [rows, H] float32 instead of tokens; one
@@ -113,9 +113,11 @@ class DecodeStepRunner:
             self.inputs.hidden.copy_(hidden, non_blocking=True)
         else:
             assert len(tokens) == self.rows
-            ids = torch.tensor(tokens, dtype=torch.long)  # [M] host
+            on_device = isinstance(tokens, torch.Tensor)  # [M] int64: the sampler's (engine.decoding.lookahead)
+            ids = tokens if on_device else torch.tensor(tokens, dtype=torch.long)  # [M]
             self.inputs.tokens.copy_(ids, non_blocking=True)
             if self.inputs.embedded is not None:
+                assert not on_device, "a host embedding table takes host token ids"
                 self.host_embedding.rows_into(ids, self.inputs.embedded)
         if self.cache.states is not None:  # a hybrid: each row steps its own slot's DeltaNet state in place
             self._hybrid_runs(slots, positions)

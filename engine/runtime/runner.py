@@ -43,7 +43,7 @@ class Runner(Protocol):
 
     def prefill(self, slot: KVSlot, tokens: list[int]) -> torch.Tensor: ...
 
-    def decode_batch(self, slots: list[KVSlot], tokens: list[int]) -> torch.Tensor: ...
+    def decode_batch(self, slots: list[KVSlot], tokens: list[int] | torch.Tensor) -> torch.Tensor: ...
 
     def verify(self, slot: KVSlot, tokens: list[int], hidden_layers: tuple[int, ...] = ()
                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
@@ -136,6 +136,8 @@ class ModelRunner:
         self.short_prefill_tokens = SHORT_PREFILL_TOKENS
         self.short_prefill_rows = MAX_STEP_ROWS if graphed and prefill_graphs is not False and not self.hybrid else 0
         from engine.memory.host_embedding import HostEmbedding
+        # decode_batch takes the sampler's tokens as a device tensor (a step launched ahead: decoding.lookahead)
+        self.takes_device_tokens = not isinstance(self.model.embed, HostEmbedding)
         if graphed and prefill_graphs is not False and not isinstance(self.model.embed, HostEmbedding):
             from engine.runtime.cuda_graphs import PrefillGraphs
             self.prefill_graphs = PrefillGraphs(self.model, self.cache, prefill_chunk_size)
@@ -184,7 +186,7 @@ class ModelRunner:
             return logits
         if t == 1 and self.decoder is not None:
             logits = self.decoder.run(tokens, [start], [slot.index])  # [1, V]
-            slot.tokens.extend(tokens)
+            slot.tokens.extend(_held(tokens))
             return logits.clone()
         if num_logits == 1 and 1 < t <= self.short_prefill_tokens and self.short_prefill_rows > 1:
             return self._short_prefill(slot, tokens)  # [1, V]
@@ -194,17 +196,19 @@ class ModelRunner:
             logits = self.prefill_graphs.run(slot.index, start, tokens)  # [1, V]
             slot.tokens.extend(tokens)
             return logits
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
+        ids = _ids(tokens, self.device)[None]  # [1, T]
         batch = CacheBatch.make([slot.index], [start], t, self.device)
         logits = self.model(ids, batch, self.cache, start + t, num_logits)  # [1, n, V]
-        slot.tokens.extend(tokens)
+        slot.tokens.extend(_held(tokens))
         return logits[0]
 
     @torch.inference_mode()
-    def decode_batch(self, slots: list[KVSlot], tokens: list[int]) -> torch.Tensor:
+    def decode_batch(self, slots: list[KVSlot], tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """One token for each of several slots (each at its own position) in one forward pass, and
         append it to its slot: logits [B, V]. Through the fused step (graphed per row count) where
-        there is one, else the model's batched path (per-row positions, masked attention)."""
+        there is one, else the model's batched path (per-row positions, masked attention). tokens: ints, or
+        [B] int64 on the device where `takes_device_tokens` (the slots then hold PENDING until the caller
+        writes the values in, engine.decoding.lookahead)."""
         assert len(slots) == len(tokens) and len({s.index for s in slots}) == len(slots)
         if len(slots) == 1:
             return self.forward(slots[0], tokens, num_logits=1)
@@ -214,10 +218,10 @@ class ModelRunner:
         if self.decoder is not None and len(slots) <= MAX_STEP_ROWS:
             logits = self.step_rows(tokens, starts, [s.index for s in slots])  # [B, V]
         else:
-            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+            ids = _ids(tokens, self.device)[:, None]  # [B, 1]
             batch = CacheBatch.make([s.index for s in slots], starts, 1, self.device)
             logits = self.model(ids, batch, self.cache, max(starts) + 1, 1)[:, -1]  # [B, V]
-        for slot, token in zip(slots, tokens):
+        for slot, token in zip(slots, _held(tokens)):
             slot.tokens.append(token)
         return logits
 
@@ -327,3 +331,18 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to end on one device (its memory goes with the runner)."""
+
+
+PENDING = -1  # what a slot holds for a token fed from the device until its value is read back
+
+
+def _ids(tokens: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token ids [T] int64 on the device, from ints or a device tensor (as is)."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens.to(device=device, dtype=torch.long)
+    return torch.tensor(tokens, dtype=torch.long, device=device)
+
+
+def _held(tokens: list[int] | torch.Tensor) -> list[int]:
+    """What a slot records for tokens: the ints, or PENDING for each one fed from the device."""
+    return [PENDING] * len(tokens) if isinstance(tokens, torch.Tensor) else list(tokens)

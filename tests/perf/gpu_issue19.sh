@@ -6,7 +6,8 @@
 #   phases where the graphed step's time goes phase by phase (tests/perf/gpu_phases.py: each phase left out or
 #          doubled, the attention at other split counts)
 #   bench  `bonsai bench` tg128 / pp512 of the dummy shapes (BENCH) as the engine runs them ("new"), and the first
-#          model also with BASELINE's switches ("base"; default BONSAI_CUDA_ATTN=0: the in-run baseline)
+#          model (every model with BASE_ALL=1) also with BASELINE's switches ("base"; default BONSAI_CUDA_ATTN=0:
+#          the in-run baseline)
 #   OUT=out PARTS=tests,cuda,bench bash tests/perf/gpu_issue19.sh   # MODELS=… PHASES=… MODES=skip,double SPLITS=4
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; PARTS=${PARTS:-tests,cuda,bench}
@@ -31,7 +32,7 @@ if [[ ,$PARTS, == *,bench,* ]]; then
     first=1
     for model in ${BENCH-qwen3-8b:tri dense-27b:tri qwen3-8b:bin}; do
         name=${model%%:*}; weights=${model##*:}
-        for tag in $([ $first = 1 ] && echo "base new" || echo new); do
+        for tag in $([ $first = 1 ] || [ -n "${BASE_ALL:-}" ] && echo "base new" || echo new); do
             switches=$([ $tag = base ] && echo "${BASELINE:-BONSAI_CUDA_ATTN=0}" || echo "BONSAI_BENCH_TAG=new")
             env $switches timeout 170 python3 -m bonsai_cli bench "configs/models/$name.yaml" --load-format dummy \
                 --device cuda --weights "$weights" --head-weights int4 -p 512 -n 128 -r 3 --no-pg \

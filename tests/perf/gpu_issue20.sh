@@ -2,6 +2,9 @@
 # One H200 run for issue 20 (< 10 minutes): the rows kernels swept and compared per path and in the graphed
 # decode step (tests/perf/gpu_issue20.py), then a short prompt's prefill through the runner and through the
 # engine (tests/perf/gpu_core_overhead.py --prompt 40). Results under $OUT.
+# feed: the server's levels (tests/perf/serve_levels.py: short + repetitive suites, FEED_LEVELS) with the decode
+#   step launched ahead fed from the host (BONSAI_TOKEN_FEED=host, session 34's way) and on the device, one
+#   server each, one after the other.
 # serve: `bonsai serve` of configs/serve-dummy-bench.yaml (the tokenizer: TOK, a metadata-only GGUF) and
 # `bonsai bench --url --suite short --concurrency 1,2,4,8`; spec: tests/perf/serve_spec_concurrency.sh on it.
 #   OUT=out PARTS=kernels,ttft,serve,spec TOK=.tok/smollm2.gguf bash tests/perf/gpu_issue20.sh
@@ -17,7 +20,7 @@ if [[ ,$PARTS, == *,ttft,* ]]; then
     echo "== a 40-token prompt's prefill, runner vs engine"
     for p in 40 200; do timeout 120 python3 tests/perf/gpu_core_overhead.py --prompt $p --tokens 64 --reps 5 2>&1 | tail -3; done
 fi
-if [[ ,$PARTS, == *,serve,* || ,$PARTS, == *,spec,* ]]; then
+if [[ ,$PARTS, == *,serve,* || ,$PARTS, == *,spec,* || ,$PARTS, == *,feed,* ]]; then
     python3 - "${TOK:-.tok/smollm2.gguf}" "$OUT/serve.yaml" <<'PY'
 import sys, yaml
 data = yaml.safe_load(open("configs/serve-dummy-bench.yaml"))
@@ -40,4 +43,17 @@ if [[ ,$PARTS, == *,spec,* ]]; then
     echo "== plain vs n-gram speculation through the server, repetitive suite"
     BASE="$OUT/serve.yaml" LEVELS=${SPEC_LEVELS:-1,8} REPS=${SPEC_REPS:-1} PORT=18081 BENCH_S=${SPEC_S:-150} timeout ${SPEC_TIMEOUT:-400} \
         bash tests/perf/serve_spec_concurrency.sh 2>&1 | tail -12
+fi
+if [[ ,$PARTS, == *,feed,* ]]; then
+    echo "== the step launched ahead: tokens fed from the host vs on the device, through the server"
+    for feed in ${FEEDS:-host device}; do
+        BONSAI_TOKEN_FEED=$feed python3 -m bonsai_cli serve --config "$OUT/serve.yaml" > "$OUT/serve-$feed.log" 2>&1 &
+        PID=$!
+        for i in $(seq 1 240); do curl -s "localhost:18080/health" | grep -q '"ok"' && break; kill -0 $PID 2>/dev/null || break; sleep 1; done
+        echo "-- feed $feed: ready after ${i}s"
+        timeout ${FEED_S:-200} python3 tests/perf/serve_levels.py --url http://127.0.0.1:18080 \
+            --suites short,tests/perf/repetitive_suite.json --levels ${FEED_LEVELS:-1,8} -r ${FEED_REPS:-2} \
+            --json "$OUT/levels-$feed.json" 2>&1 | tail -6
+        kill -INT $PID; wait $PID
+    done
 fi
