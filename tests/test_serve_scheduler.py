@@ -209,6 +209,7 @@ def test_metrics_prometheus_text_parses():
     m.count_request("cancelled", queued=0.125, first_token=0.0)  # ended before its first token
     m.count_prompt(10, 4)
     m.count_step(rows=2, tokens=2)
+    m.count_step(rows=1, tokens=1, waited=0.375)  # the engine waited for the device's tokens
     m.count_prefill()
     m.count_spec(drafted=3, accepted=2)
     m.count_spec(drafted=1, accepted=1)
@@ -222,7 +223,8 @@ def test_metrics_prometheus_text_parses():
     assert samples["bonsai_request_timed_total"] == 2 and samples["bonsai_request_queue_seconds_total"] == 0.625
     assert samples["bonsai_request_first_token_seconds_total"] == 0.25
     assert samples["bonsai_prompt_cache_tokens_total"] == 4 and samples["bonsai_prompt_tokens_computed_total"] == 6
-    assert samples["bonsai_decode_rows_total"] == 2 and samples["bonsai_slots_total"] == 2
+    assert samples["bonsai_decode_rows_total"] == 3 and samples["bonsai_slots_total"] == 2
+    assert samples["bonsai_decode_wait_seconds_total"] == 0.375 and samples["bonsai_decode_steps_total"] == 2
     assert samples["bonsai_prefill_chunks_total"] == 1
     assert samples["bonsai_spec_decode_num_draft_tokens_total"] == 4
     assert samples["bonsai_spec_decode_num_accepted_tokens_total"] == 3 and samples["bonsai_spec_decode_num_drafts_total"] == 2

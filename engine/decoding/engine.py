@@ -27,7 +27,7 @@ import time
 import torch
 
 from engine.decoding.grammar_match import mask_rows
-from engine.decoding.lookahead import Lookahead
+from engine.decoding.lookahead import Lookahead, TokenReadback
 from engine.decoding.metrics import Metrics
 from engine.decoding.spec_gate import SpecGate
 from engine.decoding.sampling import sample_rows_on_device
@@ -53,8 +53,7 @@ class Engine:
         a step (spec_method: the name /slots shows, default the drafter's). prefill_budget: prompt
         tokens run between two decode steps while slots decode (None: one prefill chunk, or two passes
         of the runner's short prefill for a prompt that runs that way); it also caps the chunk size.
-        lookahead: launch each plain decode step before the host handles the previous one's tokens (lookahead.py;
-        default: on a CUDA device, where the two overlap).
+        lookahead: launch each plain decode step before the host handles the last one's tokens (lookahead.py; CUDA: on).
         spec_gate: with drafters, speculate only while measured faster (engine.decoding.spec_gate; default:
         on a CUDA device; elsewhere the drafters' planners alone decide, by the pass costs they measure).
         mixed_prefill: short prompts ride in the rows a decode pass leaves free (or share passes) instead of
@@ -96,6 +95,7 @@ class Engine:
         on = lookahead if lookahead is not None else kind == "cuda"
         self.ahead = Lookahead(runner) if on and getattr(runner, "rewinds_for_free", True) else None
         self.feed_ahead = self.ahead is not None and self.ahead.on_device  # launched before the tokens are read back
+        self.readback = TokenReadback(runner.device)
         gate = (spec_gate if spec_gate is not None else kind == "cuda") and self.spec is not None  # spec_gate.py
         self.gate = SpecGate.for_device(kind) if gate and not any(d.hidden_layers for d in drafters) else None
 
@@ -294,10 +294,10 @@ class Engine:
             # every row's token in one call and one read-back (greedy rows: one argmax for all)
             chosen = sample_rows_on_device(cut, [seq.request.sampling for seq in seqs],
                                            [seq.generator for seq in seqs])  # [B] on the device
+            self.readback.start(chosen)  # a copy to the host queued behind them (lookahead.TokenReadback)
             if self.feed_ahead:  # the next step takes them on the device, launched before they are read back
-                self.ahead.readback.start(chosen)
                 self._launch_ahead(rows, seqs, chosen)
-            choices = self.ahead.readback.wait() if self.feed_ahead else chosen.tolist()
+            choices = self.readback.wait()
         except Exception as e:
             log.exception("sampling failed")
             for i in rows:  # (each row of a step launched ahead leaves with its request)
@@ -314,7 +314,7 @@ class Engine:
             except Exception as e:
                 log.exception("sampling failed")
                 self._fail(i, error_message(e))
-        self.metrics.count_step(len(rows), sum(seq.generated for seq in seqs) - before)
+        self.metrics.count_step(len(rows), sum(seq.generated for seq in seqs) - before, self.readback.waited)
 
     def _mixed_pass(self, rows: list[int], fed: list[int], riders: list[PrefillChunk]) -> torch.Tensor:
         """One fused pass: the decode rows' tokens, then each rider's prompt piece at its slot's next positions; the

@@ -16,6 +16,7 @@ its slot's tokens, so taking them one iteration later changes nothing.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -29,6 +30,7 @@ class TokenReadback:
         self.host: torch.Tensor | None = None  # [n] int64 pinned, grown on demand
         self.event = torch.cuda.Event() if self.cuda else None
         self.tokens: torch.Tensor | None = None
+        self.waited = 0.0  # seconds the last `wait` waited for the device (the host ahead of it: ~0)
 
     def start(self, tokens: torch.Tensor) -> None:
         """Queue the copy of tokens [B] (int64) behind the work that makes them."""
@@ -45,9 +47,11 @@ class TokenReadback:
     def wait(self) -> list[int]:
         """The tokens as ints, once their copy is done (not what was queued after it)."""
         assert self.tokens is not None, "start first"
+        start = time.perf_counter()
         if self.cuda:
             self.event.synchronize()
         out, self.tokens = self.tokens.tolist(), None
+        self.waited = time.perf_counter() - start
         return out
 
 
@@ -57,7 +61,6 @@ class Lookahead:
         # the tokens fed on the device where the runner takes them; BONSAI_TOKEN_FEED=host launches the step after the
         # read-back (session 34's way: the in-run baseline of docs/perf.md)
         self.on_device = getattr(runner, "takes_device_tokens", False) and os.environ.get("BONSAI_TOKEN_FEED") != "host"
-        self.readback = TokenReadback(runner.device)
         self.rows: list[int] = []  # slot indices of the step launched ahead, in its row order
         self.tokens: list[int] | None = []  # the token each row fed (None: fed from the device, not read back yet)
         self.logits: torch.Tensor | None = None  # [B, V]

@@ -19,6 +19,9 @@ class Metrics:
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # rows of all batched decode steps (mean batch = rows / steps)
+    # seconds the engine waited for plain decode steps' tokens (their read-back): a GPU-bound engine waits most of a
+    # step, a host-bound one (its Python, a server's other threads) ~0
+    decode_wait_seconds: float = 0.0
     prefill_chunks: int = 0  # prompt forwards (chunks of at most the prefill chunk size)
     spec_drafted: int = 0
     spec_accepted: int = 0
@@ -58,9 +61,10 @@ class Metrics:
         with self._lock:
             self.prefill_chunks += 1
 
-    def count_step(self, rows: int, tokens: int) -> None:
+    def count_step(self, rows: int, tokens: int, waited: float = 0.0) -> None:
         with self._lock:
             self.decode_steps += 1
+            self.decode_wait_seconds += waited
             self.decode_rows += rows
             self.generated_tokens += tokens
             self._recent.append((time.monotonic(), tokens))
@@ -118,6 +122,8 @@ class Metrics:
         metric("decode_steps_total", "counter", "Batched decode steps.", [("", snapshot["decode_steps"])])
         metric("decode_rows_total", "counter", "Rows (requests) over all decode steps.",
                [("", snapshot["decode_rows"])])
+        metric("decode_wait_seconds_total", "counter", "Seconds the engine waited for plain decode steps' tokens.",
+               [("", snapshot["decode_wait_seconds"])])
         metric("prefill_chunks_total", "counter", "Prompt chunks run (one forward each).",
                [("", snapshot["prefill_chunks"])])
         metric("generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",

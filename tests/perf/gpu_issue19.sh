@@ -7,7 +7,7 @@
 #          doubled, the attention at other split counts)
 #   bench  `bonsai bench` tg128 / pp512 of the dummy shapes (BENCH) as the engine runs them ("new"), and the first
 #          model (every model with BASE_ALL=1) also with BASELINE's switches ("base"; default BONSAI_CUDA_ATTN=0:
-#          the in-run baseline)
+#          the in-run baseline); BENCH_ARGS: more `bonsai bench` options (e.g. --max-seq-len 4096, a server's context)
 #   OUT=out PARTS=tests,cuda,bench bash tests/perf/gpu_issue19.sh   # MODELS=… PHASES=… MODES=skip,double SPLITS=4
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; PARTS=${PARTS:-tests,cuda,bench}
@@ -35,7 +35,7 @@ if [[ ,$PARTS, == *,bench,* ]]; then
         for tag in $([ $first = 1 ] || [ -n "${BASE_ALL:-}" ] && echo "base new" || echo new); do
             switches=$([ $tag = base ] && echo "${BASELINE:-BONSAI_CUDA_ATTN=0}" || echo "BONSAI_BENCH_TAG=new")
             env $switches timeout 170 python3 -m bonsai_cli bench "configs/models/$name.yaml" --load-format dummy \
-                --device cuda --weights "$weights" --head-weights int4 -p 512 -n 128 -r 3 --no-pg \
+                --device cuda --weights "$weights" --head-weights int4 -p 512 -n 128 -r 3 --no-pg ${BENCH_ARGS:-} \
                 --json "$OUT/bench-$name-$weights-$tag.json" > "$OUT/bench-$name-$weights-$tag.log" 2>&1 \
                 || { echo "FAILED bench $name-$weights-$tag"; tail -3 "$OUT/bench-$name-$weights-$tag.log"; }
         done

@@ -22,7 +22,7 @@ from pathlib import Path
 
 COUNTERS = ("decode_steps_total", "decode_rows_total", "generation_tokens_total", "prefill_chunks_total",
             "prompt_tokens_computed_total", "request_timed_total", "request_queue_seconds_total",
-            "request_first_token_seconds_total")
+            "request_first_token_seconds_total", "decode_wait_seconds_total")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -58,7 +58,10 @@ def level(url: str, suite: str, c: int, reps: int, timeout: float, limit: int | 
             "itl_p50": summary.get("itl_ms_p50"), "itl_p99": summary.get("itl_ms_p99"),
             "ttft_p50": summary.get("ttft_ms_p50"),
             "queue_ms": delta["request_queue_seconds_total"] / max(delta["request_timed_total"], 1) * 1e3,
-            "first_token_ms": delta["request_first_token_seconds_total"] / max(delta["request_timed_total"], 1) * 1e3}
+            "first_token_ms": delta["request_first_token_seconds_total"] / max(delta["request_timed_total"], 1) * 1e3,
+            # the engine's wait for a plain step's tokens, a step: ~a step's time when the device is the limit, ~0 when
+            # the host (the engine's Python, the HTTP loop sharing its interpreter lock) is
+            "wait_ms_per_step": delta["decode_wait_seconds_total"] / steps * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{Path(suite).stem:10} c={c}: {row['tok_s']:7.1f} tok/s, {row['steps']:5.0f} steps of "
                   f"{row['rows_per_step']:.2f} rows ({row['tokens_per_step']:.2f} tokens), {row['ms_per_step']:.2f} ms "
-                  f"a step of wall, {row['prefill_chunks']:.0f} prompt chunks ({row['prompt_tokens']:.0f} tokens), "
+                  f"a step of wall ({row['wait_ms_per_step']:.2f} waiting for the device), "
+                  f"{row['prefill_chunks']:.0f} prompt chunks ({row['prompt_tokens']:.0f} tokens), "
                   f"ITL p50/p99 {row['itl_p50']:.1f}/{row['itl_p99']:.1f} ms, TTFT p50 {row['ttft_p50']:.0f} ms (server: "
                   f"queue {row['queue_ms']:.1f} + admission to first token {row['first_token_ms']:.1f} ms, means)",
                   flush=True)
