@@ -46,6 +46,7 @@ class PipelineRunner:
         self.prefill_chunk_size = prefill_chunk_size
         self.stages = links.stages
         self.weight_stream = None
+        self.takes_device_tokens = False  # a step's tokens go out in its command to the stages, as ints
         # a fused step's cost is flat in its rows on a GPU (weight reads): steps of <= 16 rows stay whole there
         self.flat_step_cost = self.device.type == "cuda" if flat_step_cost is None else flat_step_cost
         self.hybrid = loaded.config.hybrid is not None

@@ -36,6 +36,7 @@ class Runner(Protocol):
     prefill_chunk_size: int
     decoder: object  # the fused one-row decode step (engine.runtime.cuda_graphs.DecodeStepRunner), None: plain path
     weight_stream: object  # engine.memory.weight_offload.WeightStreamer, None: weights on the device
+    takes_device_tokens: bool  # decode_batch takes the sampler's device tensor (engine.decoding.lookahead)
 
     def slot(self, index: int = 0) -> KVSlot: ...
 
