@@ -366,7 +366,7 @@ class Engine:
                 for seq, choice in zip(seqs, known)):
             return
         try:
-            self.ahead.launch(rows, choices if isinstance(choices, torch.Tensor) else list(choices))
+            self.ahead.launch(rows, choices)  # (a list is copied there; a tensor is taken as is)
         except Exception:  # noqa: BLE001 - the step is made again, plainly, at the next iteration
             log.exception("decode step launched ahead failed")
             self.ahead.drop_all()

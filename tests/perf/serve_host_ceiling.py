@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.decoding.engine import Engine  # noqa: E402
 from engine.decoding.sequence import Request  # noqa: E402
 from engine.runtime.kv_cache import KVSlot  # noqa: E402
+from engine.runtime.runner import PENDING  # noqa: E402
 from engine.server.engine_thread import EngineThread  # noqa: E402
 from engine.server.openai_api import _stream  # noqa: E402
 from engine.server.serving import Generation  # noqa: E402
@@ -51,11 +52,11 @@ class FreeRunner:
         return self.table[(self.calls + torch.arange(rows)) % 64]  # [rows, V]
 
     def forward(self, slot: KVSlot, tokens, num_logits: int | None = 1) -> torch.Tensor:
-        slot.tokens.extend([-1] * len(tokens) if isinstance(tokens, torch.Tensor) else tokens)
+        slot.tokens.extend([PENDING] * len(tokens) if isinstance(tokens, torch.Tensor) else tokens)
         return self._logits(1)
 
     def decode_batch(self, slots: list[KVSlot], tokens) -> torch.Tensor:
-        held = [-1] * len(slots) if isinstance(tokens, torch.Tensor) else list(tokens)
+        held = [PENDING] * len(slots) if isinstance(tokens, torch.Tensor) else list(tokens)
         for s, t in zip(slots, held):
             s.tokens.append(t)
         return self._logits(len(slots))
