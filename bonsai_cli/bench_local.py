@@ -60,7 +60,7 @@ def _bench_runner(report, run, tests, prompts, suite, repetitions, save, vs_plai
         "parameters": loaded.summary.num_parameters, "file_bytes": loaded.summary.file_bytes,
         "bits_per_weight": loaded.summary.bits_per_weight, "dtype": str(loaded.dtype).replace("torch.", ""),
         "weight_dtype": str(loaded.weight_dtype).replace("torch.", ""), "int4_layers": loaded.int4_layers,
-        "cpu_kernels": loaded.cpu_kernels,
+        "cpu_kernels": loaded.cpu_kernels, "cpu_body": _cpu_body(loaded.cpu_kernels),
         "output_layer": _output_layer(loaded.model),
         "weights": loaded.weight_format.quant_type, "head_weights": loaded.weight_format.head_type,
         "group_size": loaded.weight_format.group_size, "load_format": loaded.summary.format,
@@ -95,6 +95,15 @@ def _output_layer(model) -> str:
     if isinstance(head, KQuantHead):
         return "as stored"
     return "int8" if isinstance(head, Int8Head) else "float16" if isinstance(head, NarrowHead) else ""
+
+
+def _cpu_body(kernels: str) -> str | None:
+    """The native CPU kernels' vector body ("avx512-vnni", "avx2"; "portable" for the plain C loops), None when
+    they do not run."""
+    if kernels != "native":
+        return None
+    from quant.kernels import cpu_rt
+    return cpu_rt.body() or "portable"
 
 
 def _decode_gemv(loaded, runner) -> dict[str, str]:

@@ -29,7 +29,8 @@ def _weights(m: dict[str, Any]) -> str:
     if packed == "bf16" and m.get("head_weights", "bf16") == "bf16":
         int4, head = m.get("int4_layers", 0), m.get("output_layer")
         kernels = m.get("cpu_kernels") or "torch"
-        stored = f"{int4} int4 as stored" if kernels == "torch" else f"{int4} as stored (native CPU kernels)"
+        body = f", {m['cpu_body']}" if m.get("cpu_body") else ""
+        stored = f"{int4} int4 as stored" if kernels == "torch" else f"{int4} as stored (native CPU kernels{body})"
         return (m["weight_dtype"] + (f" + {stored}" if int4 else "")
                 + (f", output layer {head} (top logits exact)" if head else ""))
     return f"{packed} g{m.get('group_size')} (head {m.get('head_weights')})"

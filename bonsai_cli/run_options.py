@@ -50,7 +50,7 @@ CPU_INT4_HELP = ("on the CPU, run a GGUF's block matrices as stored (by --cpu-ke
 CPU_KERNELS_HELP = ("which kernels run the block matrices on the CPU: native (bonsai's own, compiled on first use "
                     "with the machine's C compiler: Q4_K/Q6_K/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 at their stored size, "
                     "activations in two int8 passes: the float32 model's outputs), torch (torch's int4 kernel, bfloat16 activations, Q6_K as floats) "
-                    "or auto (native where the CPU has AVX512-VNNI and a compiler works, else torch)")
+                    "or auto (native where the CPU has AVX512-VNNI or AVX2 and a compiler works, else torch)")
 OUTPUT_DTYPE_HELP = ("the CPU output layer: float32 (exact), float16 (one float16 GEMM, the logits near each row's "
                      "largest recomputed in float32: the same greedy choice, 2x fewer bytes a token), int8 (one "
                      "int8-weight GEMM, the same recomputation, 4x fewer bytes; the other logits within ~0.02: "

@@ -100,10 +100,11 @@ def test_activations_are_rounded_per_32_in_two_passes_and_ordered_as_the_format_
     assert torch.allclose(xs, sums, rtol=1e-6) and not bool(codes[:, 200:].any())
 
 
-def _run(packed, x: torch.Tensor, scalar: bool, threads: int = 2) -> torch.Tensor:
-    acts = cpu_rt.quantize_rows(x, packed.kp, kquant_pack.ACT_ORDER[packed.fmt])
+def _run(packed, x: torch.Tensor, scalar: bool, threads: int = 2, lib=None) -> torch.Tensor:
+    acts = cpu_rt.quantize_rows(x, packed.kp, kquant_pack.ACT_ORDER[packed.fmt], lib=lib)
     y = torch.full((x.shape[0], packed.n + 5), float("nan"))  # a wider output: the part writes its columns only
-    cpu_rt.matmul(packed.fmt, *_tensors(packed), packed.n, packed.kp, acts, y, 3, threads=threads, scalar=scalar)
+    cpu_rt.matmul(packed.fmt, *_tensors(packed), packed.n, packed.kp, acts, y, 3, threads=threads, scalar=scalar,
+                  lib=lib)
     assert bool(y[:, :3].isnan().all()) and bool(y[:, 3 + packed.n:].isnan().all())
     return y[:, 3:3 + packed.n]
 
@@ -174,13 +175,57 @@ def test_a_prompt_chunk_takes_the_bfloat16_path_and_agrees(monkeypatch):
     assert float((y - want).norm() / want.norm()) < 0.02
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+
+
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+
+
+@pytest.fixture(scope="module")
+def avx2_lib(tmp_path_factory):
+    """The kernels built for AVX2 + FMA + F16C only (what `-march=native` gives a CPU without AVX512-VNNI), loaded
+    wherever the CPU runs them — also on a CPU whose own build takes the AVX512 body."""
+    if cpu_rt.compiler() is None or not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("no C compiler, or a CPU without AVX2 + FMA + F16C")
+    lib = cpu_rt.load(cpu_rt.build(BASE_FLAGS + AVX2_FLAGS, out=tmp_path_factory.mktemp("avx2") / "k.so"))
+    assert cpu_rt.body(lib) == "avx2"
+    return lib
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_avx2_body_agrees_with_the_portable_one_row_by_row(qtype, avx2_lib):
+    """Every format through the AVX2 body against the portable loops, with rows that drive its int16 pair sums to
+    their bounds (every activation at ±127 codes, signs matched to the codes' order or not); 20 rows (more than a
+    16-row tile) equal the one-row calls bit for bit at 1 and 2 threads."""
+    cols = 512 if qtype in (T.Q4_K, T.Q6_K) else 256
+    packed = kquant_pack.pack(_raw(qtype, 40, cols, seed=3), int(qtype), cols)
+    x = torch.randn(20, cols, generator=torch.Generator().manual_seed(2))  # [M, K]
+    x[0], x[1] = 1.0, -1.0  # q1 = ±127 everywhere, q2 = 0: the largest same-signed pair sums
+    x[2] = torch.where(torch.arange(cols) % 3 == 0, -1.0, 1.0)
+    want = x.double() @ torch.from_numpy(kquant_pack.dequantize(packed)).double().t()  # [M, N]
+    portable = _run(packed, x, True)
+    got = _run(packed, x, False, lib=avx2_lib)
+    scale = float(want.abs().max())
+    assert float((got.double() - want).abs().max()) < 2e-4 * scale
+    assert torch.allclose(got, portable, rtol=1e-4, atol=1e-5 * scale)
+    alone = torch.cat([_run(packed, x[i:i + 1], False, threads=1, lib=avx2_lib) for i in range(20)])
+    for threads in (1, 2):
+        assert torch.equal(_run(packed, x, False, threads, lib=avx2_lib), alone)
+
+
 @needs_cc
 @pytest.mark.parametrize("flags", [("-DKQ_SCALAR",), ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                                                      "-mf16c", "-mfma")])
+                                                      "-mf16c", "-mfma"), AVX2_FLAGS])
 def test_each_variant_compiles_on_any_build_machine(flags, tmp_path):
-    """The portable body and the AVX512-VNNI body (what `-march=native` picks on such a CPU) both compile here,
-    whatever this machine's CPU; the vector one is only loaded where the CPU runs it."""
-    out = cpu_rt.build(("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", *flags), out=tmp_path / "k.so")
+    """The portable body, the AVX512-VNNI body and the AVX2 one (what `-march=native` picks on such CPUs) all
+    compile here, whatever this machine's CPU; a vector one is only loaded where the CPU runs it."""
+    out = cpu_rt.build((*BASE_FLAGS, *flags), out=tmp_path / "k.so")
     assert out.stat().st_size > 0
     symbols = subprocess.run(["nm", "-D", str(out)], capture_output=True, text=True).stdout
     assert all(name in symbols for name in ("kq_matmul", "kq_quantize", "kq_dequant_bf16", "kq_vector", "kq_block"))

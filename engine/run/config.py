@@ -129,7 +129,7 @@ class RuntimeSection:
     output_dtype: str = "auto"
     # which kernels run the block matrices on the CPU: native (bonsai's, compiled with the machine's C compiler:
     # every GGUF block type at its stored size, int8 activations), torch (torch's int4 kernel, bfloat16
-    # activations), auto (native where its AVX512-VNNI bodies compile, else torch; engine.weights.cpu_int4_load)
+    # activations), auto (native where its AVX512-VNNI or AVX2 bodies compile, else torch; engine.weights.cpu_int4_load)
     cpu_kernels: str = "auto"
 
     @property

@@ -3,7 +3,7 @@ block type a llama.cpp Q4_K_M / Q5_0 / Q8_0 file uses (Q4_K, Q6_K, Q4_0, Q4_1, Q
 stored size (Q6_K 6.56 bits a weight where torch's kernels need bfloat16's 16; Q4_K 4.6 where torch's int4
 layout takes 5), the activations rounded twice to int8 per 32 values (x ≈ u·(254·q1 + q2): ~16 bits, outputs equal
 the float32 model's; one int8 pass as llama.cpp's flipped near-ties: docs/quality.md session 31), integer dot
-products (AVX512-VNNI), and one pass over the weight bytes for all of a call's rows.
+products (AVX512-VNNI, or AVX2's byte products), and one pass over the weight bytes for all of a call's rows.
 
 A fused layer (q/k/v, gate/up) keeps one packed matrix per stored part (each of its own type) and writes each
 part's columns of one output. A row's result does not depend on how many rows share the call or on the thread

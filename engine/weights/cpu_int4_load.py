@@ -1,8 +1,8 @@
 """On the CPU, the block matrices of a GGUF loaded as stored, never decoded to floats, by one of two kernel sets
 (runtime.cpu_kernels):
   native  bonsai's compiled kernels (engine.runtime.cpu_kquant): Q4_K, Q6_K, Q4_0/1, Q5_0/1, Q8_0 at their stored
-          size, int8 activations (llama.cpp's arithmetic); needs a C compiler, chosen by `auto` where the
-          AVX512-VNNI bodies compile.
+          size, int8 activations (llama.cpp's arithmetic); needs a C compiler, chosen by `auto` where its
+          vector bodies compile (AVX512-VNNI or AVX2 + FMA + F16C).
   torch   torch's int4 kernel (engine.runtime.cpu_int4): Q4_0, Q4_1, Q4_K (Q5_0, Q5_1 and Q8_0 as two 4-bit halves),
           bfloat16 activations; Q6_K matrices stay float.
 A fused layer (q/k/v, gate/up) qualifies when every part it stacks does; the output layer stays float32 (exact
@@ -38,7 +38,7 @@ def resolve_cpu_kernels(setting: str) -> str:
         raise BonsaiError(f"config runtime.cpu_kernels: native needs a C compiler: {cpu_rt.build_error()}; "
                           "or use cpu_kernels: torch")
     if not cpu_rt.vector():
-        log.warning("native CPU kernels without AVX512-VNNI on this CPU: the portable C loops run (slow)")
+        log.warning("native CPU kernels without AVX512-VNNI or AVX2 on this CPU: the portable C loops run (slow)")
     return "native"
 
 

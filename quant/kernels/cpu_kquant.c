@@ -23,8 +23,13 @@
 #include <string.h>
 #include <math.h>
 #include <stdlib.h>
+/* the vector body: 1 AVX512-VNNI (cpu_kquant_avx512.h), 2 AVX2 + FMA + F16C (cpu_kquant_avx2.h), 0 none (the portable
+ * loops; KQ_SCALAR forces them) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__) && !defined(KQ_SCALAR)
 #define KQ_VECTOR 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KQ_SCALAR)
+#define KQ_VECTOR 2
 #include <immintrin.h>
 #else
 #define KQ_VECTOR 0
@@ -170,8 +175,16 @@ static void a_rows_scalar(int bits, const uint8_t* qs, const uint8_t* meta, int 
     }
 }
 
-#if KQ_VECTOR
+#if KQ_VECTOR == 1
 #include "cpu_kquant_avx512.h"
+#define q4k_rows_vec q4k_rows_avx512
+#define q6k_rows_vec q6k_rows_avx512
+#define a_rows_vec a_rows_avx512
+#elif KQ_VECTOR == 2
+#include "cpu_kquant_avx2.h"
+#define q4k_rows_vec q4k_rows_avx2
+#define q6k_rows_vec q6k_rows_avx2
+#define a_rows_vec a_rows_avx2
 #endif
 
 /* y[m, n] for n in [0, N) (row stride ldy) = sum_k w[n, k] * x[m, k]; fmt 0 Q4K, 1 Q6K, 2 A4, 3 A8; K: padded width */
@@ -179,9 +192,9 @@ static void rows(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* m
                  const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy, int scalar) {
 #if KQ_VECTOR
     if (!scalar) {
-        if (fmt == 0) q4k_rows_avx512(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
-        else if (fmt == 1) q6k_rows_avx512(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
-        else a_rows_avx512(fmt == 2 ? 4 : 8, qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
+        if (fmt == 0) q4k_rows_vec(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
+        else if (fmt == 1) q6k_rows_vec(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
+        else a_rows_vec(fmt == 2 ? 4 : 8, qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
         return;
     }
 #endif

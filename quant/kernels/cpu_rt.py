@@ -9,8 +9,9 @@
 The compiler is `cc` (BONSAI_CC names another) with -O3 -march=native -fopenmp: the library is built for the
 CPU it runs on, cached under ~/.cache/bonsai/kernels (BONSAI_KERNEL_CACHE) by a hash of the source, flags and
 compiler, written under a temporary name and renamed. Its OpenMP runtime is torch's: both name libgomp.so.1,
-which torch has loaded by then, so the two share one pool of threads. `vector()` says whether the AVX512-VNNI
-bodies were compiled in (else every call runs the portable C loops: right, but slower than torch's kernels).
+which torch has loaded by then, so the two share one pool of threads. `vector()` says whether a vector body was
+compiled in — AVX512-VNNI, or AVX2 + FMA + F16C (`body()` names it) — else every call runs the portable C loops:
+right, but slower than torch's kernels.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kquant.c")
-HEADERS = (Path(__file__).with_name("cpu_kquant_avx512.h"), Path(__file__).with_name("cpu_kquant_step.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_kquant_avx512.h", "cpu_kquant_avx2.h",
+                                                            "cpu_kquant_step.h"))
+BODIES = {0: None, 1: "avx512-vnni", 2: "avx2"}  # kq_vector() → the vector body's name
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 FORMAT_IDS = {"q4k": 0, "q6k": 1, "a4": 2, "a8": 3}
 
@@ -115,8 +118,13 @@ def build_error() -> str | None:
 
 
 def vector() -> bool:
-    lib = library()
-    return lib is not None and bool(lib.kq_vector())
+    return body() is not None
+
+
+def body(lib: ctypes.CDLL | None = None) -> str | None:
+    """The vector body the kernels run ("avx512-vnni", "avx2"), None for the portable loops or no library."""
+    lib = lib or library()
+    return None if lib is None else BODIES[lib.kq_vector()]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -4,7 +4,7 @@
 # engine (tests/perf/gpu_core_overhead.py --prompt 40). Results under $OUT.
 # feed: the server's levels (tests/perf/serve_levels.py: short + repetitive suites, FEED_LEVELS) with the decode
 #   step launched ahead fed from the host (BONSAI_TOKEN_FEED=host, session 34's way) and on the device, one
-#   server each, one after the other.
+#   server each, one after the other. HEAD=bf16 (any part): the output layer in another format than the config's.
 # serve: `bonsai serve` of configs/serve-dummy-bench.yaml (the tokenizer: TOK, a metadata-only GGUF) and
 # `bonsai bench --url --suite short --concurrency 1,2,4,8`; spec: tests/perf/serve_spec_concurrency.sh on it.
 #   OUT=out PARTS=kernels,ttft,serve,spec TOK=.tok/smollm2.gguf bash tests/perf/gpu_issue20.sh
@@ -22,9 +22,10 @@ if [[ ,$PARTS, == *,ttft,* ]]; then
 fi
 if [[ ,$PARTS, == *,serve,* || ,$PARTS, == *,spec,* || ,$PARTS, == *,feed,* ]]; then
     python3 - "${TOK:-.tok/smollm2.gguf}" "$OUT/serve.yaml" <<'PY'
-import sys, yaml
+import os, sys, yaml
 data = yaml.safe_load(open("configs/serve-dummy-bench.yaml"))
 data["model"]["tokenizer"] = sys.argv[1]
+data["model"]["head_type"] = os.environ.get("HEAD") or data["model"]["head_type"]
 data["server"]["port"] = 18080
 yaml.safe_dump(data, open(sys.argv[2], "w"), sort_keys=False)
 PY
