@@ -5,11 +5,11 @@
  * positions 64v..64v + 31, 8 + l in 64v + 32..64v + 63).
  * Four products into a 32-bit lane are vpmaddubsw (u8 code × s8 activation pairs into int16) then vpmaddwd (int16
  * pairs into int32, by 254 for the first pass and by 1 for the second: 254·q1 + q2 exactly). int16 pair sums are
- * added before vpmaddwd only where they cannot saturate (|q1|, |q2| ≤ 127): Q4K / A4 codes < 16, eight vectors
- * (≤ 8·2·15·127 = 30,480); Q6K codes < 64, two (≤ 32,004). A8 codes (< 256) are shifted to s = q − 128 and
- * multiplied as |s| × sign(s)·x (≤ 2·128·127 = 32,512 a pair); Σ q·x = Σ s·x + 128·Σ x moves into the offset
- * term (m + 128·d times the activations' sums: exactly 0 for Q8_0, whose m is −128·d). Every row's result is one
- * fixed sequence of operations, whatever the call's rows or threads. */
+ * added before vpmaddwd only where they cannot saturate (|q1|, |q2| ≤ 127): Q4K codes < 16, eight vectors
+ * (≤ 8·2·15·127 = 30,480); Q6K codes < 64, two (≤ 32,004). The A formats (A4, A8: a scale every 32 weights, codes up
+ * to 255) take the activations as int16 (254·q1 + q2 ≤ 32,385, made once a call) against codes widened to int16 once
+ * a chunk: two vpmaddwd a 32-block a row (docs/perf.md session 36: 16-21% faster than int8 pairs with A8's sign fix).
+ * Every row's result is one fixed sequence of operations, whatever the call's rows or threads. */
 #define MT 16
 
 static inline float hsum8(__m256 v) {
@@ -133,49 +133,65 @@ static void q6k_rows_avx2(const uint8_t* qs, const uint8_t* qh, const uint8_t* m
 
 static void a_rows_avx2(int bits, const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
                         const float* xd, const float* xs, int M, float* y, int ldy) {
+    /* The activations of a tile of rows as int16 once a call (254·q1 + q2 ≤ 32,385 fits), the codes widened to int16
+     * once a chunk: a 32-block a row is then two vpmaddwd (no sign trick, no second pass) */
     const int nb = K / 32, nc = K / 128;
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
-    for (int n = n0; n < n1; n++)
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    int16_t* x16 = (int16_t*)malloc(sizeof(int16_t) * (size_t)(M < MT ? M : MT) * K);
+    if (!x16) { a_rows_scalar(bits, qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy); return; }
     for (int mt = 0; mt < M; mt += MT) {
         const int mr = M - mt < MT ? M - mt : MT;
-        __m256 acc[MT];
-        __m128 oacc[MT];
-        for (int m = 0; m < mr; m++) { acc[m] = _mm256_setzero_ps(); oacc[m] = _mm_setzero_ps(); }
-        for (int c = 0; c < nc; c++) {
-            __m256i w[4], sgn[4];  /* w[s]: block s's 32 codes (A8: |q − 128|, sgn its q − 128) */
-            if (bits == 4) {
-                const __m256i v0 = ld32(qs + (size_t)n * (K / 2) + c * 64), v1 = ld32(qs + (size_t)n * (K / 2) + c * 64 + 32);
-                w[0] = _mm256_and_si256(v0, lo4); w[1] = _mm256_and_si256(v1, lo4);
-                w[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo4); w[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo4);
-            } else
-                for (int s = 0; s < 4; s++) {
-                    sgn[s] = _mm256_xor_si256(ld32(qs + (size_t)n * K + c * 128 + 32 * s), flip);
-                    w[s] = _mm256_sign_epi8(sgn[s], sgn[s]);
-                }
-            const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + ((size_t)n * nb + c * 4) * 4)));
-            const __m128 lo = _mm256_castps256_ps128(dm), hi = _mm256_extractf128_ps(dm, 1);
-            const __m128 d4 = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
-            __m128 m4 = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
-            if (bits == 8) m4 = _mm_fmadd_ps(_mm_set1_ps(128.f), d4, m4);  /* Σ q·x = Σ (q − 128)·x + 128·Σ x */
-            float dv[4];
-            _mm_storeu_ps(dv, d4);
-            for (int m = 0; m < mr; m++) {
-                const size_t row = (size_t)(mt + m);
-                const int8_t* xr = xq + row * 2 * K + c * 128;
-                const float* u = xd + row * nb + c * 4;
-                for (int s = 0; s < 4; s++) {
-                    __m256i x1 = ld32(xr + 32 * s), x2 = ld32(xr + K + 32 * s);
-                    if (bits == 8) { x1 = _mm256_sign_epi8(x1, sgn[s]); x2 = _mm256_sign_epi8(x2, sgn[s]); }
-                    const __m256i t = combine(_mm256_maddubs_epi16(w[s], x1), _mm256_maddubs_epi16(w[s], x2));
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(dv[s] * u[s]), acc[m]);
-                }
-                oacc[m] = _mm_fmadd_ps(_mm_loadu_ps(xs + row * nb + c * 4), m4, oacc[m]);  // m * d_x * sum(codes)
+        for (int m = 0; m < mr; m++) {
+            const int8_t* q1 = xq + (size_t)(mt + m) * 2 * K;
+            int16_t* o = x16 + (size_t)m * K;
+            for (int k = 0; k < K; k += 16) {
+                const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q1 + k)));
+                const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q1 + K + k)));
+                _mm256_storeu_si256((__m256i*)(o + k), _mm256_add_epi16(_mm256_mullo_epi16(a, _mm256_set1_epi16(254)), b));
             }
         }
-        for (int m = 0; m < mr; m++) {
-            __m128 s = _mm_add_ps(oacc[m], _mm_movehl_ps(oacc[m], oacc[m]));
-            s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            y[(size_t)(mt + m) * ldy + n] = hsum8(acc[m]) + _mm_cvtss_f32(s);
+        for (int n = n0; n < n1; n++) {
+            __m256 acc[MT];
+            __m128 oacc[MT];
+            for (int m = 0; m < mr; m++) { acc[m] = _mm256_setzero_ps(); oacc[m] = _mm_setzero_ps(); }
+            for (int c = 0; c < nc; c++) {
+                __m256i w[8];  /* w[2s], w[2s + 1]: block s's 32 codes as int16 */
+                __m128i b8[4];
+                if (bits == 4) {
+                    const __m256i v0 = ld32(qs + (size_t)n * (K / 2) + c * 64), v1 = ld32(qs + (size_t)n * (K / 2) + c * 64 + 32);
+                    const __m256i q[4] = {_mm256_and_si256(v0, lo4), _mm256_and_si256(v1, lo4),
+                                          _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo4),
+                                          _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo4)};
+                    for (int s = 0; s < 4; s++) { b8[s] = _mm256_castsi256_si128(q[s]); w[2 * s + 1] =
+                        _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[s], 1)); }
+                } else
+                    for (int s = 0; s < 4; s++) {
+                        b8[s] = _mm_loadu_si128((const __m128i*)(qs + (size_t)n * K + c * 128 + 32 * s));
+                        w[2 * s + 1] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qs + (size_t)n * K + c * 128 + 32 * s + 16)));
+                    }
+                for (int s = 0; s < 4; s++) w[2 * s] = _mm256_cvtepu8_epi16(b8[s]);
+                const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + ((size_t)n * nb + c * 4) * 4)));
+                const __m128 lo = _mm256_castps256_ps128(dm), hi = _mm256_extractf128_ps(dm, 1);
+                const __m128 d4 = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)), m4 = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+                for (int m = 0; m < mr; m++) {
+                    const size_t row = (size_t)(mt + m);
+                    const int16_t* xr = x16 + (size_t)m * K + c * 128;
+                    float f[4];
+                    _mm_storeu_ps(f, _mm_mul_ps(d4, _mm_loadu_ps(xd + row * nb + c * 4)));
+                    for (int s = 0; s < 4; s++) {
+                        const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(w[2 * s], ld32(xr + 32 * s)),
+                                                           _mm256_madd_epi16(w[2 * s + 1], ld32(xr + 32 * s + 16)));
+                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(f[s]), acc[m]);
+                    }
+                    oacc[m] = _mm_fmadd_ps(_mm_loadu_ps(xs + row * nb + c * 4), m4, oacc[m]);  // m * d_x * sum(codes)
+                }
+            }
+            for (int m = 0; m < mr; m++) {
+                __m128 s = _mm_add_ps(oacc[m], _mm_movehl_ps(oacc[m], oacc[m]));
+                s = _mm_add_ss(s, _mm_movehdup_ps(s));
+                y[(size_t)(mt + m) * ldy + n] = hsum8(acc[m]) + _mm_cvtss_f32(s);
+            }
         }
     }
+    free(x16);
 }
