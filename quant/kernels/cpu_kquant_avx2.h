@@ -137,7 +137,9 @@ static void a_rows_avx2(int bits, const uint8_t* qs, const uint8_t* meta, int n0
      * once a chunk: a 32-block a row is then two vpmaddwd (no sign trick, no second pass) */
     const int nb = K / 32, nc = K / 128;
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    int16_t* x16 = (int16_t*)malloc(sizeof(int16_t) * (size_t)(M < MT ? M : MT) * K);
+    int16_t local[8192];  /* a decode row's activations (K ≤ 8192): no allocation a call (a call is 16 output rows) */
+    const size_t need = (size_t)(M < MT ? M : MT) * K;
+    int16_t* x16 = need <= 8192 ? local : (int16_t*)malloc(sizeof(int16_t) * need);
     if (!x16) { a_rows_scalar(bits, qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy); return; }
     for (int mt = 0; mt < M; mt += MT) {
         const int mr = M - mt < MT ? M - mt : MT;
@@ -193,5 +195,5 @@ static void a_rows_avx2(int bits, const uint8_t* qs, const uint8_t* meta, int n0
             }
         }
     }
-    free(x16);
+    if (x16 != local) free(x16);
 }

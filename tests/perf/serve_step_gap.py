@@ -35,9 +35,8 @@ from engine.run.builder import tokenizer_of  # noqa: E402
 from engine.runtime.runner import ModelRunner  # noqa: E402
 from engine.weights.formats import WeightFormat  # noqa: E402
 from engine.weights.loader import load_dummy  # noqa: E402
+from tests.perf.gpu_core_overhead import TINY  # noqa: E402  (the tiny model of --cpu-smoke)
 
-TINY = ("architectures: [Qwen3ForCausalLM]\nvocab_size: 4096\nhidden_size: 256\nintermediate_size: 512\n"
-        "num_hidden_layers: 2\nnum_attention_heads: 4\nnum_key_value_heads: 2\nhead_dim: 64\n")
 SHAPES = {"bench": (1, 640), "serve": (8, 4096)}  # (slots, keys a slot)
 
 
@@ -97,8 +96,9 @@ def main() -> None:
         path = Path("/tmp/serve_step_gap_tiny.yaml")
         path.write_text(TINY)
         args.model, args.tokens, args.reps, args.steps = str(path), 8, 1, 4
-        SHAPES.update(bench=(1, 128), serve=(2, 256))
+
     device = "cpu" if args.cpu_smoke else "cuda"
+    shapes = {"bench": (1, 128), "serve": (2, 256)} if args.cpu_smoke else SHAPES
     config, _ = dummy_architecture(args.model)
     loaded = load_dummy(config, Path(args.model).stem, device=device,
                         weight_format=WeightFormat(args.weights, 64 if args.cpu_smoke else 128, "int4"))
@@ -111,7 +111,7 @@ def main() -> None:
         with_tok, text = "tok" in extra, "text" in extra
         if with_tok and tok is None:
             continue
-        slots, keys = SHAPES[shape]
+        slots, keys = shapes[shape]
         runner = ModelRunner(loaded, max_seq_len=keys, num_slots=slots)
         engine = Engine(runner, tok if with_tok else None)
         runner.prepare_rows(slots)
