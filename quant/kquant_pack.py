@@ -4,9 +4,10 @@ order of the bytes changes so that one 64-byte load gives 64 or 128 neighbouring
 
   Q4_K → q4k (4.625 bits a weight: the 6-bit scales and mins stored as bytes)   Q6_K → q6k (6.5625 bits, as stored)
   (both with each 256-block's codes permuted into the kernel's order, NATURAL, and its activations to match)
-  Q4_0 / Q4_1 → a4 (5 bits: fp16 d and m per 32)     Q5_0 / Q5_1 / Q8_0 → a8 (9 bits: a byte a code, fp16 d and m)
+  Q4_0 / Q4_1 → a4 (5 bits: fp16 d and m per 32)     Q5_0 / Q5_1 → a5 (6 bits: a4's nibbles, a plane of high bits)
+  Q8_0 → a8 (9 bits: a byte a code, fp16 d and m)
 
-An a4 / a8 matrix's width is padded to a multiple of 128 with zero codes and zero scales (the activations'
+An a4 / a5 / a8 matrix's width is padded to a multiple of 128 with zero codes and zero scales (the activations'
 padding is zero too). `dequantize` reads a packed matrix back as float32 (the reference the kernels are tested
 against; equal to gguf's own dequantization up to float32 rounding). Raw rows are numpy uint8 [N, bytes per row].
 Imports nothing of bonsai outside quant.
@@ -20,8 +21,8 @@ from gguf import GGMLQuantizationType as T
 
 from quant.gguf_codec import row_blocks
 
-FORMATS = {"q4k": 0, "q6k": 1, "a4": 2, "a8": 3}  # kq_matmul's format ids
-ACT_ORDER = {"q4k": 1, "q6k": 2, "a4": 0, "a8": 0}  # the order kq_quantize gives a format's activations
+FORMATS = {"q4k": 0, "q6k": 1, "a4": 2, "a8": 3, "a5": 4}  # kq_matmul's format ids
+ACT_ORDER = {"q4k": 1, "q6k": 2, "a4": 0, "a8": 0, "a5": 0}  # the order kq_quantize gives a format's activations
 
 
 def _natural(order: int) -> np.ndarray:
@@ -34,7 +35,7 @@ def _natural(order: int) -> np.ndarray:
 NATURAL = {fmt: _natural(order) for fmt, order in ACT_ORDER.items() if order}  # kernel position → weight
 # GGUF type → (its format here, weights per block, bytes per block)
 PACKABLE = {int(T.Q4_K): ("q4k", 256, 144), int(T.Q6_K): ("q6k", 256, 210), int(T.Q4_0): ("a4", 32, 18),
-            int(T.Q4_1): ("a4", 32, 20), int(T.Q5_0): ("a8", 32, 22), int(T.Q5_1): ("a8", 32, 24),
+            int(T.Q4_1): ("a4", 32, 20), int(T.Q5_0): ("a5", 32, 22), int(T.Q5_1): ("a5", 32, 24),
             int(T.Q8_0): ("a8", 32, 34)}
 _FP16_MAX = 65504.0
 
@@ -46,8 +47,8 @@ class Packed:
     n: int
     k: int  # the matrix's width
     kp: int  # the width the kernel runs (k padded to the format's chunk)
-    qs: np.ndarray  # uint8 [N, kp/2] (4-bit codes) or [N, kp] (a8)
-    qh: np.ndarray  # uint8 [N, kp/4] (q6k) or [0]
+    qs: np.ndarray  # uint8 [N, kp/2] (4-bit codes: the low 4 of a5's) or [N, kp] (a8)
+    qh: np.ndarray  # uint8 [N, kp/4] (q6k), [N, kp/8] (a5: _high_plane) or [0]
     meta: np.ndarray  # uint8 [N, kp/256, 20 | 18] (q4k | q6k) or [N, kp/32, 4] (fp16 d, m)
 
     @property
@@ -118,6 +119,14 @@ def _affine(blocks: np.ndarray, type_id: int) -> tuple[np.ndarray, np.ndarray, n
     return codes.reshape(n, -1), d, (-16.0 * d if m is None else m)
 
 
+def _high_plane(codes: np.ndarray) -> np.ndarray:
+    """5-bit codes [N, Kp] → a5's plane [N, Kp/8]: per 128 weights 16 bytes, bit t of byte j = bit 4 of weight 16t + j
+    (one vector shift per 32-block puts a block's bits at bit 4 of its code bytes: cpu_kquant_avx2.h)."""
+    high = (codes >> 4).astype(np.uint8).reshape(codes.shape[0], -1, 8, 16)  # [N, C, t, j]
+    plane = (high << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).sum(axis=2, dtype=np.uint8)  # [N, C, 16]
+    return plane.reshape(codes.shape[0], -1)
+
+
 def pack(raw: np.ndarray, type_id: int, k: int) -> Packed | None:
     """A GGUF matrix's raw rows → its kernel layout; None for a type (or values) the kernels do not take."""
     if type_id not in PACKABLE:
@@ -142,8 +151,9 @@ def pack(raw: np.ndarray, type_id: int, k: int) -> Packed | None:
     codes = np.pad(codes, ((0, 0), (0, pad)))  # [N, Kp]: zero codes
     d, m = (np.pad(v, ((0, 0), (0, pad // 32))) for v in (d, m))  # [N, Kp/32]: zero scales
     meta = np.concatenate([_fp16_bytes(d), _fp16_bytes(m)], axis=-1)  # [N, Kp/32, 4]
-    qs = _nibble_pairs(codes, 64) if fmt == "a4" else codes.astype(np.uint8)
-    return Packed(fmt, n, k, kp, np.ascontiguousarray(qs), np.zeros(0, np.uint8), np.ascontiguousarray(meta))
+    qs = codes.astype(np.uint8) if fmt == "a8" else _nibble_pairs(codes & 0x0F, 64)
+    qh = _high_plane(codes) if fmt == "a5" else np.zeros(0, np.uint8)  # [N, Kp/8]
+    return Packed(fmt, n, k, kp, np.ascontiguousarray(qs), qh, np.ascontiguousarray(meta))
 
 
 def from_affine(codes: np.ndarray, s: np.ndarray, z: np.ndarray) -> Packed:
@@ -163,6 +173,9 @@ def unpack_codes(p: Packed) -> np.ndarray:
         return p.qs
     q = p.qs.reshape(p.n, -1, 64)  # [N, chunk of 128, 64]
     codes = np.stack([q & 0x0F, q >> 4], axis=2).reshape(p.n, p.kp)  # byte i: weight i (low), 64 + i (high)
+    if p.fmt == "a5":  # byte j of a chunk's 16, bit t → weight 16t + j
+        bits = (p.qh.reshape(p.n, -1, 1, 16) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1  # [N, C, t, j]
+        codes = codes | (bits.reshape(p.n, p.kp) << 4)
     if p.fmt == "q6k":
         h = p.qh.reshape(p.n, -1, 1, 64)  # [N, B, 1, 64]
         shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)

@@ -56,6 +56,8 @@ def test_repacked_blocks_hold_the_stored_values_exactly(qtype):
     raw = _raw(qtype, 24, cols)
     packed = kquant_pack.pack(raw, int(qtype), cols)
     assert packed.fmt == kquant_pack.PACKABLE[int(qtype)][0] and packed.kp % 128 == 0 and packed.kp >= cols
+    if packed.fmt == "a5":  # Q5_0 / Q5_1 at 6 bits a weight (4-bit codes, a plane of bit 4, fp16 d and m per 32)
+        assert packed.nbytes * 8 == 6 * 24 * packed.kp
     ref = gguf_types.dequantize(raw, int(qtype), (24, cols)).numpy()
     np.testing.assert_array_equal(kquant_pack.dequantize(packed), ref)
 
@@ -125,7 +127,7 @@ def test_the_kernels_multiply_by_the_stored_weights(qtype):
 
 
 @needs_cc
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q4_1, T.Q8_0])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q4_1, T.Q5_0, T.Q8_0])
 def test_a_rows_result_does_not_depend_on_the_call(qtype):
     """A verify pass of up to 20 rows (more than the kernel's 16-row tile) at 1 or 2 threads: each row equals
     the one-row call's bit for bit."""

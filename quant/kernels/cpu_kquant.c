@@ -11,7 +11,9 @@
  *        meta [N, K/256, 18]: fp16 d, int8 sc[16]. w = d*sc*(q - 32) (Q6_K's values).
  *   A4   qs [N, K/2]: per 128 weights 64 bytes; byte i holds w[i] (low) and w[64+i] (high). meta [N, K/32, 2]:
  *        fp16 d, fp16 m. w = d*q + m (Q4_0, Q4_1).
- *   A8   qs [N, K] u8 codes. meta as A4 (Q5_0, Q5_1, Q8_0 with q + 128).
+ *   A8   qs [N, K] u8 codes. meta as A4 (Q8_0 with q + 128).
+ *   A5   qs as A4 (each code's low 4 bits); qh [N, K/8]: per 128 weights 16 bytes, bit t of byte j = bit 4 of weight
+ *        16t + j (a plane a vector shift expands). meta as A4 (Q5_0 with q + 16, Q5_1): 6 bits a weight where A8 took 9.
  *
  * Activations (kq_quantize): per 32 consecutive values two int8 codes, x ≈ u·(254·q1 + q2) (see kq_quantize; one
  * scale per 256 as llama.cpp's K-quant products lost the first token of a Qwen2.5 prompt, KL 5.6 there), the codes in
@@ -152,8 +154,17 @@ static void q6k_rows_scalar(const uint8_t* qs, const uint8_t* qh, const uint8_t*
     }
 }
 
-static void a_rows_scalar(int bits, const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
-                          const float* xd, const float* xs, int M, float* y, int ldy) {
+/* The code of weight k of row n of an A4 (bits 4), A5 (5) or A8 (8) matrix */
+static inline int a_code(int bits, const uint8_t* qs, const uint8_t* qh, int n, int K, int k) {
+    if (bits == 8) return qs[(size_t)n * K + k];
+    const int c = k & 127;
+    const uint8_t byte = qs[(size_t)n * (K / 2) + (k >> 7) * 64 + (c & 63)];
+    const int low = c < 64 ? byte & 15 : byte >> 4;
+    return bits == 4 ? low : low | ((qh[(size_t)n * (K / 8) + (k >> 7) * 16 + (c & 15)] >> (c >> 4)) & 1) << 4;
+}
+
+static void a_rows_scalar(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+                          const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
     int nb = K / 32;
     for (int n = n0; n < n1; n++) for (int m = 0; m < M; m++) {
         float acc = 0.f, off = 0.f;
@@ -161,13 +172,7 @@ static void a_rows_scalar(int bits, const uint8_t* qs, const uint8_t* meta, int 
             const uint8_t* bm = meta + ((size_t)n * nb + b) * 4;
             const int8_t* x = xq + (size_t)m * 2 * K + b * 32;
             int dot = 0;
-            for (int i = 0; i < 32; i++) {
-                int k = b * 32 + i, q;
-                if (bits == 8) q = qs[(size_t)n * K + k];
-                else { int c = k & 127; uint8_t byte = qs[(size_t)n * (K / 2) + (k >> 7) * 64 + (c & 63)];
-                       q = c < 64 ? byte & 15 : byte >> 4; }
-                dot += q * (254 * x[i] + x[K + i]);
-            }
+            for (int i = 0; i < 32; i++) dot += a_code(bits, qs, qh, n, K, b * 32 + i) * (254 * x[i] + x[K + i]);
             acc += (float)dot * (fp16_to_float(bm) * xd[(size_t)m * nb + b]);
             off += xs[(size_t)m * nb + b] * fp16_to_float(bm + 2);
         }
@@ -187,25 +192,28 @@ static void a_rows_scalar(int bits, const uint8_t* qs, const uint8_t* meta, int 
 #define a_rows_vec a_rows_avx2
 #endif
 
-/* y[m, n] for n in [0, N) (row stride ldy) = sum_k w[n, k] * x[m, k]; fmt 0 Q4K, 1 Q6K, 2 A4, 3 A8; K: padded width */
+#define A_BITS(fmt) ((fmt) == 2 ? 4 : (fmt) == 3 ? 8 : 5)  /* an A format's code width */
+
+/* y[m, n] for n in [0, N) (row stride ldy) = sum_k w[n, k] * x[m, k]; fmt 0 Q4K, 1 Q6K, 2 A4, 3 A8, 4 A5; K: padded
+ * width */
 static void rows(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
                  const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy, int scalar) {
 #if KQ_VECTOR
     if (!scalar) {
         if (fmt == 0) q4k_rows_vec(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
         else if (fmt == 1) q6k_rows_vec(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
-        else a_rows_vec(fmt == 2 ? 4 : 8, qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
+        else a_rows_vec(A_BITS(fmt), qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
         return;
     }
 #endif
     if (fmt == 0) q4k_rows_scalar(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
     else if (fmt == 1) q6k_rows_scalar(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
-    else a_rows_scalar(fmt == 2 ? 4 : 8, qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
+    else a_rows_scalar(A_BITS(fmt), qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
 }
 
 #define CHUNK 16  /* output rows a task */
 
-/* y[m, n] for n in [0, N) (row stride ldy) = sum_k w[n, k] * x[m, k]; fmt 0 Q4K, 1 Q6K, 2 A4, 3 A8; K: padded width */
+/* y[m, n] for n in [0, N) (row stride ldy) = sum_k w[n, k] * x[m, k] (fmt as rows'); K: padded width */
 void kq_matmul(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int N, int K, const int8_t* xq,
                const float* xd, const float* xs, int M, float* y, int ldy, int nthreads, int scalar) {
     const int nchunks = (N + CHUNK - 1) / CHUNK;
@@ -312,11 +320,7 @@ static void dequant_row(int fmt, const uint8_t* qs, const uint8_t* qh, const uin
     }
     for (int c = 0; c < K / 128; c++) {
         uint8_t codes[128];
-        if (fmt == 3) memcpy(codes, qs + (size_t)n * K + c * 128, 128);
-        else {
-            const uint8_t* q = qs + (size_t)n * (K / 2) + c * 64;
-            for (int i = 0; i < 64; i++) { codes[i] = q[i] & 15; codes[64 + i] = q[i] >> 4; }
-        }
+        for (int i = 0; i < 128; i++) codes[i] = (uint8_t)a_code(A_BITS(fmt), qs, qh, n, K, c * 128 + i);
         for (int s = 0; s < 4; s++) {
             const uint8_t* bm = meta + ((size_t)n * (K / 32) + c * 4 + s) * 4;
             const float d = fp16_to_float(bm), m = fp16_to_float(bm + 2);

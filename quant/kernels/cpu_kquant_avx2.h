@@ -6,9 +6,10 @@
  * Four products into a 32-bit lane are vpmaddubsw (u8 code × s8 activation pairs into int16) then vpmaddwd (int16
  * pairs into int32, by 254 for the first pass and by 1 for the second: 254·q1 + q2 exactly). int16 pair sums are
  * added before vpmaddwd only where they cannot saturate (|q1|, |q2| ≤ 127): Q4K codes < 16, eight vectors
- * (≤ 8·2·15·127 = 30,480); Q6K codes < 64, two (≤ 32,004). The A formats (A4, A8: a scale every 32 weights, codes up
- * to 255) take the activations as int16 (254·q1 + q2 ≤ 32,385, made once a call) against codes widened to int16 once
- * a chunk: two vpmaddwd a 32-block a row (docs/perf.md session 36: 16-21% faster than int8 pairs with A8's sign fix).
+ * (≤ 8·2·15·127 = 30,480); Q6K codes < 64, two (≤ 32,004). A8 (a scale every 32 weights, codes up to 255) takes the
+ * activations as int16 (254·q1 + q2 ≤ 32,385, made once a call) against codes widened to int16 once a chunk: two
+ * vpmaddwd a 32-block a row (docs/perf.md session 36: 16-21% faster than int8 pairs with A8's sign fix); A4 / A5 (codes
+ * < 32) go through vpmaddubsw, each pass apart (a45_rows_avx2).
  * Every row's result is one fixed sequence of operations, whatever the call's rows or threads. */
 #define MT 16
 
@@ -28,13 +29,14 @@ static inline __m256i combine(__m256i s1, __m256i s2) {
     return _mm256_add_epi32(_mm256_madd_epi16(s1, _mm256_set1_epi16(254)), _mm256_madd_epi16(s2, _mm256_set1_epi16(1)));
 }
 
-static void q4k_rows_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
-                          const float* xd, const float* xs, int M, float* y, int ldy) {
+static inline __attribute__((always_inline)) void
+q4k_body_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq, const float* xd,
+        const float* xs, int M, float* y, int ldy, const int one) {
     const int nb = K / 256;
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = M - mt < MT ? M - mt : MT;
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
         __m256 acc[MT], macc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm256_setzero_ps(); macc[m] = _mm256_setzero_ps(); }
         const uint8_t* q = qs + (size_t)n * (K / 2);
@@ -70,14 +72,21 @@ static void q4k_rows_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1
     }
 }
 
-static void q6k_rows_avx2(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
-                          const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
+static void q4k_rows_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
+                          const float* xd, const float* xs, int M, float* y, int ldy) {
+    if (M == 1) q4k_body_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* a decode row: sums in registers */
+    else q4k_body_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
+}
+
+static inline __attribute__((always_inline)) void
+q6k_body_avx2(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
+        const float* xd, const float* xs, int M, float* y, int ldy, const int one) {
     const int nb = K / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
     const __m256i lo_units = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0), hi_units = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = M - mt < MT ? M - mt : MT;
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
         __m256 acc[MT], oacc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm256_setzero_ps(); oacc[m] = _mm256_setzero_ps(); }
         const uint8_t* pl = qs + (size_t)n * (K / 2);
@@ -131,18 +140,24 @@ static void q6k_rows_avx2(const uint8_t* qs, const uint8_t* qh, const uint8_t* m
     }
 }
 
-static void a_rows_avx2(int bits, const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
-                        const float* xd, const float* xs, int M, float* y, int ldy) {
+static void q6k_rows_avx2(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+                          const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
+    if (M == 1) q6k_body_avx2(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* a decode row: sums in registers */
+    else q6k_body_avx2(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
+}
+
+static inline __attribute__((always_inline)) void
+a8_body_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq, const float* xd,
+        const float* xs, int M, float* y, int ldy, const int one) {
     /* The activations of a tile of rows as int16 once a call (254·q1 + q2 ≤ 32,385 fits), the codes widened to int16
      * once a chunk: a 32-block a row is then two vpmaddwd (no sign trick, no second pass) */
     const int nb = K / 32, nc = K / 128;
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
     int16_t local[8192];  /* a decode row's activations (K ≤ 8192): no allocation a call (a call is 16 output rows) */
     const size_t need = (size_t)(M < MT ? M : MT) * K;
     int16_t* x16 = need <= 8192 ? local : (int16_t*)malloc(sizeof(int16_t) * need);
-    if (!x16) { a_rows_scalar(bits, qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy); return; }
+    if (!x16) { a_rows_scalar(8, qs, NULL, meta, n0, n1, K, xq, xd, xs, M, y, ldy); return; }
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = M - mt < MT ? M - mt : MT;
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
         for (int m = 0; m < mr; m++) {
             const int8_t* q1 = xq + (size_t)(mt + m) * 2 * K;
             int16_t* o = x16 + (size_t)m * K;
@@ -159,18 +174,10 @@ static void a_rows_avx2(int bits, const uint8_t* qs, const uint8_t* meta, int n0
             for (int c = 0; c < nc; c++) {
                 __m256i w[8];  /* w[2s], w[2s + 1]: block s's 32 codes as int16 */
                 __m128i b8[4];
-                if (bits == 4) {
-                    const __m256i v0 = ld32(qs + (size_t)n * (K / 2) + c * 64), v1 = ld32(qs + (size_t)n * (K / 2) + c * 64 + 32);
-                    const __m256i q[4] = {_mm256_and_si256(v0, lo4), _mm256_and_si256(v1, lo4),
-                                          _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo4),
-                                          _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo4)};
-                    for (int s = 0; s < 4; s++) { b8[s] = _mm256_castsi256_si128(q[s]); w[2 * s + 1] =
-                        _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[s], 1)); }
-                } else
-                    for (int s = 0; s < 4; s++) {
-                        b8[s] = _mm_loadu_si128((const __m128i*)(qs + (size_t)n * K + c * 128 + 32 * s));
-                        w[2 * s + 1] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qs + (size_t)n * K + c * 128 + 32 * s + 16)));
-                    }
+                for (int s = 0; s < 4; s++) {
+                    b8[s] = _mm_loadu_si128((const __m128i*)(qs + (size_t)n * K + c * 128 + 32 * s));
+                    w[2 * s + 1] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qs + (size_t)n * K + c * 128 + 32 * s + 16)));
+                }
                 for (int s = 0; s < 4; s++) w[2 * s] = _mm256_cvtepu8_epi16(b8[s]);
                 const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + ((size_t)n * nb + c * 4) * 4)));
                 const __m128 lo = _mm256_castps256_ps128(dm), hi = _mm256_extractf128_ps(dm, 1);
@@ -196,4 +203,81 @@ static void a_rows_avx2(int bits, const uint8_t* qs, const uint8_t* meta, int n0
         }
     }
     if (x16 != local) free(x16);
+}
+
+static void a8_rows_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
+                         const float* xd, const float* xs, int M, float* y, int ldy) {
+    if (M == 1) a8_body_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* a decode row: sums in registers */
+    else a8_body_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
+}
+
+/* A4 / A5 (codes < 32): vpmaddubsw of a 32-block's codes against each activation pass (pair sums ≤ 2·31·127, no
+ * saturation), combined by vpmaddwd with 254 / 1; no widening (for one row it was 30% slower, docs/perf.md session 37).
+ * A5's bit 4 of chunk position 16t + j is bit t of the chunk plane's byte j: broadcast to both 128-bit halves, the bit of
+ * block s's half moved to bit 4 by one variable shift (t = 2s in the low half, 2s + 1 in the high one). */
+/* chunk c of row n: q[s] block s's 32 codes, d4 / m4 the four blocks' d / m */
+static inline void a45_chunk(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n, int K, int c,
+                             __m256i q[4], __m128* d4, __m128* m4) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(16);
+    const uint8_t* qc = qs + (size_t)n * (K / 2) + c * 64;
+    const __m256i v0 = ld32(qc), v1 = ld32(qc + 32);
+    q[0] = _mm256_and_si256(v0, lo4); q[1] = _mm256_and_si256(v1, lo4);
+    q[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo4); q[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo4);
+    if (bits == 5) {
+        const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(qh + (size_t)n * (K / 8) + c * 16)));
+        q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_sllv_epi32(h, _mm256_setr_epi32(4, 4, 4, 4, 3, 3, 3, 3)), b4));
+        q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_sllv_epi32(h, _mm256_setr_epi32(2, 2, 2, 2, 1, 1, 1, 1)), b4));
+        q[2] = _mm256_or_si256(q[2], _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)), b4));
+        q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)), b4));
+    }
+    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + ((size_t)n * (K / 32) + c * 4) * 4)));
+    const __m128 lo = _mm256_castps256_ps128(dm), hi = _mm256_extractf128_ps(dm, 1);
+    *d4 = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)); *m4 = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+/* one row's products with chunk c's four blocks added into acc / oacc (the same operations however many rows) */
+static inline void a45_row(const __m256i q[4], __m128 d4, __m128 m4, const int8_t* xq, const float* xd, const float* xs,
+                           int K, size_t row, int c, __m256* acc, __m128* oacc) {
+    const int nb = K / 32;
+    const int8_t* x1 = xq + row * 2 * K + c * 128;
+    float f[4];
+    _mm_storeu_ps(f, _mm_mul_ps(d4, _mm_loadu_ps(xd + row * nb + c * 4)));
+    for (int s = 0; s < 4; s++) {
+        const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(pairs(q[s], x1 + 32 * s), _mm256_set1_epi16(254)),
+                                           _mm256_madd_epi16(pairs(q[s], x1 + K + 32 * s), _mm256_set1_epi16(1)));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(f[s]), *acc);
+    }
+    *oacc = _mm_fmadd_ps(_mm_loadu_ps(xs + row * nb + c * 4), m4, *oacc);  // m * d_x * sum(codes)
+}
+
+static inline float a45_out(__m256 acc, __m128 oacc) {
+    __m128 s = _mm_add_ps(oacc, _mm_movehl_ps(oacc, oacc));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return hsum8(acc) + _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void
+a45_body_avx2(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+        const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy, const int one) {
+    __m256i q[4];
+    __m128 d4, m4;
+    for (int n = n0; n < n1; n++)
+    for (int mt = 0; mt < M; mt += MT) {
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
+        __m256 acc[MT];
+        __m128 oacc[MT];
+        for (int m = 0; m < mr; m++) { acc[m] = _mm256_setzero_ps(); oacc[m] = _mm_setzero_ps(); }
+        for (int c = 0; c < K / 128; c++) {
+            a45_chunk(bits, qs, qh, meta, n, K, c, q, &d4, &m4);
+            for (int m = 0; m < mr; m++) a45_row(q, d4, m4, xq, xd, xs, K, (size_t)(mt + m), c, &acc[m], &oacc[m]);
+        }
+        for (int m = 0; m < mr; m++) y[(size_t)(mt + m) * ldy + n] = a45_out(acc[m], oacc[m]);
+    }
+}
+
+static void a_rows_avx2(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+                        const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
+    if (bits == 8) a8_rows_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
+    else if (M == 1) a45_body_avx2(bits, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);
+    else a45_body_avx2(bits, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
 }

@@ -36,13 +36,14 @@ static inline __m512 twice8(__m256 v) {  /* [v0..v7, v0..v7] */
     return _mm512_shuffle_f32x4(w, w, 0x44);
 }
 
-static void q4k_rows_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
-                            const float* xd, const float* xs, int M, float* y, int ldy) {
+static inline __attribute__((always_inline)) void
+q4k_body_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq, const float* xd,
+        const float* xs, int M, float* y, int ldy, const int one) {
     const int nb = K / 256;
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = M - mt < MT ? M - mt : MT;
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
         __m512 acc[MT];
         __m256 macc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm512_setzero_ps(); macc[m] = _mm256_setzero_ps(); }
@@ -71,14 +72,21 @@ static void q4k_rows_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int 
     }
 }
 
-static void q6k_rows_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
-                            const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
+static void q4k_rows_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
+                            const float* xd, const float* xs, int M, float* y, int ldy) {
+    if (M == 1) q4k_body_avx512(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* a decode row: sums in registers */
+    else q4k_body_avx512(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
+}
+
+static inline __attribute__((always_inline)) void
+q6k_body_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
+        const float* xd, const float* xs, int M, float* y, int ldy, const int one) {
     const int nb = K / 256;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
     const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = M - mt < MT ? M - mt : MT;
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
         __m512 acc[MT], oacc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm512_setzero_ps(); oacc[m] = _mm512_setzero_ps(); }
         const uint8_t* pl = qs + (size_t)n * (K / 2);
@@ -112,23 +120,41 @@ static void q6k_rows_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t*
     }
 }
 
-static void a_rows_avx512(int bits, const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
-                          const float* xd, const float* xs, int M, float* y, int ldy) {
+static void q6k_rows_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+                            const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
+    if (M == 1) q6k_body_avx512(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* a decode row: sums in registers */
+    else q6k_body_avx512(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
+}
+
+static inline __attribute__((always_inline)) void
+a_body_avx512(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+        const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy, const int one) {
     const int nb = K / 32, nc = K / 128;
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
     const __m512i i01 = idx8(0, 1), i23 = idx8(2, 3);
+    /* byte masks of the plane's bit t in 128-bit lane t of w0 (t = 0..3) and of w1 (t = 4..7) */
+    const __m512i hb0 = _mm512_set_epi32(0x08080808, 0x08080808, 0x08080808, 0x08080808, 0x04040404, 0x04040404,
+        0x04040404, 0x04040404, 0x02020202, 0x02020202, 0x02020202, 0x02020202, 0x01010101, 0x01010101, 0x01010101,
+        0x01010101);
+    const __m512i hb1 = _mm512_slli_epi32(hb0, 4);
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = M - mt < MT ? M - mt : MT;
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
         __m512 acc[MT];
         __m128 oacc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm512_setzero_ps(); oacc[m] = _mm_setzero_ps(); }
         for (int c = 0; c < nc; c++) {
             __m512i w0, w1;
-            if (bits == 4) {
+            if (bits != 8) {
                 const __m512i v = _mm512_loadu_si512(qs + (size_t)n * (K / 2) + c * 64);
-                w0 = _mm512_and_si512(v, lo4);
-                w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                w0 = _mm512_and_si512(v, lo4);  /* weights 0..63 of the chunk */
+                w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);  /* 64..127 */
+                if (bits == 5) {  /* bit 4 of weight 16t + j: bit t of the plane's byte j (in 128-bit lane t of w0 / w1) */
+                    const __m512i h =
+                        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(qh + (size_t)n * (K / 8) + c * 16)));
+                    w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(h, hb0), w0, _mm512_set1_epi8(16));
+                    w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(h, hb1), w1, _mm512_set1_epi8(16));
+                }
             } else {
                 w0 = _mm512_loadu_si512(qs + (size_t)n * K + c * 128);
                 w1 = _mm512_loadu_si512(qs + (size_t)n * K + c * 128 + 64);
@@ -159,4 +185,10 @@ static void a_rows_avx512(int bits, const uint8_t* qs, const uint8_t* meta, int 
             y[(size_t)(mt + m) * ldy + n] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(s);
         }
     }
+}
+
+static void a_rows_avx512(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+                          const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
+    if (M == 1) a_body_avx512(bits, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* decode: sums in registers */
+    else a_body_avx512(bits, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
 }

@@ -31,7 +31,7 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_kquant_avx512.h
                                                             "cpu_kquant_step.h"))
 BODIES = {0: None, 1: "avx512-vnni", 2: "avx2"}  # kq_vector() → the vector body's name
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-FORMAT_IDS = {"q4k": 0, "q6k": 1, "a4": 2, "a8": 3}
+FORMAT_IDS = {"q4k": 0, "q6k": 1, "a4": 2, "a8": 3, "a5": 4}
 
 
 class CpuCompileError(RuntimeError):
