@@ -237,7 +237,7 @@ def test_with_drafters_and_the_gate_prompts_ride_in_plain_steps(one_thread, monk
     from engine.speculative.ngram import NgramDrafter
     tok, prompts, alone, runner = _two_prompts()
     asked, spec_steps = [], []
-    monkeypatch.setattr(SpecGate, "speculate", lambda self, batch: asked.append(batch) or gate_speculates)
+    monkeypatch.setattr(SpecGate, "speculate", lambda self, batch, *cost: asked.append(batch) or gate_speculates)
     monkeypatch.setattr(SpecGate, "peek", lambda self, batch: gate_speculates)
     engine = engine_over(runner, tok, NgramDrafter(1, 3), 4, spec_gate=True)
     assert engine.gate is not None and engine.mix_rows == 8

@@ -121,7 +121,7 @@ def test_switching_leaves_greedy_output_unchanged(one_thread, monkeypatch, polic
     rng = random.Random(3)
     calls = []
 
-    def speculate(self, batch):
+    def speculate(self, batch, backlog=0, left=0):
         calls.append(batch)
         return len(calls) % 2 == 1 if policy == "alternate" else rng.random() < 0.5
     monkeypatch.setattr(SpecGate, "speculate", speculate)
@@ -202,19 +202,74 @@ def test_a_speculative_step_reports_its_drafters_catch_up(one_thread):
     engine = Engine(ModelRunner(loaded, 96), TinyTokenizer(), drafters=[drafter], num_draft_tokens=3)
     excluded: list[float] = []
 
+    backlogs: list[int] = []
+
     class Always(SpecGate):  # every step speculates; what it is told to leave out is recorded
-        def speculate(self, batch: int) -> bool:
+        def speculate(self, batch: int, backlog: int = 0, left: int = 0) -> bool:
+            backlogs.append(backlog)
             return True
 
         def peek(self, batch: int) -> bool:
             return True
 
-        def exclude(self, seconds: float) -> None:
-            excluded.append(seconds)
+        def exclude(self, seconds: float, tokens: int = 0) -> None:
+            excluded.append((seconds, tokens))
 
     engine.gate = Always()
     engine.submit(Request(list(PROMPT), max_tokens=12, ignore_eos=True))
     while engine.has_work:
         engine.step()
-    assert excluded[0] > 0 and drafter.catch_up_seconds == 0.0
-    assert all(x == 0.0 for x in excluded[2:])  # after the first, at most the two tokens of a step to feed
+    assert excluded[0][0] > 0 and drafter.catch_up_seconds == 0.0
+    assert excluded[0][1] == backlogs[0] >= len(PROMPT)  # the prompt: told beforehand, then fed
+    assert all(x == (0.0, 0) for x in excluded[2:]) and not any(backlogs[2:])  # then a step's own two tokens at most
+
+
+def _measured(rates: dict[bool, float]) -> SpecGate:
+    """A CPU's gate with both ways measured at `rates` (one slot) and a feed of 10 ms a token."""
+    gate = SpecGate.for_device("cpu")
+    _feed(gate, rates, batch=1, steps=12)
+    gate.exclude(1.0, 100)
+    assert gate.feed == pytest.approx(0.01) and gate._measured(True, 1) and gate._measured(False, 1)
+    return gate
+
+
+def test_speculation_that_cannot_win_back_its_drafters_catch_up_stays_plain():
+    """Speculation measured 10% faster: feeding a 200-token prompt (2 s) first is worth it for 10,000 tokens left
+    (~9 s saved), not for 50 (~0.05 s); a backlog a drafter feeds within a step costs nothing."""
+    gate = _measured({True: 110.0, False: 100.0})
+    assert gate.speculate(1) and gate.speculate(1, backlog=200, left=10_000)
+    assert not gate.speculate(1, backlog=200, left=50)
+    assert gate.speculate(1, backlog=0, left=50)
+
+
+def test_a_try_of_the_slower_speculation_spends_little_on_catching_up():
+    """Speculation measured slower: its try is declined while the catch-up would cost more than TRY_SHARE of the
+    tokens left at plain speed, and runs once they are many (a workload may have changed)."""
+    gate = _measured({True: 90.0, False: 100.0})
+    due = gate.retry_at[1]
+    while gate.steps + 1 < due:
+        assert not gate.speculate(1, backlog=200, left=10_000)
+    assert not gate.speculate(1, backlog=200, left=100)  # 2 s against 5% of 1 s
+    assert gate.speculate(1, backlog=200, left=10_000)  # 2 s against 5% of 100 s: the try begins
+    assert gate.speculate(1, backlog=200, left=10)  # and runs its steps (4 on a CPU)
+
+
+def test_a_mix_held_back_drafts_without_catching_its_model_member_up():
+    """Where the gate finds a catch-up not worth it, a mix of n-gram lookup and a draft model that lags drafts by
+    lookup alone: its model member feeds nothing (told in O(1) by its backlog) and proposes nothing."""
+    from engine.speculative.draft_model import DraftModelDrafter
+    from engine.speculative.mix import MixDrafter
+    from tests.test_spec_generate import PROMPT, perturbed
+    loaded = tiny_loaded()
+    model = DraftModelDrafter(perturbed(loaded, 0.02), loaded.config.vocab_size, 96)
+    mix = MixDrafter([NgramDrafter(1, 3), model], adaptive=False)
+    mix.begin(list(PROMPT))
+    context = list(PROMPT) + [5, 17]  # "5 17" seen before: lookup drafts
+    assert mix.backlog(len(context)) == len(context) and mix.least_backlog(len(context)) == 0
+    mix.hold_back = True
+    draft = mix.propose(context, 3)
+    assert draft.tokens and draft.source != model.name
+    assert mix.catch_up_tokens == 0 and model.runner.slot(0).length == 0
+    mix.hold_back = False
+    mix.propose(context, 3)
+    assert mix.catch_up_tokens == len(context) and model.backlog(len(context) + 2) == 0  # fed: caught up

@@ -14,10 +14,10 @@ new ones: nothing ever waits on a dead engine.
 Offline generation is `submit` + `step` until done (generate.py: chat, generate, bench, the drafter trainer; one slot);
 the server (engine/server/engine_thread.py) drives it from its own thread. `submit` and `cancel`: from any thread.
 
-With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step (unless the gate
-keeps it plain, spec_gate.py, or prompts ride in it): each decoding slot's drafter proposes tokens, all slots' rows
-are scored together, each slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached
-tokens stay what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the request's whole prompt."""
+With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step (unless the gate keeps
+it plain, spec_gate.py, or prompts ride in it): each decoding slot's drafter proposes tokens, all slots' rows are scored
+together, each slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached tokens stay
+what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the request's whole prompt."""
 from __future__ import annotations
 
 import logging
@@ -257,7 +257,7 @@ class Engine:
             if riders:  # prompts sharing a pass, nobody decoding yet
                 self._mixed_pass([], [], riders)
             return
-        speculate = self._drafting(rows) and not riders and (self.gate is None or self.gate.speculate(len(rows)))
+        speculate = self._drafting(rows) and not riders and self.spec.gated(self.gate, self.active, rows)
         if self.gate is not None:
             self.gate.begin(speculate, len(rows), self.metrics.generated_tokens, self.metrics.prefill_chunks,
                             time.perf_counter())
@@ -266,7 +266,7 @@ class Engine:
                 self.ahead.drop_all()
             caught_up = self.spec.step(self.active, rows, lambda i, e: self._fail(i, error_message(e)))
             if self.gate is not None:  # drafters feeding tokens they did not see (a prompt): not this step's rate
-                self.gate.exclude(caught_up)
+                self.gate.exclude(*caught_up)
             return
         seqs = [self.active[i] for i in rows]
         if riders and len(rows) + sum(p.size for p in riders) > self.mix_rows:  # a prompt's prefill ended: more rows

@@ -22,6 +22,14 @@ target, its 0.5B drafter: docs/perf.md session 32; the bench lost 7-13% to one-s
 faster): there a measurement is `try_steps` steps of a way (their tokens over their seconds), a try runs that many
 steps, tries come rarer (CPU_EVERY) and speculation must be `margin` faster to be chosen. On a GPU a measurement is
 one step, no margin.
+
+A speculative step's rate leaves out its drafters' catch-up (a draft model feeding the prompt, or the tokens of
+the plain steps it did not see: ~10 ms a token for the 0.5B on two cores), a one-time cost that decides short
+requests: on the coder suite's 24-68-token answers after 100-400-token prompts it made speculation 0.79x plain while
+the steady rates were even (docs/perf.md session 37). So `speculate` is told the tokens the drafters would feed first
+and the tokens the rows may still generate: at the measured feed rate (`exclude`) the catch-up must cost less than
+speculating gains over those tokens, and a try of speculation while it is the slower way may spend at most TRY_SHARE
+of their time at plain decoding's rate.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ MAX_EVERY = 1024  # the longest wait between two tries of the slower way
 # a CPU's first wait: a try there also feeds a draft model the request's prompt (~0.5 s for the 0.5B drafter on two
 # cores), a cost the steady-state rate leaves out
 CPU_EVERY = 256
+TRY_SHARE = 0.05  # a try of the slower speculation may spend this share of the tokens left's plain time catching up
 
 
 def size_class(batch: int) -> int:
@@ -53,6 +62,7 @@ class SpecGate:
         self._open: tuple[bool, int, int, int, float, bool, bool] | None = None  # the step being timed
         self._prefills = 0  # the engine's count of prompt chunks run when the last step began
         self._trial = False  # the step just chosen ends a try of the slower way
+        self.feed: float | None = None  # seconds a drafter takes to feed a token it had not seen (measured)
 
     @staticmethod
     def for_device(device_type: str) -> SpecGate:
@@ -80,12 +90,33 @@ class SpecGate:
         """The first try of the slower way once both are measured: the next multiple of `every`."""
         return step - step % self.every + self.every
 
-    def speculate(self, batch: int) -> bool:
+    def _worth(self, c: int, trial: bool, backlog: int, left: int) -> bool:
+        """Whether speculating now pays for its drafters' catch-up: `backlog` tokens to feed at the measured rate
+        against the time speculation saves over the `left` tokens the rows may still generate (a try: at most
+        TRY_SHARE of their plain time). Before both ways are measured, or a feed is: yes."""
+        if backlog <= 0 or self.feed is None or not (self._measured(True, c) and self._measured(False, c)):
+            return True
+        cost, plain = backlog * self.feed, left / self.rates[(False, c)]
+        return cost <= TRY_SHARE * plain if trial else plain - left / self.rates[(True, c)] > cost
+
+    def worth(self, batch: int, backlog: int, left: int) -> bool:
+        """Whether a step of `batch` slots that speculates pays for feeding `backlog` tokens first (as `_worth`
+        judges a try while speculation is measured slower)."""
+        c = size_class(batch)
+        slower = self._measured(True, c) and self._measured(False, c) and not self._spec_faster(c)
+        return self._worth(c, slower, backlog, left)
+
+    def speculate(self, batch: int, backlog: int = 0, left: int = 0) -> bool:
         """Whether the step of `batch` slots speculates: each way measured first (speculating first), then
-        the faster, and now and then the other for `try_steps` steps (`period`)."""
+        the faster, and now and then the other for `try_steps` steps (`period`) — unless the drafters' catch-up
+        (`backlog` tokens) costs more than speculating can gain over the `left` tokens (`_worth`; a try begun
+        runs its steps)."""
         self.steps += 1
         c = size_class(batch)
         choice, trial = self._choice(c, self.steps)
+        if choice and c not in self._trying and not self._worth(c, trial, backlog, left):
+            self._trial = False
+            return False
         self._trial = False
         if trial:
             way, left = self._trying.get(c, (choice, self.try_steps))
@@ -129,9 +160,13 @@ class SpecGate:
         self._open = (speculated, size_class(batch), generated, prefills, now, self._trial, clean)
         self._prefills, self._trial = prefills, False
 
-    def exclude(self, seconds: float) -> None:
+    def exclude(self, seconds: float, tokens: int = 0) -> None:
         """Leave `seconds` of the step being timed out of its rate: one-time work, such as a drafter feeding the
-        prompt or the tokens of plain steps it did not see (a speculative step's rate is its steady state's)."""
+        prompt or the tokens of plain steps it did not see (a speculative step's rate is its steady state's);
+        `tokens` fed in them give the feed rate `_worth` charges for the next catch-up."""
+        if tokens > 0 and seconds > 0:
+            rate = seconds / tokens
+            self.feed = rate if self.feed is None else (1 - EMA) * self.feed + EMA * rate
         if self._open is not None and seconds > 0:
             was, b, g0, p0, t0, trial, clean = self._open
             self._open = (was, b, g0, p0, t0 + seconds, trial, clean)

@@ -38,6 +38,7 @@ from engine.decoding.metrics import Metrics
 from engine.decoding.grammar_match import apply_mask
 from engine.decoding.sampling import apply_logit_bias, greedy_tokens
 from engine.decoding.sequence import Sequence
+from engine.decoding.spec_gate import SpecGate
 from engine.runtime.decode_step import MAX_STEP_ROWS
 from engine.runtime.runner import Runner
 from engine.speculative.drafter import Draft, Drafter, Feedback
@@ -112,7 +113,8 @@ class SpeculativeStep:
         self.method = drafters[0].name
         self.slots = [SlotDrafter(d, SpecStats(method or d.name)) for d in drafters]
         self._steps = 0
-        self._caught_up = 0.0  # of the step running: seconds drafters spent feeding tokens they had not seen
+        self._caught_up = (0.0, 0)  # of the step running: seconds and tokens drafters fed that they had not seen
+        self._hold_back = False  # the gate's verdict for a mix: catching its model members up does not pay
         # batched speculation: the measured cost of a whole fused pass by its row count, and each
         # slot's recent acceptance, decide how many of the proposed drafts are worth their rows
         self.pass_cost = TargetCost()
@@ -137,12 +139,38 @@ class SpeculativeStep:
         return self.slots[index].info(self.num_draft_tokens)
 
     # -- one step ------------------------------------------------------------------------------
-    def step(self, active: dict[int, Sequence], indices: list[int], fail: Callable[[int, Exception], None]) -> float:
+    def gated(self, gate: SpecGate | None, active: dict[int, Sequence], indices: list[int]) -> bool:
+        """Whether the step of the slots `indices` speculates (always, without a gate), as `gate` decides knowing
+        what speculating costs first and could gain on: the tokens their drafters would feed before drafting (a
+        prompt, plain steps' tokens: DraftModelDrafter.backlog) and the tokens the slots may still generate. A mix
+        whose model member lags drafts with its other members (n-gram lookup) where catching up would not pay
+        (`hold_back`)."""
+        self._hold_back = False
+        if gate is None:
+            return True
+        most = least = left = 0
+        for i in indices:
+            seq, drafter = active[i], self.slots[i].drafter
+            if hasattr(drafter, "backlog"):
+                length = self.runner.slot(i).length + len(seq.pending)
+                most += drafter.backlog(length)
+                least += getattr(drafter, "least_backlog", drafter.backlog)(length)
+            left += max(seq.request.max_tokens - seq.generated, 0)
+        speculate = gate.speculate(len(indices), least, left)
+        self._hold_back = speculate and most > least and not gate.worth(len(indices), most, left)
+        return speculate
+
+    def step(self, active: dict[int, Sequence], indices: list[int],
+             fail: Callable[[int, Exception], None]) -> tuple[float, int]:
         """Draft, verify and accept for the slots `indices` (each with one pending token); the seconds the
-        drafters spent catching up on tokens they had not seen (a prompt, the tokens of plain steps)."""
+        drafters spent catching up on tokens they had not seen (a prompt, the tokens of plain steps), and those
+        tokens."""
         self._steps += 1
-        self._caught_up = 0.0
+        self._caught_up = (0.0, 0)
         rows: list[_Row] = []
+        for i in indices:
+            if hasattr(self.slots[i].drafter, "hold_back"):
+                self.slots[i].drafter.hold_back = self._hold_back
         for i, k in zip(indices, self._budgets(active, indices)):
             try:
                 rows.append(self._propose(i, active[i], k))
@@ -204,7 +232,9 @@ class SpeculativeStep:
         # asked even for k = 0: a drafter pairs each observe with a propose (a mix judges its members
         # by the spans of its last proposal; hidden-state drafters take in their new rows)
         draft = drafter.propose(context, k)
-        self._caught_up += getattr(drafter, "catch_up_seconds", 0.0)
+        seconds, tokens = self._caught_up
+        self._caught_up = (seconds + getattr(drafter, "catch_up_seconds", 0.0),
+                           tokens + getattr(drafter, "catch_up_tokens", 0))
         n = next((j for j, t in enumerate(draft.tokens[:k]) if t >= self.vocab), min(len(draft.tokens), k))
         if seq.grammar is not None:  # cut at the first draft the grammar refuses (it could never be accepted)
             n = seq.grammar.accept_prefix(draft.tokens[:n])

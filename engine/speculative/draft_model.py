@@ -64,8 +64,8 @@ STEADY_CATCH_UP = 2  # tokens a draft model feeds before drafting when it drafte
 
 
 class DraftModelDrafter:
-    """catch_up_seconds: of the last proposal, the time spent feeding a gap longer than one step's
-    (the planner leaves it out of the cost per drafted token)."""
+    """catch_up_seconds / catch_up_tokens: of the last proposal, the time spent feeding a gap longer than one
+    step's and its tokens (the planner leaves it out of the cost per drafted token; the gate charges it once)."""
     name = "draft"
     hidden_layers: tuple[int, ...] = ()
     draftless = False
@@ -82,6 +82,8 @@ class DraftModelDrafter:
         self.generator: torch.Generator | None = None
         self._pending: tuple[int, list[int]] | None = None  # (context length, tokens) of the last draft
         self.catch_up_seconds = 0.0
+        self.catch_up_tokens = 0
+        self._held = 0  # leading tokens of the request's context its slot holds, known without a scan
 
     def set_sampling(self, params: SamplingParams) -> None:
         """The request's sampling parameters; a seeded request drafts reproducibly."""
@@ -96,6 +98,7 @@ class DraftModelDrafter:
 
     def begin(self, prompt: list[int]) -> None:
         self._pending = None
+        self._held = self.runner.slot(0).common_prefix(prompt)  # what is left of an earlier request
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [V_draft] → [V_target] (padded vocabularies may differ in size)."""
@@ -104,6 +107,13 @@ class DraftModelDrafter:
             return logits[:v]
         pad = torch.full((v - logits.shape[-1],), float("-inf"), device=logits.device, dtype=logits.dtype)
         return torch.cat([logits, pad])  # [V]
+
+    def backlog(self, length: int) -> int:
+        """The tokens a proposal for a context of `length` tokens would feed first beyond a drafting step's own
+        (0 then): the prompt, plain steps' tokens. O(1): after a proposal its slot holds the context and all
+        drafts but the last; a rejected draft only makes this smaller than the feed."""
+        gap = length - self._held
+        return gap if gap > STEADY_CATCH_UP else 0
 
     def propose(self, context: list[int], k: int) -> Draft:
         slot = self.runner.slot(0)
@@ -116,7 +126,9 @@ class DraftModelDrafter:
         logits = self._fit(self.runner.prefill(slot, context[common:]))  # [V]
         # drafting every step leaves at most two tokens to catch up (its last draft and the bonus); a
         # longer gap is the prompt or plain steps the planner chose, not a cost of the tokens drafted now
-        self.catch_up_seconds = time.perf_counter() - start if len(context) - common > STEADY_CATCH_UP else 0.0
+        gap = len(context) - common
+        self.catch_up_seconds = time.perf_counter() - start if gap > STEADY_CATCH_UP else 0.0
+        self.catch_up_tokens = gap if gap > STEADY_CATCH_UP else 0
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         params = self.sampling
@@ -131,6 +143,7 @@ class DraftModelDrafter:
             if i + 1 < k:
                 logits = self._fit(self.runner.forward(slot, [token])[-1])
         self._pending = (len(context), tokens)
+        self._held = len(context) + max(len(tokens) - 1, 0)
         return Draft(tokens, torch.stack(probs) if probs else None, self.name)  # probs [k, V]
 
     def observe(self, feedback: Feedback) -> None:

@@ -49,6 +49,8 @@ class MixDrafter:
         self._steps = 0
         self._spans: list[tuple[Member, int, int]] = []  # (member, start, end) of the last draft
         self.catch_up_seconds = 0.0
+        self.catch_up_tokens = 0
+        self.hold_back = False  # set by the step: members that would first feed unseen tokens sit this proposal out
 
     def set_sampling(self, params) -> None:
         for m in self.members:
@@ -59,6 +61,17 @@ class MixDrafter:
     def begin(self, prompt: list[int]) -> None:
         for m in self.members:
             m.drafter.begin(prompt)
+
+    def _backlog(self, m: Member, length: int) -> int:
+        return m.drafter.backlog(length) if hasattr(m.drafter, "backlog") else 0
+
+    def backlog(self, length: int) -> int:
+        """The tokens a proposal may feed first (DraftModelDrafter.backlog): the most of the members' (the mix
+        may choose any); `least_backlog` what drafting with the members at hand costs (n-gram lookup: none)."""
+        return max((self._backlog(m, length) for m in self.members), default=0)
+
+    def least_backlog(self, length: int) -> int:
+        return min((self._backlog(m, length) for m in self.members), default=0)
 
     def observe_prompt(self, hidden) -> None:
         """The prompt's hidden states, for the members that take them in."""
@@ -82,17 +95,18 @@ class MixDrafter:
         # never be asked again
         caught_up = getattr(m.drafter, "catch_up_seconds", 0.0)
         self.catch_up_seconds += caught_up
+        self.catch_up_tokens += getattr(m.drafter, "catch_up_tokens", 0)
         m.cost.observe(len(draft.tokens), time.perf_counter() - start - caught_up)
         return draft
 
     def propose(self, context: list[int], k: int) -> Draft:
         self._steps += 1
         self._spans = []
-        self.catch_up_seconds = 0.0  # of this proposal's members: time feeding tokens they had not seen
+        self.catch_up_seconds, self.catch_up_tokens = 0.0, 0  # of this proposal's members: feeding unseen tokens
         candidates = []
         for order, m in enumerate(self.members):
             m.shadow = []
-            if k <= 0:
+            if k <= 0 or (self.hold_back and self._backlog(m, len(context))):
                 continue
             draft = None
             if m.draftless:
