@@ -14,10 +14,10 @@ new ones: nothing ever waits on a dead engine.
 Offline generation is `submit` + `step` until done (generate.py: chat, generate, bench, the drafter trainer; one slot);
 the server (engine/server/engine_thread.py) drives it from its own thread. `submit` and `cancel`: from any thread.
 
-With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step (unless the gate keeps
-it plain, spec_gate.py, or prompts ride in it): each decoding slot's drafter proposes tokens, all slots' rows are scored
-together, each slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached tokens stay
-what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the request's whole prompt."""
+With drafters (one per slot, speculation: spec_step.py) the decode step is a verification step (unless the gate
+keeps it plain, spec_gate.py, or prompts ride in it): each decoding slot's drafter proposes tokens, all slots' rows
+are scored together, each slot keeps its accepted run plus the target's token and rewinds past the rest, so its cached
+tokens stay what its KV holds and prefix reuse keeps working. A slot's drafter is begun on the request's whole prompt."""
 from __future__ import annotations
 
 import logging

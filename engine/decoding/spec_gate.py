@@ -114,10 +114,9 @@ class SpecGate:
         self.steps += 1
         c = size_class(batch)
         choice, trial = self._choice(c, self.steps)
-        if choice and c not in self._trying and not self._worth(c, trial, backlog, left):
-            self._trial = False
-            return False
         self._trial = False
+        if choice and c not in self._trying and not self._worth(c, trial, backlog, left):
+            return False
         if trial:
             way, left = self._trying.get(c, (choice, self.try_steps))
             if left == self.try_steps:  # a try begins: its steps are one measurement

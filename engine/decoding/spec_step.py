@@ -155,7 +155,8 @@ class SpeculativeStep:
                 length = self.runner.slot(i).length + len(seq.pending)
                 most += drafter.backlog(length)
                 least += getattr(drafter, "least_backlog", drafter.backlog)(length)
-            left += max(seq.request.max_tokens - seq.generated, 0)
+        if most:  # the tokens left matter only against a catch-up (draftless drafters: none, every step)
+            left = sum(max(active[i].request.max_tokens - active[i].generated, 0) for i in indices)
         speculate = gate.speculate(len(indices), least, left)
         self._hold_back = speculate and most > least and not gate.worth(len(indices), most, left)
         return speculate

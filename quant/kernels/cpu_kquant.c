@@ -194,15 +194,27 @@ static void a_rows_scalar(int bits, const uint8_t* qs, const uint8_t* qh, const 
 
 #define A_BITS(fmt) ((fmt) == 2 ? 4 : (fmt) == 3 ? 8 : 5)  /* an A format's code width */
 
+#if KQ_VECTOR
+/* The vector body of a format. Each body is inlined here twice, `one` a constant: 1 for a one-row call (a decode
+ * step), whose sums then stay in registers (a tile's accumulator arrays, indexed by a variable row count, live in
+ * memory: a load and a store around every FMA), 0 for a tile of rows. The same operations a row either way. */
+static inline __attribute__((always_inline)) void vec_rows(int fmt, const uint8_t* qs, const uint8_t* qh,
+        const uint8_t* meta, int n0, int n1, int K, const int8_t* xq, const float* xd, const float* xs, int M,
+        float* y, int ldy, const int one) {
+    if (fmt == 0) q4k_rows_vec(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, one);
+    else if (fmt == 1) q6k_rows_vec(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, one);
+    else a_rows_vec(A_BITS(fmt), qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, one);
+}
+#endif
+
 /* y[m, n] for n in [0, N) (row stride ldy) = sum_k w[n, k] * x[m, k]; fmt 0 Q4K, 1 Q6K, 2 A4, 3 A8, 4 A5; K: padded
  * width */
 static void rows(int fmt, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
                  const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy, int scalar) {
 #if KQ_VECTOR
     if (!scalar) {
-        if (fmt == 0) q4k_rows_vec(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
-        else if (fmt == 1) q6k_rows_vec(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
-        else a_rows_vec(A_BITS(fmt), qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
+        if (M == 1) vec_rows(fmt, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);
+        else vec_rows(fmt, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
         return;
     }
 #endif

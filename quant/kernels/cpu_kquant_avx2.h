@@ -30,13 +30,13 @@ static inline __m256i combine(__m256i s1, __m256i s2) {
 }
 
 static inline __attribute__((always_inline)) void
-q4k_body_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq, const float* xd,
+q4k_rows_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq, const float* xd,
         const float* xs, int M, float* y, int ldy, const int one) {
     const int nb = K / 256;
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one: a constant (vec_rows) */
         __m256 acc[MT], macc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm256_setzero_ps(); macc[m] = _mm256_setzero_ps(); }
         const uint8_t* q = qs + (size_t)n * (K / 2);
@@ -72,21 +72,16 @@ q4k_body_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, con
     }
 }
 
-static void q4k_rows_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
-                          const float* xd, const float* xs, int M, float* y, int ldy) {
-    if (M == 1) q4k_body_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* a decode row: sums in registers */
-    else q4k_body_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
-}
 
 static inline __attribute__((always_inline)) void
-q6k_body_avx2(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
+q6k_rows_avx2(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
         const float* xd, const float* xs, int M, float* y, int ldy, const int one) {
     const int nb = K / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
     const __m256i lo_units = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0), hi_units = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one: a constant (vec_rows) */
         __m256 acc[MT], oacc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm256_setzero_ps(); oacc[m] = _mm256_setzero_ps(); }
         const uint8_t* pl = qs + (size_t)n * (K / 2);
@@ -140,14 +135,9 @@ q6k_body_avx2(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0,
     }
 }
 
-static void q6k_rows_avx2(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
-                          const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
-    if (M == 1) q6k_body_avx2(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* a decode row: sums in registers */
-    else q6k_body_avx2(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
-}
 
 static inline __attribute__((always_inline)) void
-a8_body_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq, const float* xd,
+a8_rows_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq, const float* xd,
         const float* xs, int M, float* y, int ldy, const int one) {
     /* The activations of a tile of rows as int16 once a call (254·q1 + q2 ≤ 32,385 fits), the codes widened to int16
      * once a chunk: a 32-block a row is then two vpmaddwd (no sign trick, no second pass) */
@@ -157,7 +147,7 @@ a8_body_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, cons
     int16_t* x16 = need <= 8192 ? local : (int16_t*)malloc(sizeof(int16_t) * need);
     if (!x16) { a_rows_scalar(8, qs, NULL, meta, n0, n1, K, xq, xd, xs, M, y, ldy); return; }
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one: a constant (vec_rows) */
         for (int m = 0; m < mr; m++) {
             const int8_t* q1 = xq + (size_t)(mt + m) * 2 * K;
             int16_t* o = x16 + (size_t)m * K;
@@ -205,11 +195,6 @@ a8_body_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, cons
     if (x16 != local) free(x16);
 }
 
-static void a8_rows_avx2(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
-                         const float* xd, const float* xs, int M, float* y, int ldy) {
-    if (M == 1) a8_body_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* a decode row: sums in registers */
-    else a8_body_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
-}
 
 /* A4 / A5 (codes < 32): vpmaddubsw of a 32-block's codes against each activation pass (pair sums ≤ 2·31·127, no
  * saturation), combined by vpmaddwd with 254 / 1; no widening (for one row it was 30% slower, docs/perf.md session 37).
@@ -257,13 +242,13 @@ static inline float a45_out(__m256 acc, __m128 oacc) {
 }
 
 static inline __attribute__((always_inline)) void
-a45_body_avx2(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+a45_rows_avx2(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
         const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy, const int one) {
     __m256i q[4];
     __m128 d4, m4;
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one: a constant (vec_rows) */
         __m256 acc[MT];
         __m128 oacc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm256_setzero_ps(); oacc[m] = _mm_setzero_ps(); }
@@ -275,9 +260,9 @@ a45_body_avx2(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* met
     }
 }
 
-static void a_rows_avx2(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
-                        const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
-    if (bits == 8) a8_rows_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy);
-    else if (M == 1) a45_body_avx2(bits, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);
-    else a45_body_avx2(bits, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
+static inline __attribute__((always_inline)) void
+a_rows_avx2(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+        const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy, const int one) {
+    if (bits == 8) a8_rows_avx2(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, one);
+    else a45_rows_avx2(bits, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, one);
 }

@@ -37,13 +37,13 @@ static inline __m512 twice8(__m256 v) {  /* [v0..v7, v0..v7] */
 }
 
 static inline __attribute__((always_inline)) void
-q4k_body_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq, const float* xd,
+q4k_rows_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq, const float* xd,
         const float* xs, int M, float* y, int ldy, const int one) {
     const int nb = K / 256;
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one: a constant (vec_rows) */
         __m512 acc[MT];
         __m256 macc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm512_setzero_ps(); macc[m] = _mm256_setzero_ps(); }
@@ -72,21 +72,16 @@ q4k_body_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, c
     }
 }
 
-static void q4k_rows_avx512(const uint8_t* qs, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
-                            const float* xd, const float* xs, int M, float* y, int ldy) {
-    if (M == 1) q4k_body_avx512(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* a decode row: sums in registers */
-    else q4k_body_avx512(qs, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
-}
 
 static inline __attribute__((always_inline)) void
-q6k_body_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
+q6k_rows_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K, const int8_t* xq,
         const float* xd, const float* xs, int M, float* y, int ldy, const int one) {
     const int nb = K / 256;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
     const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one: a constant (vec_rows) */
         __m512 acc[MT], oacc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm512_setzero_ps(); oacc[m] = _mm512_setzero_ps(); }
         const uint8_t* pl = qs + (size_t)n * (K / 2);
@@ -120,14 +115,9 @@ q6k_body_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n
     }
 }
 
-static void q6k_rows_avx512(const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
-                            const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
-    if (M == 1) q6k_body_avx512(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* a decode row: sums in registers */
-    else q6k_body_avx512(qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
-}
 
 static inline __attribute__((always_inline)) void
-a_body_avx512(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
+a_rows_avx512(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
         const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy, const int one) {
     const int nb = K / 32, nc = K / 128;
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
@@ -139,7 +129,7 @@ a_body_avx512(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* met
     const __m512i hb1 = _mm512_slli_epi32(hb0, 4);
     for (int n = n0; n < n1; n++)
     for (int mt = 0; mt < M; mt += MT) {
-        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one (a constant): the tile's sums in registers */
+        const int mr = one ? 1 : M - mt < MT ? M - mt : MT;  /* one: a constant (vec_rows) */
         __m512 acc[MT];
         __m128 oacc[MT];
         for (int m = 0; m < mr; m++) { acc[m] = _mm512_setzero_ps(); oacc[m] = _mm_setzero_ps(); }
@@ -187,8 +177,3 @@ a_body_avx512(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* met
     }
 }
 
-static void a_rows_avx512(int bits, const uint8_t* qs, const uint8_t* qh, const uint8_t* meta, int n0, int n1, int K,
-                          const int8_t* xq, const float* xd, const float* xs, int M, float* y, int ldy) {
-    if (M == 1) a_body_avx512(bits, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 1);  /* decode: sums in registers */
-    else a_body_avx512(bits, qs, qh, meta, n0, n1, K, xq, xd, xs, M, y, ldy, 0);
-}

@@ -26,12 +26,14 @@ from pathlib import Path
 
 import torch
 
+from quant.kquant_pack import FORMATS
+
 SOURCE = Path(__file__).with_name("cpu_kquant.c")
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_kquant_avx512.h", "cpu_kquant_avx2.h",
                                                             "cpu_kquant_step.h"))
 BODIES = {0: None, 1: "avx512-vnni", 2: "avx2"}  # kq_vector() → the vector body's name
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-FORMAT_IDS = {"q4k": 0, "q6k": 1, "a4": 2, "a8": 3, "a5": 4}
+FORMAT_IDS = FORMATS  # a packed format's id in the C calls (quant.kquant_pack names them)
 
 
 class CpuCompileError(RuntimeError):
